@@ -1,0 +1,333 @@
+// Implementations of the functions declared in shim.h. Each one converts Rust slices to MLX
+// shapes and wraps the result in a unique_ptr; MLX's exceptions pass through to cxx, which
+// turns them into Rust errors.
+#include "mlx/cpp/shim.h"
+
+#include <stdexcept>
+
+namespace mx = mlx::core;
+
+namespace mlx_shim {
+namespace {
+
+// Dtype codes shared with src/dtype.rs.
+mx::Dtype to_dtype(uint8_t code) {
+  switch (code) {
+    case 0: return mx::bool_;
+    case 1: return mx::uint8;
+    case 2: return mx::uint16;
+    case 3: return mx::uint32;
+    case 4: return mx::uint64;
+    case 5: return mx::int8;
+    case 6: return mx::int16;
+    case 7: return mx::int32;
+    case 8: return mx::int64;
+    case 9: return mx::float16;
+    case 10: return mx::float32;
+    case 11: return mx::float64;
+    case 12: return mx::bfloat16;
+    case 13: return mx::complex64;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+}
+
+uint8_t from_dtype(mx::Dtype d) {
+  switch (d.val()) {
+    case mx::Dtype::Val::bool_: return 0;
+    case mx::Dtype::Val::uint8: return 1;
+    case mx::Dtype::Val::uint16: return 2;
+    case mx::Dtype::Val::uint32: return 3;
+    case mx::Dtype::Val::uint64: return 4;
+    case mx::Dtype::Val::int8: return 5;
+    case mx::Dtype::Val::int16: return 6;
+    case mx::Dtype::Val::int32: return 7;
+    case mx::Dtype::Val::int64: return 8;
+    case mx::Dtype::Val::float16: return 9;
+    case mx::Dtype::Val::float32: return 10;
+    case mx::Dtype::Val::float64: return 11;
+    case mx::Dtype::Val::bfloat16: return 12;
+    case mx::Dtype::Val::complex64: return 13;
+  }
+  return 255;
+}
+
+mx::Shape to_shape(rust::Slice<const int32_t> s) { return mx::Shape(s.begin(), s.end()); }
+std::vector<int> to_ints(rust::Slice<const int32_t> s) { return std::vector<int>(s.begin(), s.end()); }
+Ptr wrap(array a) { return std::make_unique<array>(std::move(a)); }
+
+size_t checked_elements(rust::Slice<const int32_t> shape) {
+  size_t n = 1;
+  for (auto d : shape) {
+    if (d < 0) throw std::invalid_argument("negative dimension " + std::to_string(d));
+    n *= static_cast<size_t>(d);
+  }
+  return n;
+}
+
+// MLX trusts the caller that a buffer matches its shape; this is where we check it.
+template <typename T>
+Ptr from_buffer(rust::Slice<const T> data, rust::Slice<const int32_t> shape) {
+  size_t n = checked_elements(shape);
+  if (n != data.size()) {
+    throw std::invalid_argument("buffer has " + std::to_string(data.size()) +
+                                " elements but the shape needs " + std::to_string(n));
+  }
+  return wrap(array(data.data(), to_shape(shape), mx::TypeToDtype<T>()));
+}
+
+template <typename T>
+rust::Vec<T> read(const array& a) {
+  array c = mx::astype(a, mx::TypeToDtype<T>());
+  c = mx::contiguous(c);
+  mx::eval(c);
+  rust::Vec<T> out;
+  out.reserve(c.size());
+  const T* p = c.data<T>();
+  for (size_t i = 0; i < c.size(); ++i) out.push_back(p[i]);
+  return out;
+}
+
+const mx::GGUFMetaData& meta(const Loaded& l, rust::Str key) {
+  auto it = l.gguf_meta.find(std::string(key));
+  if (it == l.gguf_meta.end()) throw std::out_of_range("no metadata key " + std::string(key));
+  return it->second;
+}
+
+}  // namespace
+
+std::unique_ptr<ArrayList> list_new() { return std::make_unique<ArrayList>(); }
+void list_push(ArrayList& list, const array& a) { list.items.push_back(a); }
+Ptr list_get(const ArrayList& list, size_t i) { return std::make_unique<array>(list.items.at(i)); }
+
+Ptr from_f32(rust::Slice<const float> d, rust::Slice<const int32_t> s) { return from_buffer(d, s); }
+Ptr from_i32(rust::Slice<const int32_t> d, rust::Slice<const int32_t> s) { return from_buffer(d, s); }
+Ptr from_u32(rust::Slice<const uint32_t> d, rust::Slice<const int32_t> s) { return from_buffer(d, s); }
+Ptr scalar_f32(float v, uint8_t dt) { return wrap(array(v, to_dtype(dt))); }
+Ptr zeros(rust::Slice<const int32_t> s, uint8_t dt) {
+  checked_elements(s);
+  return wrap(mx::zeros(to_shape(s), to_dtype(dt)));
+}
+Ptr arange(double start, double stop, double step, uint8_t dt) {
+  return wrap(mx::arange(start, stop, step, to_dtype(dt)));
+}
+Ptr clone(const array& a) { return std::make_unique<array>(a); }
+rust::Vec<int32_t> shape(const array& a) {
+  rust::Vec<int32_t> out;
+  for (auto d : a.shape()) out.push_back(d);
+  return out;
+}
+uint8_t dtype(const array& a) { return from_dtype(a.dtype()); }
+size_t size(const array& a) { return a.size(); }
+size_t nbytes(const array& a) { return a.nbytes(); }
+rust::Vec<float> to_f32(const array& a) { return read<float>(a); }
+rust::Vec<int32_t> to_i32(const array& a) { return read<int32_t>(a); }
+rust::Vec<uint32_t> to_u32(const array& a) { return read<uint32_t>(a); }
+Ptr astype(const array& a, uint8_t dt) { return wrap(mx::astype(a, to_dtype(dt))); }
+
+#define BINARY(name) \
+  Ptr name(const array& a, const array& b) { return wrap(mx::name(a, b)); }
+BINARY(add)
+BINARY(subtract)
+BINARY(multiply)
+BINARY(divide)
+BINARY(maximum)
+BINARY(minimum)
+BINARY(greater)
+BINARY(greater_equal)
+BINARY(less)
+BINARY(equal)
+BINARY(logical_and)
+BINARY(logical_or)
+#undef BINARY
+
+#define UNARY(name) \
+  Ptr name(const array& a) { return wrap(mx::name(a)); }
+UNARY(negative)
+UNARY(exp)
+UNARY(log)
+UNARY(sqrt)
+UNARY(sigmoid)
+#undef UNARY
+
+Ptr where(const array& c, const array& a, const array& b) { return wrap(mx::where(c, a, b)); }
+
+// mlx-lm's `swiglu` is `mx.compile(shapeless=True)` of silu(gate) * x; compiling the same
+// graph here keeps the fused kernel, and with it the rounding, identical to the reference.
+Ptr swiglu(const array& gate, const array& x) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        return {mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0])), in[1])};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({gate, x})[0]);
+}
+
+Ptr sum(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::sum(a, to_ints(ax), k)); }
+Ptr max(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::max(a, to_ints(ax), k)); }
+Ptr mean(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::mean(a, to_ints(ax), k)); }
+Ptr logsumexp(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::logsumexp(a, to_ints(ax), k)); }
+Ptr argmax(const array& a, int32_t axis, bool k) { return wrap(mx::argmax(a, axis, k)); }
+Ptr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive) {
+  return wrap(mx::cumsum(a, axis, reverse, inclusive));
+}
+
+Ptr reshape(const array& a, rust::Slice<const int32_t> s) { return wrap(mx::reshape(a, to_shape(s))); }
+Ptr transpose(const array& a, rust::Slice<const int32_t> ax) { return wrap(mx::transpose(a, to_ints(ax))); }
+Ptr expand_dims(const array& a, rust::Slice<const int32_t> ax) { return wrap(mx::expand_dims(a, to_ints(ax))); }
+Ptr squeeze(const array& a, rust::Slice<const int32_t> ax) { return wrap(mx::squeeze(a, to_ints(ax))); }
+Ptr broadcast_to(const array& a, rust::Slice<const int32_t> s) { return wrap(mx::broadcast_to(a, to_shape(s))); }
+Ptr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop,
+          rust::Slice<const int32_t> strides) {
+  return wrap(mx::slice(a, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+Ptr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
+                 rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {
+  return wrap(mx::slice_update(src, update, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+Ptr take(const array& a, const array& idx, int32_t axis) { return wrap(mx::take(a, idx, axis)); }
+Ptr take_along_axis(const array& a, const array& idx, int32_t axis) {
+  return wrap(mx::take_along_axis(a, idx, axis));
+}
+Ptr put_along_axis(const array& a, const array& idx, const array& v, int32_t axis) {
+  return wrap(mx::put_along_axis(a, idx, v, axis));
+}
+Ptr scatter_add_axis(const array& a, const array& idx, const array& v, int32_t axis) {
+  return wrap(mx::scatter_add_axis(a, idx, v, axis));
+}
+Ptr concatenate(const ArrayList& arrays, int32_t axis) { return wrap(mx::concatenate(arrays.items, axis)); }
+Ptr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
+
+Ptr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
+Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta) {
+  return wrap(mx::addmm(c, a, b, alpha, beta));
+}
+Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
+                     bool transpose, int32_t group_size, int32_t bits) {
+  return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
+}
+Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
+               int32_t bits, uint8_t dt) {
+  return wrap(mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, to_dtype(dt)));
+}
+std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits) {
+  auto out = std::make_unique<ArrayList>();
+  out->items = mx::quantize(w, group_size, bits);
+  return out;
+}
+
+Ptr rms_norm(const array& x, const array& w, float eps) { return wrap(mx::fast::rms_norm(x, w, eps)); }
+Ptr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+}
+Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
+               const array& freqs) {
+  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
+}
+Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
+}
+Ptr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+}
+
+Ptr softmax(const array& a, rust::Slice<const int32_t> ax, bool precise) {
+  return wrap(mx::softmax(a, to_ints(ax), precise));
+}
+Ptr sort(const array& a, int32_t axis) { return wrap(mx::sort(a, axis)); }
+Ptr argsort(const array& a, int32_t axis) { return wrap(mx::argsort(a, axis)); }
+Ptr argpartition(const array& a, int32_t kth, int32_t axis) { return wrap(mx::argpartition(a, kth, axis)); }
+Ptr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+Ptr random_categorical(const array& logits, int32_t axis, const array& key) {
+  return wrap(mx::random::categorical(logits, axis, key));
+}
+Ptr random_uniform(rust::Slice<const int32_t> s, const array& key) {
+  return wrap(mx::random::uniform(to_shape(s), mx::float32, key));
+}
+
+void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
+void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+void set_default_device_gpu(bool gpu) {
+  mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu));
+}
+bool default_device_is_gpu() { return mx::default_device().type == mx::Device::gpu; }
+bool gpu_is_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
+void synchronize() { mx::synchronize(); }
+size_t get_active_memory() { return mx::get_active_memory(); }
+size_t get_peak_memory() { return mx::get_peak_memory(); }
+size_t get_cache_memory() { return mx::get_cache_memory(); }
+void reset_peak_memory() { mx::reset_peak_memory(); }
+size_t set_memory_limit(size_t limit) { return mx::set_memory_limit(limit); }
+size_t set_cache_limit(size_t limit) { return mx::set_cache_limit(limit); }
+void clear_cache() { mx::clear_cache(); }
+rust::String version() { return rust::String(mx::version()); }
+
+std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
+  auto [arrays, meta] = mx::load_safetensors(std::string(path));
+  auto out = std::make_unique<Loaded>();
+  for (auto& [name, a] : arrays) {
+    out->names.push_back(name);
+    out->arrays.push_back(a);
+  }
+  out->string_meta = std::move(meta);
+  return out;
+}
+
+std::unique_ptr<Loaded> load_gguf(rust::Str path) {
+  auto [arrays, meta] = mx::load_gguf(std::string(path));
+  auto out = std::make_unique<Loaded>();
+  for (auto& [name, a] : arrays) {
+    out->names.push_back(name);
+    out->arrays.push_back(a);
+  }
+  out->gguf_meta = std::move(meta);
+  return out;
+}
+
+void save_safetensors(rust::Str path, const Loaded& loaded) {
+  std::unordered_map<std::string, array> map;
+  for (size_t i = 0; i < loaded.names.size(); ++i) map.insert({loaded.names[i], loaded.arrays[i]});
+  mx::save_safetensors(std::string(path), map, loaded.string_meta);
+}
+std::unique_ptr<Loaded> loaded_new() { return std::make_unique<Loaded>(); }
+void loaded_push(Loaded& l, rust::Str name, const array& a) {
+  l.names.emplace_back(name);
+  l.arrays.push_back(a);
+}
+size_t loaded_len(const Loaded& l) { return l.names.size(); }
+rust::String loaded_name(const Loaded& l, size_t i) { return rust::String(l.names.at(i)); }
+Ptr loaded_array(const Loaded& l, size_t i) { return std::make_unique<array>(l.arrays.at(i)); }
+rust::Vec<rust::String> loaded_meta_keys(const Loaded& l) {
+  rust::Vec<rust::String> out;
+  for (auto& [k, _] : l.gguf_meta) out.push_back(rust::String(k));
+  for (auto& [k, _] : l.string_meta) out.push_back(rust::String(k));
+  return out;
+}
+uint8_t loaded_meta_kind(const Loaded& l, rust::Str key) {
+  std::string k(key);
+  if (auto it = l.string_meta.find(k); it != l.string_meta.end()) return 2;
+  auto it = l.gguf_meta.find(k);
+  if (it == l.gguf_meta.end()) return 0;
+  if (std::holds_alternative<array>(it->second)) return 1;
+  if (std::holds_alternative<std::string>(it->second)) return 2;
+  if (std::holds_alternative<std::vector<std::string>>(it->second)) return 3;
+  return 0;
+}
+rust::String loaded_meta_string(const Loaded& l, rust::Str key) {
+  std::string k(key);
+  if (auto it = l.string_meta.find(k); it != l.string_meta.end()) return rust::String(it->second);
+  return rust::String(std::get<std::string>(meta(l, key)));
+}
+rust::Vec<rust::String> loaded_meta_strings(const Loaded& l, rust::Str key) {
+  rust::Vec<rust::String> out;
+  const auto& v = std::get<std::vector<std::string>>(meta(l, key));
+  out.reserve(v.size());
+  // Vocabulary entries can hold arbitrary bytes; keep them lossless for valid UTF-8
+  // and replace the rest rather than throwing.
+  for (auto& s : v) out.push_back(rust::String::lossy(s));
+  return out;
+}
+Ptr loaded_meta_array(const Loaded& l, rust::Str key) {
+  return std::make_unique<array>(std::get<array>(meta(l, key)));
+}
+
+}  // namespace mlx_shim

@@ -1,0 +1,93 @@
+//! Devices, evaluation and memory accounting.
+
+use crate::ffi::ffi;
+use crate::ops::list;
+use crate::{Array, Result};
+
+/// Where MLX runs new operations by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl Device {
+    /// The default device of the calling thread.
+    pub fn default_device() -> Device {
+        if ffi::default_device_is_gpu() {
+            Device::Gpu
+        } else {
+            Device::Cpu
+        }
+    }
+    /// Makes `self` the default device; fails if this build of MLX has no such device.
+    pub fn set_default(self) -> Result<()> {
+        Ok(ffi::set_default_device_gpu(self == Device::Gpu)?)
+    }
+    /// Whether the linked libmlx has a GPU backend and a GPU is present (Metal or CUDA).
+    pub fn gpu_available() -> bool {
+        ffi::gpu_is_available()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        })
+    }
+}
+
+/// Evaluates the arrays (and everything they depend on), blocking until done.
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    Ok(ffi::eval(&list(arrays))?)
+}
+
+/// Starts evaluating the arrays and returns at once; reading them later waits.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    Ok(ffi::async_eval(&list(arrays))?)
+}
+
+/// Waits for all work queued on the default stream.
+pub fn synchronize() -> Result<()> {
+    Ok(ffi::synchronize()?)
+}
+
+/// The linked libmlx's version string.
+pub fn version() -> String {
+    ffi::version()
+}
+
+/// Memory accounting and limits of MLX's allocator.
+pub mod memory {
+    use super::ffi;
+
+    /// Bytes held by live arrays.
+    pub fn active() -> usize {
+        ffi::get_active_memory()
+    }
+    /// The most `active()` has been since start or the last `reset_peak()`.
+    pub fn peak() -> usize {
+        ffi::get_peak_memory()
+    }
+    /// Bytes freed but kept by the allocator for reuse.
+    pub fn cache() -> usize {
+        ffi::get_cache_memory()
+    }
+    pub fn reset_peak() {
+        ffi::reset_peak_memory()
+    }
+    /// Sets the allocation limit; returns the previous one.
+    pub fn set_limit(bytes: usize) -> usize {
+        ffi::set_memory_limit(bytes)
+    }
+    /// Sets how much freed memory the allocator keeps; returns the previous limit.
+    pub fn set_cache_limit(bytes: usize) -> usize {
+        ffi::set_cache_limit(bytes)
+    }
+    /// Returns the allocator's cached buffers to the system.
+    pub fn clear_cache() {
+        ffi::clear_cache()
+    }
+}

@@ -1,0 +1,154 @@
+//! The cxx bridge to `cpp/shim.h`. Nothing else lives here; safe wrappers are in the
+//! sibling modules. Every function that can reach MLX returns `Result`, which is what
+//! makes cxx catch the C++ exception instead of aborting.
+
+#[cxx::bridge(namespace = "mlx_shim")]
+pub(crate) mod ffi {
+    unsafe extern "C++" {
+        include!("mlx/cpp/shim.h");
+
+        #[namespace = "mlx::core"]
+        type array;
+        type ArrayList;
+        type Loaded;
+
+        fn list_new() -> UniquePtr<ArrayList>;
+        fn list_push(list: Pin<&mut ArrayList>, a: &array);
+        fn list_get(list: &ArrayList, i: usize) -> Result<UniquePtr<array>>;
+
+        fn from_f32(data: &[f32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn from_i32(data: &[i32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn scalar_f32(v: f32, dtype: u8) -> Result<UniquePtr<array>>;
+        fn zeros(shape: &[i32], dtype: u8) -> Result<UniquePtr<array>>;
+        fn arange(start: f64, stop: f64, step: f64, dtype: u8) -> Result<UniquePtr<array>>;
+        fn clone(a: &array) -> UniquePtr<array>;
+        fn shape(a: &array) -> Vec<i32>;
+        fn dtype(a: &array) -> u8;
+        fn size(a: &array) -> usize;
+        fn nbytes(a: &array) -> usize;
+        fn to_f32(a: &array) -> Result<Vec<f32>>;
+        fn to_i32(a: &array) -> Result<Vec<i32>>;
+        fn to_u32(a: &array) -> Result<Vec<u32>>;
+        fn astype(a: &array, dtype: u8) -> Result<UniquePtr<array>>;
+
+        fn add(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn subtract(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn maximum(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn minimum(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn greater(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn greater_equal(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn less(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn equal(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn logical_and(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn logical_or(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn negative(a: &array) -> Result<UniquePtr<array>>;
+        fn exp(a: &array) -> Result<UniquePtr<array>>;
+        fn log(a: &array) -> Result<UniquePtr<array>>;
+        fn sqrt(a: &array) -> Result<UniquePtr<array>>;
+        fn sigmoid(a: &array) -> Result<UniquePtr<array>>;
+        #[cxx_name = "where"]
+        fn where_(cond: &array, a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn swiglu(gate: &array, x: &array) -> Result<UniquePtr<array>>;
+
+        fn sum(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
+        fn max(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
+        fn mean(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
+        fn logsumexp(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
+        fn argmax(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
+        fn cumsum(a: &array, axis: i32, reverse: bool, inclusive: bool) -> Result<UniquePtr<array>>;
+
+        fn reshape(a: &array, shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn transpose(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;
+        fn expand_dims(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;
+        fn squeeze(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;
+        fn broadcast_to(a: &array, shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn slice(a: &array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<UniquePtr<array>>;
+        fn slice_update(
+            src: &array,
+            update: &array,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<array>>;
+        fn take(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn take_along_axis(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn put_along_axis(a: &array, indices: &array, values: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn scatter_add_axis(a: &array, indices: &array, values: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<array>>;
+        fn contiguous(a: &array) -> Result<UniquePtr<array>>;
+
+        fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn addmm(c: &array, a: &array, b: &array, alpha: f32, beta: f32) -> Result<UniquePtr<array>>;
+        fn quantized_matmul(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<array>>;
+        fn dequantize(
+            w: &array,
+            scales: &array,
+            biases: &array,
+            group_size: i32,
+            bits: i32,
+            dtype: u8,
+        ) -> Result<UniquePtr<array>>;
+        fn quantize(w: &array, group_size: i32, bits: i32) -> Result<UniquePtr<ArrayList>>;
+
+        fn rms_norm(x: &array, weight: &array, eps: f32) -> Result<UniquePtr<array>>;
+        fn rope(x: &array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<array>>;
+        fn rope_freqs(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            scale: f32,
+            offset: i32,
+            freqs: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn sdpa(q: &array, k: &array, v: &array, scale: f32, mask_mode: &str) -> Result<UniquePtr<array>>;
+        fn sdpa_masked(q: &array, k: &array, v: &array, scale: f32, mask: &array) -> Result<UniquePtr<array>>;
+
+        fn softmax(a: &array, axes: &[i32], precise: bool) -> Result<UniquePtr<array>>;
+        fn sort(a: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn argsort(a: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn argpartition(a: &array, kth: i32, axis: i32) -> Result<UniquePtr<array>>;
+        fn random_key(seed: u64) -> Result<UniquePtr<array>>;
+        fn random_categorical(logits: &array, axis: i32, key: &array) -> Result<UniquePtr<array>>;
+        fn random_uniform(shape: &[i32], key: &array) -> Result<UniquePtr<array>>;
+
+        fn eval(arrays: &ArrayList) -> Result<()>;
+        fn async_eval(arrays: &ArrayList) -> Result<()>;
+        fn set_default_device_gpu(gpu: bool) -> Result<()>;
+        fn default_device_is_gpu() -> bool;
+        fn gpu_is_available() -> bool;
+        fn synchronize() -> Result<()>;
+        fn get_active_memory() -> usize;
+        fn get_peak_memory() -> usize;
+        fn get_cache_memory() -> usize;
+        fn reset_peak_memory();
+        fn set_memory_limit(limit: usize) -> usize;
+        fn set_cache_limit(limit: usize) -> usize;
+        fn clear_cache();
+        fn version() -> String;
+
+        fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
+        fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;
+        fn save_safetensors(path: &str, loaded: &Loaded) -> Result<()>;
+        fn loaded_new() -> UniquePtr<Loaded>;
+        fn loaded_push(loaded: Pin<&mut Loaded>, name: &str, a: &array);
+        fn loaded_len(loaded: &Loaded) -> usize;
+        fn loaded_name(loaded: &Loaded, i: usize) -> Result<String>;
+        fn loaded_array(loaded: &Loaded, i: usize) -> Result<UniquePtr<array>>;
+        fn loaded_meta_keys(loaded: &Loaded) -> Vec<String>;
+        fn loaded_meta_kind(loaded: &Loaded, key: &str) -> u8;
+        fn loaded_meta_string(loaded: &Loaded, key: &str) -> Result<String>;
+        fn loaded_meta_strings(loaded: &Loaded, key: &str) -> Result<Vec<String>>;
+        fn loaded_meta_array(loaded: &Loaded, key: &str) -> Result<UniquePtr<array>>;
+    }
+}

@@ -1,0 +1,22 @@
+//! Safe Rust over MLX C++, linked against the prebuilt libmlx of the PyPI wheels.
+//!
+//! The public API reads like a tensor library: [`Array`], [`Dtype`], [`ops`], [`Device`].
+//! Every fallible MLX call returns [`Result`]; C++ exceptions become [`Error::Mlx`].
+//! This crate knows nothing about models.
+
+mod array;
+mod device;
+mod dtype;
+mod error;
+mod ffi;
+pub mod io;
+pub mod ops;
+
+pub use array::Array;
+pub use device::{async_eval, eval, memory, synchronize, version, Device};
+pub use dtype::Dtype;
+pub use error::{Error, Result};
+pub use ops::{fast, random};
+
+#[cfg(test)]
+mod tests;

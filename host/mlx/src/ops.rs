@@ -1,0 +1,114 @@
+//! Operations over several arrays: linear algebra, quantization, the `fast` kernels,
+//! selection and concatenation.
+
+use crate::array::wrap;
+use crate::ffi::ffi;
+use crate::{Array, Dtype, Result};
+
+pub(crate) fn list(arrays: &[&Array]) -> cxx::UniquePtr<ffi::ArrayList> {
+    let mut list = ffi::list_new();
+    for a in arrays {
+        ffi::list_push(list.pin_mut(), &a.0);
+    }
+    list
+}
+
+pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
+    wrap(ffi::matmul(&a.0, &b.0))
+}
+
+/// `beta * c + alpha * (a @ b)`, as MLX's `addmm` (what `nn.Linear` uses with a bias).
+pub fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<Array> {
+    wrap(ffi::addmm(&c.0, &a.0, &b.0, alpha, beta))
+}
+
+/// `x @ dequantize(w).T` (with `transpose`) for MLX affine-quantized `w`.
+pub fn quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
+}
+
+pub fn dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32, dtype: Dtype) -> Result<Array> {
+    wrap(ffi::dequantize(&w.0, &scales.0, &biases.0, group_size, bits, dtype as u8))
+}
+
+/// Affine quantization: returns `(w, scales, biases)`.
+pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
+    let out = ffi::quantize(&w.0, group_size, bits)?;
+    let get = |i| wrap(ffi::list_get(&out, i));
+    Ok((get(0)?, get(1)?, get(2)?))
+}
+
+pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
+    wrap(ffi::where_(&cond.0, &a.0, &b.0))
+}
+
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    wrap(ffi::concatenate(&list(arrays), axis))
+}
+
+/// `silu(gate) * x`, compiled as mlx-lm compiles it (same fused kernel, same rounding).
+pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
+    wrap(ffi::swiglu(&gate.0, &x.0))
+}
+
+/// MLX's fused kernels.
+pub mod fast {
+    use super::*;
+
+    pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
+        wrap(ffi::rms_norm(&x.0, &weight.0, eps))
+    }
+
+    /// Rotary embedding with frequencies `base^(-2i/dims)`, positions from `offset`.
+    pub fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<Array> {
+        wrap(ffi::rope(&x.0, dims, traditional, base, scale, offset))
+    }
+
+    /// Rotary embedding with explicit per-pair frequencies (Llama 3 scaling).
+    pub fn rope_with_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offset: i32, freqs: &Array) -> Result<Array> {
+        wrap(ffi::rope_freqs(&x.0, dims, traditional, scale, offset, &freqs.0))
+    }
+
+    /// How attention is masked.
+    pub enum Mask<'a> {
+        None,
+        Causal,
+        Array(&'a Array),
+    }
+
+    pub fn scaled_dot_product_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
+        match mask {
+            Mask::None => wrap(ffi::sdpa(&q.0, &k.0, &v.0, scale, "")),
+            Mask::Causal => wrap(ffi::sdpa(&q.0, &k.0, &v.0, scale, "causal")),
+            Mask::Array(m) => wrap(ffi::sdpa_masked(&q.0, &k.0, &v.0, scale, &m.0)),
+        }
+    }
+}
+
+/// Random numbers from explicit keys; nothing here touches MLX's global random state.
+pub mod random {
+    use super::*;
+
+    /// A PRNG key from a seed.
+    pub fn key(seed: u64) -> Result<Array> {
+        wrap(ffi::random_key(seed))
+    }
+
+    /// One sample per row of `logits` (unnormalized log-probabilities) along `axis`.
+    pub fn categorical(logits: &Array, axis: i32, key: &Array) -> Result<Array> {
+        wrap(ffi::random_categorical(&logits.0, axis, &key.0))
+    }
+
+    /// Uniform float32 samples in [0, 1).
+    pub fn uniform(shape: &[i32], key: &Array) -> Result<Array> {
+        wrap(ffi::random_uniform(shape, &key.0))
+    }
+}

@@ -1,0 +1,145 @@
+use crate::fast::Mask;
+use crate::*;
+
+fn arr(data: &[f32], shape: &[usize]) -> Array {
+    Array::from_f32(data, shape).unwrap()
+}
+
+#[test]
+fn creation_and_readback_round_trip() {
+    let a = arr(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    assert_eq!(a.shape(), vec![2, 3]);
+    assert_eq!(a.dtype(), Dtype::Float32);
+    assert_eq!(a.to_vec_f32().unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let t = a.transpose(&[1, 0]).unwrap();
+    assert_eq!(t.to_vec_f32().unwrap(), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+    let i = Array::from_i32(&[3, -1], &[2]).unwrap();
+    assert_eq!(i.to_vec_i32().unwrap(), vec![3, -1]);
+}
+
+#[test]
+fn buffer_that_does_not_match_its_shape_is_an_error() {
+    let err = Array::from_f32(&[1.0, 2.0, 3.0], &[2, 2]).unwrap_err();
+    assert!(err.to_string().contains("3 elements but the shape needs 4"), "{err}");
+}
+
+#[test]
+fn mlx_exceptions_become_errors_not_aborts() {
+    let a = arr(&[1.0; 6], &[2, 3]);
+    let b = arr(&[1.0; 6], &[2, 3]);
+    let err = ops::matmul(&a, &b).unwrap_err();
+    assert!(matches!(err, Error::Mlx(_)), "{err}");
+    let err = a.reshape(&[4, 2]).unwrap_err();
+    assert!(err.to_string().contains("reshape") || err.to_string().contains("shape"), "{err}");
+    let missing = io::load_safetensors(std::path::Path::new("/nonexistent/x.safetensors")).unwrap_err();
+    assert!(matches!(missing, Error::Mlx(_)));
+}
+
+#[test]
+fn arithmetic_reductions_and_matmul() {
+    let a = arr(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let b = arr(&[1.0, 0.0, 0.0, 1.0], &[2, 2]);
+    assert_eq!(ops::matmul(&a, &b).unwrap().to_vec_f32().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(a.add(&b).unwrap().to_vec_f32().unwrap(), vec![2.0, 2.0, 3.0, 5.0]);
+    assert_eq!(a.sum(&[1], false).unwrap().to_vec_f32().unwrap(), vec![3.0, 7.0]);
+    assert_eq!(a.argmax(-1, false).unwrap().to_vec_i32().unwrap(), vec![1, 1]);
+    let bias = arr(&[10.0, 20.0], &[2]);
+    let y = ops::addmm(&bias, &a, &b, 1.0, 1.0).unwrap();
+    assert_eq!(y.to_vec_f32().unwrap(), vec![11.0, 22.0, 13.0, 24.0]);
+    let lse = arr(&[0.0, 0.0], &[1, 2]).logsumexp(&[-1], true).unwrap().item_f32().unwrap();
+    assert!((lse - 2f32.ln()).abs() < 1e-6);
+}
+
+#[test]
+fn slicing_and_updates() {
+    let a = Array::arange(0.0, 12.0, 1.0, Dtype::Float32).unwrap().reshape(&[3, 4]).unwrap();
+    let s = a.slice_axis(1, 1, 3).unwrap();
+    assert_eq!(s.to_vec_f32().unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+    let z = Array::zeros(&[3, 2], Dtype::Float32).unwrap();
+    let u = a.slice_update(&z, &[0, 1], &[3, 3], &[1, 1]).unwrap();
+    assert_eq!(u.to_vec_f32().unwrap()[..4], [0.0, 0.0, 0.0, 3.0]);
+    let idx = Array::from_i32(&[2, 0], &[2]).unwrap();
+    assert_eq!(a.take(&idx, 0).unwrap().to_vec_f32().unwrap()[..4], [8.0, 9.0, 10.0, 11.0]);
+    let cat = ops::concatenate(&[&s, &s], 0).unwrap();
+    assert_eq!(cat.shape(), vec![6, 2]);
+}
+
+#[test]
+fn quantize_round_trips_within_a_step() {
+    let data: Vec<f32> = (0..4 * 64).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+    let w = arr(&data, &[4, 64]);
+    let (q, scales, biases) = ops::quantize(&w, 32, 4).unwrap();
+    let back = ops::dequantize(&q, &scales, &biases, 32, 4, Dtype::Float32).unwrap().to_vec_f32().unwrap();
+    let max_err = data.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(max_err < 2.0 / 15.0, "max error {max_err}");
+    let x = arr(&[1.0; 64], &[1, 64]);
+    let y = ops::quantized_matmul(&x, &q, &scales, &biases, true, 32, 4).unwrap();
+    assert_eq!(y.shape(), vec![1, 4]);
+}
+
+#[test]
+fn fast_kernels_agree_with_their_definitions() {
+    let x = arr(&[1.0, 2.0, 3.0, 4.0], &[1, 4]);
+    let w = arr(&[1.0; 4], &[4]);
+    let y = fast::rms_norm(&x, &w, 0.0).unwrap().to_vec_f32().unwrap();
+    let rms = (30.0f32 / 4.0).sqrt();
+    for (a, b) in y.iter().zip([1.0, 2.0, 3.0, 4.0]) {
+        assert!((a - b / rms).abs() < 1e-5);
+    }
+    // Position 0 leaves a vector unrotated.
+    let r = fast::rope(&x.reshape(&[1, 1, 1, 4]).unwrap(), 4, false, 10000.0, 1.0, 0).unwrap();
+    assert_eq!(r.to_vec_f32().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    // One key: attention returns its value.
+    let q = arr(&[1.0, 0.0], &[1, 1, 1, 2]);
+    let v = arr(&[5.0, 7.0], &[1, 1, 1, 2]);
+    let o = fast::scaled_dot_product_attention(&q, &q, &v, 1.0, Mask::None).unwrap();
+    assert_eq!(o.to_vec_f32().unwrap(), vec![5.0, 7.0]);
+}
+
+#[test]
+fn swiglu_is_silu_gate_times_x() {
+    let g = arr(&[-1.0, 0.0, 2.0], &[3]);
+    let x = arr(&[2.0, 3.0, 0.5], &[3]);
+    let y = ops::swiglu(&g, &x).unwrap().to_vec_f32().unwrap();
+    let silu = |v: f32| v / (1.0 + (-v).exp());
+    for (i, (gv, xv)) in [(-1.0f32, 2.0f32), (0.0, 3.0), (2.0, 0.5)].into_iter().enumerate() {
+        assert!((y[i] - silu(gv) * xv).abs() < 1e-6);
+    }
+}
+
+#[test]
+fn a_fixed_key_gives_fixed_samples() {
+    let logits = arr(&[0.0, 0.1, 0.2, 0.3, 0.0, 0.5, 0.1, 0.2], &[1, 8]);
+    let draw = |seed: u64| -> Vec<i32> {
+        (0..16u64)
+            .map(|i| {
+                let key = random::key(seed * 1000 + i).unwrap();
+                random::categorical(&logits, -1, &key).unwrap().item_i32().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(draw(1), draw(1));
+    assert_ne!(draw(1), draw(2));
+}
+
+#[test]
+fn safetensors_round_trip() {
+    let dir = std::env::temp_dir().join(format!("mlx-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.safetensors");
+    let a = arr(&[1.0, 2.0], &[2]);
+    io::save_safetensors(&path, &[("a", &a)]).unwrap();
+    let t = io::load_safetensors(&path).unwrap();
+    assert_eq!(t.arrays["a"].to_vec_f32().unwrap(), vec![1.0, 2.0]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn memory_stats_move() {
+    memory::reset_peak();
+    let a = Array::zeros(&[1024, 1024], Dtype::Float32).unwrap();
+    a.eval().unwrap();
+    assert!(memory::peak() >= 4 << 20);
+    assert!(memory::active() >= 4 << 20);
+    assert_eq!(Device::default_device(), if Device::gpu_available() { Device::Gpu } else { Device::Cpu });
+}
