@@ -138,6 +138,7 @@ BINARY(less)
 BINARY(equal)
 BINARY(logical_and)
 BINARY(logical_or)
+BINARY(power)
 #undef BINARY
 
 #define UNARY(name) \

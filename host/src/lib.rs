@@ -1,0 +1,8 @@
+//! `host`: the engine, its CLI commands and (later) the server and plugin runtime.
+//! `main.rs` is the thin `anyhow` edge over these modules.
+
+#![forbid(unsafe_code)]
+
+pub mod default_model;
+pub mod engine;
+pub mod generate;

@@ -1,0 +1,29 @@
+//! The `host` binary: parse arguments, pick the device, run the command.
+
+#![forbid(unsafe_code)]
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "host", version, about = "A native LLM inference server on MLX")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for one prompt, streaming it to stdout.
+    Generate(host::generate::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => host::generate::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

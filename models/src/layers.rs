@@ -1,0 +1,185 @@
+//! Pieces shared by two or more architectures: linear layers (dense or MLX-quantized),
+//! embeddings, RMSNorm and rotary embeddings. Each computes exactly what the matching
+//! `mlx.nn` layer computes, op for op, so outputs match mlx-lm bit for bit.
+
+use crate::weights::{Quantization, Weights};
+use crate::{Error, Result};
+use mlx::fast;
+use mlx::{ops, Array, Dtype};
+use serde_json::Value;
+
+/// `nn.Linear` or `nn.QuantizedLinear`.
+pub enum Linear {
+    Dense { weight: Array, bias: Option<Array> },
+    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, q: Quantization },
+}
+
+fn packed_cols(in_dim: usize, q: Quantization) -> usize {
+    in_dim * q.bits as usize / 32
+}
+
+impl Linear {
+    /// Loads `{prefix}.weight` (`[out_dim, in_dim]`) and, with `bias`, `{prefix}.bias`.
+    pub fn load(w: &Weights, prefix: &str, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
+        let bias = if bias { Some(w.get_shaped(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
+        match w.quantization_of(prefix)? {
+            None => Ok(Linear::Dense { weight: w.get_shaped(&format!("{prefix}.weight"), &[out_dim, in_dim])?, bias }),
+            Some(q) => {
+                let groups = in_dim / q.group_size as usize;
+                Ok(Linear::Quantized {
+                    weight: w.get_shaped(&format!("{prefix}.weight"), &[out_dim, packed_cols(in_dim, q)])?,
+                    scales: w.get_shaped(&format!("{prefix}.scales"), &[out_dim, groups])?,
+                    biases: w.get_shaped(&format!("{prefix}.biases"), &[out_dim, groups])?,
+                    bias,
+                    q,
+                })
+            }
+        }
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Linear::Dense { weight, bias: None } => ops::matmul(x, &weight.transpose(&[1, 0])?)?,
+            Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, &weight.transpose(&[1, 0])?, 1.0, 1.0)?,
+            Linear::Quantized { weight, scales, biases, bias, q } => {
+                let y = ops::quantized_matmul(x, weight, scales, biases, true, q.group_size, q.bits)?;
+                match bias {
+                    Some(b) => y.add(b)?,
+                    None => y,
+                }
+            }
+        })
+    }
+}
+
+/// `nn.Embedding` or `nn.QuantizedEmbedding`; `as_linear` serves tied output heads.
+pub enum Embedding {
+    Dense { weight: Array },
+    Quantized { weight: Array, scales: Array, biases: Array, q: Quantization },
+}
+
+impl Embedding {
+    pub fn load(w: &Weights, prefix: &str, vocab: usize, dim: usize) -> Result<Embedding> {
+        match w.quantization_of(prefix)? {
+            None => Ok(Embedding::Dense { weight: w.get_shaped(&format!("{prefix}.weight"), &[vocab, dim])? }),
+            Some(q) => {
+                let groups = dim / q.group_size as usize;
+                Ok(Embedding::Quantized {
+                    weight: w.get_shaped(&format!("{prefix}.weight"), &[vocab, packed_cols(dim, q)])?,
+                    scales: w.get_shaped(&format!("{prefix}.scales"), &[vocab, groups])?,
+                    biases: w.get_shaped(&format!("{prefix}.biases"), &[vocab, groups])?,
+                    q,
+                })
+            }
+        }
+    }
+
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense { weight } => weight.take(ids, 0)?,
+            Embedding::Quantized { weight, scales, biases, q } => {
+                let dtype = scales.dtype();
+                ops::dequantize(&weight.take(ids, 0)?, &scales.take(ids, 0)?, &biases.take(ids, 0)?, q.group_size, q.bits, dtype)?
+            }
+        })
+    }
+
+    /// `x @ weight.T`: the output head of tied-embedding models.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense { weight } => ops::matmul(x, &weight.transpose(&[1, 0])?)?,
+            Embedding::Quantized { weight, scales, biases, q } => {
+                ops::quantized_matmul(x, weight, scales, biases, true, q.group_size, q.bits)?
+            }
+        })
+    }
+}
+
+/// `nn.RMSNorm`.
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(w: &Weights, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: w.get_shaped(&format!("{prefix}.weight"), &[dim])?, eps: eps as f32 })
+    }
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, &self.weight, self.eps)?)
+    }
+}
+
+/// Rotary position embedding as mlx-lm's `initialize_rope` builds it.
+pub enum Rope {
+    /// `nn.RoPE` (also "linear" scaling, as `scale = 1 / factor`).
+    Default { dims: i32, traditional: bool, base: f32, scale: f32 },
+    /// `Llama3RoPE`: explicit per-pair frequencies.
+    Freqs { dims: i32, traditional: bool, freqs: Array },
+}
+
+fn number(cfg: &Value, key: &str) -> Option<f64> {
+    cfg.get(key).and_then(Value::as_f64)
+}
+
+impl Rope {
+    /// From a config's `rope_theta` and `rope_scaling` (`null`, default, linear or llama3).
+    pub fn new(dims: usize, base: f64, traditional: bool, scaling: Option<&Value>) -> Result<Rope> {
+        let dims = dims as i32;
+        let base32 = base as f32;
+        let scaling = scaling.filter(|v| !v.is_null());
+        let rope_type = scaling
+            .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let factor = || {
+            scaling
+                .and_then(|s| number(s, "factor"))
+                .ok_or_else(|| Error::Invalid(format!("rope_scaling of type {rope_type:?} needs a numeric `factor`")))
+        };
+        match rope_type {
+            "default" => Ok(Rope::Default { dims, traditional, base: base32, scale: 1.0 }),
+            "linear" => Ok(Rope::Default { dims, traditional, base: base32, scale: (1.0 / factor()?) as f32 }),
+            "llama3" => {
+                let s = scaling.expect("llama3 rope type comes from a scaling config");
+                let freqs = llama3_freqs(
+                    dims,
+                    base32,
+                    factor()? as f32,
+                    number(s, "low_freq_factor").unwrap_or(1.0) as f32,
+                    number(s, "high_freq_factor").unwrap_or(4.0) as f32,
+                    number(s, "original_max_position_embeddings").unwrap_or(8192.0) as f32,
+                )?;
+                Ok(Rope::Freqs { dims, traditional, freqs })
+            }
+            other => Err(Error::Invalid(format!(
+                "rope_scaling type {other:?} is not supported; supported: default, linear, llama3"
+            ))),
+        }
+    }
+
+    pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
+        let offset = offset as i32;
+        Ok(match self {
+            Rope::Default { dims, traditional, base, scale } => fast::rope(x, *dims, *traditional, *base, *scale, offset)?,
+            Rope::Freqs { dims, traditional, freqs } => fast::rope_with_freqs(x, *dims, *traditional, 1.0, offset, freqs)?,
+        })
+    }
+}
+
+/// mlx-lm's `Llama3RoPE.__init__`, with the same MLX ops in the same order.
+fn llama3_freqs(dims: i32, base: f32, factor: f32, low: f32, high: f32, old_ctx: f32) -> Result<Array> {
+    let s = |v: f32| Array::scalar(v, Dtype::Float32);
+    let low_wavelen = old_ctx / low;
+    let high_wavelen = old_ctx / high;
+    let exponents = Array::arange(0.0, dims as f64, 2.0, Dtype::Int32)?.divide(&s(dims as f32)?)?;
+    let freqs = s(base)?.power(&exponents)?;
+    let wavelens = s(2.0 * std::f32::consts::PI)?.multiply(&freqs)?;
+    let freqs = ops::where_(&wavelens.greater(&s(low_wavelen)?)?, &freqs.multiply(&s(factor)?)?, &freqs)?;
+    let is_medium = wavelens.greater(&s(high_wavelen)?)?.logical_and(&wavelens.less(&s(low_wavelen)?)?)?;
+    let smooth = s(old_ctx)?.divide(&wavelens)?.subtract(&s(low)?)?.divide(&s(high - low)?)?;
+    let one = s(1.0)?;
+    let denom = one.subtract(&smooth)?.divide(&s(factor)?)?.add(&smooth)?;
+    let smooth_freqs = freqs.divide(&denom)?;
+    Ok(ops::where_(&is_medium, &smooth_freqs, &freqs)?)
+}

@@ -1,0 +1,37 @@
+//! Model weights, architectures, KV caches, tokenizers and chat templates.
+//!
+//! [`load`] takes a Hugging Face folder or a `.gguf` file and returns a [`Loaded`] model:
+//! a [`CausalLm`] (one file per architecture, picked by `model_type`), its [`Tokenizer`]
+//! and [`ModelInfo`]. This crate knows nothing about HTTP, async runtimes or plugins.
+
+#![forbid(unsafe_code)]
+
+pub mod cache;
+mod error;
+pub mod layers;
+pub mod llama;
+mod loader;
+pub mod qwen2;
+pub mod qwen3;
+pub mod tokenizer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use error::{Error, Result};
+pub use loader::{load, load_with, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
+pub use tokenizer::{Detokenizer, Tokenizer};
+
+use mlx::Array;
+
+/// A decoder-only language model.
+pub trait CausalLm {
+    /// Runs `tokens` (`[B, L]` int32) through the model, appending to `cache` (one entry per
+    /// layer), and returns logits `[B, L, vocab]`.
+    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    /// A fresh cache, one entry per layer.
+    fn make_cache(&self) -> Vec<KvCache>;
+    fn vocab_size(&self) -> usize;
+}
+
+#[cfg(test)]
+mod tests;

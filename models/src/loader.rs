@@ -1,0 +1,177 @@
+//! `load(path)`: a Hugging Face folder or a `.gguf` file to a ready model. `model_type`
+//! picks the architecture file; aliases sharing an architecture are one match arm each.
+
+use crate::tokenizer::Tokenizer;
+use crate::weights::{gguf, safetensors, Quantization, Weights};
+use crate::{llama, qwen2, qwen3, CausalLm, Error, Result};
+use mlx::Device;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3";
+
+/// What the engine needs to know about a loaded model besides the model itself.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub source: PathBuf,
+    /// Token ids that end generation (config, generation_config and tokenizer EOS).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    /// Bytes of all weights as held in memory (what one decode step reads).
+    pub weight_bytes: usize,
+    pub n_layers: usize,
+    pub vocab_size: usize,
+    /// Context length from the config, if it says.
+    pub max_position_embeddings: Option<usize>,
+}
+
+pub struct Loaded {
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
+    pub info: ModelInfo,
+}
+
+/// How to load. The default keeps weights as stored on GPUs and dequantizes GGUF weights
+/// to float32 on the CPU, where quantized matmul is 20-30x slower.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Dequantize GGUF weights to float32; `None` decides by the default device.
+    pub dequantize_gguf: Option<bool>,
+}
+
+pub fn load(path: &Path) -> Result<Loaded> {
+    load_with(path, &LoadOptions::default())
+}
+
+pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
+    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        let dequantize = options.dequantize_gguf.unwrap_or(Device::default_device() == Device::Cpu);
+        let g = gguf::load(path, dequantize)?;
+        return build(path, &path.with_file_name("config.json (from GGUF metadata)"), g.config, Value::Null, g.weights, g.tokenizer);
+    }
+    if !path.is_dir() {
+        return Err(Error::Invalid(format!(
+            "model path {} is neither a Hugging Face folder (config.json, *.safetensors, tokenizer.json) nor a .gguf file",
+            path.display()
+        )));
+    }
+    let config_path = path.join("config.json");
+    let config = read_json(&config_path)?;
+    let generation = read_json(&path.join("generation_config.json")).unwrap_or(Value::Null);
+    let tensors = safetensors::load(path)?;
+    let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("?").to_string();
+    let (q, overrides) = quantization(&config, &config_path)?;
+    let weights = Weights::new(tensors, path, &model_type).with_quantization(q, overrides);
+    let tokenizer = Tokenizer::from_dir(path)?;
+    build(path, &config_path, config, generation, weights, tokenizer)
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), message: format!("not valid JSON: {e}") })
+}
+
+fn parse<T: DeserializeOwned>(config: &Value, path: &Path) -> Result<T> {
+    serde_json::from_value(config.clone()).map_err(|e| Error::Config {
+        path: path.to_path_buf(),
+        message: format!("{e} (the key is required by this architecture, with this type)"),
+    })
+}
+
+/// `config.json`'s `quantization` (MLX) section: defaults plus per-module overrides.
+fn quantization(config: &Value, path: &Path) -> Result<(Option<Quantization>, HashMap<String, Option<Quantization>>)> {
+    let Some(section) = config.get("quantization").or_else(|| config.get("quantization_config")) else {
+        return Ok((None, HashMap::new()));
+    };
+    let read = |v: &Value| -> Result<Quantization> {
+        let field = |k: &str| {
+            v.get(k).and_then(Value::as_i64).map(|x| x as i32).ok_or_else(|| Error::Config {
+                path: path.to_path_buf(),
+                message: format!("quantization section needs an integer `{k}`"),
+            })
+        };
+        if let Some(mode) = v.get("mode").and_then(Value::as_str) {
+            if mode != "affine" {
+                return Err(Error::Config { path: path.to_path_buf(), message: format!("quantization mode {mode:?} is not supported; supported: affine") });
+            }
+        }
+        Ok(Quantization { group_size: field("group_size")?, bits: field("bits")? })
+    };
+    let default = read(section)?;
+    let mut overrides = HashMap::new();
+    if let Value::Object(map) = section {
+        for (k, v) in map {
+            match v {
+                Value::Object(_) => {
+                    overrides.insert(k.clone(), Some(read(v)?));
+                }
+                Value::Bool(false) => {
+                    overrides.insert(k.clone(), None);
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok((Some(default), overrides))
+}
+
+fn eos_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => vec![],
+    }
+}
+
+fn build(source: &Path, config_path: &Path, config: Value, generation: Value, mut weights: Weights, tokenizer: Tokenizer) -> Result<Loaded> {
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| Error::Config { path: config_path.to_path_buf(), message: "missing key `model_type`".into() })?
+        .to_string();
+    // Sanitize as mlx-lm does: precomputed rotary tables are unused; tied heads are dropped.
+    let unused: Vec<String> = weights.names().filter(|n| n.contains("rotary_emb.inv_freq")).cloned().collect();
+    for n in unused {
+        weights.remove(&n);
+    }
+    if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
+        weights.remove("lm_head.weight");
+    }
+    let model: Box<dyn CausalLm> = match model_type.as_str() {
+        "llama" | "mistral" => Box::new(llama::Model::load(&parse(&config, config_path)?, &weights)?),
+        "qwen2" => Box::new(qwen2::Model::load(&parse(&config, config_path)?, &weights)?),
+        "qwen3" => Box::new(qwen3::Model::load(&parse(&config, config_path)?, &weights)?),
+        other => {
+            return Err(Error::UnsupportedModel {
+                found: other.to_string(),
+                config: config_path.to_path_buf(),
+                supported: SUPPORTED_MODEL_TYPES.to_string(),
+            })
+        }
+    };
+    let mut eos = eos_ids(config.get("eos_token_id"));
+    eos.extend(eos_ids(generation.get("eos_token_id")));
+    eos.extend(tokenizer.eos_token_id());
+    eos.sort_unstable();
+    eos.dedup();
+    if eos.is_empty() {
+        return Err(Error::Config {
+            path: config_path.to_path_buf(),
+            message: "no eos_token_id in config.json or generation_config.json and no eos_token in the tokenizer config".into(),
+        });
+    }
+    let info = ModelInfo {
+        model_type,
+        source: source.to_path_buf(),
+        eos_token_ids: eos,
+        bos_token_id: config.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
+        weight_bytes: weights.nbytes(),
+        n_layers: model.make_cache().len(),
+        vocab_size: model.vocab_size(),
+        max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
+    };
+    Ok(Loaded { model, tokenizer, info })
+}

@@ -1,0 +1,244 @@
+//! llama.cpp GGUF files, read by MLX's own reader. Produces what a Hugging Face folder would
+//! hold: a `config.json` value, weights under HF names, and the tokenizer (built from the
+//! GGUF's vocabulary, merges and chat template).
+//!
+//! MLX maps Q4_0/Q4_1/Q8_0 blocks to its affine format (group 32); F16/F32 stay as they are.
+//! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
+//! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
+
+use crate::tokenizer::Tokenizer;
+use crate::weights::{Quantization, Weights};
+use crate::{Error, Result};
+use mlx::io::GgufValue;
+use mlx::{ops, Array, Dtype};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// What a GGUF file amounts to.
+pub struct Gguf {
+    pub config: Value,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+}
+
+const LAYER_MAP: &[(&str, &str)] = &[
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+];
+
+/// GGUF architectures and the `model_type` they load as.
+const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+
+/// GGUF tensor name (without `.weight`/`.bias`/`.scales`/`.biases`) to HF module name.
+fn hf_name(gguf: &str) -> Option<String> {
+    match gguf {
+        "token_embd" => return Some("model.embed_tokens".into()),
+        "output_norm" => return Some("model.norm".into()),
+        "output" => return Some("lm_head".into()),
+        _ => {}
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, kind) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let hf = LAYER_MAP.iter().find(|(g, _)| *g == kind)?.1;
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+struct Meta<'a> {
+    map: &'a HashMap<String, GgufValue>,
+    path: &'a Path,
+}
+
+impl Meta<'_> {
+    fn err(&self, message: String) -> Error {
+        Error::Gguf { path: self.path.to_path_buf(), message }
+    }
+    fn number(&self, key: &str) -> Result<Option<f64>> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(GgufValue::Array(a)) => Ok(a.to_vec_f32()?.first().map(|&v| v as f64)),
+            Some(_) => Err(self.err(format!("metadata {key:?} should be a number"))),
+        }
+    }
+    fn required(&self, key: &str) -> Result<f64> {
+        self.number(key)?.ok_or_else(|| self.err(format!("missing metadata key {key:?}")))
+    }
+    fn string(&self, key: &str) -> Option<&str> {
+        match self.map.get(key) {
+            Some(GgufValue::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+    fn strings(&self, key: &str) -> Result<&[String]> {
+        match self.map.get(key) {
+            Some(GgufValue::Strings(s)) => Ok(s),
+            _ => Err(self.err(format!("missing metadata key {key:?} (a list of strings)"))),
+        }
+    }
+    fn ints(&self, key: &str) -> Result<Vec<i32>> {
+        match self.map.get(key) {
+            Some(GgufValue::Array(a)) => Ok(a.to_vec_i32()?),
+            _ => Err(self.err(format!("missing metadata key {key:?} (a list of integers)"))),
+        }
+    }
+}
+
+/// Inverse of llama.cpp's `permute` of Q/K rows: `[n_head, hd/2, 2, ...] -> [n_head, 2, hd/2, ...]`.
+fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
+    let shape: Vec<i32> = w.shape().iter().map(|&d| d as i32).collect();
+    let rows = shape[0];
+    let mut split = vec![n_head as i32, rows / n_head as i32 / 2, 2];
+    split.extend_from_slice(&shape[1..]);
+    let mut axes: Vec<i32> = (0..split.len() as i32).collect();
+    axes.swap(1, 2);
+    Ok(w.reshape(&split)?.transpose(&axes)?.reshape(&shape)?)
+}
+
+pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
+    let file = mlx::io::load_gguf(path).map_err(|e| Error::Gguf { path: path.to_path_buf(), message: format!("{e}; is this a complete GGUF file?") })?;
+    let meta = Meta { map: &file.gguf, path };
+    let arch = meta.string("general.architecture").ok_or_else(|| meta.err("missing metadata key \"general.architecture\"".into()))?;
+    let model_type = ARCHS
+        .iter()
+        .find(|(a, _)| *a == arch)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| meta.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3")))?;
+    let key = |k: &str| format!("{arch}.{k}");
+    let n_head = meta.required(&key("attention.head_count"))? as usize;
+    let n_kv = meta.number(&key("attention.head_count_kv"))?.map_or(n_head, |v| v as usize);
+    let hidden = meta.required(&key("embedding_length"))? as usize;
+    let tokens = meta.strings("tokenizer.ggml.tokens")?;
+    let vocab = meta.number(&key("vocab_size"))?.map_or(tokens.len(), |v| v as usize);
+    if let Some(t) = meta.string(&key("rope.scaling.type")) {
+        if t != "none" {
+            return Err(meta.err(format!("rope scaling {t:?} in GGUF files is not supported")));
+        }
+    }
+
+    // Weights under HF names; quantized triples keep their per-tensor bits.
+    let mut tensors: HashMap<String, Array> = HashMap::new();
+    let mut overrides: HashMap<String, Option<Quantization>> = HashMap::new();
+    let mut stems: Vec<&String> = file.arrays.keys().filter(|k| k.ends_with(".weight") || k.ends_with(".bias")).collect();
+    stems.sort();
+    for name in stems {
+        let (stem, suffix) = name.rsplit_once('.').expect("filtered on a suffix");
+        let hf = hf_name(stem).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
+        let permute = |a: &Array| -> Result<Array> {
+            if arch != "llama" {
+                return Ok(a.clone());
+            }
+            match stem.rsplit('.').next() {
+                Some("attn_q") => unpermute(a, n_head),
+                Some("attn_k") => unpermute(a, n_kv),
+                _ => Ok(a.clone()),
+            }
+        };
+        let w = &file.arrays[name];
+        let scales = file.arrays.get(&format!("{stem}.scales"));
+        let biases = file.arrays.get(&format!("{stem}.biases"));
+        match (suffix, scales, biases) {
+            ("weight", Some(s), Some(b)) => {
+                let group_size = 32;
+                let bits = (w.dim(-1) / s.dim(-1)) as i32;
+                if dequantize {
+                    let s32 = s.astype(Dtype::Float32)?;
+                    let b32 = b.astype(Dtype::Float32)?;
+                    let dense = ops::dequantize(w, &s32, &b32, group_size, bits, Dtype::Float32)?;
+                    tensors.insert(format!("{hf}.weight"), permute(&dense)?);
+                } else {
+                    tensors.insert(format!("{hf}.weight"), permute(w)?);
+                    tensors.insert(format!("{hf}.scales"), permute(s)?);
+                    tensors.insert(format!("{hf}.biases"), permute(b)?);
+                    overrides.insert(hf.clone(), Some(Quantization { group_size, bits }));
+                }
+            }
+            _ => {
+                let w = if dequantize && w.dtype() != Dtype::Float32 { w.astype(Dtype::Float32)? } else { w.clone() };
+                tensors.insert(format!("{hf}.{suffix}"), permute(&w)?);
+            }
+        }
+    }
+    let tied = !tensors.contains_key("lm_head.weight") && !tensors.contains_key("lm_head.scales");
+    let head_dim = meta.number(&key("attention.key_length"))?.map_or(hidden / n_head, |v| v as usize);
+    let bos = meta.number("tokenizer.ggml.bos_token_id")?.map(|v| v as u32);
+    let eos = meta.number("tokenizer.ggml.eos_token_id")?.map(|v| v as u32);
+    let config = json!({
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": meta.required(&key("block_count"))? as usize,
+        "intermediate_size": meta.required(&key("feed_forward_length"))? as usize,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.required(&key("attention.layer_norm_rms_epsilon"))? as f32 as f64,
+        "vocab_size": vocab,
+        "rope_theta": meta.number(&key("rope.freq_base"))?.unwrap_or(10000.0) as f32 as f64,
+        "max_position_embeddings": meta.number(&key("context_length"))?.map(|v| v as usize),
+        "tie_word_embeddings": tied,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    });
+    let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
+    let tokenizer = tokenizer(&meta, tokens, bos, eos)?;
+    Ok(Gguf { config, weights, tokenizer })
+}
+
+/// The GGUF vocabulary as a `tokenizers` byte-level BPE, built the way
+/// `shared/models/gguf_to_hf.py` writes `tokenizer.json`.
+fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
+    let model = meta.string("tokenizer.ggml.model").unwrap_or("?");
+    if model != "gpt2" {
+        return Err(meta.err(format!("GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE)")));
+    }
+    let types = meta.ints("tokenizer.ggml.token_type")?;
+    let merges = meta.strings("tokenizer.ggml.merges")?;
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let pre = match meta.string("tokenizer.ggml.pre") {
+        // llama.cpp's "\p{N}" split followed by the GPT-2 regex.
+        Some("smollm" | "starcoder" | "refact") => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level]}),
+        Some("gpt2" | "default") | None => byte_level,
+        Some(other) => return Err(meta.err(format!("GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2"))),
+    };
+    // token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+    let added: Vec<Value> = tokens
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, t))| matches!(t, 2..=4))
+        .map(|(i, (tok, t))| json!({"id": i, "content": tok, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": *t != 4}))
+        .collect();
+    let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let merges: Vec<Value> = merges.iter().map(|m| match m.split_once(' ') {
+        Some((a, b)) => json!([a, b]),
+        None => json!([m, ""]),
+    }).collect();
+    let spec = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": pre,
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges},
+    });
+    let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+    let config = json!({
+        "chat_template": meta.string("tokenizer.chat_template"),
+        "bos_token": name(bos),
+        "eos_token": name(eos),
+    });
+    let bytes = serde_json::to_vec(&spec).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    Tokenizer::from_parts(&bytes, &config)
+}

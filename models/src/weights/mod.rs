@@ -1,0 +1,101 @@
+//! Named weight arrays loaded from a checkpoint, with the lookups the model files use.
+//! Formats: `safetensors.rs` (Hugging Face folders), `gguf.rs` (llama.cpp files).
+
+pub mod gguf;
+pub mod safetensors;
+
+use crate::{Error, Result};
+use mlx::Array;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Affine quantization parameters of MLX-quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantization {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// All weights of a checkpoint by name, plus where they came from (for error messages).
+pub struct Weights {
+    tensors: HashMap<String, Array>,
+    path: PathBuf,
+    arch: String,
+    /// Default quantization of `*.scales`/`*.biases` weights, and per-module overrides.
+    quantization: Option<Quantization>,
+    overrides: HashMap<String, Option<Quantization>>,
+}
+
+impl Weights {
+    pub fn new(tensors: HashMap<String, Array>, path: &Path, arch: &str) -> Weights {
+        Weights { tensors, path: path.to_path_buf(), arch: arch.to_string(), quantization: None, overrides: HashMap::new() }
+    }
+
+    pub fn with_quantization(mut self, q: Option<Quantization>, overrides: HashMap<String, Option<Quantization>>) -> Weights {
+        self.quantization = q;
+        self.overrides = overrides;
+        self
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    pub fn remove(&mut self, name: &str) -> Option<Array> {
+        self.tensors.remove(name)
+    }
+
+    pub fn insert(&mut self, name: String, a: Array) {
+        self.tensors.insert(name, a);
+    }
+
+    /// Total bytes of all weights (what one decode step reads, for dense models).
+    pub fn nbytes(&self) -> usize {
+        self.tensors.values().map(|a| a.nbytes()).sum()
+    }
+
+    /// The weight `name`, or an error that names it and the file.
+    pub fn get(&self, name: &str) -> Result<Array> {
+        self.tensors.get(name).cloned().ok_or_else(|| Error::MissingWeight {
+            name: name.to_string(),
+            path: self.path.clone(),
+            arch: self.arch.clone(),
+        })
+    }
+
+    /// The weight `name`, checked to have `shape`.
+    pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<Array> {
+        let a = self.get(name)?;
+        let found = a.shape();
+        if found != shape {
+            return Err(Error::WeightShape { name: name.to_string(), path: self.path.clone(), found, expected: shape.to_vec() });
+        }
+        Ok(a)
+    }
+
+    /// The quantization of module `prefix`, if its weight is quantized.
+    pub fn quantization_of(&self, prefix: &str) -> Result<Option<Quantization>> {
+        if !self.contains(&format!("{prefix}.scales")) {
+            return Ok(None);
+        }
+        let q = match self.overrides.get(prefix) {
+            Some(q) => *q,
+            None => self.quantization,
+        };
+        match q {
+            Some(q) => Ok(Some(q)),
+            None => Err(Error::Config {
+                path: self.path.clone(),
+                message: format!("{prefix}.scales is present but config.json has no `quantization` section giving group_size and bits"),
+            }),
+        }
+    }
+}
