@@ -14,11 +14,12 @@ mod loader;
 pub mod qwen2;
 pub mod qwen3;
 pub mod tokenizer;
+pub mod testing;
 pub mod weights;
 
 pub use cache::KvCache;
 pub use error::{Error, Result};
-pub use loader::{load, load_with, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
+pub use loader::{load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
 pub use tokenizer::{Detokenizer, Tokenizer};
 
 use mlx::Array;

@@ -50,7 +50,8 @@ pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         let dequantize = options.dequantize_gguf.unwrap_or(Device::default_device() == Device::Cpu);
         let g = gguf::load(path, dequantize)?;
-        return build(path, &path.with_file_name("config.json (from GGUF metadata)"), g.config, Value::Null, g.weights, g.tokenizer);
+        let arch = Arch::parse(&g.config, path)?;
+        return build(path, arch, &g.config, Value::Null, g.weights, g.tokenizer);
     }
     if !path.is_dir() {
         return Err(Error::Invalid(format!(
@@ -58,15 +59,61 @@ pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
             path.display()
         )));
     }
+    // Config first: an unsupported or incomplete config fails before any weight is read.
     let config_path = path.join("config.json");
     let config = read_json(&config_path)?;
-    let generation = read_json(&path.join("generation_config.json")).unwrap_or(Value::Null);
-    let tensors = safetensors::load(path)?;
-    let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("?").to_string();
+    let arch = Arch::parse(&config, &config_path)?;
     let (q, overrides) = quantization(&config, &config_path)?;
-    let weights = Weights::new(tensors, path, &model_type).with_quantization(q, overrides);
+    let generation = read_json(&path.join("generation_config.json")).unwrap_or(Value::Null);
+    let weights = Weights::new(safetensors::load(path)?, path, arch.name()).with_quantization(q, overrides);
     let tokenizer = Tokenizer::from_dir(path)?;
-    build(path, &config_path, config, generation, weights, tokenizer)
+    build(path, arch, &config, generation, weights, tokenizer)
+}
+
+/// A parsed config of one of the supported architectures.
+pub enum Arch {
+    Llama(llama::Config),
+    Qwen2(qwen2::Config),
+    Qwen3(qwen3::Config),
+}
+
+impl Arch {
+    /// Reads `model_type` and the architecture's config from a `config.json` value.
+    pub fn parse(config: &Value, path: &Path) -> Result<Arch> {
+        let model_type = config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| Error::Config { path: path.to_path_buf(), message: "missing key `model_type`".into() })?;
+        Ok(match model_type {
+            "llama" | "mistral" => Arch::Llama(parse(config, path)?),
+            "qwen2" => Arch::Qwen2(parse(config, path)?),
+            "qwen3" => Arch::Qwen3(parse(config, path)?),
+            other => {
+                return Err(Error::UnsupportedModel {
+                    found: other.to_string(),
+                    config: path.to_path_buf(),
+                    supported: SUPPORTED_MODEL_TYPES.to_string(),
+                })
+            }
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Arch::Llama(_) => "llama",
+            Arch::Qwen2(_) => "qwen2",
+            Arch::Qwen3(_) => "qwen3",
+        }
+    }
+
+    /// Builds the model from (sanitized) weights.
+    pub fn model(&self, weights: &Weights) -> Result<Box<dyn CausalLm>> {
+        Ok(match self {
+            Arch::Llama(c) => Box::new(llama::Model::load(c, weights)?),
+            Arch::Qwen2(c) => Box::new(qwen2::Model::load(c, weights)?),
+            Arch::Qwen3(c) => Box::new(qwen3::Model::load(c, weights)?),
+        })
+    }
 }
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -126,12 +173,7 @@ fn eos_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-fn build(source: &Path, config_path: &Path, config: Value, generation: Value, mut weights: Weights, tokenizer: Tokenizer) -> Result<Loaded> {
-    let model_type = config
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| Error::Config { path: config_path.to_path_buf(), message: "missing key `model_type`".into() })?
-        .to_string();
+fn build(source: &Path, arch: Arch, config: &Value, generation: Value, mut weights: Weights, tokenizer: Tokenizer) -> Result<Loaded> {
     // Sanitize as mlx-lm does: precomputed rotary tables are unused; tied heads are dropped.
     let unused: Vec<String> = weights.names().filter(|n| n.contains("rotary_emb.inv_freq")).cloned().collect();
     for n in unused {
@@ -140,18 +182,7 @@ fn build(source: &Path, config_path: &Path, config: Value, generation: Value, mu
     if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
         weights.remove("lm_head.weight");
     }
-    let model: Box<dyn CausalLm> = match model_type.as_str() {
-        "llama" | "mistral" => Box::new(llama::Model::load(&parse(&config, config_path)?, &weights)?),
-        "qwen2" => Box::new(qwen2::Model::load(&parse(&config, config_path)?, &weights)?),
-        "qwen3" => Box::new(qwen3::Model::load(&parse(&config, config_path)?, &weights)?),
-        other => {
-            return Err(Error::UnsupportedModel {
-                found: other.to_string(),
-                config: config_path.to_path_buf(),
-                supported: SUPPORTED_MODEL_TYPES.to_string(),
-            })
-        }
-    };
+    let model = arch.model(&weights)?;
     let mut eos = eos_ids(config.get("eos_token_id"));
     eos.extend(eos_ids(generation.get("eos_token_id")));
     eos.extend(tokenizer.eos_token_id());
@@ -159,12 +190,12 @@ fn build(source: &Path, config_path: &Path, config: Value, generation: Value, mu
     eos.dedup();
     if eos.is_empty() {
         return Err(Error::Config {
-            path: config_path.to_path_buf(),
+            path: source.to_path_buf(),
             message: "no eos_token_id in config.json or generation_config.json and no eos_token in the tokenizer config".into(),
         });
     }
     let info = ModelInfo {
-        model_type,
+        model_type: arch.name().to_string(),
         source: source.to_path_buf(),
         eos_token_ids: eos,
         bos_token_id: config.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),

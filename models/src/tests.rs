@@ -1,0 +1,303 @@
+use crate::testing;
+use crate::{load, CausalLm, Error, KvCache, Tokenizer};
+use mlx::{Array, Dtype};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+fn tokens(ids: &[i32]) -> Array {
+    Array::from_i32(ids, &[1, ids.len()]).unwrap()
+}
+
+fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+    let (a, b) = (a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap());
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Logits of each position, decoding `ids` in pieces of the given sizes through one cache.
+fn decode_in_pieces(model: &dyn CausalLm, ids: &[i32], pieces: &[usize]) -> (Array, Vec<KvCache>) {
+    let mut cache = model.make_cache();
+    let mut outs = Vec::new();
+    let mut start = 0;
+    for &len in pieces {
+        outs.push(model.forward(&tokens(&ids[start..start + len]), &mut cache).unwrap());
+        start += len;
+    }
+    assert_eq!(start, ids.len());
+    let refs: Vec<&Array> = outs.iter().collect();
+    (mlx::ops::concatenate(&refs, 1).unwrap(), cache)
+}
+
+fn prompt(n: usize) -> Vec<i32> {
+    (0..n).map(|i| ((i * 37 + 11) % testing::VOCAB) as i32).collect()
+}
+
+#[test]
+fn token_by_token_decoding_with_the_cache_equals_one_full_forward() {
+    for arch in ARCHS {
+        let model = testing::model(arch, 1).unwrap();
+        let ids = prompt(12);
+        let (full, _) = decode_in_pieces(model.as_ref(), &ids, &[12]);
+        let (stepped, cache) = decode_in_pieces(model.as_ref(), &ids, &[1; 12]);
+        assert_eq!(full.shape(), vec![1, 12, testing::VOCAB]);
+        assert_eq!(cache[0].offset(), 12);
+        let d = max_abs_diff(&full, &stepped);
+        assert!(d < 1e-4, "{arch}: max diff {d}");
+    }
+}
+
+#[test]
+fn chunked_prefill_across_the_cache_growth_step_equals_one_pass() {
+    // 300 positions cross the cache's 256-position allocation step.
+    for arch in ARCHS {
+        let model = testing::model(arch, 2).unwrap();
+        let ids = prompt(300);
+        let (full, _) = decode_in_pieces(model.as_ref(), &ids, &[300]);
+        let (chunked, cache) = decode_in_pieces(model.as_ref(), &ids, &[100, 155, 3, 41, 1]);
+        assert_eq!(cache[1].offset(), 300);
+        let d = max_abs_diff(&full, &chunked);
+        assert!(d < 1e-4, "{arch}: max diff {d}");
+    }
+}
+
+#[test]
+fn trim_then_redecode_equals_the_untrimmed_run() {
+    for arch in ARCHS {
+        let model = testing::model(arch, 3).unwrap();
+        let ids = prompt(20);
+        let (reference, _) = decode_in_pieces(model.as_ref(), &ids, &[20]);
+        // Decode 15 positions with wrong tokens at 10..15, trim them, decode the right ones.
+        let mut cache = model.make_cache();
+        model.forward(&tokens(&ids[..10]), &mut cache).unwrap();
+        model.forward(&tokens(&[5, 6, 7, 8, 9]), &mut cache).unwrap();
+        for c in cache.iter_mut() {
+            assert_eq!(c.trim(5), 5);
+        }
+        assert_eq!(cache[0].offset(), 10);
+        let tail = model.forward(&tokens(&ids[10..]), &mut cache).unwrap();
+        let expected = reference.slice_axis(1, 10, 20).unwrap();
+        let d = max_abs_diff(&expected, &tail);
+        assert!(d < 1e-4, "{arch}: max diff {d}");
+    }
+}
+
+#[test]
+fn trim_never_goes_below_zero() {
+    let mut c = KvCache::default();
+    assert_eq!(c.trim(3), 0);
+    assert_eq!(c.offset(), 0);
+}
+
+// ---- loading and its errors ----
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("models-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A byte-level BPE tokenizer with the 256 byte symbols and no merges, plus two specials.
+fn byte_tokenizer_json() -> Value {
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().enumerate() {
+        vocab.insert(c.to_string(), json!(i));
+    }
+    let mut chars: Vec<(String, Value)> = vocab.into_iter().collect();
+    chars.sort_by_key(|(_, v)| v.as_u64());
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<|im_start|>".into(), json!(0));
+    vocab.insert("<|im_end|>".into(), json!(1));
+    for (i, (c, _)) in chars.into_iter().enumerate() {
+        vocab.insert(c, json!(i + 2));
+    }
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "added_tokens": [
+            {"id": 0, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []}
+    })
+}
+
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+fn byte_tokenizer() -> Tokenizer {
+    let bytes = serde_json::to_vec(&byte_tokenizer_json()).unwrap();
+    Tokenizer::from_parts(&bytes, &json!({"chat_template": CHATML, "eos_token": "<|im_end|>"})).unwrap()
+}
+
+/// Writes a complete tiny model folder and returns its path.
+fn write_model(name: &str, model_type: &str) -> PathBuf {
+    let dir = temp_dir(name);
+    let mut config = testing::config(model_type);
+    config["vocab_size"] = json!(258);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let weights = testing_weights_with_vocab(model_type, 258);
+    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), byte_tokenizer_json().to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": CHATML, "eos_token": "<|im_end|>"}).to_string()).unwrap();
+    dir
+}
+
+fn testing_weights_with_vocab(model_type: &str, vocab: usize) -> Vec<(String, Array)> {
+    let mut w: Vec<(String, Array)> = testing::weights(model_type, 9).unwrap().into_iter().collect();
+    for (name, a) in w.iter_mut() {
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            *a = Array::zeros(&[vocab, 64], Dtype::Float32).unwrap().add(&Array::scalar(0.01, Dtype::Float32).unwrap()).unwrap();
+        }
+    }
+    w
+}
+
+fn load_err(dir: &Path) -> String {
+    match load(dir) {
+        Ok(_) => panic!("{} loaded but should not have", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_complete_folder_loads_with_its_tokenizer_and_eos() {
+    let dir = write_model("ok", "qwen2");
+    let loaded = load(&dir).unwrap();
+    assert_eq!(loaded.info.model_type, "qwen2");
+    assert_eq!(loaded.info.eos_token_ids, vec![1, 2]);
+    assert_eq!(loaded.info.vocab_size, 258);
+    let ids = loaded.tokenizer.encode_chat(&json!([{"role": "user", "content": "hi"}]), None, true).unwrap();
+    assert_eq!(ids[0], 0, "the template's <|im_start|> is a special token");
+    let logits = loaded.model.forward(&tokens(&ids.iter().map(|&t| t as i32).collect::<Vec<_>>()), &mut loaded.model.make_cache()).unwrap();
+    assert_eq!(logits.shape(), vec![1, ids.len(), 258]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_missing_config_key_names_the_key_and_the_file() {
+    let dir = write_model("missing-key", "llama");
+    let mut config = testing::config("llama");
+    config.as_object_mut().unwrap().remove("hidden_size");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("config.json") && err.contains("missing field `hidden_size`"), "{err}");
+}
+
+#[test]
+fn an_unknown_model_type_lists_the_supported_ones() {
+    let dir = write_model("unknown-type", "llama");
+    let mut config = testing::config("llama");
+    config["model_type"] = json!("mamba");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("unsupported model_type \"mamba\"") && err.contains("llama, mistral, qwen2, qwen3"), "{err}");
+}
+
+#[test]
+fn a_truncated_safetensors_file_is_refused_at_load() {
+    let dir = write_model("truncated", "llama");
+    let path = dir.join("model.safetensors");
+    let len = std::fs::metadata(&path).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(len - 1000).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+    // A header that is not JSON.
+    std::fs::write(&path, [10, 0, 0, 0, 0, 0, 0, 0, b'{', b'x', b' ', b' ', b' ', b' ', b' ', b' ', b' ', b' ']).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("header is not valid JSON"), "{err}");
+}
+
+#[test]
+fn a_wrongly_shaped_weight_names_the_weight_and_the_expected_shape() {
+    let dir = write_model("bad-shape", "llama");
+    let mut weights = testing_weights_with_vocab("llama", 258);
+    for (name, a) in weights.iter_mut() {
+        if name == "model.layers.1.mlp.up_proj.weight" {
+            *a = Array::zeros(&[64, 64], Dtype::Float32).unwrap();
+        }
+    }
+    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("\"model.layers.1.mlp.up_proj.weight\"") && err.contains("[64, 64], expected [128, 64]"), "{err}");
+}
+
+#[test]
+fn a_missing_weight_names_it() {
+    let dir = write_model("missing-weight", "qwen3");
+    let weights: Vec<(String, Array)> =
+        testing_weights_with_vocab("qwen3", 258).into_iter().filter(|(n, _)| n != "model.layers.0.self_attn.k_norm.weight").collect();
+    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("\"model.layers.0.self_attn.k_norm.weight\" not found") && err.contains("qwen3"), "{err}");
+}
+
+#[test]
+fn non_utf8_prompt_bytes_are_refused_with_the_offset() {
+    let err = byte_tokenizer().encode_bytes(b"caf\xc3(", true).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)));
+    assert!(err.to_string().contains("not valid UTF-8") && err.to_string().contains("offset 3"), "{err}");
+}
+
+// ---- tokenizer ----
+
+#[test]
+fn the_chat_template_renders_with_huggingface_semantics() {
+    let tok = byte_tokenizer();
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let text = tok.apply_chat_template(&messages, None, true, None).unwrap();
+    assert_eq!(text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    // Python string methods and raise_exception work as in transformers.
+    let template = "{% if messages[0]['content'].strip().startswith('x') %}{{ raise_exception('no x') }}{% endif %}{{ messages[0]['content'].upper() }}";
+    let bytes = serde_json::to_vec(&byte_tokenizer_json()).unwrap();
+    let tok = Tokenizer::from_parts(&bytes, &json!({"chat_template": template})).unwrap();
+    assert_eq!(tok.apply_chat_template(&json!([{"role": "user", "content": " ab "}]), None, false, None).unwrap(), " AB ");
+    let err = tok.apply_chat_template(&json!([{"role": "user", "content": " xy"}]), None, false, None).unwrap_err();
+    assert!(err.to_string().contains("no x"), "{err}");
+}
+
+#[test]
+fn the_detokenizer_holds_back_incomplete_utf8() {
+    let tok = byte_tokenizer();
+    let ids = tok.encode("é!", false).unwrap();
+    assert_eq!(ids.len(), 3, "é is two byte tokens");
+    let mut d = crate::Detokenizer::new(&tok);
+    assert_eq!(d.push(ids[0]).unwrap(), "");
+    assert_eq!(d.push(ids[1]).unwrap(), "é");
+    assert_eq!(d.push(ids[2]).unwrap(), "!");
+    // A dangling lead byte at the end is flushed (as the replacement character) only on flush.
+    let mut d = crate::Detokenizer::new(&tok);
+    assert_eq!(d.push(ids[0]).unwrap(), "");
+    assert_eq!(d.flush().unwrap(), "\u{FFFD}");
+}
+
+#[test]
+fn llama3_rope_frequencies_follow_the_reference_formula() {
+    let scaling = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let rope = crate::layers::Rope::new(64, 500000.0, false, Some(&scaling)).unwrap();
+    let crate::layers::Rope::Freqs { freqs, .. } = rope else { panic!("llama3 scaling gives explicit frequencies") };
+    let got = freqs.to_vec_f32().unwrap();
+    for (i, g) in got.iter().enumerate() {
+        let f = 500000f64.powf(2.0 * i as f64 / 64.0);
+        let wavelen = 2.0 * std::f64::consts::PI * f;
+        let expected = if wavelen > 8192.0 {
+            f * 8.0
+        } else if wavelen > 2048.0 {
+            let s = (8192.0 / wavelen - 1.0) / 3.0;
+            f / ((1.0 - s) / 8.0 + s)
+        } else {
+            f
+        };
+        assert!(((*g as f64) - expected).abs() / expected < 1e-5, "pair {i}: {g} vs {expected}");
+    }
+    let err = crate::layers::Rope::new(64, 1e4, false, Some(&json!({"type": "yarn", "factor": 2.0}))).err().unwrap();
+    assert!(err.to_string().contains("\"yarn\" is not supported"));
+}

@@ -1,0 +1,80 @@
+//! Tiny random-weight models (hidden 64, two layers, vocab 128) for tests in this and
+//! dependent crates: shapes, cache behaviour and decode-loop logic, not output quality.
+
+use crate::weights::Weights;
+use crate::{Arch, CausalLm, Result};
+use mlx::{random, Array, Dtype};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::Path;
+
+pub const VOCAB: usize = 128;
+const HIDDEN: usize = 64;
+const LAYERS: usize = 2;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 16;
+const FFN: usize = 128;
+
+/// The `config.json` of a tiny model of `model_type` (llama, qwen2 or qwen3).
+pub fn config(model_type: &str) -> Value {
+    json!({
+        "model_type": model_type,
+        "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0,
+        "tie_word_embeddings": model_type != "llama",
+        "eos_token_id": 2, "bos_token_id": 1,
+    })
+}
+
+/// Deterministic random weights for `config(model_type)`, named as in HF checkpoints.
+pub fn weights(model_type: &str, seed: u64) -> Result<HashMap<String, Array>> {
+    let mut counter = 0u64;
+    let mut w = HashMap::new();
+    let mut add = |name: String, shape: &[usize], scale: f32| -> Result<()> {
+        counter += 1;
+        let key = random::key(seed.wrapping_mul(1_000_003).wrapping_add(counter))?;
+        let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        let u = random::uniform(&dims, &key)?;
+        let a = u.multiply(&Array::scalar(2.0 * scale, Dtype::Float32)?)?.subtract(&Array::scalar(scale, Dtype::Float32)?)?;
+        a.eval()?;
+        w.insert(name, a);
+        Ok(())
+    };
+    let lin = |cols: usize| (3.0 / cols as f32).sqrt();
+    add("model.embed_tokens.weight".into(), &[VOCAB, HIDDEN], 1.0)?;
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        add(format!("{p}.self_attn.q_proj.weight"), &[HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+        add(format!("{p}.self_attn.k_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+        add(format!("{p}.self_attn.v_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+        add(format!("{p}.self_attn.o_proj.weight"), &[HIDDEN, HEADS * HEAD_DIM], lin(HEADS * HEAD_DIM))?;
+        if model_type == "qwen2" {
+            add(format!("{p}.self_attn.q_proj.bias"), &[HEADS * HEAD_DIM], 0.1)?;
+            add(format!("{p}.self_attn.k_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
+            add(format!("{p}.self_attn.v_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
+        }
+        if model_type == "qwen3" {
+            add(format!("{p}.self_attn.q_norm.weight"), &[HEAD_DIM], 1.0)?;
+            add(format!("{p}.self_attn.k_norm.weight"), &[HEAD_DIM], 1.0)?;
+        }
+        add(format!("{p}.mlp.gate_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+        add(format!("{p}.mlp.up_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+        add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+        add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 1.0)?;
+        add(format!("{p}.post_attention_layernorm.weight"), &[HIDDEN], 1.0)?;
+    }
+    add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
+    if model_type == "llama" {
+        add("lm_head.weight".into(), &[VOCAB, HIDDEN], 1.0)?;
+    }
+    Ok(w)
+}
+
+/// A tiny random model of `model_type`.
+pub fn model(model_type: &str, seed: u64) -> Result<Box<dyn CausalLm>> {
+    let path = Path::new("<tiny random>");
+    let arch = Arch::parse(&config(model_type), path)?;
+    arch.model(&Weights::new(weights(model_type, seed)?, path, model_type))
+}
