@@ -165,6 +165,8 @@ pub struct JsonOutput {
     pub generation_tps: f64,
     pub peak_memory_bytes: usize,
     pub seed: u64,
+    pub prompt_tokens: usize,
+    pub generation_tokens: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -216,6 +218,8 @@ pub fn run(args: Args) -> Result<()> {
             generation_tps: stats.generation_tps,
             peak_memory_bytes: stats.peak_memory_bytes,
             seed: generation.seed(),
+            prompt_tokens: stats.prompt_tokens,
+            generation_tokens: stats.generated_tokens,
         };
         serde_json::to_writer(&mut stdout, &out)?;
         writeln!(stdout)?;

@@ -183,6 +183,9 @@ fn build(source: &Path, arch: Arch, config: &Value, generation: Value, mut weigh
         weights.remove("lm_head.weight");
     }
     let model = arch.model(&weights)?;
+    // Materialize every weight now, as mlx-lm's `load` does: read errors surface here, and
+    // the first request does not pay for reading the file.
+    weights.eval()?;
     let mut eos = eos_ids(config.get("eos_token_id"));
     eos.extend(eos_ids(generation.get("eos_token_id")));
     eos.extend(tokenizer.eos_token_id());

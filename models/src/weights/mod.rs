@@ -57,6 +57,15 @@ impl Weights {
         self.tensors.insert(name, a);
     }
 
+    /// Evaluates (reads, converts) every weight.
+    pub fn eval(&self) -> Result<()> {
+        let all: Vec<&Array> = self.tensors.values().collect();
+        for chunk in all.chunks(64) {
+            mlx::eval(chunk).map_err(|e| Error::Invalid(format!("reading weights from {}: {e}", self.path.display())))?;
+        }
+        Ok(())
+    }
+
     /// Total bytes of all weights (what one decode step reads, for dense models).
     pub fn nbytes(&self) -> usize {
         self.tensors.values().map(|a| a.nbytes()).sum()
