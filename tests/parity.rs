@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 
-const PROMPTS: [&str; 3] = ["What is the capital of France?", "Write a haiku about the ocean.", "List three primary colors."];
+const PROMPTS: [&str; 3] =
+    ["What is the capital of France?", "Write a haiku about the ocean.", "List three primary colors."];
 
 struct Fixtures {
     models: PathBuf,
@@ -68,7 +69,12 @@ fn oracle(f: &Fixtures, model: &str, max_tokens: usize) -> Arc<Vec<OracleRecord>
                 OracleRecord {
                     prompt_ids: ids(&v["prompt_ids"]),
                     gen_ids: ids(&v["gen_ids"]),
-                    last_logits: v["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect(),
+                    last_logits: v["last_logits"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                        .collect(),
                 }
             })
             .collect::<Vec<_>>();
@@ -81,7 +87,17 @@ fn oracle(f: &Fixtures, model: &str, max_tokens: usize) -> Arc<Vec<OracleRecord>
 /// `host generate --json` on `model` for `prompt`.
 fn host_generate(model: &PathBuf, prompt: &str, max_tokens: usize) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_host"))
-        .args(["generate", "--json", "--device", "cpu", "--max-tokens", &max_tokens.to_string(), "--prompt", prompt, "--model"])
+        .args([
+            "generate",
+            "--json",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--prompt",
+            prompt,
+            "--model",
+        ])
         .arg(model)
         .output()
         .expect("running host generate");
@@ -94,7 +110,12 @@ fn check_ids(f: &Fixtures, model_path: PathBuf, oracle_model: &str, max_tokens: 
     let reference = oracle(f, oracle_model, max_tokens);
     for (prompt, want) in PROMPTS.iter().zip(reference.iter()) {
         let got = host_generate(&model_path, prompt, max_tokens);
-        assert_eq!(ids(&got["prompt_token_ids"]), want.prompt_ids, "{}: prompt ids for {prompt:?}", model_path.display());
+        assert_eq!(
+            ids(&got["prompt_token_ids"]),
+            want.prompt_ids,
+            "{}: prompt ids for {prompt:?}",
+            model_path.display()
+        );
         assert_eq!(ids(&got["token_ids"]), want.gen_ids, "{}: generated ids for {prompt:?}", model_path.display());
     }
 }

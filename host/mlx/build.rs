@@ -108,15 +108,29 @@ fn find_mlx() -> Result<PathBuf, String> {
     let mut last = String::new();
     for py in ["python3", "python"] {
         let status = Command::new(py)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--only-binary=:all:", "--target"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--target",
+            ])
             .arg(&tmp)
             .arg(format!("{}=={MLX_VERSION}", wheel()))
             .status();
         match status {
             Ok(s) if s.success() => {
                 let _ = std::fs::remove_dir_all(&target);
-                std::fs::rename(&tmp, &target).map_err(|e| format!("moving the wheel into {}: {e}", target.display()))?;
-                return if has_mlx(&dir) { Ok(dir) } else { Err(format!("{} has no MLX headers and library after pip install", dir.display())) };
+                std::fs::rename(&tmp, &target)
+                    .map_err(|e| format!("moving the wheel into {}: {e}", target.display()))?;
+                return if has_mlx(&dir) {
+                    Ok(dir)
+                } else {
+                    Err(format!("{} has no MLX headers and library after pip install", dir.display()))
+                };
             }
             Ok(s) => last = format!("{py} -m pip install {}=={MLX_VERSION} failed ({s})", wheel()),
             Err(e) => last = format!("{py}: {e}"),

@@ -79,7 +79,14 @@ impl Embedding {
             Embedding::Dense { weight } => weight.take(ids, 0)?,
             Embedding::Quantized { weight, scales, biases, q } => {
                 let dtype = scales.dtype();
-                ops::dequantize(&weight.take(ids, 0)?, &scales.take(ids, 0)?, &biases.take(ids, 0)?, q.group_size, q.bits, dtype)?
+                ops::dequantize(
+                    &weight.take(ids, 0)?,
+                    &scales.take(ids, 0)?,
+                    &biases.take(ids, 0)?,
+                    q.group_size,
+                    q.bits,
+                    dtype,
+                )?
             }
         })
     }
@@ -161,8 +168,12 @@ impl Rope {
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
         let offset = offset as i32;
         Ok(match self {
-            Rope::Default { dims, traditional, base, scale } => fast::rope(x, *dims, *traditional, *base, *scale, offset)?,
-            Rope::Freqs { dims, traditional, freqs } => fast::rope_with_freqs(x, *dims, *traditional, 1.0, offset, freqs)?,
+            Rope::Default { dims, traditional, base, scale } => {
+                fast::rope(x, *dims, *traditional, *base, *scale, offset)?
+            }
+            Rope::Freqs { dims, traditional, freqs } => {
+                fast::rope_with_freqs(x, *dims, *traditional, 1.0, offset, freqs)?
+            }
         })
     }
 }

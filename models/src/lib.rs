@@ -13,8 +13,8 @@ pub mod llama;
 mod loader;
 pub mod qwen2;
 pub mod qwen3;
-pub mod tokenizer;
 pub mod testing;
+pub mod tokenizer;
 pub mod weights;
 
 pub use cache::KvCache;

@@ -191,7 +191,12 @@ impl Model {
                     self_attn: Attention::load(w, &format!("{p}.self_attn"), d)?,
                     mlp: Mlp::load(w, &format!("{p}.mlp"), d.hidden, d.ffn, d.mlp_bias)?,
                     input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
-                    post_attention_layernorm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm"), d.hidden, d.eps)?,
+                    post_attention_layernorm: RmsNorm::load(
+                        w,
+                        &format!("{p}.post_attention_layernorm"),
+                        d.hidden,
+                        d.eps,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -118,7 +118,8 @@ impl Arch {
 
 fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), message: format!("not valid JSON: {e}") })
+    serde_json::from_str(&text)
+        .map_err(|e| Error::Config { path: path.to_path_buf(), message: format!("not valid JSON: {e}") })
 }
 
 fn parse<T: DeserializeOwned>(config: &Value, path: &Path) -> Result<T> {
@@ -142,7 +143,10 @@ fn quantization(config: &Value, path: &Path) -> Result<(Option<Quantization>, Ha
         };
         if let Some(mode) = v.get("mode").and_then(Value::as_str) {
             if mode != "affine" {
-                return Err(Error::Config { path: path.to_path_buf(), message: format!("quantization mode {mode:?} is not supported; supported: affine") });
+                return Err(Error::Config {
+                    path: path.to_path_buf(),
+                    message: format!("quantization mode {mode:?} is not supported; supported: affine"),
+                });
             }
         }
         Ok(Quantization { group_size: field("group_size")?, bits: field("bits")? })
@@ -173,7 +177,14 @@ fn eos_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-fn build(source: &Path, arch: Arch, config: &Value, generation: Value, mut weights: Weights, tokenizer: Tokenizer) -> Result<Loaded> {
+fn build(
+    source: &Path,
+    arch: Arch,
+    config: &Value,
+    generation: Value,
+    mut weights: Weights,
+    tokenizer: Tokenizer,
+) -> Result<Loaded> {
     // Sanitize as mlx-lm does: precomputed rotary tables are unused; tied heads are dropped.
     let unused: Vec<String> = weights.names().filter(|n| n.contains("rotary_emb.inv_freq")).cloned().collect();
     for n in unused {
@@ -194,7 +205,9 @@ fn build(source: &Path, arch: Arch, config: &Value, generation: Value, mut weigh
     if eos.is_empty() {
         return Err(Error::Config {
             path: source.to_path_buf(),
-            message: "no eos_token_id in config.json or generation_config.json and no eos_token in the tokenizer config".into(),
+            message:
+                "no eos_token_id in config.json or generation_config.json and no eos_token in the tokenizer config"
+                    .into(),
         });
     }
     let info = ModelInfo {

@@ -57,8 +57,14 @@ impl Attention {
 
     fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut KvCache, rope: &Rope) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
-        let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, -1])?)?.transpose(&[0, 2, 1, 3])?;
-        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, -1])?)?.transpose(&[0, 2, 1, 3])?;
+        let q = self
+            .q_norm
+            .forward(&self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, -1])?)?
+            .transpose(&[0, 2, 1, 3])?;
+        let k = self
+            .k_norm
+            .forward(&self.k_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, -1])?)?
+            .transpose(&[0, 2, 1, 3])?;
         let v = self.v_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, -1])?.transpose(&[0, 2, 1, 3])?;
         let q = rope.forward(&q, cache.offset())?;
         let k = rope.forward(&k, cache.offset())?;
@@ -99,7 +105,12 @@ impl Model {
                     self_attn: Attention::load(w, &format!("{p}.self_attn"), c)?,
                     mlp: Mlp::load(w, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, false)?,
                     input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps)?,
-                    post_attention_layernorm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+                    post_attention_layernorm: RmsNorm::load(
+                        w,
+                        &format!("{p}.post_attention_layernorm"),
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -107,7 +118,11 @@ impl Model {
             embed_tokens: Embedding::load(w, "model.embed_tokens", c.vocab_size, c.hidden_size)?,
             layers,
             norm: RmsNorm::load(w, "model.norm", c.hidden_size, c.rms_norm_eps)?,
-            lm_head: if c.tie_word_embeddings { None } else { Some(Linear::load(w, "lm_head", c.hidden_size, c.vocab_size, false)?) },
+            lm_head: if c.tie_word_embeddings {
+                None
+            } else {
+                Some(Linear::load(w, "lm_head", c.hidden_size, c.vocab_size, false)?)
+            },
             rope,
             vocab: c.vocab_size,
         })

@@ -37,7 +37,9 @@ pub fn weights(model_type: &str, seed: u64) -> Result<HashMap<String, Array>> {
         let key = random::key(seed.wrapping_mul(1_000_003).wrapping_add(counter))?;
         let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
         let u = random::uniform(&dims, &key)?;
-        let a = u.multiply(&Array::scalar(2.0 * scale, Dtype::Float32)?)?.subtract(&Array::scalar(scale, Dtype::Float32)?)?;
+        let a = u
+            .multiply(&Array::scalar(2.0 * scale, Dtype::Float32)?)?
+            .subtract(&Array::scalar(scale, Dtype::Float32)?)?;
         a.eval()?;
         w.insert(name, a);
         Ok(())

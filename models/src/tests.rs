@@ -144,7 +144,11 @@ fn write_model(name: &str, model_type: &str) -> PathBuf {
     let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
     std::fs::write(dir.join("tokenizer.json"), byte_tokenizer_json().to_string()).unwrap();
-    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": CHATML, "eos_token": "<|im_end|>"}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        json!({"chat_template": CHATML, "eos_token": "<|im_end|>"}).to_string(),
+    )
+    .unwrap();
     dir
 }
 
@@ -152,7 +156,10 @@ fn testing_weights_with_vocab(model_type: &str, vocab: usize) -> Vec<(String, Ar
     let mut w: Vec<(String, Array)> = testing::weights(model_type, 9).unwrap().into_iter().collect();
     for (name, a) in w.iter_mut() {
         if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-            *a = Array::zeros(&[vocab, 64], Dtype::Float32).unwrap().add(&Array::scalar(0.01, Dtype::Float32).unwrap()).unwrap();
+            *a = Array::zeros(&[vocab, 64], Dtype::Float32)
+                .unwrap()
+                .add(&Array::scalar(0.01, Dtype::Float32).unwrap())
+                .unwrap();
         }
     }
     w
@@ -174,7 +181,10 @@ fn a_complete_folder_loads_with_its_tokenizer_and_eos() {
     assert_eq!(loaded.info.vocab_size, 258);
     let ids = loaded.tokenizer.encode_chat(&json!([{"role": "user", "content": "hi"}]), None, true).unwrap();
     assert_eq!(ids[0], 0, "the template's <|im_start|> is a special token");
-    let logits = loaded.model.forward(&tokens(&ids.iter().map(|&t| t as i32).collect::<Vec<_>>()), &mut loaded.model.make_cache()).unwrap();
+    let logits = loaded
+        .model
+        .forward(&tokens(&ids.iter().map(|&t| t as i32).collect::<Vec<_>>()), &mut loaded.model.make_cache())
+        .unwrap();
     assert_eq!(logits.shape(), vec![1, ids.len(), 258]);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -209,7 +219,8 @@ fn a_truncated_safetensors_file_is_refused_at_load() {
     let err = load_err(&dir);
     assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
     // A header that is not JSON.
-    std::fs::write(&path, [10, 0, 0, 0, 0, 0, 0, 0, b'{', b'x', b' ', b' ', b' ', b' ', b' ', b' ', b' ', b' ']).unwrap();
+    std::fs::write(&path, [10, 0, 0, 0, 0, 0, 0, 0, b'{', b'x', b' ', b' ', b' ', b' ', b' ', b' ', b' ', b' '])
+        .unwrap();
     let err = load_err(&dir);
     assert!(err.contains("header is not valid JSON"), "{err}");
 }
@@ -226,14 +237,19 @@ fn a_wrongly_shaped_weight_names_the_weight_and_the_expected_shape() {
     let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("\"model.layers.1.mlp.up_proj.weight\"") && err.contains("[64, 64], expected [128, 64]"), "{err}");
+    assert!(
+        err.contains("\"model.layers.1.mlp.up_proj.weight\"") && err.contains("[64, 64], expected [128, 64]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_missing_weight_names_it() {
     let dir = write_model("missing-weight", "qwen3");
-    let weights: Vec<(String, Array)> =
-        testing_weights_with_vocab("qwen3", 258).into_iter().filter(|(n, _)| n != "model.layers.0.self_attn.k_norm.weight").collect();
+    let weights: Vec<(String, Array)> = testing_weights_with_vocab("qwen3", 258)
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.0.self_attn.k_norm.weight")
+        .collect();
     let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
     let err = load_err(&dir);
@@ -254,12 +270,18 @@ fn the_chat_template_renders_with_huggingface_semantics() {
     let tok = byte_tokenizer();
     let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
     let text = tok.apply_chat_template(&messages, None, true, None).unwrap();
-    assert_eq!(text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        text,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
     // Python string methods and raise_exception work as in transformers.
     let template = "{% if messages[0]['content'].strip().startswith('x') %}{{ raise_exception('no x') }}{% endif %}{{ messages[0]['content'].upper() }}";
     let bytes = serde_json::to_vec(&byte_tokenizer_json()).unwrap();
     let tok = Tokenizer::from_parts(&bytes, &json!({"chat_template": template})).unwrap();
-    assert_eq!(tok.apply_chat_template(&json!([{"role": "user", "content": " ab "}]), None, false, None).unwrap(), " AB ");
+    assert_eq!(
+        tok.apply_chat_template(&json!([{"role": "user", "content": " ab "}]), None, false, None).unwrap(),
+        " AB "
+    );
     let err = tok.apply_chat_template(&json!([{"role": "user", "content": " xy"}]), None, false, None).unwrap_err();
     assert!(err.to_string().contains("no x"), "{err}");
 }

@@ -145,7 +145,12 @@ impl Tokenizer {
 
     /// Renders the template for `messages` and tokenizes the result without adding special
     /// tokens again (the template already has them), as `apply_chat_template(tokenize=True)`.
-    pub fn encode_chat(&self, messages: &Value, tools: Option<&Value>, add_generation_prompt: bool) -> Result<Vec<u32>> {
+    pub fn encode_chat(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
         let text = self.apply_chat_template(messages, tools, add_generation_prompt, None)?;
         self.encode(&text, false)
     }
@@ -167,7 +172,20 @@ fn template_env() -> Environment<'static> {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let days = (secs / 86_400) as i64;
         let (y, m, d) = civil_from_days(days);
-        const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+        const MONTHS: [&str; 12] = [
+            "January",
+            "February",
+            "March",
+            "April",
+            "May",
+            "June",
+            "July",
+            "August",
+            "September",
+            "October",
+            "November",
+            "December",
+        ];
         fmt.replace("%Y", &y.to_string())
             .replace("%m", &format!("{m:02}"))
             .replace("%d", &format!("{d:02}"))
@@ -225,6 +243,10 @@ impl<'a> Detokenizer<'a> {
         let text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
         self.prefix_offset = self.tokens.len();
         self.read_offset = self.tokens.len();
-        Ok(if text.len() > prefix.len() && text.is_char_boundary(prefix.len()) { text[prefix.len()..].to_string() } else { String::new() })
+        Ok(if text.len() > prefix.len() && text.is_char_boundary(prefix.len()) {
+            text[prefix.len()..].to_string()
+        } else {
+            String::new()
+        })
     }
 }

@@ -103,7 +103,14 @@ pub(crate) mod ffi {
         fn quantize(w: &array, group_size: i32, bits: i32) -> Result<UniquePtr<ArrayList>>;
 
         fn rms_norm(x: &array, weight: &array, eps: f32) -> Result<UniquePtr<array>>;
-        fn rope(x: &array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<array>>;
+        fn rope(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            scale: f32,
+            offset: i32,
+        ) -> Result<UniquePtr<array>>;
         fn rope_freqs(
             x: &array,
             dims: i32,

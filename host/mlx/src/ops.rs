@@ -35,7 +35,14 @@ pub fn quantized_matmul(
     wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
 }
 
-pub fn dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32, dtype: Dtype) -> Result<Array> {
+pub fn dequantize(
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    dtype: Dtype,
+) -> Result<Array> {
     wrap(ffi::dequantize(&w.0, &scales.0, &biases.0, group_size, bits, dtype as u8))
 }
 
@@ -73,7 +80,14 @@ pub mod fast {
     }
 
     /// Rotary embedding with explicit per-pair frequencies (Llama 3 scaling).
-    pub fn rope_with_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offset: i32, freqs: &Array) -> Result<Array> {
+    pub fn rope_with_freqs(
+        x: &Array,
+        dims: i32,
+        traditional: bool,
+        scale: f32,
+        offset: i32,
+        freqs: &Array,
+    ) -> Result<Array> {
         wrap(ffi::rope_freqs(&x.0, dims, traditional, scale, offset, &freqs.0))
     }
 

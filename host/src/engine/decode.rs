@@ -216,7 +216,12 @@ mod tests {
     use crate::engine::SamplingParams;
     use models::testing;
 
-    fn run(model: &dyn CausalLm, prompt: &[u32], params: SamplingParams, options: DecodeOptions) -> (Vec<u32>, Option<FinishReason>) {
+    fn run(
+        model: &dyn CausalLm,
+        prompt: &[u32],
+        params: SamplingParams,
+        options: DecodeOptions,
+    ) -> (Vec<u32>, Option<FinishReason>) {
         let sampler = Sampler::new(params, model.vocab_size()).unwrap();
         let mut g = Generation::start(model, prompt, sampler, options).unwrap();
         let (mut ids, mut finish) = (Vec::new(), None);
@@ -236,7 +241,8 @@ mod tests {
         let mut seq: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
         let mut out = Vec::new();
         for _ in 0..n {
-            let logits = model.forward(&Array::from_i32(&seq, &[1, seq.len()]).unwrap(), &mut model.make_cache()).unwrap();
+            let logits =
+                model.forward(&Array::from_i32(&seq, &[1, seq.len()]).unwrap(), &mut model.make_cache()).unwrap();
             let last = logits.slice_axis(1, seq.len() as i32 - 1, seq.len() as i32).unwrap();
             let id = last.argmax(-1, false).unwrap().item_i32().unwrap();
             out.push(id as u32);

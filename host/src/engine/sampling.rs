@@ -128,7 +128,10 @@ impl Sampler {
     pub fn new(params: SamplingParams, vocab_size: usize) -> Result<Sampler> {
         params.validate(vocab_size)?;
         let seed = params.seed.unwrap_or_else(|| {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
             mix(t ^ u64::from(std::process::id()))
         });
         // A dense bias row: `logits + bias` equals mlx-lm's `logits.at[:, ids].add(values)`
@@ -283,14 +286,16 @@ mod tests {
         let bias = run(SamplingParams { logit_bias: [(3, 10.0)].into(), ..Default::default() });
         assert_eq!(bias, vec![2.0, -2.0, 1.0, 10.5]);
         // Window of 1: only the last token (1) is penalized.
-        let windowed = run(SamplingParams { presence_penalty: Some(0.5), presence_context_size: 1, ..Default::default() });
+        let windowed =
+            run(SamplingParams { presence_penalty: Some(0.5), presence_context_size: 1, ..Default::default() });
         assert_eq!(windowed, vec![2.0, -2.5, 1.0, 0.5]);
     }
 
     #[test]
     fn out_of_range_parameters_are_refused_with_the_accepted_range() {
         let bad = |p: SamplingParams| Sampler::new(p, 10).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(bad(SamplingParams { temperature: -1.0, ..Default::default() }).contains("`temperature` must be between 0 and 100, got -1"));
+        assert!(bad(SamplingParams { temperature: -1.0, ..Default::default() })
+            .contains("`temperature` must be between 0 and 100, got -1"));
         assert!(bad(SamplingParams { top_p: 1.5, ..Default::default() }).contains("`top_p`"));
         assert!(bad(SamplingParams { top_k: 10, ..Default::default() }).contains("vocabulary size 10"));
         assert!(bad(SamplingParams { logit_bias: [(99, 1.0)].into(), ..Default::default() }).contains("token 99"));

@@ -105,14 +105,17 @@ fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
 }
 
 pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
-    let file = mlx::io::load_gguf(path).map_err(|e| Error::Gguf { path: path.to_path_buf(), message: format!("{e}; is this a complete GGUF file?") })?;
+    let file = mlx::io::load_gguf(path).map_err(|e| Error::Gguf {
+        path: path.to_path_buf(),
+        message: format!("{e}; is this a complete GGUF file?"),
+    })?;
     let meta = Meta { map: &file.gguf, path };
-    let arch = meta.string("general.architecture").ok_or_else(|| meta.err("missing metadata key \"general.architecture\"".into()))?;
-    let model_type = ARCHS
-        .iter()
-        .find(|(a, _)| *a == arch)
-        .map(|(_, m)| *m)
-        .ok_or_else(|| meta.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3")))?;
+    let arch = meta
+        .string("general.architecture")
+        .ok_or_else(|| meta.err("missing metadata key \"general.architecture\"".into()))?;
+    let model_type = ARCHS.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
+        meta.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3"))
+    })?;
     let key = |k: &str| format!("{arch}.{k}");
     let n_head = meta.required(&key("attention.head_count"))? as usize;
     let n_kv = meta.number(&key("attention.head_count_kv"))?.map_or(n_head, |v| v as usize);
@@ -128,7 +131,8 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     // Weights under HF names; quantized triples keep their per-tensor bits.
     let mut tensors: HashMap<String, Array> = HashMap::new();
     let mut overrides: HashMap<String, Option<Quantization>> = HashMap::new();
-    let mut stems: Vec<&String> = file.arrays.keys().filter(|k| k.ends_with(".weight") || k.ends_with(".bias")).collect();
+    let mut stems: Vec<&String> =
+        file.arrays.keys().filter(|k| k.ends_with(".weight") || k.ends_with(".bias")).collect();
     stems.sort();
     for name in stems {
         let (stem, suffix) = name.rsplit_once('.').expect("filtered on a suffix");
@@ -198,7 +202,9 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
 fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
     let model = meta.string("tokenizer.ggml.model").unwrap_or("?");
     if model != "gpt2" {
-        return Err(meta.err(format!("GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE)")));
+        return Err(
+            meta.err(format!("GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE)"))
+        );
     }
     let types = meta.ints("tokenizer.ggml.token_type")?;
     let merges = meta.strings("tokenizer.ggml.merges")?;
@@ -208,7 +214,11 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
         Some("smollm" | "starcoder" | "refact") => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]}),
         Some("gpt2" | "default") | None => byte_level,
-        Some(other) => return Err(meta.err(format!("GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2"))),
+        Some(other) => {
+            return Err(meta.err(format!(
+                "GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2"
+            )))
+        }
     };
     // token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
     let added: Vec<Value> = tokens
@@ -216,14 +226,19 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
         .zip(&types)
         .enumerate()
         .filter(|(_, (_, t))| matches!(t, 2..=4))
-        .map(|(i, (tok, t))| json!({"id": i, "content": tok, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": *t != 4}))
+        .map(|(i, (tok, t))| {
+            json!({"id": i, "content": tok, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": *t != 4})
+        })
         .collect();
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-    let merges: Vec<Value> = merges.iter().map(|m| match m.split_once(' ') {
-        Some((a, b)) => json!([a, b]),
-        None => json!([m, ""]),
-    }).collect();
+    let merges: Vec<Value> = merges
+        .iter()
+        .map(|m| match m.split_once(' ') {
+            Some((a, b)) => json!([a, b]),
+            None => json!([m, ""]),
+        })
+        .collect();
     let spec = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
         "pre_tokenizer": pre,

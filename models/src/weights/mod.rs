@@ -28,10 +28,20 @@ pub struct Weights {
 
 impl Weights {
     pub fn new(tensors: HashMap<String, Array>, path: &Path, arch: &str) -> Weights {
-        Weights { tensors, path: path.to_path_buf(), arch: arch.to_string(), quantization: None, overrides: HashMap::new() }
+        Weights {
+            tensors,
+            path: path.to_path_buf(),
+            arch: arch.to_string(),
+            quantization: None,
+            overrides: HashMap::new(),
+        }
     }
 
-    pub fn with_quantization(mut self, q: Option<Quantization>, overrides: HashMap<String, Option<Quantization>>) -> Weights {
+    pub fn with_quantization(
+        mut self,
+        q: Option<Quantization>,
+        overrides: HashMap<String, Option<Quantization>>,
+    ) -> Weights {
         self.quantization = q;
         self.overrides = overrides;
         self
@@ -61,7 +71,8 @@ impl Weights {
     pub fn eval(&self) -> Result<()> {
         let all: Vec<&Array> = self.tensors.values().collect();
         for chunk in all.chunks(64) {
-            mlx::eval(chunk).map_err(|e| Error::Invalid(format!("reading weights from {}: {e}", self.path.display())))?;
+            mlx::eval(chunk)
+                .map_err(|e| Error::Invalid(format!("reading weights from {}: {e}", self.path.display())))?;
         }
         Ok(())
     }
@@ -85,7 +96,12 @@ impl Weights {
         let a = self.get(name)?;
         let found = a.shape();
         if found != shape {
-            return Err(Error::WeightShape { name: name.to_string(), path: self.path.clone(), found, expected: shape.to_vec() });
+            return Err(Error::WeightShape {
+                name: name.to_string(),
+                path: self.path.clone(),
+                found,
+                expected: shape.to_vec(),
+            });
         }
         Ok(a)
     }

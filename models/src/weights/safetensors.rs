@@ -30,8 +30,8 @@ pub fn files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|source| Error::Io { path: index.clone(), source })?;
-        let parsed: Index = serde_json::from_str(&text)
-            .map_err(|e| Error::Config { path: index.clone(), message: e.to_string() })?;
+        let parsed: Index =
+            serde_json::from_str(&text).map_err(|e| Error::Config { path: index.clone(), message: e.to_string() })?;
         let names: BTreeSet<String> = parsed.weight_map.into_values().collect();
         return Ok(names.into_iter().map(|n| dir.join(n)).collect());
     }
@@ -42,7 +42,10 @@ pub fn files(dir: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     out.sort();
     if out.is_empty() {
-        return Err(Error::Config { path: dir.to_path_buf(), message: "no *.safetensors weight files in this folder".into() });
+        return Err(Error::Config {
+            path: dir.to_path_buf(),
+            message: "no *.safetensors weight files in this folder".into(),
+        });
     }
     Ok(out)
 }
@@ -76,9 +79,9 @@ pub fn validate(path: &Path) -> Result<()> {
     entries.remove("__metadata__");
     let data_len = file_len - 8 - header_len;
     for (name, value) in entries {
-        let info: TensorInfo =
-            serde_json::from_value(value).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
-        let size = dtype_size(&info.dtype).ok_or_else(|| bad(format!("tensor {name:?} has unknown dtype {}", info.dtype)))?;
+        let info: TensorInfo = serde_json::from_value(value).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
+        let size =
+            dtype_size(&info.dtype).ok_or_else(|| bad(format!("tensor {name:?} has unknown dtype {}", info.dtype)))?;
         let [start, end] = info.data_offsets;
         let expected = info.shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d as u64));
         if end < start || Some(end - start) != expected {
@@ -104,7 +107,8 @@ pub fn load(dir: &Path) -> Result<HashMap<String, Array>> {
     let mut tensors = HashMap::new();
     for path in files(dir)? {
         validate(&path)?;
-        let loaded = mlx::io::load_safetensors(&path).map_err(|e| Error::Safetensors { path: path.clone(), message: e.to_string() })?;
+        let loaded = mlx::io::load_safetensors(&path)
+            .map_err(|e| Error::Safetensors { path: path.clone(), message: e.to_string() })?;
         tensors.extend(loaded.arrays);
     }
     Ok(tensors)
