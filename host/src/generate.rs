@@ -68,7 +68,7 @@ pub struct Args {
     #[arg(long, short = 'm', default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, visible_alias = "temperature", default_value_t = 0.0)]
+    #[arg(long, visible_alias = "temperature", default_value_t = 0.0, allow_negative_numbers = true)]
     pub temp: f32,
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
@@ -80,16 +80,16 @@ pub struct Args {
     pub repetition_penalty: Option<f32>,
     #[arg(long, default_value_t = 20)]
     pub repetition_context_size: usize,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub presence_penalty: Option<f32>,
     #[arg(long, default_value_t = 20)]
     pub presence_context_size: usize,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub frequency_penalty: Option<f32>,
     #[arg(long, default_value_t = 20)]
     pub frequency_context_size: usize,
     /// Add BIAS to the logit of token ID; repeatable, as ID=BIAS.
-    #[arg(long, value_parser = parse_bias)]
+    #[arg(long, value_parser = parse_bias, allow_hyphen_values = true)]
     pub logit_bias: Vec<(u32, f32)>,
     /// Random seed: the same seed gives the same output.
     #[arg(long)]

@@ -8,6 +8,12 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
 
+/// Vocabulary of `byte_tokenizer_json`: two specials and the 256 byte symbols.
+pub const BYTE_VOCAB: usize = 258;
+
+/// A ChatML template like SmolLM2's.
+pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
 pub const VOCAB: usize = 128;
 const HIDDEN: usize = 64;
 const LAYERS: usize = 2;
@@ -30,6 +36,11 @@ pub fn config(model_type: &str) -> Value {
 
 /// Deterministic random weights for `config(model_type)`, named as in HF checkpoints.
 pub fn weights(model_type: &str, seed: u64) -> Result<HashMap<String, Array>> {
+    weights_with_vocab(model_type, seed, VOCAB)
+}
+
+/// As `weights`, with a vocabulary of `vocab` tokens.
+pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<HashMap<String, Array>> {
     let mut counter = 0u64;
     let mut w = HashMap::new();
     let mut add = |name: String, shape: &[usize], scale: f32| -> Result<()> {
@@ -45,7 +56,7 @@ pub fn weights(model_type: &str, seed: u64) -> Result<HashMap<String, Array>> {
         Ok(())
     };
     let lin = |cols: usize| (3.0 / cols as f32).sqrt();
-    add("model.embed_tokens.weight".into(), &[VOCAB, HIDDEN], 1.0)?;
+    add("model.embed_tokens.weight".into(), &[vocab, HIDDEN], 1.0)?;
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
         add(format!("{p}.self_attn.q_proj.weight"), &[HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
@@ -69,7 +80,7 @@ pub fn weights(model_type: &str, seed: u64) -> Result<HashMap<String, Array>> {
     }
     add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
     if model_type == "llama" {
-        add("lm_head.weight".into(), &[VOCAB, HIDDEN], 1.0)?;
+        add("lm_head.weight".into(), &[vocab, HIDDEN], 1.0)?;
     }
     Ok(w)
 }
@@ -79,4 +90,44 @@ pub fn model(model_type: &str, seed: u64) -> Result<Box<dyn CausalLm>> {
     let path = Path::new("<tiny random>");
     let arch = Arch::parse(&config(model_type), path)?;
     arch.model(&Weights::new(weights(model_type, seed)?, path, model_type))
+}
+
+/// A byte-level BPE `tokenizer.json` with no merges: `<|im_start|>` (0), `<|im_end|>` (1),
+/// then the 256 byte symbols.
+pub fn byte_tokenizer_json() -> Value {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<|im_start|>".into(), json!(0));
+    vocab.insert("<|im_end|>".into(), json!(1));
+    for (i, c) in tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().enumerate() {
+        vocab.insert(c.to_string(), json!(i + 2));
+    }
+    let special = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "added_tokens": [special(0, "<|im_start|>"), special(1, "<|im_end|>")],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []}
+    })
+}
+
+/// Writes a complete tiny model folder (config, safetensors, byte tokenizer with a ChatML
+/// template; `<|im_end|>` is EOS) into `dir`.
+pub fn write_model(dir: &Path, model_type: &str, seed: u64) -> Result<()> {
+    let io = |e: std::io::Error| crate::Error::Io { path: dir.to_path_buf(), source: e };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut cfg = config(model_type);
+    cfg["vocab_size"] = json!(BYTE_VOCAB);
+    cfg["eos_token_id"] = json!(1);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).map_err(io)?;
+    let weights = weights_with_vocab(model_type, seed, BYTE_VOCAB)?;
+    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs)?;
+    std::fs::write(dir.join("tokenizer.json"), byte_tokenizer_json().to_string()).map_err(io)?;
+    let tok_config = json!({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"});
+    std::fs::write(dir.join("tokenizer_config.json"), tok_config.to_string()).map_err(io)?;
+    Ok(())
 }

@@ -1,7 +1,7 @@
 use crate::testing;
 use crate::{load, CausalLm, Error, KvCache, Tokenizer};
 use mlx::{Array, Dtype};
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 
 const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
@@ -99,70 +99,19 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// A byte-level BPE tokenizer with the 256 byte symbols and no merges, plus two specials.
-fn byte_tokenizer_json() -> Value {
-    let mut vocab = serde_json::Map::new();
-    for (i, c) in tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().enumerate() {
-        vocab.insert(c.to_string(), json!(i));
-    }
-    let mut chars: Vec<(String, Value)> = vocab.into_iter().collect();
-    chars.sort_by_key(|(_, v)| v.as_u64());
-    let mut vocab = serde_json::Map::new();
-    vocab.insert("<|im_start|>".into(), json!(0));
-    vocab.insert("<|im_end|>".into(), json!(1));
-    for (i, (c, _)) in chars.into_iter().enumerate() {
-        vocab.insert(c, json!(i + 2));
-    }
-    json!({
-        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
-        "added_tokens": [
-            {"id": 0, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
-            {"id": 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": []}
-    })
-}
-
-const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-
 fn byte_tokenizer() -> Tokenizer {
-    let bytes = serde_json::to_vec(&byte_tokenizer_json()).unwrap();
-    Tokenizer::from_parts(&bytes, &json!({"chat_template": CHATML, "eos_token": "<|im_end|>"})).unwrap()
+    let bytes = serde_json::to_vec(&testing::byte_tokenizer_json()).unwrap();
+    Tokenizer::from_parts(&bytes, &json!({"chat_template": testing::CHATML, "eos_token": "<|im_end|>"})).unwrap()
 }
 
-/// Writes a complete tiny model folder and returns its path.
 fn write_model(name: &str, model_type: &str) -> PathBuf {
     let dir = temp_dir(name);
-    let mut config = testing::config(model_type);
-    config["vocab_size"] = json!(258);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let weights = testing_weights_with_vocab(model_type, 258);
-    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), byte_tokenizer_json().to_string()).unwrap();
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        json!({"chat_template": CHATML, "eos_token": "<|im_end|>"}).to_string(),
-    )
-    .unwrap();
+    testing::write_model(&dir, model_type, 9).unwrap();
     dir
 }
 
-fn testing_weights_with_vocab(model_type: &str, vocab: usize) -> Vec<(String, Array)> {
-    let mut w: Vec<(String, Array)> = testing::weights(model_type, 9).unwrap().into_iter().collect();
-    for (name, a) in w.iter_mut() {
-        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-            *a = Array::zeros(&[vocab, 64], Dtype::Float32)
-                .unwrap()
-                .add(&Array::scalar(0.01, Dtype::Float32).unwrap())
-                .unwrap();
-        }
-    }
-    w
+fn testing_weights_with_vocab(model_type: &str) -> Vec<(String, Array)> {
+    testing::weights_with_vocab(model_type, 9, testing::BYTE_VOCAB).unwrap().into_iter().collect()
 }
 
 fn load_err(dir: &Path) -> String {
@@ -177,7 +126,7 @@ fn a_complete_folder_loads_with_its_tokenizer_and_eos() {
     let dir = write_model("ok", "qwen2");
     let loaded = load(&dir).unwrap();
     assert_eq!(loaded.info.model_type, "qwen2");
-    assert_eq!(loaded.info.eos_token_ids, vec![1, 2]);
+    assert_eq!(loaded.info.eos_token_ids, vec![1]);
     assert_eq!(loaded.info.vocab_size, 258);
     let ids = loaded.tokenizer.encode_chat(&json!([{"role": "user", "content": "hi"}]), None, true).unwrap();
     assert_eq!(ids[0], 0, "the template's <|im_start|> is a special token");
@@ -228,7 +177,7 @@ fn a_truncated_safetensors_file_is_refused_at_load() {
 #[test]
 fn a_wrongly_shaped_weight_names_the_weight_and_the_expected_shape() {
     let dir = write_model("bad-shape", "llama");
-    let mut weights = testing_weights_with_vocab("llama", 258);
+    let mut weights = testing_weights_with_vocab("llama");
     for (name, a) in weights.iter_mut() {
         if name == "model.layers.1.mlp.up_proj.weight" {
             *a = Array::zeros(&[64, 64], Dtype::Float32).unwrap();
@@ -246,7 +195,7 @@ fn a_wrongly_shaped_weight_names_the_weight_and_the_expected_shape() {
 #[test]
 fn a_missing_weight_names_it() {
     let dir = write_model("missing-weight", "qwen3");
-    let weights: Vec<(String, Array)> = testing_weights_with_vocab("qwen3", 258)
+    let weights: Vec<(String, Array)> = testing_weights_with_vocab("qwen3")
         .into_iter()
         .filter(|(n, _)| n != "model.layers.0.self_attn.k_norm.weight")
         .collect();
@@ -276,7 +225,7 @@ fn the_chat_template_renders_with_huggingface_semantics() {
     );
     // Python string methods and raise_exception work as in transformers.
     let template = "{% if messages[0]['content'].strip().startswith('x') %}{{ raise_exception('no x') }}{% endif %}{{ messages[0]['content'].upper() }}";
-    let bytes = serde_json::to_vec(&byte_tokenizer_json()).unwrap();
+    let bytes = serde_json::to_vec(&testing::byte_tokenizer_json()).unwrap();
     let tok = Tokenizer::from_parts(&bytes, &json!({"chat_template": template})).unwrap();
     assert_eq!(
         tok.apply_chat_template(&json!([{"role": "user", "content": " ab "}]), None, false, None).unwrap(),
