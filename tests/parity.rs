@@ -1,7 +1,8 @@
 //! Parity with the reference: `host generate --json` gives the same greedy token ids as
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
 //! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
-//! GGUF file, and tiny random Llama, Llama-3-RoPE, Qwen2 and Qwen3 models.
+//! GGUF file, and tiny random Llama, Llama-3-RoPE, Qwen2 and Qwen3 models (float32, and
+//! MLX-quantized 4-bit and 8-bit as `mlx_lm.convert -q` writes them).
 //!
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
 //! missing fixture is a failure, elsewhere the tests say they were skipped.
@@ -169,7 +170,7 @@ fn smollm2_last_position_logits_match_mlx_lm() {
 #[test]
 fn tiny_random_models_equal_mlx_lm() {
     let Some(f) = fixtures() else { return };
-    for model in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3"] {
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-qwen3-q4", "tiny-llama-q8"] {
         check_ids(&f, f.models.join(model), model, 16);
         check_logits(&f, model, 16);
     }
