@@ -98,7 +98,10 @@ pub fn byte_tokenizer_json() -> Value {
     let mut vocab = serde_json::Map::new();
     vocab.insert("<|im_start|>".into(), json!(0));
     vocab.insert("<|im_end|>".into(), json!(1));
-    for (i, c) in tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().enumerate() {
+    // The alphabet is a hash set: sort it so ids are the same in every call.
+    let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort_unstable();
+    for (i, c) in alphabet.into_iter().enumerate() {
         vocab.insert(c.to_string(), json!(i + 2));
     }
     let special = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});

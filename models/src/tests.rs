@@ -272,3 +272,140 @@ fn llama3_rope_frequencies_follow_the_reference_formula() {
     let err = crate::layers::Rope::new(64, 1e4, false, Some(&json!({"type": "yarn", "factor": 2.0}))).err().unwrap();
     assert!(err.to_string().contains("\"yarn\" is not supported"));
 }
+
+// ---- GGUF ----
+
+/// llama.cpp's `permute` of Q/K rows (what its converter writes): the inverse of ours.
+fn llama_cpp_permute(w: &Array, n_head: i32) -> Array {
+    let shape: Vec<i32> = w.shape().iter().map(|&d| d as i32).collect();
+    w.reshape(&[n_head, 2, shape[0] / n_head / 2, shape[1]])
+        .unwrap()
+        .transpose(&[0, 2, 1, 3])
+        .unwrap()
+        .reshape(&shape)
+        .unwrap()
+}
+
+fn gguf_name(hf: &str) -> String {
+    let map = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, g)) = map.iter().find(|(h, _)| *h == hf) {
+        return g.to_string();
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (layer, module) = rest.split_once('.').unwrap();
+    let kinds = [
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+    ];
+    let (m, suffix) = module.rsplit_once('.').unwrap();
+    let g = kinds.iter().find(|(h, _)| *h == m).unwrap().1;
+    format!("blk.{layer}.{g}.{suffix}")
+}
+
+/// Writes the tiny Llama of `testing::write_model(dir, "llama", seed)` as a GGUF file the
+/// way llama.cpp's converter would (names, permuted Q/K rows, tokenizer metadata).
+fn write_tiny_gguf(path: &Path, seed: u64, dtype: Dtype) {
+    use mlx::io::GgufValue;
+    let weights = testing::weights_with_vocab("llama", seed, testing::BYTE_VOCAB).unwrap();
+    let mut tensors: Vec<(String, Array)> = Vec::new();
+    for (name, a) in &weights {
+        let a = if name.ends_with("q_proj.weight") {
+            llama_cpp_permute(a, 4)
+        } else if name.ends_with("k_proj.weight") {
+            llama_cpp_permute(a, 2)
+        } else {
+            a.clone()
+        };
+        let a = if name.contains("norm") { a } else { a.astype(dtype).unwrap() };
+        tensors.push((gguf_name(name), a));
+    }
+    let tok = testing::byte_tokenizer_json();
+    let vocab = tok["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    let types: Vec<i32> = (0..tokens.len()).map(|i| if i < 2 { 3 } else { 1 }).collect();
+    let u32s = |v: u32| GgufValue::Array(Array::from_u32(&[v], &[1]).unwrap());
+    let f32s = |v: f32| GgufValue::Array(Array::from_f32(&[v], &[1]).unwrap());
+    let meta = vec![
+        ("general.architecture", GgufValue::String("llama".into())),
+        ("llama.block_count", u32s(2)),
+        ("llama.embedding_length", u32s(64)),
+        ("llama.feed_forward_length", u32s(128)),
+        ("llama.attention.head_count", u32s(4)),
+        ("llama.attention.head_count_kv", u32s(2)),
+        ("llama.attention.layer_norm_rms_epsilon", f32s(1e-5)),
+        ("llama.rope.freq_base", f32s(10000.0)),
+        ("llama.context_length", u32s(2048)),
+        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Strings(tokens)),
+        ("tokenizer.ggml.token_type", GgufValue::Array(Array::from_i32(&types, &[types.len()]).unwrap())),
+        ("tokenizer.ggml.merges", GgufValue::Strings(vec![])),
+        ("tokenizer.ggml.bos_token_id", u32s(0)),
+        ("tokenizer.ggml.eos_token_id", u32s(1)),
+        ("tokenizer.chat_template", GgufValue::String(testing::CHATML.into())),
+    ];
+    let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_gguf(path, &refs, &meta).unwrap();
+}
+
+fn last_logits(loaded: &crate::Loaded, ids: &[u32]) -> Array {
+    let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    let logits = loaded.model.forward(&tokens(&ids), &mut loaded.model.make_cache()).unwrap();
+    let n = ids.len() as i32;
+    logits.slice_axis(1, n - 1, n).unwrap()
+}
+
+#[test]
+fn a_gguf_file_loads_as_the_same_model_as_its_folder() {
+    let dir = temp_dir("gguf");
+    testing::write_model(&dir.join("folder"), "llama", 21).unwrap();
+    let folder = load(&dir.join("folder")).unwrap();
+    let messages = json!([{"role": "user", "content": "hello there"}]);
+    let ids = folder.tokenizer.encode_chat(&messages, None, true).unwrap();
+    let want = last_logits(&folder, &ids);
+
+    let path = dir.join("tiny.gguf");
+    write_tiny_gguf(&path, 21, Dtype::Float32);
+    let gguf = crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true) }).unwrap();
+    assert_eq!(gguf.info.model_type, "llama");
+    assert_eq!(gguf.info.eos_token_ids, vec![1]);
+    assert_eq!(gguf.tokenizer.encode_chat(&messages, None, true).unwrap(), ids, "tokenizer and template from metadata");
+    let d = max_abs_diff(&want, &last_logits(&gguf, &ids));
+    assert!(d < 1e-5, "F32 GGUF differs from the folder by {d}: Q/K rows not un-permuted?");
+
+    // F16 tensors are widened to float32 on the CPU; results agree to f16 rounding.
+    write_tiny_gguf(&path, 21, Dtype::Float16);
+    let gguf16 = crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true) }).unwrap();
+    let d = max_abs_diff(&want, &last_logits(&gguf16, &ids));
+    assert!(d < 5e-2, "F16 GGUF differs by {d}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_damaged_gguf_file_is_a_clear_error() {
+    let dir = temp_dir("gguf-bad");
+    let path = dir.join("bad.gguf");
+    write_tiny_gguf(&path, 22, Dtype::Float32);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let err = crate::load(&path).err().expect("a truncated GGUF must not load").to_string();
+    assert!(err.contains("bad.gguf"), "{err}");
+    std::fs::write(&path, b"not a gguf file at all").unwrap();
+    let err = crate::load(&path).err().expect("garbage must not load").to_string();
+    assert!(err.contains("bad.gguf") && err.contains("GGUF"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -253,6 +253,12 @@ void set_default_device_gpu(bool gpu) {
 bool default_device_is_gpu() { return mx::default_device().type == mx::Device::gpu; }
 bool gpu_is_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
 void synchronize() { mx::synchronize(); }
+int32_t new_stream(bool gpu) {
+  return mx::new_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)).index;
+}
+void set_default_stream(int32_t index, bool gpu) {
+  mx::set_default_stream(mx::Stream(index, gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)));
+}
 size_t get_active_memory() { return mx::get_active_memory(); }
 size_t get_peak_memory() { return mx::get_peak_memory(); }
 size_t get_cache_memory() { return mx::get_cache_memory(); }
@@ -288,6 +294,22 @@ void save_safetensors(rust::Str path, const Loaded& loaded) {
   std::unordered_map<std::string, array> map;
   for (size_t i = 0; i < loaded.names.size(); ++i) map.insert({loaded.names[i], loaded.arrays[i]});
   mx::save_safetensors(std::string(path), map, loaded.string_meta);
+}
+void save_gguf(rust::Str path, const Loaded& loaded) {
+  std::unordered_map<std::string, array> map;
+  for (size_t i = 0; i < loaded.names.size(); ++i) map.insert({loaded.names[i], loaded.arrays[i]});
+  mx::save_gguf(std::string(path), map, loaded.gguf_meta);
+}
+void loaded_push_meta_string(Loaded& l, rust::Str key, rust::Str value) {
+  l.gguf_meta.insert_or_assign(std::string(key), mx::GGUFMetaData(std::string(value)));
+}
+void loaded_push_meta_strings(Loaded& l, rust::Str key, rust::Slice<const rust::String> values) {
+  std::vector<std::string> v;
+  for (auto& s : values) v.emplace_back(std::string(s));
+  l.gguf_meta.insert_or_assign(std::string(key), mx::GGUFMetaData(std::move(v)));
+}
+void loaded_push_meta_array(Loaded& l, rust::Str key, const array& a) {
+  l.gguf_meta.insert_or_assign(std::string(key), mx::GGUFMetaData(a));
 }
 std::unique_ptr<Loaded> loaded_new() { return std::make_unique<Loaded>(); }
 void loaded_push(Loaded& l, rust::Str name, const array& a) {

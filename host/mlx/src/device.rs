@@ -39,6 +39,27 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// A queue of work on one device. Each thread starts with a default stream per device;
+/// `Stream::new` makes another (mlx-lm runs generation on its own stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream {
+    index: i32,
+    device: Device,
+}
+
+impl Stream {
+    pub fn new(device: Device) -> Result<Stream> {
+        Ok(Stream { index: ffi::new_stream(device == Device::Gpu)?, device })
+    }
+    /// Makes this the calling thread's default stream for its device.
+    pub fn set_default(self) -> Result<()> {
+        Ok(ffi::set_default_stream(self.index, self.device == Device::Gpu)?)
+    }
+    pub fn device(self) -> Device {
+        self.device
+    }
+}
+
 /// Evaluates the arrays (and everything they depend on), blocking until done.
 pub fn eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::eval(&list(arrays))?)

@@ -136,6 +136,8 @@ pub(crate) mod ffi {
         fn default_device_is_gpu() -> bool;
         fn gpu_is_available() -> bool;
         fn synchronize() -> Result<()>;
+        fn new_stream(gpu: bool) -> Result<i32>;
+        fn set_default_stream(index: i32, gpu: bool) -> Result<()>;
         fn get_active_memory() -> usize;
         fn get_peak_memory() -> usize;
         fn get_cache_memory() -> usize;
@@ -148,6 +150,10 @@ pub(crate) mod ffi {
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;
         fn save_safetensors(path: &str, loaded: &Loaded) -> Result<()>;
+        fn save_gguf(path: &str, loaded: &Loaded) -> Result<()>;
+        fn loaded_push_meta_string(loaded: Pin<&mut Loaded>, key: &str, value: &str);
+        fn loaded_push_meta_strings(loaded: Pin<&mut Loaded>, key: &str, values: &[String]);
+        fn loaded_push_meta_array(loaded: Pin<&mut Loaded>, key: &str, a: &array);
         fn loaded_new() -> UniquePtr<Loaded>;
         fn loaded_push(loaded: Pin<&mut Loaded>, name: &str, a: &array);
         fn loaded_len(loaded: &Loaded) -> usize;

@@ -74,3 +74,19 @@ pub fn save_safetensors(path: &Path, arrays: &[(&str, &Array)]) -> Result<()> {
     }
     Ok(ffi::save_safetensors(path_str(path)?, &loaded)?)
 }
+
+/// Writes arrays and GGUF metadata as a `.gguf` file (float tensors only).
+pub fn save_gguf(path: &Path, arrays: &[(&str, &Array)], metadata: &[(&str, GgufValue)]) -> Result<()> {
+    let mut loaded = ffi::loaded_new();
+    for (name, a) in arrays {
+        ffi::loaded_push(loaded.pin_mut(), name, &a.0);
+    }
+    for (key, value) in metadata {
+        match value {
+            GgufValue::Array(a) => ffi::loaded_push_meta_array(loaded.pin_mut(), key, &a.0),
+            GgufValue::String(s) => ffi::loaded_push_meta_string(loaded.pin_mut(), key, s),
+            GgufValue::Strings(v) => ffi::loaded_push_meta_strings(loaded.pin_mut(), key, v),
+        }
+    }
+    Ok(ffi::save_gguf(path_str(path)?, &loaded)?)
+}

@@ -143,3 +143,34 @@ fn memory_stats_move() {
     assert!(memory::active() >= 4 << 20);
     assert_eq!(Device::default_device(), if Device::gpu_available() { Device::Gpu } else { Device::Cpu });
 }
+
+#[test]
+fn work_on_a_new_stream_evaluates() {
+    let s = Stream::new(Device::Cpu).unwrap();
+    s.set_default().unwrap();
+    let a = arr(&[1.0, 2.0], &[2]).add(&arr(&[3.0, 4.0], &[2])).unwrap();
+    assert_eq!(a.to_vec_f32().unwrap(), vec![4.0, 6.0]);
+}
+
+#[test]
+fn gguf_round_trip_with_metadata() {
+    let dir = std::env::temp_dir().join(format!("mlx-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.gguf");
+    let a = arr(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let meta = [
+        ("general.architecture", io::GgufValue::String("llama".into())),
+        ("tokenizer.ggml.tokens", io::GgufValue::Strings(vec!["a".into(), "b".into()])),
+        ("llama.block_count", io::GgufValue::Array(Array::from_u32(&[3], &[1]).unwrap())),
+    ];
+    io::save_gguf(&path, &[("w.weight", &a)], &meta).unwrap();
+    let t = io::load_gguf(&path).unwrap();
+    assert_eq!(t.arrays["w.weight"].to_vec_f32().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert!(matches!(&t.gguf["general.architecture"], io::GgufValue::String(s) if s == "llama"));
+    assert!(matches!(&t.gguf["tokenizer.ggml.tokens"], io::GgufValue::Strings(v) if v.len() == 2));
+    match &t.gguf["llama.block_count"] {
+        io::GgufValue::Array(a) => assert_eq!(a.to_vec_i32().unwrap(), vec![3]),
+        other => panic!("{other:?}"),
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
