@@ -4,7 +4,8 @@
     bench/generate_vs_mlx_lm.py --model DIR [--host target/release/host]
         [--oracle-python PY] [--prompt TEXT] [--max-tokens 128] [--runs 3]
 
-Runs the host and mlx-lm alternately (`--runs` times each, greedy, chat template, CPU),
+Runs the host and mlx-lm alternately (`--runs` times each, greedy, chat template, on
+`--device cpu|gpu`),
 checks they generated the same token ids, and prints a markdown table of median prompt and
 generation tokens/s and the host/mlx-lm ratios. mlx-lm runs twice over: with the mlx-cpu
 wheel's bundled BLAS, and with Debian's OpenBLAS preloaded ahead of libmlx (LD_PRELOAD),
@@ -23,7 +24,7 @@ import json, sys, time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
-mx.set_default_device(mx.cpu)
+mx.set_default_device(mx.gpu if sys.argv[4] == "gpu" else mx.cpu)
 model, tok = load(sys.argv[1])
 ids = tok.apply_chat_template([{"role": "user", "content": sys.argv[2]}], add_generation_prompt=True)
 if isinstance(ids, dict): ids = ids["input_ids"]
@@ -57,16 +58,17 @@ def main():
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     a = ap.parse_args()
 
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     variants = [("mlx-lm, bundled BLAS", env)]
-    if os.path.exists(OPENBLAS):
+    if os.path.exists(OPENBLAS) and a.device == "cpu":
         variants.append(("mlx-lm, OpenBLAS preloaded", dict(env, LD_PRELOAD=OPENBLAS)))
-    host_cmd = [a.host, "generate", "--json", "--device", "cpu", "--model", a.model,
+    host_cmd = [a.host, "generate", "--json", "--device", a.device, "--model", a.model,
                 "--prompt", a.prompt, "--max-tokens", str(a.max_tokens)]
-    mlx_cmd = [a.oracle_python, "-c", MLX_LM, a.model, a.prompt, str(a.max_tokens)]
+    mlx_cmd = [a.oracle_python, "-c", MLX_LM, a.model, a.prompt, str(a.max_tokens), a.device]
     runs = {"host": []} | {name: [] for name, _ in variants}
     for _ in range(a.runs):
         runs["host"].append(run(host_cmd, env))
@@ -81,7 +83,7 @@ def main():
     print("| engine | prompt tok/s | generation tok/s | host prompt ratio | host generation ratio |")
     print("|---|---|---|---|---|")
     hp, hg = med("host", "prompt_tps"), med("host", "generation_tps")
-    print(f"| host ({host_blas(a.host)}) | {hp:.1f} | {hg:.2f} | | |")
+    print(f"| host ({host_blas(a.host) if a.device == 'cpu' else 'gpu'}) | {hp:.1f} | {hg:.2f} | | |")
     for name, _ in variants:
         mp, mg = med(name, "prompt_tps"), med(name, "generation_tps")
         print(f"| {name} | {mp:.1f} | {mg:.2f} | {hp/mp:.2f}x | {hg/mg:.2f}x |")

@@ -16,10 +16,12 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
     }
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        println!("cargo:rustc-env=HOST_LINKED_BLAS=");
         return;
     }
     let choice = std::env::var("HOST_BLAS").unwrap_or_else(|_| "auto".into());
     if choice == "bundled" {
+        println!("cargo:rustc-env=HOST_LINKED_BLAS=");
         return;
     }
     let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
@@ -34,8 +36,16 @@ fn main() {
             println!("cargo:rustc-link-arg=-L{dir}");
             println!("cargo:rustc-link-arg=-l:libopenblas.so.0");
             println!("cargo:rustc-link-arg=-Wl,--as-needed");
+            // Tests give the same BLAS to the mlx-lm oracle (LD_PRELOAD) so both run the
+            // same kernels.
+            println!("cargo:rustc-env=HOST_LINKED_BLAS={dir}/libopenblas.so.0");
         }
-        (None, "openblas") => panic!("HOST_BLAS=openblas but no libopenblas.so.0 found; apt-get install libopenblas0-pthread"),
-        (None, _) => println!("cargo:warning=OpenBLAS not found: using the mlx-cpu wheel's slower bundled BLAS (apt-get install libopenblas0-pthread and rebuild for ~3x faster CPU decode)"),
+        (None, "openblas") => {
+            panic!("HOST_BLAS=openblas but no libopenblas.so.0 found; apt-get install libopenblas0-pthread")
+        }
+        (None, _) => {
+            println!("cargo:rustc-env=HOST_LINKED_BLAS=");
+            println!("cargo:warning=OpenBLAS not found: using the mlx-cpu wheel's slower bundled BLAS (apt-get install libopenblas0-pthread and rebuild for ~2x faster CPU decode)");
+        }
     }
 }

@@ -6,8 +6,10 @@
 prints one JSON line per prompt: {"prompt", "prompt_ids", "gen_ids", "last_logits"}.
 Prompts go through the chat template as ../shared/models/mlx-golden.py does;
 `last_logits` are the float32 logits of the last prompt position from one full forward.
+Runs on the CPU unless HOST_ORACLE_DEVICE=gpu.
 """
 import json
+import os
 import sys
 
 import mlx.core as mx
@@ -15,7 +17,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 model_dir, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-mx.set_default_device(mx.cpu)
+mx.set_default_device(mx.gpu if os.environ.get("HOST_ORACLE_DEVICE") == "gpu" else mx.cpu)
 model, tok = load(model_dir)
 for p in prompts:
     ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
