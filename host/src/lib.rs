@@ -3,6 +3,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod config;
 pub mod default_model;
 pub mod engine;
 pub mod generate;
+pub mod server;

@@ -15,12 +15,15 @@ struct Cli {
 enum Command {
     /// Generate a completion for one prompt, streaming it to stdout.
     Generate(host::generate::Args),
+    /// Serve the OpenAI and Anthropic APIs over HTTP.
+    Serve(host::config::ServeArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => host::generate::run(args),
+        Command::Serve(args) => host::server::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

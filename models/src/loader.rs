@@ -26,6 +26,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// Context length from the config, if it says.
     pub max_position_embeddings: Option<usize>,
+    /// KV-cache bytes one position takes over all layers.
+    pub kv_bytes_per_token: usize,
 }
 
 pub struct Loaded {
@@ -96,6 +98,18 @@ impl Arch {
                 })
             }
         })
+    }
+
+    /// (layers, KV heads, head dim) of the attention stack.
+    pub fn kv_dims(&self) -> (usize, usize, usize) {
+        match self {
+            Arch::Llama(c) => {
+                let d = c.dims();
+                (d.layers, d.n_kv_heads, d.head_dim)
+            }
+            Arch::Qwen2(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
+            Arch::Qwen3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+        }
     }
 
     pub fn name(&self) -> &'static str {
@@ -210,6 +224,10 @@ fn build(
                     .into(),
         });
     }
+    // The cache holds keys and values in the activation dtype: the embedding's (or, when
+    // it is quantized, its scales').
+    let act = weights.get("model.embed_tokens.scales").or_else(|_| weights.get("model.embed_tokens.weight"))?.dtype();
+    let (layers, kv_heads, head_dim) = arch.kv_dims();
     let info = ModelInfo {
         model_type: arch.name().to_string(),
         source: source.to_path_buf(),
@@ -219,6 +237,7 @@ fn build(
         n_layers: model.make_cache().len(),
         vocab_size: model.vocab_size(),
         max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
+        kv_bytes_per_token: layers * 2 * kv_heads * head_dim * act.size(),
     };
     Ok(Loaded { model, tokenizer, info })
 }

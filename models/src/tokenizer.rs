@@ -89,6 +89,11 @@ impl Tokenizer {
         self.eos_token.as_deref().and_then(|t| self.token_to_id(t))
     }
 
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
     pub fn has_chat_template(&self) -> bool {
         self.chat_template.is_some()
     }

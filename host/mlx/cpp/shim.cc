@@ -252,6 +252,14 @@ void set_default_device_gpu(bool gpu) {
 }
 bool default_device_is_gpu() { return mx::default_device().type == mx::Device::gpu; }
 bool gpu_is_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
+size_t device_memory_size(bool gpu) {
+  const auto& info = mx::device_info(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu));
+  for (const char* key : {"total_memory", "memory_size"}) {
+    auto it = info.find(key);
+    if (it != info.end() && std::holds_alternative<size_t>(it->second)) return std::get<size_t>(it->second);
+  }
+  return 0;
+}
 void synchronize() { mx::synchronize(); }
 int32_t new_stream(bool gpu) {
   return mx::new_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)).index;

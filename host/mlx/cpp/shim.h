@@ -131,6 +131,7 @@ void async_eval(const ArrayList& arrays);
 void set_default_device_gpu(bool gpu);
 bool default_device_is_gpu();
 bool gpu_is_available();
+size_t device_memory_size(bool gpu);
 void synchronize();
 int32_t new_stream(bool gpu);
 void set_default_stream(int32_t index, bool gpu);

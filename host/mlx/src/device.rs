@@ -28,6 +28,10 @@ impl Device {
     pub fn gpu_available() -> bool {
         ffi::gpu_is_available()
     }
+    /// Total memory of the device as MLX reports it (`None` where it does not, e.g. the CPU).
+    pub fn memory_size(self) -> Option<usize> {
+        ffi::device_memory_size(self == Device::Gpu).ok().filter(|&n| n > 0)
+    }
 }
 
 impl std::fmt::Display for Device {

@@ -135,6 +135,7 @@ pub(crate) mod ffi {
         fn set_default_device_gpu(gpu: bool) -> Result<()>;
         fn default_device_is_gpu() -> bool;
         fn gpu_is_available() -> bool;
+        fn device_memory_size(gpu: bool) -> Result<usize>;
         fn synchronize() -> Result<()>;
         fn new_stream(gpu: bool) -> Result<i32>;
         fn set_default_stream(index: i32, gpu: bool) -> Result<()>;

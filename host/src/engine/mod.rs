@@ -1,8 +1,12 @@
-//! The engine: the decode loop (`decode.rs`) and native sampling (`sampling.rs`).
-//! All MLX arrays of a model live on the thread that drives it.
+//! The engine: the decode loop (`decode.rs`), native sampling (`sampling.rs`), stop strings
+//! (`stop.rs`), KV reuse across requests (`prompt_cache.rs`) and the engine thread that
+//! serves requests (`worker.rs`). All MLX arrays of a model live on the thread that drives it.
 
 pub mod decode;
+pub mod prompt_cache;
 pub mod sampling;
+pub mod stop;
+pub mod worker;
 
 pub use decode::{DecodeOptions, DecodeStats, FinishReason, Generation, Token};
 pub use sampling::{Sampler, SamplingParams};

@@ -1,0 +1,193 @@
+//! `ServeConfig`: settings of `host serve`, from an optional TOML file (`--config`) with CLI
+//! flags on top. Defaults live in one place, `Default for ServeConfig`.
+
+use crate::generate::DeviceChoice;
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+/// Settings for `host serve`. Every field is optional in the TOML file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeConfig {
+    /// A Hugging Face folder or .gguf file. Default: the built-in SmolLM2-135M-Instruct.
+    pub model: Option<PathBuf>,
+    /// Address to listen on. Default: 127.0.0.1 (loopback only).
+    pub host: IpAddr,
+    /// Default: 8080; 0 picks a free port (printed at start).
+    pub port: u16,
+    /// Required bearer token / x-api-key, if set. Default: none (or $HOST_API_KEY).
+    pub api_key: Option<String>,
+    /// Default: auto (the GPU when there is one).
+    pub device: DeviceChoice,
+    /// Requests waiting beyond the running one; more get 429. Default: 64.
+    pub queue_limit: usize,
+    /// Bytes of KV cache kept for prefix reuse across requests. Default: 1 GiB.
+    #[serde(deserialize_with = "bytes")]
+    pub prompt_cache_bytes: u64,
+    /// Bytes the model and one request's KV cache may use; requests that cannot fit get 400.
+    /// Default: 80% of GPU memory, or 60% of system RAM on the CPU.
+    #[serde(deserialize_with = "opt_bytes")]
+    pub memory_budget: Option<u64>,
+    /// Largest request body. Default: 4 MiB.
+    #[serde(deserialize_with = "bytes")]
+    pub max_body_bytes: u64,
+    /// max_tokens when a request gives none. Default: 2048.
+    pub default_max_tokens: usize,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM. Default: 10.
+    pub shutdown_grace_secs: u64,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            model: None,
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 8080,
+            api_key: None,
+            device: DeviceChoice::Auto,
+            queue_limit: 64,
+            prompt_cache_bytes: 1 << 30,
+            memory_budget: None,
+            max_body_bytes: 4 << 20,
+            default_max_tokens: 2048,
+            shutdown_grace_secs: 10,
+        }
+    }
+}
+
+/// Parses `1048576`, `512K`, `64MiB`, `2G`, `1.5GB` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 =
+        num.parse().with_context(|| format!("{s:?} is not a size; use e.g. 512M, 2G or a number of bytes"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => bail!("unknown size unit {other:?} in {s:?}; use K, M, G or T"),
+    };
+    Ok((value * scale as f64) as u64)
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Number(u64),
+    Text(String),
+}
+
+fn bytes<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    match Size::deserialize(d)? {
+        Size::Number(n) => Ok(n),
+        Size::Text(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+fn opt_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<u64>, D::Error> {
+    bytes(d).map(Some)
+}
+
+/// Flags of `host serve`; each overrides the same key of the config file.
+#[derive(Debug, Default, clap::Args)]
+pub struct ServeArgs {
+    /// A TOML file with any of the settings below (unknown keys are an error).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on (default 127.0.0.1).
+    #[arg(long)]
+    pub host: Option<IpAddr>,
+    /// Port (default 8080; 0 picks a free one).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Require this key (Authorization: Bearer or x-api-key).
+    #[arg(long, env = "HOST_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceChoice>,
+    /// Waiting requests beyond which new ones get 429 (default 64).
+    #[arg(long)]
+    pub queue_limit: Option<usize>,
+    /// KV cache kept for prefix reuse, e.g. 512M (default 1G).
+    #[arg(long, value_parser = parse_bytes)]
+    pub prompt_cache_bytes: Option<u64>,
+    /// Memory the model and a request may use, e.g. 8G (default: a safe fraction of the device's).
+    #[arg(long, value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Largest request body, e.g. 4M (default 4M).
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_body_bytes: Option<u64>,
+    /// max_tokens for requests that give none (default 2048).
+    #[arg(long)]
+    pub default_max_tokens: Option<usize>,
+}
+
+impl ServeConfig {
+    /// The file's settings (if any) with the flags applied on top.
+    pub fn resolve(args: &ServeArgs) -> Result<ServeConfig> {
+        let mut config = match &args.config {
+            Some(path) => Self::from_file(path)?,
+            None => ServeConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { config.$field = v.into(); } )* };
+        }
+        set!(host, port, device, queue_limit, prompt_cache_bytes, max_body_bytes, default_max_tokens);
+        if args.model.is_some() {
+            config.model = args.model.clone();
+        }
+        if args.api_key.is_some() {
+            config.api_key = args.api_key.clone();
+        }
+        if args.memory_budget.is_some() {
+            config.memory_budget = args.memory_budget;
+        }
+        if config.api_key.as_deref() == Some("") {
+            config.api_key = None;
+        }
+        Ok(config)
+    }
+
+    pub fn from_file(path: &Path) -> Result<ServeConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("512K").unwrap(), 512 << 10);
+        assert_eq!(parse_bytes("64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert!(parse_bytes("12Q").unwrap_err().to_string().contains("unknown size unit"));
+    }
+
+    #[test]
+    fn the_file_is_strict_and_flags_override_it() {
+        let dir = std::env::temp_dir().join(format!("host-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("host.toml");
+        std::fs::write(&path, "port = 9000\nqueue_limit = 3\nprompt_cache_bytes = \"256M\"\n").unwrap();
+        let args = ServeArgs { config: Some(path.clone()), port: Some(9100), ..Default::default() };
+        let c = ServeConfig::resolve(&args).unwrap();
+        assert_eq!((c.port, c.queue_limit, c.prompt_cache_bytes), (9100, 3, 256 << 20));
+        assert_eq!(c.host.to_string(), "127.0.0.1");
+        std::fs::write(&path, "prot = 9000\n").unwrap();
+        let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
+        assert!(format!("{err:#}").contains("unknown field `prot`"), "{err:#}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

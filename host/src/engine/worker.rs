@@ -1,0 +1,316 @@
+//! The engine thread: loads the model on its own thread (MLX arrays never leave it) and
+//! serves generation jobs from a bounded queue, one at a time, streaming events back.
+//! The async server never blocks on MLX: it submits a job and reads a channel.
+//!
+//! A job ends early when its event receiver is dropped (the client went away): the loop
+//! notices at the next token and frees the job's cache.
+
+use super::prompt_cache::PromptCache;
+use super::stop::StopMatcher;
+use super::{DecodeOptions, FinishReason, Generation, Sampler, SamplingParams};
+use crate::generate::{load_model, select_device, DeviceChoice};
+use anyhow::{Context, Result};
+use mlx::{memory, Array, Device};
+use models::{CausalLm, Detokenizer, ModelInfo, Tokenizer};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// How the engine thread is set up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model: Option<PathBuf>,
+    pub device: DeviceChoice,
+    /// Jobs waiting beyond the running one; more are refused.
+    pub queue_limit: usize,
+    pub prompt_cache_bytes: usize,
+    pub prefill_step_size: usize,
+}
+
+/// One generation request, as the server hands it to the engine.
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    /// Return this many alternatives with each token's log-probability (`None`: no logprobs).
+    pub top_logprobs: Option<usize>,
+}
+
+/// A token's log-probability and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// Why a job finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-sequence token.
+    Eos,
+    /// A stop string matched (it is not part of the text).
+    StopString(String),
+    Length,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Finish::Eos | Finish::StopString(_) => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prompt cache.
+    pub cached_tokens: usize,
+}
+
+/// What a job reports, in order: `Started`, any number of `Delta`s, then `Done` or `Error`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Started {
+        cached_tokens: usize,
+    },
+    /// New text (possibly empty while a stop string or a character is unresolved) and the
+    /// log-probabilities of the tokens that produced it, when asked for.
+    Delta {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done {
+        finish: Finish,
+        usage: Usage,
+    },
+    Error(String),
+}
+
+struct Job {
+    request: JobRequest,
+    events: UnboundedSender<Event>,
+}
+
+/// Counters the engine keeps for `/metrics`.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub queue_depth: AtomicUsize,
+    pub prompt_tokens: AtomicUsize,
+    pub generation_tokens: AtomicUsize,
+    pub cached_tokens: AtomicUsize,
+    pub prompt_cache_bytes: AtomicUsize,
+    pub prompt_cache_hits: AtomicUsize,
+    pub active_memory: AtomicUsize,
+}
+
+/// The server's handle on the engine thread.
+pub struct Engine {
+    jobs: Mutex<SyncSender<Job>>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub info: ModelInfo,
+    pub device: Device,
+    pub stats: Arc<EngineStats>,
+    /// Bytes of memory held once the model is loaded (weights and runtime).
+    pub baseline_memory: usize,
+}
+
+/// Why a job was not accepted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    QueueFull(usize),
+    Stopped,
+}
+
+impl Engine {
+    /// Starts the engine thread and waits until the model is loaded.
+    pub fn start(config: EngineConfig) -> Result<Engine> {
+        let (jobs, rx) = sync_channel::<Job>(config.queue_limit);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let stats = Arc::new(EngineStats::default());
+        let thread_stats = stats.clone();
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || {
+                let loaded = (|| -> Result<_> {
+                    let device = select_device(config.device)?;
+                    let loaded = load_model(config.model.as_deref())?;
+                    Ok((device, loaded))
+                })();
+                match loaded {
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                    Ok((device, loaded)) => {
+                        let tokenizer = Arc::new(loaded.tokenizer);
+                        let baseline = memory::active();
+                        let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
+                        let worker = Worker {
+                            model: loaded.model,
+                            tokenizer,
+                            info: loaded.info,
+                            cache: PromptCache::new(config.prompt_cache_bytes),
+                            stats: thread_stats,
+                            prefill_step_size: config.prefill_step_size,
+                        };
+                        worker.run(rx);
+                    }
+                }
+            })
+            .context("spawning the engine thread")?;
+        let (tokenizer, info, device, baseline_memory) =
+            ready_rx.recv().context("the engine thread exited while loading the model")??;
+        Ok(Engine { jobs: Mutex::new(jobs), tokenizer, info, device, stats, baseline_memory })
+    }
+
+    /// Queues a job; its events arrive on the returned receiver. Dropping the receiver
+    /// cancels the job.
+    pub fn submit(&self, request: JobRequest) -> std::result::Result<UnboundedReceiver<Event>, SubmitError> {
+        let (events, rx) = unbounded_channel();
+        let jobs = self.jobs.lock().expect("engine queue lock");
+        self.stats.queue_depth.fetch_add(1, Ordering::SeqCst);
+        match jobs.try_send(Job { request, events }) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::QueueFull(self.stats.queue_depth.load(Ordering::SeqCst)),
+                    TrySendError::Disconnected(_) => SubmitError::Stopped,
+                })
+            }
+        }
+    }
+}
+
+struct Worker {
+    model: Box<dyn CausalLm>,
+    tokenizer: Arc<Tokenizer>,
+    info: ModelInfo,
+    cache: PromptCache,
+    stats: Arc<EngineStats>,
+    prefill_step_size: usize,
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Job>) {
+        while let Ok(job) = rx.recv() {
+            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+            if job.events.is_closed() {
+                continue;
+            }
+            if let Err(e) = self.run_job(&job) {
+                tracing::error!("generation failed: {e:#}");
+                let _ = job.events.send(Event::Error(format!("{e:#}")));
+            }
+            self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
+            self.stats.active_memory.store(memory::active(), Ordering::Relaxed);
+        }
+    }
+
+    fn run_job(&mut self, job: &Job) -> Result<()> {
+        let request = &job.request;
+        let prompt = &request.prompt;
+        let (cache, reused) = match self.cache.take(prompt) {
+            Some(r) => (r.cache, r.reused),
+            None => (self.model.make_cache(), 0),
+        };
+        if reused > 0 {
+            self.stats.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        let sampler = Sampler::new(request.sampling.clone(), self.info.vocab_size)?;
+        let options = DecodeOptions {
+            max_tokens: request.max_tokens,
+            eos_token_ids: self.info.eos_token_ids.clone(),
+            prefill_step_size: self.prefill_step_size,
+        };
+        let mut generation =
+            Generation::start_with_cache(self.model.as_ref(), cache, &prompt[reused..], sampler, options)?;
+        self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
+        self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
+        if job.events.send(Event::Started { cached_tokens: reused }).is_err() {
+            return Ok(());
+        }
+        let mut detok = Detokenizer::new(&self.tokenizer);
+        let mut stop = StopMatcher::new(&request.stop);
+        let mut generated: Vec<u32> = Vec::new();
+        let mut finish = None;
+        while let Some(token) = generation.next_token()? {
+            generated.push(token.id);
+            self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            let is_eos = token.finish == Some(FinishReason::Stop);
+            let logprobs = match request.top_logprobs {
+                Some(k) => vec![self.logprob(&token.logprobs, token.id, k)?],
+                None => vec![],
+            };
+            let mut text = String::new();
+            if !is_eos {
+                let out = stop.push(&detok.push(token.id)?);
+                text = out.text;
+                if let Some(s) = out.stopped {
+                    finish = Some(Finish::StopString(s));
+                }
+            }
+            if finish.is_none() {
+                finish = match token.finish {
+                    Some(FinishReason::Stop) => Some(Finish::Eos),
+                    Some(FinishReason::Length) => Some(Finish::Length),
+                    None => None,
+                };
+                if finish.is_some() && !matches!(finish, Some(Finish::StopString(_))) {
+                    let tail = stop.push(&detok.flush()?);
+                    text.push_str(&tail.text);
+                    match tail.stopped {
+                        Some(s) => finish = Some(Finish::StopString(s)),
+                        None => text.push_str(&stop.flush()),
+                    }
+                }
+            }
+            if (!text.is_empty() || !logprobs.is_empty()) && job.events.send(Event::Delta { text, logprobs }).is_err() {
+                break; // The client went away.
+            }
+            if finish.is_some() || job.events.is_closed() {
+                break;
+            }
+        }
+        let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: generated.len(), cached_tokens: reused };
+        let _ = job.events.send(Event::Done { finish: finish.unwrap_or(Finish::Length), usage });
+        // Keep the KV of everything the cache now holds for the next request.
+        let mut cache = generation.into_cache();
+        let held = cache.first().map_or(0, models::KvCache::offset);
+        let mut sequence = prompt.clone();
+        sequence.extend(&generated);
+        if held <= sequence.len() {
+            sequence.truncate(held);
+            let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
+            mlx::eval(&state)?;
+            self.cache.insert(sequence, std::mem::take(&mut cache));
+        }
+        Ok(())
+    }
+
+    /// The chosen token's log-probability and the `k` most likely tokens.
+    fn logprob(&self, logprobs: &Array, id: u32, k: usize) -> Result<TokenLogprob> {
+        let all = logprobs.astype(mlx::Dtype::Float32)?;
+        let chosen = all.take(&Array::from_i32(&[id as i32], &[1])?, 0)?.item_f32()?;
+        let mut top = Vec::new();
+        if k > 0 {
+            let idx = all.negative()?.argpartition(k as i32 - 1, 0)?.slice_axis(0, 0, k as i32)?;
+            let values = all.take(&idx, 0)?.to_vec_f32()?;
+            let ids = idx.to_vec_i32()?;
+            let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|i| i as u32).zip(values).collect();
+            pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
+            for (t, lp) in pairs {
+                top.push((self.tokenizer.decode(&[t])?, lp));
+            }
+        }
+        Ok(TokenLogprob { token: self.tokenizer.decode(&[id])?, logprob: chosen, top })
+    }
+}

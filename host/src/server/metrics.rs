@@ -1,0 +1,123 @@
+//! Prometheus text metrics: requests by route and status, time-to-first-token and
+//! inter-token latency histograms, token counters, queue depth and prompt-cache figures.
+
+use crate::engine::worker::EngineStats;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+const LATENCY_BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+#[derive(Debug)]
+struct Histogram {
+    counts: [u64; LATENCY_BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    const fn new() -> Histogram {
+        Histogram { counts: [0; LATENCY_BUCKETS.len()], sum: 0.0, count: 0 }
+    }
+    fn observe(&mut self, seconds: f64) {
+        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+            if seconds <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += seconds;
+        self.count += 1;
+    }
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", self.counts[i]);
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
+    }
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    ttft: Mutex<Histogram>,
+    itl: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics { requests: Mutex::default(), ttft: Mutex::new(Histogram::new()), itl: Mutex::new(Histogram::new()) }
+    }
+}
+
+impl Metrics {
+    pub fn request(&self, route: &str, status: u16) {
+        *self.requests.lock().expect("metrics lock").entry((route.to_string(), status)).or_default() += 1;
+    }
+    pub fn time_to_first_token(&self, seconds: f64) {
+        self.ttft.lock().expect("metrics lock").observe(seconds);
+    }
+    pub fn inter_token(&self, seconds: f64) {
+        self.itl.lock().expect("metrics lock").observe(seconds);
+    }
+
+    pub fn render(&self, engine: &EngineStats) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP host_requests_total HTTP requests by route and status.\n# TYPE host_requests_total counter"
+        );
+        for ((route, status), n) in self.requests.lock().expect("metrics lock").iter() {
+            let _ = writeln!(out, "host_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
+        }
+        self.ttft.lock().expect("metrics lock").render(
+            "host_time_to_first_token_seconds",
+            "Time from request to first token.",
+            &mut out,
+        );
+        self.itl.lock().expect("metrics lock").render(
+            "host_inter_token_latency_seconds",
+            "Time between streamed tokens.",
+            &mut out,
+        );
+        let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
+        let counters = [
+            (
+                "host_prompt_tokens_total",
+                "counter",
+                "Prompt tokens processed (including cached).",
+                load(&engine.prompt_tokens),
+            ),
+            ("host_generation_tokens_total", "counter", "Tokens generated.", load(&engine.generation_tokens)),
+            (
+                "host_prompt_cache_tokens_total",
+                "counter",
+                "Prompt tokens served from the prompt cache.",
+                load(&engine.cached_tokens),
+            ),
+            (
+                "host_prompt_cache_hits_total",
+                "counter",
+                "Requests that reused a cached prefix.",
+                load(&engine.prompt_cache_hits),
+            ),
+            ("host_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", load(&engine.prompt_cache_bytes)),
+            ("host_queue_depth", "gauge", "Requests waiting or running.", load(&engine.queue_depth)),
+            (
+                "host_active_memory_bytes",
+                "gauge",
+                "MLX active memory after the last request.",
+                load(&engine.active_memory),
+            ),
+        ];
+        for (name, kind, help, value) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        out
+    }
+}

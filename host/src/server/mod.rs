@@ -1,0 +1,112 @@
+//! `host serve`: the OpenAI- and Anthropic-compatible HTTP server (axum + tokio) in front
+//! of the engine thread. Only this module knows the HTTP wire shapes.
+
+pub mod anthropic;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod routes;
+
+use crate::config::{ServeArgs, ServeConfig};
+use crate::engine::worker::{Engine, EngineConfig};
+use anyhow::{Context, Result};
+use routes::AppState;
+use std::sync::Arc;
+
+/// The memory budget: configured, else 80% of GPU memory, else 60% of system RAM.
+fn memory_budget(config: &ServeConfig, engine: &Engine) -> u64 {
+    if let Some(b) = config.memory_budget {
+        return b;
+    }
+    if let Some(gpu) = engine.device.memory_size().filter(|_| engine.device == mlx::Device::Gpu) {
+        return gpu as u64 / 10 * 8;
+    }
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(8 << 30);
+    total / 10 * 6
+}
+
+/// Builds the shared state from a loaded engine.
+pub fn state(config: &ServeConfig, engine: Arc<Engine>) -> Arc<AppState> {
+    let budget = memory_budget(config, &engine);
+    let free = budget.saturating_sub(engine.baseline_memory as u64);
+    let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
+    let max_sequence_tokens = (free / per_token) as usize;
+    let model_id =
+        engine.info.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    tracing::info!(budget, max_sequence_tokens, model = model_id, "memory budget");
+    Arc::new(AppState {
+        engine,
+        metrics: Default::default(),
+        model_id,
+        api_key: config.api_key.clone(),
+        default_max_tokens: config.default_max_tokens,
+        max_body_bytes: config.max_body_bytes,
+        max_sequence_tokens,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+    })
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let config = ServeConfig::resolve(&args)?;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("HOST_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let engine = Arc::new(Engine::start(EngineConfig {
+        model: config.model.clone(),
+        device: config.device,
+        queue_limit: config.queue_limit,
+        prompt_cache_bytes: config.prompt_cache_bytes as usize,
+        prefill_step_size: 2048,
+    })?);
+    let state = state(&config, engine.clone());
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = std::net::SocketAddr::new(config.host, config.port);
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr()?;
+        eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
+        let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
+        axum::serve(listener, routes::app(state))
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("host: shutting down; in-flight requests get {}s to finish", grace.as_secs());
+                tokio::spawn(async move {
+                    tokio::time::sleep(grace).await;
+                    eprintln!("host: grace period over; exiting");
+                    std::process::exit(0);
+                });
+            })
+            .await
+            .context("serving HTTP")
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

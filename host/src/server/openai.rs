@@ -1,0 +1,312 @@
+//! OpenAI wire types (`/v1/chat/completions`, `/v1/completions`) and their translation to
+//! engine jobs and back. Unknown request fields are accepted and ignored (SDKs send many);
+//! known fields are type- and range-checked with messages that name them.
+
+use super::error::ApiError;
+use crate::engine::worker::{Finish, TokenLogprob, Usage};
+use crate::engine::SamplingParams;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields shared by both OpenAI routes.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub seed: Option<i64>,
+}
+
+impl SamplingFields {
+    /// The engine's sampling parameters, range-checked as OpenAI documents them.
+    pub fn to_params(&self, default_temperature: f32) -> Result<SamplingParams, ApiError> {
+        let temperature = self.temperature.unwrap_or(default_temperature);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("`temperature` must be between 0 and 2, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&top_p) {
+            return Err(ApiError::invalid("top_p", format!("`top_p` must be between 0 and 1, got {top_p}")));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k >= 0 => k as usize,
+            Some(k) => return Err(ApiError::invalid("top_k", format!("`top_k` must be 0 (off) or positive, got {k}"))),
+        };
+        let min_p = self.min_p.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::invalid("min_p", format!("`min_p` must be between 0 and 1, got {min_p}")));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if let Some(v) = v {
+                if !(-2.0..=2.0).contains(&v) {
+                    return Err(ApiError::invalid(name, format!("`{name}` must be between -2 and 2, got {v}")));
+                }
+            }
+        }
+        if let Some(p) = self.repetition_penalty {
+            if !(p > 0.0 && p <= 10.0) {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    format!("`repetition_penalty` must be in (0, 10], got {p}"),
+                ));
+            }
+        }
+        let mut logit_bias = BTreeMap::new();
+        for (k, v) in self.logit_bias.iter().flatten() {
+            let id: u32 = k.parse().map_err(|_| {
+                ApiError::invalid("logit_bias", format!("`logit_bias` keys must be token ids, got {k:?}"))
+            })?;
+            if !(-100.0..=100.0).contains(v) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` values must be between -100 and 100, got {v}"),
+                ));
+            }
+            logit_bias.insert(id, *v);
+        }
+        Ok(SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            logit_bias,
+            seed: self.seed.map(|s| s as u64),
+            ..SamplingParams::default()
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Value>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub n: Option<i64>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    pub n: Option<i64>,
+}
+
+/// Checks `n`, which this server supports only as 1.
+pub fn check_n(n: Option<i64>) -> Result<(), ApiError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(n) => Err(ApiError::invalid(
+            "n",
+            format!("`n` must be 1 (one choice per request), got {n}; send several requests instead"),
+        )),
+    }
+}
+
+/// `max_tokens` (or its newer name): at least 1 when given.
+pub fn max_tokens(value: Option<i64>, name: &str, default: usize) -> Result<usize, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(n) if n >= 1 => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(name, format!("`{name}` must be at least 1, got {n}"))),
+    }
+}
+
+pub fn stops(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let stops = stop.map(Stop::into_vec).unwrap_or_default();
+    if stops.len() > 16 {
+        return Err(ApiError::invalid("stop", format!("at most 16 stop sequences are supported, got {}", stops.len())));
+    }
+    if stops.iter().any(|s| s.len() > 1024) {
+        return Err(ApiError::invalid("stop", "stop sequences must be at most 1024 bytes"));
+    }
+    Ok(stops)
+}
+
+/// Text of a message `content`: a string, or an array of `{"type": "text", "text": ...}` parts.
+pub fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some(other), _) if other != "text" => {
+                        return Err(ApiError::invalid(
+                            param,
+                            format!("content parts of type {other:?} are not supported; this model takes text"),
+                        ))
+                    }
+                    _ => return Err(ApiError::invalid(param, "a text content part needs a string `text`")),
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::invalid(param, "`content` must be a string or an array of content parts")),
+    }
+}
+
+/// Normalizes chat messages for the template: checks roles, flattens content parts, and
+/// turns tool-call arguments given as JSON strings into objects (as templates expect).
+pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must contain at least one message"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let param = format!("messages[{i}]");
+        let obj = m.as_object().ok_or_else(|| ApiError::invalid(&param, format!("{param} must be an object")))?;
+        let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(
+                &param,
+                format!("{param} needs a string `role` (system, developer, user, assistant or tool)"),
+            )
+        })?;
+        let role = match role {
+            "developer" => "system",
+            "system" | "user" | "assistant" | "tool" => role,
+            other => {
+                return Err(ApiError::invalid(
+                    &format!("{param}.role"),
+                    format!("unknown role {other:?}; use system, developer, user, assistant or tool"),
+                ))
+            }
+        };
+        let content = content_text(obj.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
+        let mut msg = json!({"role": role, "content": content});
+        if let Some(calls) = obj.get("tool_calls").and_then(Value::as_array) {
+            let calls: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    let mut c = c.clone();
+                    if let Some(args) = c.pointer("/function/arguments").and_then(Value::as_str) {
+                        if let Ok(parsed) = serde_json::from_str::<Value>(args) {
+                            c["function"]["arguments"] = parsed;
+                        }
+                    }
+                    c
+                })
+                .collect();
+            msg["tool_calls"] = Value::Array(calls);
+        }
+        for key in ["tool_call_id", "name"] {
+            if let Some(v) = obj.get(key) {
+                msg[key] = v.clone();
+            }
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// OpenAI's chat `logprobs.content` entries.
+pub fn chat_logprobs(entries: &[TokenLogprob]) -> Value {
+    let item = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    Value::Array(
+        entries
+            .iter()
+            .map(|e| {
+                let mut v = item(&e.token, e.logprob);
+                v["top_logprobs"] = Value::Array(e.top.iter().map(|(t, lp)| item(t, *lp)).collect());
+                v
+            })
+            .collect(),
+    )
+}
+
+/// The legacy completions `logprobs` object.
+pub fn completion_logprobs(entries: &[TokenLogprob], text_start: usize) -> Value {
+    let mut offset = text_start;
+    let mut offsets = Vec::new();
+    for e in entries {
+        offsets.push(offset);
+        offset += e.token.len();
+    }
+    json!({
+        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|e| e.top.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect::<Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+pub fn finish_reason(f: &Finish) -> &'static str {
+    f.reason()
+}

@@ -1,0 +1,532 @@
+//! The HTTP API: `app(state) -> Router` and its handlers. Handlers parse and validate,
+//! build the prompt, check admission, and hand a job to the engine thread; they never touch
+//! MLX. Streaming responses are fed by a task that turns engine events into SSE events and
+//! stops (cancelling the job) when the client goes away.
+
+use super::anthropic;
+use super::error::{parse_body, ApiError, Flavor};
+use super::metrics::Metrics;
+use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
+use crate::engine::worker::{Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{self, UnboundedReceiver};
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Everything handlers share.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub metrics: Metrics,
+    pub model_id: String,
+    pub api_key: Option<String>,
+    pub default_max_tokens: usize,
+    pub max_body_bytes: u64,
+    /// Longest prompt + completion one request may have within the memory budget.
+    pub max_sequence_tokens: usize,
+    pub created: u64,
+}
+
+type Shared = Arc<AppState>;
+
+pub fn app(state: Shared) -> Router {
+    let limit = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn request_id(prefix: &str) -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}{:x}{n:04x}", nanos & 0xffff_ffff_ffff)
+}
+
+/// Counts every request by route and status, and logs it.
+async fn observe(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let route =
+        req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
+    let method = req.method().clone();
+    let start = Instant::now();
+    let response = next.run(req).await;
+    let status = response.status().as_u16();
+    state.metrics.request(&route, status);
+    tracing::info!(%method, route, status, ms = start.elapsed().as_millis() as u64, "request");
+    response
+}
+
+/// With an API key configured, every route but `/health` needs it.
+async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, next: Next) -> Response {
+    let Some(key) = state.api_key.as_deref() else { return next.run(req).await };
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+    if bearer == Some(key) || x_api_key == Some(key) {
+        return next.run(req).await;
+    }
+    let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "missing or wrong API key; send `Authorization: Bearer <key>` or `x-api-key: <key>`",
+    )
+    .with_code("invalid_api_key")
+    .flavor(flavor)
+    .into_response()
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, format!("no route {} {}", req.method(), req.uri().path()))
+}
+
+async fn health(State(state): State<Shared>) -> Json<Value> {
+    Json(json!({"status": "ok", "model": state.model_id}))
+}
+
+async fn metrics(State(state): State<Shared>) -> impl IntoResponse {
+    ([("content-type", "text/plain; version=0.0.4")], state.metrics.render(&state.engine.stats))
+}
+
+async fn models(State(state): State<Shared>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host"}]}),
+    )
+}
+
+impl AppState {
+    /// Renders chat messages (and tools) through the model's template and tokenizes them.
+    fn chat_prompt(
+        &self,
+        mut messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+        kwargs: Option<&Value>,
+    ) -> Result<Vec<u32>, ApiError> {
+        let tokenizer = &self.engine.tokenizer;
+        let template_takes_tools = tokenizer.chat_template().is_some_and(|t| t.contains("tools"));
+        let tools = tools.filter(|t| !t.is_empty());
+        if let (Some(tools), false) = (&tools, template_takes_tools) {
+            inject_tools(&mut messages, tools);
+        }
+        let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
+        let text = tokenizer
+            .apply_chat_template(&Value::Array(messages), tools_value.as_ref(), true, kwargs)
+            .map_err(|e| ApiError::bad_request(format!("{e}")))?;
+        tokenizer.encode(&text, false).map_err(ApiError::internal)
+    }
+
+    /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
+    fn admit(&self, prompt: usize, requested: Option<usize>) -> Result<usize, ApiError> {
+        let fit = self.max_sequence_tokens;
+        let too_long = |max: usize| {
+            ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds the {fit} tokens that fit in this server's memory budget; shorten the prompt or lower max_tokens (at most {} here)",
+                    fit.saturating_sub(prompt)
+                ),
+            )
+            .with_code("context_length_exceeded")
+        };
+        match requested {
+            Some(max) if prompt + max > fit => Err(too_long(max)),
+            Some(max) => Ok(max),
+            None if prompt >= fit => Err(too_long(1)),
+            None => Ok(self.default_max_tokens.min(fit - prompt)),
+        }
+    }
+
+    fn submit(&self, job: JobRequest, flavor: Flavor) -> Result<UnboundedReceiver<Event>, ApiError> {
+        self.engine.submit(job).map_err(|e| match e {
+            SubmitError::QueueFull(n) => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the server is busy ({n} requests queued); retry shortly"),
+            )
+            .with_code("queue_full")
+            .flavor(flavor),
+            SubmitError::Stopped => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").flavor(flavor)
+            }
+        })
+    }
+}
+
+/// For templates that ignore `tools`: describe them in the system message, in the Hermes
+/// `<tool_call>` convention that tool-call parsers understand.
+fn inject_tools(messages: &mut Vec<Value>, tools: &[Value]) {
+    let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
+    let text = format!(
+        "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
+        list.join("\n")
+    );
+    match messages.first_mut() {
+        Some(first) if first["role"] == "system" => {
+            let existing = first["content"].as_str().unwrap_or("").to_string();
+            first["content"] = json!(format!("{existing}\n\n{text}"));
+        }
+        _ => messages.insert(0, json!({"role": "system", "content": text})),
+    }
+}
+
+/// A finished non-streamed generation.
+struct Completion {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: Finish,
+    usage: Usage,
+}
+
+async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Flavor) -> Result<Completion, ApiError> {
+    let start = Instant::now();
+    let (mut text, mut logprobs, mut first) = (String::new(), Vec::new(), true);
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Started { .. } => {}
+            Event::Delta { text: t, logprobs: l } => {
+                if first {
+                    state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
+                    first = false;
+                }
+                text.push_str(&t);
+                logprobs.extend(l);
+            }
+            Event::Done { finish, usage } => {
+                tracing::info!(
+                    prompt = usage.prompt_tokens,
+                    cached = usage.cached_tokens,
+                    completion = usage.completion_tokens,
+                    finish = finish.reason(),
+                    "generation"
+                );
+                return Ok(Completion { text, logprobs, finish, usage });
+            }
+            Event::Error(e) => return Err(ApiError::internal(e).flavor(flavor)),
+        }
+    }
+    Err(ApiError::internal("the engine dropped the request").flavor(flavor))
+}
+
+/// Streams engine events as SSE: `render` turns each event into SSE events (or nothing).
+/// The task ends, cancelling the job, as soon as the client disconnects.
+fn stream<F>(state: Shared, mut rx: UnboundedReceiver<Event>, mut render: F, done_marker: bool) -> Response
+where
+    F: FnMut(&Event) -> Vec<SseEvent> + Send + 'static,
+{
+    let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let mut last: Option<Instant> = None;
+        while let Some(event) = rx.recv().await {
+            if let Event::Delta { .. } = event {
+                let now = Instant::now();
+                match last {
+                    None => state.metrics.time_to_first_token((now - start).as_secs_f64()),
+                    Some(prev) => state.metrics.inter_token((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+            if let Event::Done { finish, usage } = &event {
+                tracing::info!(
+                    prompt = usage.prompt_tokens,
+                    cached = usage.cached_tokens,
+                    completion = usage.completion_tokens,
+                    finish = finish.reason(),
+                    "generation (streamed)"
+                );
+            }
+            let end = matches!(event, Event::Done { .. } | Event::Error(_));
+            for e in render(&event) {
+                if tx.send(Ok(e)).await.is_err() {
+                    return; // Client gone: dropping `rx` cancels the job.
+                }
+            }
+            if end {
+                break;
+            }
+        }
+        if done_marker {
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+        }
+    });
+    Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response()
+}
+
+fn data(v: Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+fn stream_error(message: &str, flavor: Flavor) -> SseEvent {
+    tracing::error!("generation failed mid-stream: {message}");
+    match flavor {
+        Flavor::OpenAi => {
+            data(json!({"error": {"message": "internal error; see the server log", "type": "server_error"}}))
+        }
+        Flavor::Anthropic => SseEvent::default().event("error").data(
+            json!({"type": "error", "error": {"type": "api_error", "message": "internal error; see the server log"}})
+                .to_string(),
+        ),
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse_body(body, state.max_body_bytes)?;
+    openai::check_n(req.n)?;
+    let sampling = req.sampling.to_params(1.0)?;
+    let max = match req.max_completion_tokens {
+        Some(_) => Some(openai::max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)?),
+        None => req.max_tokens.map(|_| openai::max_tokens(req.max_tokens, "max_tokens", 1)).transpose()?,
+    };
+    let top_logprobs = match (req.logprobs, req.top_logprobs) {
+        (false, _) => None,
+        (true, None) => Some(0),
+        (true, Some(k)) if (0..=20).contains(&k) => Some(k as usize),
+        (true, Some(k)) => {
+            return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and 20, got {k}")))
+        }
+    };
+    let messages = openai::template_messages(&req.messages)?;
+    let tools = match req.tool_choice.as_ref().and_then(Value::as_str) {
+        Some("none") => None,
+        _ => req.tools.clone(),
+    };
+    let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
+    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref())?;
+    let max_tokens = state.admit(prompt.len(), max)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
+    let rx = state.submit(job, Flavor::OpenAi)?;
+    let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
+    if !req.stream {
+        let c = collect(&state, rx, Flavor::OpenAi).await?;
+        let logprobs =
+            if top_logprobs.is_some() { json!({"content": openai::chat_logprobs(&c.logprobs)}) } else { Value::Null };
+        return Ok(Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": c.finish.reason()}],
+            "usage": openai::usage_json(&c.usage),
+        }))
+        .into_response());
+    }
+    let include_usage = req.stream_options.map(|o| o.include_usage).unwrap_or(false);
+    let chunk_id = id.clone();
+    let chunk = move |delta: Value, logprobs: Value, finish: Value| {
+        data(json!({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}))
+    };
+    let usage_chunk = {
+        let (id, model) = (id.clone(), state.model_id.clone());
+        move |u: &Usage| {
+            data(
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": openai::usage_json(u)}),
+            )
+        }
+    };
+    let want_logprobs = top_logprobs.is_some();
+    Ok(stream(
+        state.clone(),
+        rx,
+        move |event| match event {
+            Event::Started { .. } => vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)],
+            Event::Delta { text, logprobs } => {
+                let lp = if want_logprobs { json!({"content": openai::chat_logprobs(logprobs)}) } else { Value::Null };
+                vec![chunk(json!({"content": text}), lp, Value::Null)]
+            }
+            Event::Done { finish, usage } => {
+                let mut out = vec![chunk(json!({}), Value::Null, json!(finish.reason()))];
+                if include_usage {
+                    out.push(usage_chunk(usage));
+                }
+                out
+            }
+            Event::Error(e) => vec![stream_error(e, Flavor::OpenAi)],
+        },
+        true,
+    ))
+}
+
+async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body, state.max_body_bytes)?;
+    openai::check_n(req.n)?;
+    let sampling = req.sampling.to_params(1.0)?;
+    let max = openai::max_tokens(req.max_tokens, "max_tokens", 16)?;
+    let tokenizer = &state.engine.tokenizer;
+    let (prompt, prompt_text) = match req.prompt {
+        Prompt::Text(t) => (tokenizer.encode(&t, true).map_err(ApiError::internal)?, t),
+        Prompt::Texts(v) if v.len() == 1 => (tokenizer.encode(&v[0], true).map_err(ApiError::internal)?, v[0].clone()),
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid("prompt", format!("`prompt` must hold exactly one string, got {}", v.len())))
+        }
+        Prompt::Tokens(ids) => {
+            let vocab = state.engine.info.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::invalid("prompt", format!("token {bad} is outside the vocabulary of {vocab}")));
+            }
+            let text = tokenizer.decode(&ids).map_err(ApiError::internal)?;
+            (ids, text)
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` is empty"));
+    }
+    let top_logprobs = match req.logprobs {
+        None => None,
+        Some(k) if (0..=5).contains(&k) => Some(k as usize),
+        Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
+    };
+    let max_tokens = state.admit(prompt.len(), Some(max))?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
+    let rx = state.submit(job, Flavor::OpenAi)?;
+    let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
+    let echo = if req.echo { prompt_text } else { String::new() };
+    if !req.stream {
+        let c = collect(&state, rx, Flavor::OpenAi).await?;
+        let logprobs =
+            if top_logprobs.is_some() { openai::completion_logprobs(&c.logprobs, echo.len()) } else { Value::Null };
+        return Ok(Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": format!("{echo}{}", c.text), "logprobs": logprobs, "finish_reason": c.finish.reason()}],
+            "usage": openai::usage_json(&c.usage),
+        }))
+        .into_response());
+    }
+    let include_usage = req.stream_options.map(|o| o.include_usage).unwrap_or(false);
+    let chunk = move |text: &str, logprobs: Value, finish: Value, usage: Option<&Usage>| {
+        let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]});
+        if let Some(u) = usage {
+            v["choices"] = json!([]);
+            v["usage"] = openai::usage_json(u);
+        }
+        data(v)
+    };
+    let mut echo = Some(echo).filter(|e| !e.is_empty());
+    Ok(stream(
+        state.clone(),
+        rx,
+        move |event| match event {
+            Event::Started { .. } => {
+                echo.take().map(|e| vec![chunk(&e, Value::Null, Value::Null, None)]).unwrap_or_default()
+            }
+            Event::Delta { text, logprobs } => {
+                let lp = if top_logprobs.is_some() { openai::completion_logprobs(logprobs, 0) } else { Value::Null };
+                vec![chunk(text, lp, Value::Null, None)]
+            }
+            Event::Done { finish, usage } => {
+                let mut out = vec![chunk("", Value::Null, json!(finish.reason()), None)];
+                if include_usage {
+                    out.push(chunk("", Value::Null, Value::Null, Some(usage)));
+                }
+                out
+            }
+            Event::Error(e) => vec![stream_error(e, Flavor::OpenAi)],
+        },
+        true,
+    ))
+}
+
+async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let a = Flavor::Anthropic;
+    let req: anthropic::MessagesRequest = parse_body(body, state.max_body_bytes).map_err(|e| e.flavor(a))?;
+    let max = anthropic::max_tokens(&req)?;
+    let sampling = anthropic::sampling(&req)?;
+    let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
+    let tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
+        Some("none") => None,
+        _ => anthropic::tools(req.tools.as_ref())?,
+    };
+    let prompt = state.chat_prompt(messages, tools, None).map_err(|e| e.flavor(a))?;
+    let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
+    let stop = openai::stops(req.stop_sequences.map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
+    let rx = state.submit(JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None }, a)?;
+    let (id, model) = (request_id("msg_"), state.model_id.clone());
+    if !req.stream {
+        let c = collect(&state, rx, a).await?;
+        let (reason, sequence) = anthropic::stop_reason(&c.finish);
+        return Ok(Json(json!({
+            "id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": c.text}],
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": anthropic::usage_json(&c.usage),
+        }))
+        .into_response());
+    }
+    let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
+    Ok(stream(
+        state.clone(),
+        rx,
+        move |event| match event {
+            Event::Started { cached_tokens } => vec![
+                named(
+                    "message_start",
+                    json!({"type": "message_start", "message": {
+                    "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": 0, "cache_read_input_tokens": cached_tokens, "output_tokens": 0}}}),
+                ),
+                named(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                ),
+                named("ping", json!({"type": "ping"})),
+            ],
+            Event::Delta { text, .. } if text.is_empty() => vec![],
+            Event::Delta { text, .. } => {
+                vec![named(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
+                )]
+            }
+            Event::Done { finish, usage } => {
+                let (reason, sequence) = anthropic::stop_reason(finish);
+                vec![
+                    named("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
+                    named(
+                        "message_delta",
+                        json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": anthropic::usage_json(usage)}),
+                    ),
+                    named("message_stop", json!({"type": "message_stop"})),
+                ]
+            }
+            Event::Error(e) => vec![stream_error(e, Flavor::Anthropic)],
+        },
+        false,
+    ))
+}
+
+async fn count_tokens(
+    State(state): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let a = Flavor::Anthropic;
+    let req: anthropic::CountTokensRequest = parse_body(body, state.max_body_bytes).map_err(|e| e.flavor(a))?;
+    let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
+    let prompt = state.chat_prompt(messages, anthropic::tools(req.tools.as_ref())?, None).map_err(|e| e.flavor(a))?;
+    Ok(Json(json!({"input_tokens": prompt.len()})))
+}
