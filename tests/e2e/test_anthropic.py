@@ -29,7 +29,11 @@ def test_streaming_events_arrive_in_order(anthropic_client, http):
     assert text == "The capital of France is Paris." == final.content[0].text
     body = {"model": "m", "max_tokens": 30, "messages": Q, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/messages", json=body) as r:
-        events = [l[7:] for l in r.iter_lines() if l.startswith("event: ")]
+        lines = list(r.iter_lines())
+    events = [l[7:] for l in lines if l.startswith("event: ")]
+    start = json.loads(next(l[6:] for l in lines if l.startswith("data: ")))
+    usage = start["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == 37
     assert events[:3] == ["message_start", "content_block_start", "ping"]
     assert set(events[3:-3]) == {"content_block_delta"}
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]

@@ -152,3 +152,29 @@ def test_200_hostile_requests_each_get_a_4xx_and_the_server_survives(server, htt
         sock.sendall(b"GARBAGE / HTTP/9.9\r\n\r\n")
     r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("The capital")
+
+
+def test_a_request_that_cannot_fit_the_memory_budget_is_told_how_many_tokens_fit(fresh):
+    # SmolLM2 float32: ~540 MB of weights, 46 KB of KV cache per token.
+    s = fresh("--memory-budget", "700M")
+    r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 100000}, timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "memory budget" in err["message"]
+    fit = int(err["message"].split("exceeds the ")[1].split(" tokens")[0])
+    assert 100 < fit < 100000, err["message"]
+    ok = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 8}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_sigterm_lets_an_in_flight_stream_finish(fresh):
+    s = fresh()
+    body = {"messages": Q, "max_tokens": 30, "temperature": 0, "stream": True}
+    lines = []
+    with httpx.Client(base_url=s.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        it = r.iter_lines()
+        lines.append(next(it))
+        s.proc.terminate()  # SIGTERM while streaming.
+        lines.extend(it)
+    assert [l for l in lines if l.startswith("data: ")][-1] == "data: [DONE]"
+    assert s.proc.wait(timeout=30) == 0

@@ -80,6 +80,7 @@ pub struct Usage {
 #[derive(Debug, Clone)]
 pub enum Event {
     Started {
+        prompt_tokens: usize,
         cached_tokens: usize,
     },
     /// New text (possibly empty while a stop string or a character is unresolved) and the
@@ -235,7 +236,7 @@ impl Worker {
             Generation::start_with_cache(self.model.as_ref(), cache, &prompt[reused..], sampler, options)?;
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
-        if job.events.send(Event::Started { cached_tokens: reused }).is_err() {
+        if job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused }).is_err() {
             return Ok(());
         }
         let mut detok = Detokenizer::new(&self.tokenizer);

@@ -490,13 +490,13 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         state.clone(),
         rx,
         move |event| match event {
-            Event::Started { cached_tokens } => vec![
+            Event::Started { prompt_tokens, cached_tokens } => vec![
                 named(
                     "message_start",
                     json!({"type": "message_start", "message": {
                     "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
                     "stop_reason": null, "stop_sequence": null,
-                    "usage": {"input_tokens": 0, "cache_read_input_tokens": cached_tokens, "output_tokens": 0}}}),
+                    "usage": {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens, "output_tokens": 0}}}),
                 ),
                 named(
                     "content_block_start",
