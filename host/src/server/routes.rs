@@ -538,3 +538,102 @@ async fn count_tokens(
     let prompt = state.chat_prompt(messages, anthropic::tools(req.tools.as_ref())?, None).map_err(|e| e.flavor(a))?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ServeConfig;
+    use crate::engine::worker::EngineConfig;
+    use crate::generate::DeviceChoice;
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use std::sync::OnceLock;
+    use tower::ServiceExt;
+
+    /// One engine on a tiny random model for all tests of this module.
+    fn engine() -> Arc<Engine> {
+        static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
+        ENGINE
+            .get_or_init(|| {
+                let dir = std::env::temp_dir().join(format!("host-routes-test-{}", std::process::id()));
+                models::testing::write_model(&dir, "llama", 3).unwrap();
+                let config = EngineConfig {
+                    model: Some(dir),
+                    device: DeviceChoice::Cpu,
+                    queue_limit: 4,
+                    prompt_cache_bytes: 1 << 20,
+                    prefill_step_size: 64,
+                };
+                Arc::new(Engine::start(config).unwrap())
+            })
+            .clone()
+    }
+
+    fn router(api_key: Option<&str>) -> Router {
+        let config =
+            ServeConfig { api_key: api_key.map(str::to_string), max_body_bytes: 1 << 16, ..Default::default() };
+        app(crate::server::state(&config, engine()))
+    }
+
+    /// Sends a request; returns the status and the body as JSON.
+    async fn check(router: Router, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let response = router.oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let status = response.status().as_u16();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    #[tokio::test]
+    async fn a_chat_completion_runs_on_the_engine() {
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}"#;
+        let (status, v) = check(router(None), "POST", "/v1/chat/completions", body, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            v["usage"]["completion_tokens"].as_u64().unwrap() + v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            v["usage"]["total_tokens"].as_u64().unwrap()
+        );
+        assert_eq!(v["object"], "chat.completion");
+    }
+
+    #[tokio::test]
+    async fn malformed_bodies_get_400_in_the_shape_of_their_api() {
+        let (status, v) = check(router(None), "POST", "/v1/chat/completions", "{\"messages\": [", &[]).await;
+        assert_eq!(status, 400);
+        assert!(v["error"]["message"].as_str().unwrap().starts_with("malformed JSON"), "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        let (status, v) = check(router(None), "POST", "/v1/messages", "{\"max_tokens\": \"x\"}", &[]).await;
+        assert_eq!(status, 400);
+        assert_eq!(v["type"], "error");
+        assert!(v["error"]["message"].as_str().unwrap().contains("invalid type"), "{v}");
+        let big = format!("{{\"messages\": \"{}\"}}", "a".repeat(1 << 17));
+        let (status, v) = check(router(None), "POST", "/v1/chat/completions", &big, &[]).await;
+        assert_eq!(status, 413, "{v}");
+    }
+
+    #[tokio::test]
+    async fn the_api_key_is_checked_everywhere_but_health() {
+        let r = || router(Some("k"));
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}"#;
+        assert_eq!(check(r(), "POST", "/v1/chat/completions", body, &[]).await.0, 401);
+        assert_eq!(check(r(), "POST", "/v1/chat/completions", body, &[("authorization", "Bearer nope")]).await.0, 401);
+        assert_eq!(check(r(), "POST", "/v1/chat/completions", body, &[("authorization", "Bearer k")]).await.0, 200);
+        assert_eq!(check(r(), "GET", "/v1/models", "", &[("x-api-key", "k")]).await.0, 200);
+        assert_eq!(check(r(), "GET", "/health", "", &[]).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn unknown_routes_are_404_json_and_count_tokens_counts() {
+        let (status, v) = check(router(None), "GET", "/v2/whatever", "", &[]).await;
+        assert_eq!(status, 404);
+        assert!(v["error"]["message"].as_str().unwrap().contains("/v2/whatever"));
+        let body = r#"{"model": "m", "messages": [{"role": "user", "content": "hello"}]}"#;
+        let (status, v) = check(router(None), "POST", "/v1/messages/count_tokens", body, &[]).await;
+        assert_eq!(status, 200);
+        // ChatML: "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" in byte tokens.
+        assert_eq!(v["input_tokens"], 1 + 5 + 5 + 1 + 1 + 1 + 10);
+    }
+}
