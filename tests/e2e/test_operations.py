@@ -109,7 +109,8 @@ def hostile_requests():
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": {"nested": True}}]}, {"messages": Q, "presence_penalty": 9},
         {"messages": Q, "frequency_penalty": -9}, {"messages": Q, "repetition_penalty": 0}, {"messages": Q, "min_p": 2},
-        {"messages": []}, {}, {"prompt": None},
+        {"messages": []}, {}, {"prompt": None}, {"messages": Q, "response_format": {"type": "json_schema", "json_schema": {}}},
+        {"messages": Q, "response_format": "json"}, {"messages": Q, "modalities": ["audio"]},
     ]
     for body in wrong_types:
         out.append(("POST", "/v1/chat/completions", json.dumps(body).encode(), j))

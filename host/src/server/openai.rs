@@ -131,6 +131,35 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub n: Option<i64>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub modalities: Option<Vec<String>>,
+}
+
+impl ChatRequest {
+    /// Refuses fields that would change what the client gets in ways this server cannot honour.
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
+        if let Some(format) = &self.response_format {
+            match format.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        "response_format",
+                        format!(
+                            "`response_format` of type {other:?} (structured output) is not supported; use \"text\""
+                        ),
+                    ))
+                }
+                None => return Err(ApiError::invalid("response_format", "`response_format` needs a `type`")),
+            }
+        }
+        if let Some(m) = self.modalities.iter().flatten().find(|m| *m != "text") {
+            return Err(ApiError::invalid(
+                "modalities",
+                format!("output modality {m:?} is not supported; this server produces text"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -304,6 +304,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body, state.max_body_bytes)?;
     openai::check_n(req.n)?;
+    req.check_unsupported()?;
     let sampling = req.sampling.to_params(1.0)?;
     let max = match req.max_completion_tokens {
         Some(_) => Some(openai::max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)?),
