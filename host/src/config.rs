@@ -37,6 +37,8 @@ pub struct ServeConfig {
     pub default_max_tokens: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM. Default: 10.
     pub shutdown_grace_secs: u64,
+    /// Folder of `*.wasm` plugins loaded at start. Default: none.
+    pub plugins: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -53,6 +55,7 @@ impl Default for ServeConfig {
             max_body_bytes: 4 << 20,
             default_max_tokens: 2048,
             shutdown_grace_secs: 10,
+            plugins: None,
         }
     }
 }
@@ -128,6 +131,9 @@ pub struct ServeArgs {
     /// max_tokens for requests that give none (default 2048).
     #[arg(long)]
     pub default_max_tokens: Option<usize>,
+    /// Folder of *.wasm plugins (ABI v1, see plugin-sdk/ABI.md).
+    #[arg(long)]
+    pub plugins: Option<PathBuf>,
 }
 
 impl ServeConfig {
@@ -143,6 +149,9 @@ impl ServeConfig {
         set!(host, port, device, queue_limit, prompt_cache_bytes, max_body_bytes, default_max_tokens);
         if args.model.is_some() {
             config.model = args.model.clone();
+        }
+        if args.plugins.is_some() {
+            config.plugins = args.plugins.clone();
         }
         if args.api_key.is_some() {
             config.api_key = args.api_key.clone();

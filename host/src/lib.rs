@@ -7,4 +7,5 @@ pub mod config;
 pub mod default_model;
 pub mod engine;
 pub mod generate;
+pub mod plugins;
 pub mod server;

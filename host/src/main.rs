@@ -17,6 +17,9 @@ enum Command {
     Generate(host::generate::Args),
     /// Serve the OpenAI and Anthropic APIs over HTTP.
     Serve(host::config::ServeArgs),
+    /// Validate or list Wasm plugins.
+    #[command(subcommand)]
+    Plugins(host::plugins::PluginsCommand),
 }
 
 fn main() {
@@ -24,6 +27,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(args) => host::generate::run(args),
         Command::Serve(args) => host::server::run(args),
+        Command::Plugins(command) => host::plugins::run_command(command),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

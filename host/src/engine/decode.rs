@@ -29,6 +29,32 @@ impl FinishReason {
     }
 }
 
+/// What an external sampler (a plugin) sees at one position.
+pub enum Frame<'a> {
+    /// The top-k `(token, logit)` pairs, highest logit first.
+    Candidates(&'a mut [(u32, f32)]),
+    /// The whole logits row, indexed by token id.
+    Logits(&'a mut [f32]),
+}
+
+/// An external sampler's decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    Token(u32),
+    /// Sample natively from the (possibly edited) frame.
+    Defer,
+}
+
+/// A token picker outside the engine (a sampler plugin). With one, decoding is serial: each
+/// step's logits are read back and the picker runs before the next step is built.
+pub trait ExternalSampler {
+    /// `Some(k)`: wants the top-k candidates; `None`: wants the full logits row.
+    fn candidates(&self) -> Option<usize>;
+    fn sample(&mut self, position: usize, frame: Frame<'_>) -> Result<Pick>;
+    /// Called with each committed token, in order.
+    fn accept(&mut self, tokens: &[u32]) -> Result<()>;
+}
+
 /// Limits and stop tokens of one generation.
 #[derive(Debug, Clone)]
 pub struct DecodeOptions {
@@ -68,6 +94,9 @@ pub struct DecodeStats {
 /// A generation in progress: call [`Generation::next_token`] until it returns `None`.
 pub struct Generation<'m> {
     model: &'m dyn CausalLm,
+    external: Option<Box<dyn ExternalSampler + 'm>>,
+    /// Serial mode (external sampler): the input of the next step, once its token is known.
+    next_input: Option<Array>,
     cache: Vec<KvCache>,
     sampler: Sampler,
     options: DecodeOptions,
@@ -103,6 +132,19 @@ impl<'m> Generation<'m> {
         sampler: Sampler,
         options: DecodeOptions,
     ) -> Result<Self> {
+        Self::start_with(model, cache, prompt, sampler, options, None)
+    }
+
+    /// As `start_with_cache`, with an optional external sampler that picks every token
+    /// (it must already have accepted the whole prompt).
+    pub fn start_with(
+        model: &'m dyn CausalLm,
+        cache: Vec<KvCache>,
+        prompt: &[u32],
+        sampler: Sampler,
+        options: DecodeOptions,
+        external: Option<Box<dyn ExternalSampler + 'm>>,
+    ) -> Result<Self> {
         if prompt.is_empty() {
             bail!("the prompt is empty; give at least one token");
         }
@@ -115,6 +157,8 @@ impl<'m> Generation<'m> {
         let cached = cache.first().map_or(0, KvCache::offset);
         let mut generation = Generation {
             model,
+            external,
+            next_input: None,
             cache,
             sampler,
             options,
@@ -156,15 +200,23 @@ impl<'m> Generation<'m> {
         }
         let logits = self.sampler.process(&logits, self.history.as_ref())?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let token = self.sampler.sample(&logprobs, position)?;
+        let token = match self.external.as_deref_mut() {
+            None => self.sampler.sample(&logprobs, position)?,
+            Some(external) => pick_external(external, &self.sampler, &logits, position)?,
+        };
         Ok((token, logprobs.squeeze(&[0])?))
     }
 
     /// The next token, or `None` once generation has finished.
     pub fn next_token(&mut self) -> Result<Option<Token>> {
+        let serial = self.external.is_some();
+        if let Some(input) = self.next_input.take() {
+            let position = self.prompt_len + self.generated;
+            self.pending = Some(self.step(&input, position)?);
+        }
         let Some((y, logprobs)) = self.pending.take() else { return Ok(None) };
         let n = self.generated;
-        if n + 1 < self.options.max_tokens {
+        if !serial && n + 1 < self.options.max_tokens {
             let next = self.step(&y, self.prompt_len + n + 1)?;
             mlx::async_eval(&[&next.0, &next.1])?;
             self.pending = Some(next);
@@ -183,6 +235,12 @@ impl<'m> Generation<'m> {
         } else {
             None
         };
+        if let Some(external) = self.external.as_deref_mut() {
+            external.accept(&[id])?;
+            if finish.is_none() {
+                self.next_input = Some(y);
+            }
+        }
         if finish.is_some() {
             self.pending = None;
         }
@@ -208,6 +266,50 @@ impl<'m> Generation<'m> {
     pub fn into_cache(self) -> Vec<KvCache> {
         self.cache
     }
+}
+
+/// Runs the external sampler on one step's processed logits (`[1, V]`); returns the chosen
+/// token as a `[1]` int32 array, sampling natively from the edited frame on `Pick::Defer`.
+fn pick_external(
+    external: &mut dyn ExternalSampler,
+    sampler: &Sampler,
+    logits: &Array,
+    position: usize,
+) -> Result<Array> {
+    let vocab = logits.dim(-1);
+    let logits = logits.astype(mlx::Dtype::Float32)?;
+    let native = |values: &[f32]| -> Result<usize> {
+        let row = Array::from_f32(values, &[1, values.len()])?;
+        let lp = row.subtract(&row.logsumexp(&[-1], true)?)?;
+        Ok(sampler.sample(&lp, position)?.item_i32()? as usize)
+    };
+    let id = match external.candidates() {
+        Some(k) => {
+            let k = k.min(vocab).max(1);
+            let idx = logits.negative()?.argpartition(k as i32 - 1, -1)?.slice_axis(-1, 0, k as i32)?;
+            let values = logits.take_along_axis(&idx, -1)?.to_vec_f32()?;
+            let mut frame: Vec<(u32, f32)> = idx.to_vec_i32()?.into_iter().map(|t| t as u32).zip(values).collect();
+            frame.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            match external.sample(position, Frame::Candidates(&mut frame))? {
+                Pick::Token(t) => t,
+                Pick::Defer => {
+                    let values: Vec<f32> = frame.iter().map(|c| c.1).collect();
+                    frame[native(&values)?].0
+                }
+            }
+        }
+        None => {
+            let mut row = logits.to_vec_f32()?;
+            match external.sample(position, Frame::Logits(&mut row))? {
+                Pick::Token(t) => t,
+                Pick::Defer => native(&row)? as u32,
+            }
+        }
+    };
+    if id as usize >= vocab {
+        bail!("the external sampler picked token {id}, outside the vocabulary of {vocab}");
+    }
+    Ok(Array::from_i32(&[id as i32], &[1])?)
 }
 
 #[cfg(test)]
@@ -297,6 +399,86 @@ mod tests {
             assert!(!window.contains(&t), "{t} repeats within the window {window:?}");
             seq.push(t);
         }
+    }
+
+    /// Picks the lowest-id candidate, records what it saw.
+    struct Lowest {
+        accepted: std::rc::Rc<std::cell::RefCell<Vec<u32>>>,
+        k: Option<usize>,
+    }
+
+    impl ExternalSampler for Lowest {
+        fn candidates(&self) -> Option<usize> {
+            self.k
+        }
+        fn sample(&mut self, _position: usize, frame: Frame<'_>) -> Result<Pick> {
+            Ok(match frame {
+                Frame::Candidates(c) => {
+                    assert!(c.windows(2).all(|w| w[0].1 >= w[1].1), "candidates are sorted");
+                    Pick::Token(c.iter().map(|c| c.0).min().unwrap())
+                }
+                Frame::Logits(row) => {
+                    row.iter_mut().enumerate().for_each(|(i, v)| *v = if i == 7 { 100.0 } else { -100.0 });
+                    Pick::Defer
+                }
+            })
+        }
+        fn accept(&mut self, tokens: &[u32]) -> Result<()> {
+            self.accepted.borrow_mut().extend(tokens);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_external_sampler_picks_every_token_and_sees_each_committed_one() {
+        let model = testing::model("llama", 16).unwrap();
+        let accepted = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let ext = Lowest { accepted: accepted.clone(), k: Some(4) };
+        let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
+        let mut g = Generation::start_with(
+            model.as_ref(),
+            model.make_cache(),
+            &[1, 2, 3],
+            sampler,
+            opts(6),
+            Some(Box::new(ext)),
+        )
+        .unwrap();
+        let mut ids = Vec::new();
+        while let Some(t) = g.next_token().unwrap() {
+            ids.push(t.id);
+        }
+        assert_eq!(ids.len(), 6);
+        assert_eq!(*accepted.borrow(), ids);
+        // Each pick is the lowest id among the step's top 4: check against a fresh forward.
+        let mut seq: Vec<i32> = vec![1, 2, 3];
+        for &id in &ids {
+            let logits =
+                model.forward(&Array::from_i32(&seq, &[1, seq.len()]).unwrap(), &mut model.make_cache()).unwrap();
+            let n = seq.len() as i32;
+            let row = logits.slice_axis(1, n - 1, n).unwrap().to_vec_f32().unwrap();
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            assert_eq!(id as usize, *order[..4].iter().min().unwrap());
+            seq.push(id as i32);
+        }
+        // Deferring over an edited full row samples natively from the edit.
+        let ext = Lowest { accepted: Default::default(), k: None };
+        let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
+        let mut g = Generation::start_with(
+            model.as_ref(),
+            model.make_cache(),
+            &[1, 2, 3],
+            sampler,
+            opts(3),
+            Some(Box::new(ext)),
+        )
+        .unwrap();
+        let mut ids = Vec::new();
+        while let Some(t) = g.next_token().unwrap() {
+            ids.push(t.id);
+        }
+        assert_eq!(ids, vec![7, 7, 7]);
     }
 
     #[test]

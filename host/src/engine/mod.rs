@@ -8,5 +8,5 @@ pub mod sampling;
 pub mod stop;
 pub mod worker;
 
-pub use decode::{DecodeOptions, DecodeStats, FinishReason, Generation, Token};
+pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Pick, Token};
 pub use sampling::{Sampler, SamplingParams};

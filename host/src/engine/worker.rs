@@ -9,6 +9,8 @@ use super::prompt_cache::PromptCache;
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Sampler, SamplingParams};
 use crate::generate::{load_model, select_device, DeviceChoice};
+use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
+use crate::plugins::{PluginRegistry, PluginSampler, Selection};
 use anyhow::{Context, Result};
 use mlx::{memory, Array, Device};
 use models::{CausalLm, Detokenizer, ModelInfo, Tokenizer};
@@ -27,6 +29,8 @@ pub struct EngineConfig {
     pub queue_limit: usize,
     pub prompt_cache_bytes: usize,
     pub prefill_step_size: usize,
+    /// Plugins requests may select.
+    pub plugins: Option<Arc<PluginRegistry>>,
 }
 
 /// One generation request, as the server hands it to the engine.
@@ -38,6 +42,8 @@ pub struct JobRequest {
     pub stop: Vec<String>,
     /// Return this many alternatives with each token's log-probability (`None`: no logprobs).
     pub top_logprobs: Option<usize>,
+    /// Sampler and stop-rule plugins for this request.
+    pub plugins: Selection,
 }
 
 /// A token's log-probability and the most likely alternatives.
@@ -55,6 +61,8 @@ pub enum Finish {
     Eos,
     /// A stop string matched (it is not part of the text).
     StopString(String),
+    /// A stop-rule plugin ended generation.
+    StopRule(String),
     Length,
 }
 
@@ -62,10 +70,18 @@ impl Finish {
     /// OpenAI's `finish_reason`.
     pub fn reason(&self) -> &'static str {
         match self {
-            Finish::Eos | Finish::StopString(_) => "stop",
+            Finish::Eos | Finish::StopString(_) | Finish::StopRule(_) => "stop",
             Finish::Length => "length",
         }
     }
+}
+
+/// The byte index that leaves the last `keep` characters of `s` after it.
+fn char_split(s: &str, keep: usize) -> usize {
+    if keep == 0 {
+        return s.len();
+    }
+    s.char_indices().rev().nth(keep - 1).map_or(0, |(i, _)| i)
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -93,7 +109,12 @@ pub enum Event {
         finish: Finish,
         usage: Usage,
     },
+    /// An internal failure; details are in the log.
     Error(String),
+    /// The request's plugin config or params were refused (a client error).
+    Refused(String),
+    /// A plugin failed while serving this request; the message names it.
+    PluginFault(String),
 }
 
 struct Job {
@@ -155,6 +176,7 @@ impl Engine {
                         let baseline = memory::active();
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
                         let worker = Worker {
+                            plugins: config.plugins.clone(),
                             model: loaded.model,
                             tokenizer,
                             info: loaded.info,
@@ -192,6 +214,7 @@ impl Engine {
 }
 
 struct Worker {
+    plugins: Option<Arc<PluginRegistry>>,
     model: Box<dyn CausalLm>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
@@ -208,8 +231,16 @@ impl Worker {
                 continue;
             }
             if let Err(e) = self.run_job(&job) {
-                tracing::error!("generation failed: {e:#}");
-                let _ = job.events.send(Event::Error(format!("{e:#}")));
+                let event = if let Some(r) = e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
+                    Event::Refused(r.0.clone())
+                } else if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<PluginFault>()) {
+                    tracing::warn!("{}", f.0);
+                    Event::PluginFault(f.0.clone())
+                } else {
+                    tracing::error!("generation failed: {e:#}");
+                    Event::Error(format!("{e:#}"))
+                };
+                let _ = job.events.send(event);
             }
             self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
             self.stats.active_memory.store(memory::active(), Ordering::Relaxed);
@@ -227,13 +258,17 @@ impl Worker {
             self.stats.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
         }
         let sampler = Sampler::new(request.sampling.clone(), self.info.vocab_size)?;
+        let seed = sampler.seed();
         let options = DecodeOptions {
             max_tokens: request.max_tokens,
             eos_token_ids: self.info.eos_token_ids.clone(),
             prefill_step_size: self.prefill_step_size,
         };
+        let (external, mut stop_rules) = self.start_plugins(&request.plugins, prompt, seed)?;
+        let hold = stop_rules.iter().map(|(_, h)| *h).max().unwrap_or(0);
+        let mut held = String::new();
         let mut generation =
-            Generation::start_with_cache(self.model.as_ref(), cache, &prompt[reused..], sampler, options)?;
+            Generation::start_with(self.model.as_ref(), cache, &prompt[reused..], sampler, options, external)?;
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
         if job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused }).is_err() {
@@ -253,7 +288,22 @@ impl Worker {
             };
             let mut text = String::new();
             if !is_eos {
-                let out = stop.push(&detok.push(token.id)?);
+                let mut piece = detok.push(token.id)?;
+                // Stop-rule plugins see raw text; the last `hold` characters wait for them.
+                for (rule, _) in stop_rules.iter_mut() {
+                    if let Some(trim) = rule.stop_check(token.id, &piece)? {
+                        held.push_str(&piece);
+                        piece.clear();
+                        let keep = held.chars().count().saturating_sub(trim);
+                        held = held.chars().take(keep).collect();
+                        finish = Some(Finish::StopRule(rule.plugin().name().to_string()));
+                        break;
+                    }
+                }
+                held.push_str(&piece);
+                let release = if finish.is_some() { held.len() } else { char_split(&held, hold) };
+                let out = stop.push(&held[..release]);
+                held.drain(..release);
                 text = out.text;
                 if let Some(s) = out.stopped {
                     finish = Some(Finish::StopString(s));
@@ -266,7 +316,8 @@ impl Worker {
                     None => None,
                 };
                 if finish.is_some() && !matches!(finish, Some(Finish::StopString(_))) {
-                    let tail = stop.push(&detok.flush()?);
+                    held.push_str(&detok.flush()?);
+                    let tail = stop.push(&std::mem::take(&mut held));
                     text.push_str(&tail.text);
                     match tail.stopped {
                         Some(s) => finish = Some(Finish::StopString(s)),
@@ -280,6 +331,9 @@ impl Worker {
             if finish.is_some() || job.events.is_closed() {
                 break;
             }
+        }
+        for (rule, _) in stop_rules.iter_mut() {
+            rule.end();
         }
         let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: generated.len(), cached_tokens: reused };
         let _ = job.events.send(Event::Done { finish: finish.unwrap_or(Finish::Length), usage });
@@ -295,6 +349,34 @@ impl Worker {
             self.cache.insert(sequence, std::mem::take(&mut cache));
         }
         Ok(())
+    }
+
+    /// Starts the request's plugin instances: the sampler (fed the whole prompt) and the
+    /// stop rules with how many characters each needs held back.
+    #[allow(clippy::type_complexity)]
+    fn start_plugins(
+        &self,
+        selection: &Selection,
+        prompt: &[u32],
+        seed: u64,
+    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize)>)> {
+        if selection.is_empty() {
+            return Ok((None, Vec::new()));
+        }
+        let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
+        let external: Option<Box<dyn super::ExternalSampler>> = match &selection.sampler {
+            Some(selected) => {
+                let mut instance = registry.start(selected, seed)?;
+                instance.accept(prompt)?;
+                Some(Box::new(PluginSampler::new(instance, self.info.vocab_size)))
+            }
+            None => None,
+        };
+        let mut stops = Vec::new();
+        for selected in &selection.stops {
+            stops.push((registry.start(selected, seed)?, selected.plugin.manifest.stop().hold));
+        }
+        Ok((external, stops))
     }
 
     /// The chosen token's log-probability and the `k` most likely tokens.

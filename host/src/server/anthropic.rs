@@ -23,6 +23,7 @@ pub struct MessagesRequest {
     pub stream: bool,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub plugins: Option<super::openai::PluginsField>,
 }
 
 /// `count_tokens` takes the same fields except `max_tokens`.
@@ -171,6 +172,7 @@ pub fn stop_reason(f: &Finish) -> (&'static str, Value) {
     match f {
         Finish::Eos => ("end_turn", Value::Null),
         Finish::StopString(s) => ("stop_sequence", json!(s)),
+        Finish::StopRule(_) => ("stop_sequence", Value::Null),
         Finish::Length => ("max_tokens", Value::Null),
     }
 }

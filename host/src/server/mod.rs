@@ -9,6 +9,7 @@ pub mod routes;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::worker::{Engine, EngineConfig};
+use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
 use routes::AppState;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ fn memory_budget(config: &ServeConfig, engine: &Engine) -> u64 {
 }
 
 /// Builds the shared state from a loaded engine.
-pub fn state(config: &ServeConfig, engine: Arc<Engine>) -> Arc<AppState> {
+pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<PluginRegistry>>) -> Arc<AppState> {
     let budget = memory_budget(config, &engine);
     let free = budget.saturating_sub(engine.baseline_memory as u64);
     let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
@@ -52,6 +53,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>) -> Arc<AppState> {
         max_body_bytes: config.max_body_bytes,
         max_sequence_tokens,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        plugins,
     })
 }
 
@@ -62,14 +64,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    let registry = PluginRegistry::new()?;
+    if let Some(dir) = &config.plugins {
+        let n = registry.load_dir(dir)?;
+        tracing::info!(loaded = n, dir = %dir.display(), "plugins");
+    }
     let engine = Arc::new(Engine::start(EngineConfig {
         model: config.model.clone(),
         device: config.device,
         queue_limit: config.queue_limit,
         prompt_cache_bytes: config.prompt_cache_bytes as usize,
         prefill_step_size: 2048,
+        plugins: Some(registry.clone()),
     })?);
-    let state = state(&config, engine.clone());
+    let state = state(&config, engine.clone(), Some(registry));
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     runtime.block_on(async move {

@@ -9,6 +9,26 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 
+/// One plugin named in a request's `plugins` extension field.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginRef {
+    pub name: String,
+    #[serde(default)]
+    pub config: Option<Value>,
+    #[serde(default)]
+    pub params: Option<Value>,
+}
+
+/// The `plugins` extension field (both APIs): at most one sampler, any stop rules.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsField {
+    pub sampler: Option<PluginRef>,
+    #[serde(default)]
+    pub stop: Vec<PluginRef>,
+}
+
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -133,6 +153,7 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<Value>,
     pub modalities: Option<Vec<String>>,
+    pub plugins: Option<PluginsField>,
 }
 
 impl ChatRequest {
@@ -185,6 +206,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     pub n: Option<i64>,
+    pub plugins: Option<PluginsField>,
 }
 
 /// Checks `n`, which this server supports only as 1.

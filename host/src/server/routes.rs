@@ -8,6 +8,8 @@ use super::error::{parse_body, ApiError, Flavor};
 use super::metrics::Metrics;
 use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
 use crate::engine::worker::{Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
+use crate::plugins::abi_v1::Kind;
+use crate::plugins::{PluginRegistry, Selection};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{MatchedPath, Request, State};
@@ -35,6 +37,7 @@ pub struct AppState {
     /// Longest prompt + completion one request may have within the memory budget.
     pub max_sequence_tokens: usize,
     pub created: u64,
+    pub plugins: Option<Arc<PluginRegistry>>,
 }
 
 type Shared = Arc<AppState>;
@@ -49,6 +52,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/plugins", get(list_plugins))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
@@ -113,6 +117,11 @@ async fn metrics(State(state): State<Shared>) -> impl IntoResponse {
     ([("content-type", "text/plain; version=0.0.4")], state.metrics.render(&state.engine.stats))
 }
 
+async fn list_plugins(State(state): State<Shared>) -> Json<Value> {
+    let data = state.plugins.as_ref().map(|r| r.status()).unwrap_or_default();
+    Json(json!({"object": "list", "data": data}))
+}
+
 async fn models(State(state): State<Shared>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host"}]}),
@@ -159,6 +168,24 @@ impl AppState {
             None if prompt >= fit => Err(too_long(1)),
             None => Ok(self.default_max_tokens.min(fit - prompt)),
         }
+    }
+
+    /// Resolves the `plugins` extension field to loaded plugins.
+    fn plugins(&self, field: Option<openai::PluginsField>, flavor: Flavor) -> Result<Selection, ApiError> {
+        let Some(field) = field else { return Ok(Selection::default()) };
+        let registry = self
+            .plugins
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
+        let pick = |kind: Kind, r: openai::PluginRef| {
+            registry
+                .select(kind, &r.name, r.config.unwrap_or(json!({})), r.params.unwrap_or(json!({})))
+                .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
+        };
+        Ok(Selection {
+            sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
+            stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
+        })
     }
 
     /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
@@ -231,22 +258,59 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                 return Ok(Completion { text, logprobs, finish, usage });
             }
             Event::Error(e) => return Err(ApiError::internal(e).flavor(flavor)),
+            Event::Refused(m) => return Err(ApiError::invalid("plugins", m).flavor(flavor)),
+            Event::PluginFault(m) => return Err(plugin_fault(m, flavor)),
         }
     }
     Err(ApiError::internal("the engine dropped the request").flavor(flavor))
 }
 
+/// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
+fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).with_code("plugin_error").flavor(flavor)
+}
+
+/// Waits for the job to start (prefill done, plugins initialized), so that a refused plugin
+/// config or a plugin failure before the first token is still a plain HTTP error.
+async fn started(
+    mut rx: UnboundedReceiver<Event>,
+    flavor: Flavor,
+) -> Result<(Event, UnboundedReceiver<Event>), ApiError> {
+    match rx.recv().await {
+        Some(Event::Refused(m)) => Err(ApiError::invalid("plugins", m).flavor(flavor)),
+        Some(Event::PluginFault(m)) => Err(plugin_fault(m, flavor)),
+        Some(Event::Error(e)) => Err(ApiError::internal(e).flavor(flavor)),
+        Some(first) => Ok((first, rx)),
+        None => Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
+    }
+}
+
 /// Streams engine events as SSE: `render` turns each event into SSE events (or nothing).
 /// The task ends, cancelling the job, as soon as the client disconnects.
-fn stream<F>(state: Shared, mut rx: UnboundedReceiver<Event>, mut render: F, done_marker: bool) -> Response
+async fn stream<F>(
+    state: Shared,
+    rx: UnboundedReceiver<Event>,
+    mut render: F,
+    done_marker: bool,
+    flavor: Flavor,
+) -> Result<Response, ApiError>
 where
     F: FnMut(&Event) -> Vec<SseEvent> + Send + 'static,
 {
+    let start = Instant::now();
+    let (first, mut rx) = started(rx, flavor).await?;
     let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
-        let start = Instant::now();
         let mut last: Option<Instant> = None;
-        while let Some(event) = rx.recv().await {
+        let mut first = Some(first);
+        loop {
+            let event = match first.take() {
+                Some(e) => e,
+                None => match rx.recv().await {
+                    Some(e) => e,
+                    None => break,
+                },
+            };
             if let Event::Delta { .. } = event {
                 let now = Instant::now();
                 match last {
@@ -264,7 +328,7 @@ where
                     "generation (streamed)"
                 );
             }
-            let end = matches!(event, Event::Done { .. } | Event::Error(_));
+            let end = matches!(event, Event::Done { .. } | Event::Error(_) | Event::Refused(_) | Event::PluginFault(_));
             for e in render(&event) {
                 if tx.send(Ok(e)).await.is_err() {
                     return; // Client gone: dropping `rx` cancels the job.
@@ -278,23 +342,29 @@ where
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
         }
     });
-    Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response()
+    Ok(Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response())
 }
 
 fn data(v: Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
 }
 
-fn stream_error(message: &str, flavor: Flavor) -> SseEvent {
-    tracing::error!("generation failed mid-stream: {message}");
-    match flavor {
-        Flavor::OpenAi => {
-            data(json!({"error": {"message": "internal error; see the server log", "type": "server_error"}}))
+/// An error after the stream started: internal details go to the log; plugin faults and
+/// refusals are shown as they are (they name the plugin).
+fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
+    let message = match event {
+        Event::Error(m) => {
+            tracing::error!("generation failed mid-stream: {m}");
+            "internal error; see the server log".to_string()
         }
-        Flavor::Anthropic => SseEvent::default().event("error").data(
-            json!({"type": "error", "error": {"type": "api_error", "message": "internal error; see the server log"}})
-                .to_string(),
-        ),
+        Event::Refused(m) | Event::PluginFault(m) => m.clone(),
+        _ => String::new(),
+    };
+    match flavor {
+        Flavor::OpenAi => data(json!({"error": {"message": message, "type": "server_error"}})),
+        Flavor::Anthropic => SseEvent::default()
+            .event("error")
+            .data(json!({"type": "error", "error": {"type": "api_error", "message": message}}).to_string()),
     }
 }
 
@@ -327,7 +397,8 @@ async fn chat_completions(
     let prompt = state.chat_prompt(messages, tools, kwargs.as_ref())?;
     let max_tokens = state.admit(prompt.len(), max)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
+    let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs, plugins };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
     if !req.stream {
@@ -356,7 +427,7 @@ async fn chat_completions(
         }
     };
     let want_logprobs = top_logprobs.is_some();
-    Ok(stream(
+    stream(
         state.clone(),
         rx,
         move |event| match event {
@@ -372,10 +443,12 @@ async fn chat_completions(
                 }
                 out
             }
-            Event::Error(e) => vec![stream_error(e, Flavor::OpenAi)],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::OpenAi)],
         },
         true,
-    ))
+        Flavor::OpenAi,
+    )
+    .await
 }
 
 async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -409,7 +482,8 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let max_tokens = state.admit(prompt.len(), Some(max))?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs };
+    let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs, plugins };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
     let echo = if req.echo { prompt_text } else { String::new() };
@@ -435,7 +509,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
         data(v)
     };
     let mut echo = Some(echo).filter(|e| !e.is_empty());
-    Ok(stream(
+    stream(
         state.clone(),
         rx,
         move |event| match event {
@@ -453,10 +527,12 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
                 }
                 out
             }
-            Event::Error(e) => vec![stream_error(e, Flavor::OpenAi)],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::OpenAi)],
         },
         true,
-    ))
+        Flavor::OpenAi,
+    )
+    .await
 }
 
 async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -473,7 +549,8 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
     let stop = openai::stops(req.stop_sequences.map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
     state.check_sampling(&sampling, a)?;
-    let rx = state.submit(JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None }, a)?;
+    let plugins = state.plugins(req.plugins, a)?;
+    let rx = state.submit(JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins }, a)?;
     let (id, model) = (request_id("msg_"), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, a).await?;
@@ -487,7 +564,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         .into_response());
     }
     let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
-    Ok(stream(
+    stream(
         state.clone(),
         rx,
         move |event| match event {
@@ -523,10 +600,12 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
                     named("message_stop", json!({"type": "message_stop"})),
                 ]
             }
-            Event::Error(e) => vec![stream_error(e, Flavor::Anthropic)],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::Anthropic)],
         },
         false,
-    ))
+        Flavor::Anthropic,
+    )
+    .await
 }
 
 async fn count_tokens(
@@ -564,6 +643,7 @@ mod tests {
                     queue_limit: 4,
                     prompt_cache_bytes: 1 << 20,
                     prefill_step_size: 64,
+                    plugins: None,
                 };
                 Arc::new(Engine::start(config).unwrap())
             })
@@ -573,7 +653,7 @@ mod tests {
     fn router(api_key: Option<&str>) -> Router {
         let config =
             ServeConfig { api_key: api_key.map(str::to_string), max_body_bytes: 1 << 16, ..Default::default() };
-        app(crate::server::state(&config, engine()))
+        app(crate::server::state(&config, engine(), None))
     }
 
     /// Sends a request; returns the status and the body as JSON.

@@ -1,0 +1,451 @@
+//! The wasmtime side of plugins: validate and compile modules (`PluginRuntime::load`),
+//! pre-link them (`InstancePre`), and run one sandboxed instance per (plugin, request) with a
+//! deadline per call (epoch interruption) and a memory cap. Only this module knows wasmtime.
+
+use super::abi_v1::{self, Kind, Manifest, SamplerInput};
+use anyhow::{anyhow, bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use wasmtime::{
+    Caller, Config, Engine, Extern, ExternType, InstancePre, Linker, Memory, Module, Store, StoreLimits,
+    StoreLimitsBuilder, Trap, TypedFunc, ValType,
+};
+
+/// Epoch ticks per second (one tick per millisecond).
+const TICKS_PER_MS: u64 = 1;
+/// Deadlines: per-token calls, and `host_init`/`host_begin`.
+pub const CALL_DEADLINE: Duration = Duration::from_millis(50);
+pub const SETUP_DEADLINE: Duration = Duration::from_millis(1000);
+/// Linear memory per instance.
+pub const MEMORY_LIMIT: usize = 64 << 20;
+/// Faults after which a plugin is reported unhealthy.
+pub const UNHEALTHY_AFTER: u64 = 3;
+
+pub struct StoreState {
+    limits: StoreLimits,
+    plugin: String,
+}
+
+/// A compiled, validated plugin, ready to instantiate.
+pub struct Plugin {
+    pub manifest: Manifest,
+    pub source: PathBuf,
+    pub sha256: String,
+    pub builtin: bool,
+    pre: InstancePre<StoreState>,
+    pub calls: AtomicU64,
+    pub faults: AtomicU64,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Plugin({} v{} from {})", self.manifest.name, self.manifest.version, self.source.display())
+    }
+}
+
+impl Plugin {
+    pub fn name(&self) -> &str {
+        &self.manifest.name
+    }
+    pub fn healthy(&self) -> bool {
+        self.faults.load(Ordering::Relaxed) < UNHEALTHY_AFTER
+    }
+}
+
+/// The wasmtime engine, the linker with the `host.log` import, and the epoch ticker.
+pub struct PluginRuntime {
+    engine: Engine,
+    linker: Linker<StoreState>,
+}
+
+fn func_sig(params: &[ValType], results: &[ValType]) -> String {
+    let show = |v: &[ValType]| v.iter().map(|t| format!("{t}")).collect::<Vec<_>>().join(", ");
+    format!("({}) -> ({})", show(params), show(results))
+}
+
+/// Required exports per kind: (name, params, results).
+fn required_exports(kind: Kind) -> &'static [(&'static str, &'static [ValType], &'static [ValType])] {
+    use ValType::{I32, I64};
+    match kind {
+        Kind::Sampler => &[("sampler_sample", &[I32, I32, I32], &[I32])],
+        Kind::Stop => &[("stop_check", &[I32, I32, I32], &[I32])],
+        Kind::Tool => &[("tool_feed", &[I32, I32], &[I64]), ("tool_finish", &[], &[I64])],
+        Kind::Scheduler => &[("schedule", &[I32, I32], &[I64])],
+    }
+}
+
+impl PluginRuntime {
+    pub fn new() -> Result<Arc<PluginRuntime>> {
+        let mut config = Config::new();
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(|e| anyhow!("starting wasmtime: {e}"))?;
+        let mut linker = Linker::new(&engine);
+        linker
+            .func_wrap(
+                abi_v1::IMPORT_MODULE,
+                abi_v1::IMPORT_LOG,
+                |mut caller: Caller<'_, StoreState>, level: i32, ptr: i32, len: i32| {
+                    let Some(Extern::Memory(mem)) = caller.get_export("memory") else { return };
+                    let data = mem.data(&caller);
+                    let (start, end) = (ptr as u32 as usize, ptr as u32 as usize + (len as u32 as usize).min(4096));
+                    let text = data.get(start..end).map(String::from_utf8_lossy).unwrap_or_default().into_owned();
+                    let plugin = &caller.data().plugin;
+                    match level {
+                        0 => tracing::error!(plugin, "{text}"),
+                        1 => tracing::warn!(plugin, "{text}"),
+                        2 => tracing::info!(plugin, "{text}"),
+                        _ => tracing::debug!(plugin, "{text}"),
+                    }
+                },
+            )
+            .map_err(|e| anyhow!("linking host.log: {e}"))?;
+        // The deadline clock: every instance's calls are measured in these ticks.
+        let ticker = engine.weak();
+        std::thread::Builder::new()
+            .name("plugin-epoch".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(1));
+                match ticker.upgrade() {
+                    Some(engine) => engine.increment_epoch(),
+                    None => return,
+                }
+            })
+            .context("starting the plugin deadline thread")?;
+        Ok(Arc::new(PluginRuntime { engine, linker }))
+    }
+
+    /// Validates and compiles a module. Refuses it, with the reason, if its manifest is
+    /// missing or unsupported, it imports anything but `host.log`, or it lacks an export its
+    /// kinds need. Compilation can take tens of milliseconds: call it off the async runtime.
+    pub fn load(&self, wasm: &[u8], source: &Path, builtin: bool) -> Result<Plugin> {
+        let manifest = abi_v1::manifest(wasm)?;
+        let module =
+            Module::new(&self.engine, wasm).map_err(|e| anyhow!("plugin {} does not compile: {e}", manifest.name))?;
+        for import in module.imports() {
+            let ok = import.module() == abi_v1::IMPORT_MODULE
+                && import.name() == abi_v1::IMPORT_LOG
+                && matches!(import.ty(), ExternType::Func(f) if f.params().all(|p| matches!(p, ValType::I32)) && f.params().len() == 3 && f.results().len() == 0);
+            if !ok {
+                bail!(
+                    "plugin {} imports {}.{}: plugins may import only host.log(i32, i32, i32) (no WASI, files or network)",
+                    manifest.name,
+                    import.module(),
+                    import.name()
+                );
+            }
+        }
+        let exports: HashMap<&str, ExternType> = module.exports().map(|e| (e.name(), e.ty())).collect();
+        if !matches!(exports.get("memory"), Some(ExternType::Memory(_))) {
+            bail!("plugin {} does not export its `memory`", manifest.name);
+        }
+        let mut needed: Vec<(&str, &[ValType], &[ValType])> = vec![("host_alloc", &[ValType::I32], &[ValType::I32])];
+        for kind in &manifest.kinds {
+            needed.extend_from_slice(required_exports(*kind));
+        }
+        for (name, params, results) in needed {
+            match exports.get(name) {
+                Some(ExternType::Func(f)) => {
+                    let got_params: Vec<ValType> = f.params().collect();
+                    let got_results: Vec<ValType> = f.results().collect();
+                    let same = |a: &[ValType], b: &[ValType]| {
+                        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| ValType::eq(x, y))
+                    };
+                    if !same(&got_params, params) || !same(&got_results, results) {
+                        bail!(
+                            "plugin {}: export `{name}` has type {}, ABI v1 needs {}",
+                            manifest.name,
+                            func_sig(&got_params, &got_results),
+                            func_sig(params, results)
+                        );
+                    }
+                }
+                _ => bail!(
+                    "plugin {} lacks the export `{name}` that its kinds need (see plugin-sdk/ABI.md)",
+                    manifest.name
+                ),
+            }
+        }
+        let pre = self.linker.instantiate_pre(&module).map_err(|e| anyhow!("plugin {}: {e}", manifest.name))?;
+        let sha256 = Sha256::digest(wasm).iter().map(|b| format!("{b:02x}")).collect();
+        Ok(Plugin {
+            manifest,
+            source: source.to_path_buf(),
+            sha256,
+            builtin,
+            pre,
+            calls: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
+        })
+    }
+
+    /// A fresh sandboxed instance of `plugin`, with its config passed to `host_init`.
+    pub fn instantiate(&self, plugin: &Arc<Plugin>, config: &serde_json::Value) -> Result<Instance> {
+        let limits =
+            StoreLimitsBuilder::new().memory_size(MEMORY_LIMIT).instances(1).trap_on_grow_failure(true).build();
+        let mut store = Store::new(&self.engine, StoreState { limits, plugin: plugin.manifest.name.clone() });
+        store.limiter(|s| &mut s.limits);
+        store.set_epoch_deadline(SETUP_DEADLINE.as_millis() as u64 * TICKS_PER_MS);
+        let name = plugin.manifest.name.clone();
+        let instance = plugin.pre.instantiate(&mut store).map_err(|e| fault(plugin, "instantiation", e))?;
+        let memory =
+            instance.get_memory(&mut store, "memory").with_context(|| format!("plugin {name} has no memory"))?;
+        let alloc =
+            instance.get_typed_func::<i32, i32>(&mut store, "host_alloc").map_err(|e| anyhow!("plugin {name}: {e}"))?;
+        let typed = |store: &mut Store<StoreState>, export: &str| instance.get_func(&mut *store, export).is_some();
+        let funcs = Funcs {
+            init: typed(&mut store, "host_init")
+                .then(|| instance.get_typed_func(&mut store, "host_init"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: host_init: {e}"))?,
+            begin: typed(&mut store, "host_begin")
+                .then(|| instance.get_typed_func(&mut store, "host_begin"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: host_begin: {e}"))?,
+            end: typed(&mut store, "host_end")
+                .then(|| instance.get_typed_func(&mut store, "host_end"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: host_end: {e}"))?,
+            accept: typed(&mut store, "sampler_accept")
+                .then(|| instance.get_typed_func(&mut store, "sampler_accept"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: sampler_accept: {e}"))?,
+            sample: typed(&mut store, "sampler_sample")
+                .then(|| instance.get_typed_func(&mut store, "sampler_sample"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: sampler_sample: {e}"))?,
+            rollback: typed(&mut store, "sampler_rollback")
+                .then(|| instance.get_typed_func(&mut store, "sampler_rollback"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: sampler_rollback: {e}"))?,
+            stop: typed(&mut store, "stop_check")
+                .then(|| instance.get_typed_func(&mut store, "stop_check"))
+                .transpose()
+                .map_err(|e| anyhow!("plugin {name}: stop_check: {e}"))?,
+        };
+        let mut inst = Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3] };
+        let config = serde_json::to_vec(config).expect("JSON serializes");
+        if let Some(init) = inst.funcs.init.clone() {
+            let (ptr, len) = inst.write(Slot::Json, &config)?;
+            let status = inst.call(&init, (ptr, len), SETUP_DEADLINE, "host_init")?;
+            if status != 0 {
+                bail!(PluginRefused(format!("plugin {name} refused its config (host_init returned {status}); see the server log for its message")));
+            }
+        }
+        Ok(inst)
+    }
+}
+
+/// A plugin said no to its config or params: the request's fault (a 400), not the plugin's.
+#[derive(Debug)]
+pub struct PluginRefused(pub String);
+
+impl std::fmt::Display for PluginRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PluginRefused {}
+
+/// A plugin failed while serving a request (trap, deadline, memory, bad result): the error
+/// names the plugin and the entry point, and fails only that request.
+#[derive(Debug)]
+pub struct PluginFault(pub String);
+
+impl std::fmt::Display for PluginFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PluginFault {}
+
+/// Turns a wasmtime error into one that names the plugin and the entry point, and counts it.
+fn fault(plugin: &Plugin, entry: &str, e: wasmtime::Error) -> anyhow::Error {
+    plugin.faults.fetch_add(1, Ordering::Relaxed);
+    anyhow::Error::new(PluginFault(format!("{:#}", describe(plugin, entry, e))))
+}
+
+fn describe(plugin: &Plugin, entry: &str, e: wasmtime::Error) -> anyhow::Error {
+    let name = &plugin.manifest.name;
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => anyhow!("plugin {name} exceeded its deadline in {entry}"),
+        Some(Trap::MemoryOutOfBounds) => anyhow!("plugin {name} accessed memory out of bounds in {entry}"),
+        Some(Trap::AllocationTooLarge) => {
+            anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", MEMORY_LIMIT >> 20)
+        }
+        Some(trap) => anyhow!("plugin {name} trapped in {entry}: {trap}"),
+        None => {
+            let text = format!("{e:#}");
+            if text.contains("memory") && (text.contains("limit") || text.contains("grow")) {
+                anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", MEMORY_LIMIT >> 20)
+            } else {
+                anyhow!("plugin {name} failed in {entry}: {text}")
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Slot {
+    Json = 0,
+    Tokens = 1,
+    Frame = 2,
+}
+
+struct Funcs {
+    init: Option<TypedFunc<(i32, i32), i32>>,
+    begin: Option<TypedFunc<(i32, i32, i64), i32>>,
+    end: Option<TypedFunc<(), ()>>,
+    accept: Option<TypedFunc<(i32, i32), i32>>,
+    sample: Option<TypedFunc<(i32, i32, i32), i32>>,
+    rollback: Option<TypedFunc<i32, i32>>,
+    stop: Option<TypedFunc<(i32, i32, i32), i32>>,
+}
+
+/// One live instance, serving one request.
+pub struct Instance {
+    plugin: Arc<Plugin>,
+    store: Store<StoreState>,
+    memory: Memory,
+    alloc: TypedFunc<i32, i32>,
+    funcs: Funcs,
+    /// Host-owned buffers in plugin memory, reused across calls: (ptr, capacity) per slot.
+    buffers: [(i32, usize); 3],
+}
+
+impl Instance {
+    pub fn plugin(&self) -> &Arc<Plugin> {
+        &self.plugin
+    }
+
+    fn call<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &mut self,
+        f: &TypedFunc<P, R>,
+        args: P,
+        deadline: Duration,
+        entry: &str,
+    ) -> Result<R> {
+        self.plugin.calls.fetch_add(1, Ordering::Relaxed);
+        self.store.set_epoch_deadline(deadline.as_millis() as u64 * TICKS_PER_MS);
+        f.call(&mut self.store, args).map_err(|e| fault(&self.plugin, entry, e))
+    }
+
+    /// Copies `bytes` into the slot's buffer (allocating a larger one when needed).
+    fn write(&mut self, slot: Slot, bytes: &[u8]) -> Result<(i32, i32)> {
+        let (mut ptr, cap) = self.buffers[slot as usize];
+        if bytes.len() > cap || ptr == 0 {
+            let want = bytes.len().max(64).next_power_of_two();
+            let alloc = self.alloc.clone();
+            ptr = self.call(&alloc, want as i32, SETUP_DEADLINE, "host_alloc")?;
+            if ptr == 0 {
+                bail!("plugin {} could not allocate {want} bytes (host_alloc returned 0)", self.plugin.manifest.name);
+            }
+            self.buffers[slot as usize] = (ptr, want);
+        }
+        let name = &self.plugin.manifest.name;
+        let start = ptr as u32 as usize;
+        self.memory
+            .data_mut(&mut self.store)
+            .get_mut(start..start + bytes.len())
+            .with_context(|| format!("plugin {name}: host_alloc returned {ptr}, outside its memory"))?
+            .copy_from_slice(bytes);
+        Ok((ptr, bytes.len() as i32))
+    }
+
+    fn read(&self, ptr: i32, len: usize) -> Result<Vec<u8>> {
+        let start = ptr as u32 as usize;
+        self.memory
+            .data(&self.store)
+            .get(start..start + len)
+            .map(<[u8]>::to_vec)
+            .with_context(|| format!("plugin {}: buffer at {ptr} is outside its memory", self.plugin.manifest.name))
+    }
+
+    /// `host_begin` with the request's params and seed.
+    pub fn begin(&mut self, params: &serde_json::Value, seed: u64) -> Result<()> {
+        let Some(begin) = self.funcs.begin.clone() else { return Ok(()) };
+        let (ptr, len) = self.write(Slot::Json, &serde_json::to_vec(params).expect("JSON serializes"))?;
+        let status = self.call(&begin, (ptr, len, seed as i64), SETUP_DEADLINE, "host_begin")?;
+        if status != 0 {
+            bail!(PluginRefused(format!(
+                "plugin {} refused the request's params (host_begin returned {status})",
+                self.plugin.manifest.name
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn end(&mut self) {
+        if let Some(end) = self.funcs.end.clone() {
+            let _ = self.call(&end, (), CALL_DEADLINE, "host_end");
+        }
+    }
+
+    /// `sampler_accept`: appends tokens to the plugin's history.
+    pub fn accept(&mut self, tokens: &[u32]) -> Result<()> {
+        let Some(accept) = self.funcs.accept.clone() else { return Ok(()) };
+        for chunk in tokens.chunks(4096) {
+            let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let (ptr, _) = self.write(Slot::Tokens, &bytes)?;
+            let status = self.call(&accept, (ptr, chunk.len() as i32), CALL_DEADLINE, "sampler_accept")?;
+            if status != 0 {
+                bail!("plugin {} failed in sampler_accept (status {status})", self.plugin.manifest.name);
+            }
+        }
+        Ok(())
+    }
+
+    /// `sampler_rollback`, if the plugin has it; `false` means the caller must replay.
+    pub fn rollback(&mut self, n: usize) -> Result<bool> {
+        let Some(rollback) = self.funcs.rollback.clone() else { return Ok(false) };
+        let status = self.call(&rollback, n as i32, CALL_DEADLINE, "sampler_rollback")?;
+        if status != 0 {
+            bail!("plugin {} failed in sampler_rollback (status {status})", self.plugin.manifest.name);
+        }
+        Ok(true)
+    }
+
+    /// `sampler_sample` over a frame of `f32`/`(u32, f32)` records given as raw bytes; the
+    /// frame is copied back (the plugin may edit it). Returns the plugin's raw result.
+    pub fn sample(&mut self, position: usize, frame: &mut [u8], records: usize) -> Result<i32> {
+        let sample = self
+            .funcs
+            .sample
+            .clone()
+            .with_context(|| format!("plugin {} is not a sampler", self.plugin.manifest.name))?;
+        let (ptr, _) = self.write(Slot::Frame, frame)?;
+        let result = self.call(&sample, (position as i32, ptr, records as i32), CALL_DEADLINE, "sampler_sample")?;
+        if result == -1 {
+            frame.copy_from_slice(&self.read(ptr, frame.len())?);
+        }
+        Ok(result)
+    }
+
+    /// `stop_check`: `Some(chars to trim)` to stop, `None` to continue.
+    pub fn stop_check(&mut self, token: u32, text: &str) -> Result<Option<usize>> {
+        let stop = self
+            .funcs
+            .stop
+            .clone()
+            .with_context(|| format!("plugin {} is not a stop rule", self.plugin.manifest.name))?;
+        let (ptr, len) = self.write(Slot::Json, text.as_bytes())?;
+        match self.call(&stop, (token as i32, ptr, len), CALL_DEADLINE, "stop_check")? {
+            -1 => Ok(None),
+            r if r >= 0 => Ok(Some(r as usize)),
+            r => bail!(
+                "plugin {} returned {r} from stop_check; ABI v1 allows -1 or a count >= 0",
+                self.plugin.manifest.name
+            ),
+        }
+    }
+
+    pub fn sampler_input(&self) -> (SamplerInput, usize) {
+        let s = self.plugin.manifest.sampler();
+        (s.input, s.k)
+    }
+}

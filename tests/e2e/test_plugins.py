@@ -1,0 +1,156 @@
+"""Wasm plugins (ABI v1) in a live server: the example plugins change real generations, and
+hostile plugins fail only their own request (or are refused at load) while the server keeps
+serving."""
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from conftest import ROOT, Server
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+ALLOC = """
+  (memory (export "memory") 2)
+  (global $heap (mut i32) (i32.const 65536))
+  (func (export "host_alloc") (param $size i32) (result i32)
+    (local $ptr i32)
+    (local.set $ptr (global.get $heap))
+    (global.set $heap (i32.add (global.get $heap) (i32.and (i32.add (local.get $size) (i32.const 7)) (i32.const -8))))
+    (if (i32.gt_u (global.get $heap) (i32.mul (memory.size) (i32.const 65536)))
+      (then (drop (memory.grow (i32.add (i32.div_u (i32.sub (global.get $heap) (i32.mul (memory.size) (i32.const 65536))) (i32.const 65536)) (i32.const 1))))))
+    (local.get $ptr))
+"""
+
+
+def manifest(name, kinds='["sampler"]', abi=1):
+    return '(@custom "host.plugin" "{\\"abi\\": %d, \\"name\\": \\"%s\\", \\"kinds\\": %s}")' % (abi, name, kinds.replace('"', '\\"'))
+
+
+def sampler(name, body, extra=""):
+    return f"""(module {manifest(name)} {ALLOC} {extra}
+      (func (export "sampler_sample") (param $pos i32) (param $cand i32) (param $n i32) (result i32) {body}))"""
+
+
+HOSTILE = {
+    # Runs forever: the per-call deadline stops it.
+    "spin": sampler("spin", "(loop $l (br $l)) (i32.const 0)"),
+    # Grows memory without bound: the 64 MiB cap stops it.
+    "hog": sampler("hog", "(loop $l (drop (memory.grow (i32.const 16))) (br $l)) (i32.const 0)"),
+    # Reads far outside its memory.
+    "oob": sampler("oob", "(i32.load (i32.const 0x7ffffff0))"),
+    # Traps in each entry point.
+    "trap-init": sampler("trap-init", "(i32.const 0)", '(func (export "host_init") (param i32 i32) (result i32) unreachable)'),
+    "trap-begin": sampler("trap-begin", "(i32.const 0)", '(func (export "host_begin") (param i32 i32 i64) (result i32) unreachable)'),
+    "trap-accept": sampler("trap-accept", "(i32.const 0)", '(func (export "sampler_accept") (param i32 i32) (result i32) unreachable)'),
+    "trap-sample": sampler("trap-sample", "unreachable"),
+    "bad-token": sampler("bad-token", "(i32.const 99999999)"),
+    "trap-stop": f"""(module {manifest("trap-stop", '["stop"]')} {ALLOC}
+      (func (export "stop_check") (param i32 i32 i32) (result i32) unreachable))""",
+    "refuse-config": sampler("refuse-config", "(i32.const 0)", '(func (export "host_init") (param i32 i32) (result i32) (i32.const 3))'),
+    # Refused at load:
+    "wrong-abi": f"(module {manifest('wrong-abi', abi=9)} {ALLOC})",
+    "wasi": f"""(module (import "wasi_snapshot_preview1" "fd_write" (func (param i32 i32 i32 i32) (result i32)))
+      {manifest("wasi")} {ALLOC} (func (export "sampler_sample") (param i32 i32 i32) (result i32) (i32.const 0)))""",
+    "no-manifest": f"(module {ALLOC})",
+    "missing-export": f"(module {manifest('missing-export')} {ALLOC})",
+}
+REFUSED = {"wrong-abi": "ABI v9", "wasi": "wasi_snapshot_preview1.fd_write", "no-manifest": "no `host.plugin` custom section",
+           "missing-export": "lacks the export `sampler_sample`"}
+
+
+@pytest.fixture(scope="module")
+def plugins_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plugins")
+    binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
+    sources = {name: os.path.join(ROOT, "examples", "wat", f"{name}.wat") for name in ["scripted", "first-sentence"]}
+    for name, text in HOSTILE.items():
+        path = d / f"{name}.wat"
+        path.write_text(text)
+        sources[name] = str(path)
+    for name, src in sources.items():
+        subprocess.run([binary, "plugins", "build-wat", src, str(d / f"{name}.wasm")], check=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def plugged(plugins_dir):
+    # No prompt cache: every request prefills from scratch, so greedy outputs compare exactly.
+    s = Server("--plugins", str(plugins_dir), "--prompt-cache-bytes", "0")
+    yield s
+    s.stop()
+
+
+def chat(server, plugins, stream=False, messages=Q, max_tokens=6, **kw):
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "plugins": plugins, "stream": stream, **kw}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_scripted_sampler_forces_its_tokens_in_both_apis(plugged):
+    r = chat(plugged, {"sampler": {"name": "scripted"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris. Paris."
+    streamed = chat(plugged, {"sampler": {"name": "scripted"}}, stream=True).text
+    assert '"content":" Paris"' in streamed and streamed.rstrip().endswith("[DONE]")
+    m = httpx.post(plugged.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": Q,
+                                                        "plugins": {"sampler": {"name": "scripted"}}}, timeout=60)
+    assert m.json()["content"][0]["text"] == " Paris. Paris."
+
+
+def test_a_stop_rule_plugin_ends_generation(plugged):
+    moon = [{"role": "user", "content": "Tell me two facts about the Moon."}]
+    plain = chat(plugged, {}, messages=moon, max_tokens=60).json()["choices"][0]["message"]["content"]
+    assert plain.startswith("1. The Moon is")
+    r = chat(plugged, {"stop": [{"name": "first-sentence"}]}, messages=moon, max_tokens=60).json()
+    assert r["choices"][0]["message"]["content"] == "1."
+    assert r["choices"][0]["finish_reason"] == "stop"
+    m = httpx.post(plugged.url + "/v1/messages", json={"model": "m", "max_tokens": 60, "messages": moon, "temperature": 0,
+                                                        "plugins": {"stop": [{"name": "first-sentence"}]}}, timeout=60).json()
+    assert m["content"][0]["text"] == "1." and m["stop_reason"] == "stop_sequence"
+
+
+def test_unknown_or_wrong_kind_plugins_are_400(plugged):
+    r = chat(plugged, {"sampler": {"name": "nope"}})
+    assert r.status_code == 400 and "unknown sampler plugin \"nope\"" in r.json()["error"]["message"]
+    r = chat(plugged, {"sampler": {"name": "first-sentence"}})
+    assert r.status_code == 400 and "is not a sampler plugin" in r.json()["error"]["message"]
+    r = chat(plugged, {"sampler": {"name": "refuse-config"}})
+    assert r.status_code == 400 and "refused its config" in r.json()["error"]["message"]
+    r = chat(plugged, {"sampler": {"nam": "x"}})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("spin", "exceeded its deadline in sampler_sample"), ("hog", "memory limit"), ("oob", "out of bounds"),
+    ("trap-init", "host_init"), ("trap-begin", "host_begin"), ("trap-accept", "sampler_accept"),
+    ("trap-sample", "trapped in sampler_sample"), ("bad-token", "outside the vocabulary"),
+])
+def test_a_hostile_sampler_fails_only_its_request(plugged, name, reason):
+    start = time.time()
+    r = chat(plugged, {"sampler": {"name": name}})
+    assert r.status_code == 500, r.text
+    msg = r.json()["error"]["message"]
+    assert name in msg and reason in msg, msg
+    assert time.time() - start < 10
+    ok = chat(plugged, {})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].startswith("The capital")
+
+
+def test_a_hostile_stop_rule_fails_only_its_request_even_when_streaming(plugged):
+    r = chat(plugged, {"stop": [{"name": "trap-stop"}]})
+    assert r.status_code == 500 and "trap-stop" in r.json()["error"]["message"]
+    assert chat(plugged, {}).status_code == 200
+
+
+def test_broken_modules_are_refused_at_load_with_their_reason(plugged):
+    status = {p["name"]: p for p in httpx.get(plugged.url + "/v1/plugins").json()["data"]}
+    for name, reason in REFUSED.items():
+        assert status[name]["state"] == "refused", status[name]
+        assert reason in status[name]["error"], status[name]["error"]
+    assert status["scripted"]["state"] == "ready" and len(status["scripted"]["sha256"]) == 64
+    # Repeated faults mark a plugin unhealthy.
+    for _ in range(3):
+        chat(plugged, {"sampler": {"name": "trap-sample"}})
+    status = {p["name"]: p for p in httpx.get(plugged.url + "/v1/plugins").json()["data"]}
+    assert status["trap-sample"]["state"] == "unhealthy" and status["trap-sample"]["faults"] >= 3
