@@ -154,3 +154,89 @@ def test_broken_modules_are_refused_at_load_with_their_reason(plugged):
         chat(plugged, {"sampler": {"name": "trap-sample"}})
     status = {p["name"]: p for p in httpx.get(plugged.url + "/v1/plugins").json()["data"]}
     assert status["trap-sample"]["state"] == "unhealthy" and status["trap-sample"]["faults"] >= 3
+
+
+def test_hot_reload_under_load(tmp_path, plugins_dir):
+    """16 clients stream continuously while the scripted sampler is replaced 50 times,
+    alternating good versions and broken ones: no request fails, each good version is served
+    within 1 s of its write, each broken one is refused with its reason and the previous
+    version keeps serving."""
+    source = open(os.path.join(ROOT, "examples", "wat", "scripted.wat")).read()
+    binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
+    versions = {}
+    for tag, script in {"v1": r"\82\1b\00\00\1e\00\00\00", "v2": r"\1e\00\00\00\1e\00\00\00"}.items():
+        wat = tmp_path / f"{tag}.wat"
+        wat.write_text(source.replace(r"\82\1b\00\00\1e\00\00\00", script))
+        subprocess.run([binary, "plugins", "build-wat", str(wat), str(tmp_path / f"{tag}.wasm")], check=True)
+        versions[tag] = (tmp_path / f"{tag}.wasm").read_bytes()
+    texts = {"v1": " Paris.", "v2": ".."}
+    broken = [b"\x00asm\x01\x00\x00\x00garbage", (plugins_dir / "wrong-abi.wasm").read_bytes(), b"not wasm at all"]
+    live = tmp_path / "live"
+    live.mkdir()
+    target = live / "scripted.wasm"
+    target.write_bytes(versions["v1"])
+    s = Server("--plugins", str(live))
+    import hashlib
+    import threading
+
+    def status():
+        return {p["source"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"] if p["state"] != "refused"}, \
+               [p for p in httpx.get(s.url + "/v1/plugins").json()["data"] if p["state"] == "refused"]
+
+    stop = threading.Event()
+    results, failures = [], []
+
+    def client():
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            while not stop.is_set():
+                body = {"messages": Q, "max_tokens": 2, "stream": True, "plugins": {"sampler": {"name": "scripted"}}}
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+                if r.status_code != 200 or lines[-1] != "data: [DONE]":
+                    failures.append((r.status_code, lines[-3:]))
+                    continue
+                import json as _json
+                text = "".join(_json.loads(l[6:])["choices"][0]["delta"].get("content") or ""
+                               for l in lines[:-1] if _json.loads(l[6:])["choices"])
+                results.append(text)
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        current = "v1"
+        for i in range(50):
+            if i % 2 == 0:
+                tag = "v2" if current == "v1" else "v1"
+                target.write_bytes(versions[tag])
+                want = hashlib.sha256(versions[tag]).hexdigest()
+                start = time.time()
+                while True:
+                    ready, _ = status()
+                    if ready.get(str(target), {}).get("sha256") == want:
+                        break
+                    assert time.time() - start < 1.0, f"version {tag} not served within 1 s"
+                    time.sleep(0.02)
+                current = tag
+            else:
+                bad = broken[(i // 2) % len(broken)]
+                target.write_bytes(bad)
+                start = time.time()
+                while True:
+                    ready, refused = status()
+                    if any(r["source"] == str(target) and r["error"] for r in refused):
+                        break
+                    assert time.time() - start < 1.0, "broken version not reported within 1 s"
+                    time.sleep(0.02)
+                # The previous good version keeps serving.
+                assert ready[str(target)]["sha256"] == hashlib.sha256(versions[current]).hexdigest()
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2, "plugins": {"sampler": {"name": "scripted"}}}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == texts[current]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        s.stop()
+    assert not failures, failures[:3]
+    # Every streamed output came from one of the good versions, and both were served.
+    assert len(results) >= 16 and set(results) == set(texts.values()), (len(results), set(results))

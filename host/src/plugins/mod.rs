@@ -3,6 +3,7 @@
 //! an instance into the engine (a sampler) or the text pipeline (a stop rule).
 
 pub mod abi_v1;
+pub mod reload;
 pub mod runtime;
 
 use crate::engine::{ExternalSampler, Frame, Pick};
@@ -86,7 +87,11 @@ impl PluginRegistry {
             Ok(plugin) => {
                 let plugin = Arc::new(plugin);
                 self.failed.write().expect("registry lock").remove(path);
-                self.plugins.write().expect("registry lock").insert(plugin.manifest.name.clone(), plugin.clone());
+                let mut plugins = self.plugins.write().expect("registry lock");
+                // A file that now declares another name no longer provides the old one.
+                plugins.retain(|name, p| p.source != path || *name == plugin.manifest.name);
+                plugins.insert(plugin.manifest.name.clone(), plugin.clone());
+                drop(plugins);
                 tracing::info!(plugin = plugin.name(), file = %path.display(), "plugin loaded");
                 Ok(plugin)
             }
@@ -107,6 +112,17 @@ impl PluginRegistry {
             .collect();
         files.sort();
         Ok(files.iter().filter(|f| self.load_file(f).is_ok()).count())
+    }
+
+    /// Drops whatever was loaded from `path` (the file was deleted).
+    pub fn remove_file(&self, path: &Path) {
+        self.failed.write().expect("registry lock").remove(path);
+        let mut plugins = self.plugins.write().expect("registry lock");
+        let gone: Vec<String> = plugins.iter().filter(|(_, p)| p.source == path).map(|(n, _)| n.clone()).collect();
+        for name in gone {
+            plugins.remove(&name);
+            tracing::info!(plugin = name, file = %path.display(), "plugin removed");
+        }
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Plugin>> {

@@ -65,10 +65,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let registry = PluginRegistry::new()?;
-    if let Some(dir) = &config.plugins {
-        let n = registry.load_dir(dir)?;
-        tracing::info!(loaded = n, dir = %dir.display(), "plugins");
-    }
+    let _reload = match &config.plugins {
+        Some(dir) => {
+            let n = registry.load_dir(dir)?;
+            tracing::info!(loaded = n, dir = %dir.display(), "plugins (hot reload on)");
+            Some(crate::plugins::reload::watch(registry.clone(), dir)?)
+        }
+        None => None,
+    };
     let engine = Arc::new(Engine::start(EngineConfig {
         model: config.model.clone(),
         device: config.device,
