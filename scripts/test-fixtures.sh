@@ -20,6 +20,12 @@ log() { echo "test-fixtures: $*" >&2; }
 [ -d "$SHARED/models" ] || { log "no shared models kit at $SHARED (set HOST_SHARED_DIR)"; exit 1; }
 mkdir -p "$MODELS"
 
+# Plugins written in Rust (examples/rust-sampler) build for wasm32.
+if command -v rustup >/dev/null && ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
+  log "adding the wasm32-unknown-unknown Rust target"
+  rustup target add wasm32-unknown-unknown >&2
+fi
+
 if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
   log "creating the mlx-lm oracle virtualenv in $ORACLE"
   rm -rf "$ORACLE"

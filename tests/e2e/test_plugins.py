@@ -71,6 +71,11 @@ def plugins_dir(tmp_path_factory):
         sources[name] = str(path)
     for name, src in sources.items():
         subprocess.run([binary, "plugins", "build-wat", src, str(d / f"{name}.wasm")], check=True)
+    # A plugin written in Rust with plugin-sdk (examples/rust-sampler).
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "example-rust-sampler"],
+                   cwd=ROOT, check=True)
+    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "example_rust_sampler.wasm")
+    (d / "top-n-sigma.wasm").write_bytes(open(wasm, "rb").read())
     return d
 
 
@@ -108,6 +113,21 @@ def test_a_stop_rule_plugin_ends_generation(plugged):
     m = httpx.post(plugged.url + "/v1/messages", json={"model": "m", "max_tokens": 60, "messages": moon, "temperature": 0,
                                                         "plugins": {"stop": [{"name": "first-sentence"}]}}, timeout=60).json()
     assert m["content"][0]["text"] == "1." and m["stop_reason"] == "stop_sequence"
+
+
+def test_a_rust_sdk_sampler_with_config_and_seeded_randomness(plugged):
+    # A tiny sigma band keeps only the best candidate: greedy decoding.
+    r = chat(plugged, {"sampler": {"name": "top-n-sigma", "config": {"n": 0.0001}}}, max_tokens=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    story = [{"role": "user", "content": "Write a short story about a robot."}]
+    wide = {"sampler": {"name": "top-n-sigma", "config": {"n": 3.0, "temperature": 1.5}}}
+    a = chat(plugged, wide, messages=story, max_tokens=24, seed=11).json()["choices"][0]["message"]["content"]
+    b = chat(plugged, wide, messages=story, max_tokens=24, seed=11).json()["choices"][0]["message"]["content"]
+    c = chat(plugged, wide, messages=story, max_tokens=24, seed=12).json()["choices"][0]["message"]["content"]
+    assert a == b and a != c
+    r = chat(plugged, {"sampler": {"name": "top-n-sigma", "config": {"n": -1}}})
+    assert r.status_code == 400 and "top-n-sigma" in r.json()["error"]["message"]
 
 
 def test_unknown_or_wrong_kind_plugins_are_400(plugged):

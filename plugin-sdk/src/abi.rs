@@ -1,0 +1,177 @@
+//! The raw ABI v1 (see ABI.md): the `host.log` import, the allocator, and the export macros.
+//! Everything `unsafe` or `extern "C"` in the SDK is here.
+
+#[cfg(target_arch = "wasm32")]
+#[link(wasm_import_module = "host")]
+extern "C" {
+    #[link_name = "log"]
+    fn host_log(level: i32, ptr: i32, len: i32);
+}
+
+pub fn log(level: i32, message: &str) {
+    #[cfg(target_arch = "wasm32")]
+    // SAFETY: the host reads `len` bytes at `ptr` from this module's memory during the call.
+    unsafe {
+        host_log(level, message.as_ptr() as i32, message.len() as i32)
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = (level, message);
+}
+
+/// `host_alloc`: memory the host keeps for its buffers until the instance ends (leaked on
+/// purpose: an instance serves one request).
+pub fn alloc(size: i32) -> i32 {
+    let words = (size.max(0) as usize).div_ceil(8);
+    let buffer: &'static mut [u64] = Vec::leak(vec![0u64; words.max(1)]);
+    buffer.as_mut_ptr() as usize as i32
+}
+
+/// Reads `len` bytes the host wrote at `ptr`.
+///
+/// # Safety
+/// `ptr..ptr+len` must be a buffer the host filled (one `alloc` returned).
+pub unsafe fn bytes<'a>(ptr: i32, len: i32) -> &'a mut [u8] {
+    // SAFETY: the caller guarantees the range lies in a live host buffer.
+    unsafe { core::slice::from_raw_parts_mut(ptr as usize as *mut u8, len.max(0) as usize) }
+}
+
+/// The manifest bytes for a custom section, from a string constant.
+pub const fn manifest_bytes<const N: usize>(json: &str) -> [u8; N] {
+    let src = json.as_bytes();
+    let mut out = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = src[i];
+        i += 1;
+    }
+    out
+}
+
+/// Exports a [`Sampler`](crate::Sampler) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_sampler {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            const MANIFEST: &str = $manifest;
+            #[link_section = "host.plugin"]
+            #[used]
+            static SECTION: [u8; MANIFEST.len()] = $crate::abi::manifest_bytes::<{ MANIFEST.len() }>(MANIFEST);
+
+            static mut STATE: Option<$ty> = None;
+            fn state() -> &'static mut $ty {
+                // SAFETY: a wasm instance is single-threaded and the host never re-enters it.
+                unsafe { (*core::ptr::addr_of_mut!(STATE)).get_or_insert_with(<$ty as Default>::default) }
+            }
+            fn text(ptr: i32, len: i32) -> &'static str {
+                // SAFETY: the host wrote `len` bytes of UTF-8 JSON into a buffer it allocated.
+                core::str::from_utf8(unsafe { $crate::abi::bytes(ptr, len) }).unwrap_or("")
+            }
+            #[no_mangle]
+            extern "C" fn host_alloc(size: i32) -> i32 {
+                $crate::abi::alloc(size)
+            }
+            #[no_mangle]
+            extern "C" fn host_init(ptr: i32, len: i32) -> i32 {
+                match $crate::Sampler::init(state(), text(ptr, len)) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn host_begin(ptr: i32, len: i32, seed: i64) -> i32 {
+                match $crate::Sampler::begin(state(), text(ptr, len), seed as u64) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn sampler_accept(ptr: i32, n: i32) -> i32 {
+                // SAFETY: the host wrote `n` little-endian u32 token ids at `ptr`.
+                let raw = unsafe { $crate::abi::bytes(ptr, n * 4) };
+                let tokens: Vec<u32> =
+                    raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                $crate::Sampler::accept(state(), &tokens);
+                0
+            }
+            #[no_mangle]
+            extern "C" fn sampler_rollback(n: i32) -> i32 {
+                if $crate::Sampler::rollback(state(), n as usize) {
+                    0
+                } else {
+                    1
+                }
+            }
+            #[no_mangle]
+            extern "C" fn sampler_sample(position: i32, ptr: i32, n: i32) -> i32 {
+                // SAFETY: the host wrote `n` 8-byte {u32, f32} records at `ptr`, 8-aligned.
+                let candidates = unsafe {
+                    core::slice::from_raw_parts_mut(ptr as usize as *mut $crate::Candidate, n.max(0) as usize)
+                };
+                match $crate::Sampler::sample(state(), position as usize, candidates) {
+                    $crate::Choice::Token(t) => t as i32,
+                    $crate::Choice::Defer => -1,
+                }
+            }
+        };
+    };
+}
+
+/// Exports a [`StopRule`](crate::StopRule) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_stop_rule {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            const MANIFEST: &str = $manifest;
+            #[link_section = "host.plugin"]
+            #[used]
+            static SECTION: [u8; MANIFEST.len()] = $crate::abi::manifest_bytes::<{ MANIFEST.len() }>(MANIFEST);
+
+            static mut STATE: Option<$ty> = None;
+            fn state() -> &'static mut $ty {
+                // SAFETY: a wasm instance is single-threaded and the host never re-enters it.
+                unsafe { (*core::ptr::addr_of_mut!(STATE)).get_or_insert_with(<$ty as Default>::default) }
+            }
+            fn text(ptr: i32, len: i32) -> &'static str {
+                // SAFETY: the host wrote `len` bytes of UTF-8 into a buffer it allocated.
+                core::str::from_utf8(unsafe { $crate::abi::bytes(ptr, len) }).unwrap_or("")
+            }
+            #[no_mangle]
+            extern "C" fn host_alloc(size: i32) -> i32 {
+                $crate::abi::alloc(size)
+            }
+            #[no_mangle]
+            extern "C" fn host_init(ptr: i32, len: i32) -> i32 {
+                match $crate::StopRule::init(state(), text(ptr, len)) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn host_begin(ptr: i32, len: i32, seed: i64) -> i32 {
+                match $crate::StopRule::begin(state(), text(ptr, len), seed as u64) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn stop_check(token: i32, ptr: i32, len: i32) -> i32 {
+                match $crate::StopRule::check(state(), token as u32, text(ptr, len)) {
+                    Some(trim) => trim as i32,
+                    None => -1,
+                }
+            }
+        };
+    };
+}
