@@ -37,8 +37,11 @@ pub struct ServeConfig {
     pub default_max_tokens: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM. Default: 10.
     pub shutdown_grace_secs: u64,
-    /// Folder of `*.wasm` plugins loaded at start. Default: none.
+    /// Folder of `*.wasm` plugins loaded at start and watched for changes. Default: none.
     pub plugins: Option<PathBuf>,
+    /// Plugins for requests that carry no `plugins` field (same shape as that field).
+    /// Default: none.
+    pub default_plugins: Option<crate::server::openai::PluginsField>,
 }
 
 impl Default for ServeConfig {
@@ -56,6 +59,7 @@ impl Default for ServeConfig {
             default_max_tokens: 2048,
             shutdown_grace_secs: 10,
             plugins: None,
+            default_plugins: None,
         }
     }
 }

@@ -260,3 +260,16 @@ def test_hot_reload_under_load(tmp_path, plugins_dir):
     assert not failures, failures[:3]
     # Every streamed output came from one of the good versions, and both were served.
     assert len(results) >= 16 and set(results) == set(texts.values()), (len(results), set(results))
+
+
+def test_server_default_plugins_from_the_config_file(tmp_path, plugins_dir):
+    config = tmp_path / "host.toml"
+    config.write_text('prompt_cache_bytes = 0\n[default_plugins]\nsampler = { name = "scripted" }\n')
+    s = Server("--plugins", str(plugins_dir), "--config", str(config))
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2, "temperature": 0}, timeout=60)
+        assert r.json()["choices"][0]["message"]["content"] == " Paris."
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 30, "temperature": 0, "plugins": {}}, timeout=60)
+        assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    finally:
+        s.stop()

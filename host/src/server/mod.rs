@@ -54,6 +54,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         max_sequence_tokens,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         plugins,
+        default_plugins: config.default_plugins.clone(),
     })
 }
 
@@ -73,6 +74,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
+    if let Some(defaults) = &config.default_plugins {
+        let names = defaults.sampler.iter().chain(&defaults.stop).map(|r| r.name.clone());
+        for name in names {
+            if registry.get(&name).is_none() {
+                anyhow::bail!(
+                    "default plugin {name:?} (from default_plugins) is not loaded; loaded: {:?}",
+                    registry.names()
+                );
+            }
+        }
+    }
     let engine = Arc::new(Engine::start(EngineConfig {
         model: config.model.clone(),
         device: config.device,

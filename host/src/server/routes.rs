@@ -38,6 +38,8 @@ pub struct AppState {
     pub max_sequence_tokens: usize,
     pub created: u64,
     pub plugins: Option<Arc<PluginRegistry>>,
+    /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
+    pub default_plugins: Option<openai::PluginsField>,
 }
 
 type Shared = Arc<AppState>;
@@ -172,7 +174,7 @@ impl AppState {
 
     /// Resolves the `plugins` extension field to loaded plugins.
     fn plugins(&self, field: Option<openai::PluginsField>, flavor: Flavor) -> Result<Selection, ApiError> {
-        let Some(field) = field else { return Ok(Selection::default()) };
+        let Some(field) = field.or_else(|| self.default_plugins.clone()) else { return Ok(Selection::default()) };
         let registry = self
             .plugins
             .as_ref()
