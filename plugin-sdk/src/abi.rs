@@ -47,49 +47,61 @@ pub const fn manifest_bytes<const N: usize>(json: &str) -> [u8; N] {
     out
 }
 
+/// What every plugin exports: the manifest section, the instance state, the allocator,
+/// `host_init` and `host_begin`, for a type implementing `$trait`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __export_common {
+    ($ty:ty, $trait:path, $manifest:expr) => {
+        const MANIFEST: &str = $manifest;
+        #[link_section = "host.plugin"]
+        #[used]
+        static SECTION: [u8; MANIFEST.len()] = $crate::abi::manifest_bytes::<{ MANIFEST.len() }>(MANIFEST);
+
+        static mut STATE: Option<$ty> = None;
+        fn state() -> &'static mut $ty {
+            // SAFETY: a wasm instance is single-threaded and the host never re-enters it.
+            unsafe { (*core::ptr::addr_of_mut!(STATE)).get_or_insert_with(<$ty as Default>::default) }
+        }
+        fn text(ptr: i32, len: i32) -> &'static str {
+            // SAFETY: the host wrote `len` bytes of UTF-8 into a buffer it allocated.
+            core::str::from_utf8(unsafe { $crate::abi::bytes(ptr, len) }).unwrap_or("")
+        }
+        #[no_mangle]
+        extern "C" fn host_alloc(size: i32) -> i32 {
+            $crate::abi::alloc(size)
+        }
+        #[no_mangle]
+        extern "C" fn host_init(ptr: i32, len: i32) -> i32 {
+            use $trait as Kind;
+            match Kind::init(state(), text(ptr, len)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    $crate::log(0, &e);
+                    1
+                }
+            }
+        }
+        #[no_mangle]
+        extern "C" fn host_begin(ptr: i32, len: i32, seed: i64) -> i32 {
+            use $trait as Kind;
+            match Kind::begin(state(), text(ptr, len), seed as u64) {
+                Ok(()) => 0,
+                Err(e) => {
+                    $crate::log(0, &e);
+                    1
+                }
+            }
+        }
+    };
+}
+
 /// Exports a [`Sampler`](crate::Sampler) type with its manifest JSON.
 #[macro_export]
 macro_rules! export_sampler {
     ($ty:ty, $manifest:expr) => {
         const _: () = {
-            const MANIFEST: &str = $manifest;
-            #[link_section = "host.plugin"]
-            #[used]
-            static SECTION: [u8; MANIFEST.len()] = $crate::abi::manifest_bytes::<{ MANIFEST.len() }>(MANIFEST);
-
-            static mut STATE: Option<$ty> = None;
-            fn state() -> &'static mut $ty {
-                // SAFETY: a wasm instance is single-threaded and the host never re-enters it.
-                unsafe { (*core::ptr::addr_of_mut!(STATE)).get_or_insert_with(<$ty as Default>::default) }
-            }
-            fn text(ptr: i32, len: i32) -> &'static str {
-                // SAFETY: the host wrote `len` bytes of UTF-8 JSON into a buffer it allocated.
-                core::str::from_utf8(unsafe { $crate::abi::bytes(ptr, len) }).unwrap_or("")
-            }
-            #[no_mangle]
-            extern "C" fn host_alloc(size: i32) -> i32 {
-                $crate::abi::alloc(size)
-            }
-            #[no_mangle]
-            extern "C" fn host_init(ptr: i32, len: i32) -> i32 {
-                match $crate::Sampler::init(state(), text(ptr, len)) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        $crate::log(0, &e);
-                        1
-                    }
-                }
-            }
-            #[no_mangle]
-            extern "C" fn host_begin(ptr: i32, len: i32, seed: i64) -> i32 {
-                match $crate::Sampler::begin(state(), text(ptr, len), seed as u64) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        $crate::log(0, &e);
-                        1
-                    }
-                }
-            }
+            $crate::__export_common!($ty, $crate::Sampler, $manifest);
             #[no_mangle]
             extern "C" fn sampler_accept(ptr: i32, n: i32) -> i32 {
                 // SAFETY: the host wrote `n` little-endian u32 token ids at `ptr`.
@@ -127,44 +139,7 @@ macro_rules! export_sampler {
 macro_rules! export_stop_rule {
     ($ty:ty, $manifest:expr) => {
         const _: () = {
-            const MANIFEST: &str = $manifest;
-            #[link_section = "host.plugin"]
-            #[used]
-            static SECTION: [u8; MANIFEST.len()] = $crate::abi::manifest_bytes::<{ MANIFEST.len() }>(MANIFEST);
-
-            static mut STATE: Option<$ty> = None;
-            fn state() -> &'static mut $ty {
-                // SAFETY: a wasm instance is single-threaded and the host never re-enters it.
-                unsafe { (*core::ptr::addr_of_mut!(STATE)).get_or_insert_with(<$ty as Default>::default) }
-            }
-            fn text(ptr: i32, len: i32) -> &'static str {
-                // SAFETY: the host wrote `len` bytes of UTF-8 into a buffer it allocated.
-                core::str::from_utf8(unsafe { $crate::abi::bytes(ptr, len) }).unwrap_or("")
-            }
-            #[no_mangle]
-            extern "C" fn host_alloc(size: i32) -> i32 {
-                $crate::abi::alloc(size)
-            }
-            #[no_mangle]
-            extern "C" fn host_init(ptr: i32, len: i32) -> i32 {
-                match $crate::StopRule::init(state(), text(ptr, len)) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        $crate::log(0, &e);
-                        1
-                    }
-                }
-            }
-            #[no_mangle]
-            extern "C" fn host_begin(ptr: i32, len: i32, seed: i64) -> i32 {
-                match $crate::StopRule::begin(state(), text(ptr, len), seed as u64) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        $crate::log(0, &e);
-                        1
-                    }
-                }
-            }
+            $crate::__export_common!($ty, $crate::StopRule, $manifest);
             #[no_mangle]
             extern "C" fn stop_check(token: i32, ptr: i32, len: i32) -> i32 {
                 match $crate::StopRule::check(state(), token as u32, text(ptr, len)) {

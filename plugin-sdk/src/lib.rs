@@ -86,3 +86,38 @@ pub fn rng(seed: u64, position: usize) -> impl FnMut() -> f64 {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stops at the first newline, trimming it.
+    #[derive(Default)]
+    struct Newline;
+
+    impl StopRule for Newline {
+        fn check(&mut self, _token: u32, text: &str) -> Option<usize> {
+            text.contains('\n').then_some(1)
+        }
+    }
+
+    // The export macro must expand for a stop rule (the Rust example covers the sampler one).
+    crate::export_stop_rule!(Newline, r#"{"abi": 1, "name": "newline", "kinds": ["stop"]}"#);
+
+    #[test]
+    fn stop_rule_defaults_and_check() {
+        let mut rule = Newline;
+        assert!(rule.init("{}").is_ok() && rule.begin("{}", 7).is_ok());
+        assert_eq!(rule.check(1, "a\n"), Some(1));
+        assert_eq!(rule.check(1, "a"), None);
+    }
+
+    #[test]
+    fn rng_is_keyed_by_seed_and_position() {
+        let draw = |seed, position| rng(seed, position)();
+        assert_eq!(draw(1, 5), draw(1, 5));
+        assert_ne!(draw(1, 5), draw(1, 6));
+        assert_ne!(draw(1, 5), draw(2, 5));
+        assert!((0.0..1.0).contains(&draw(3, 3)));
+    }
+}

@@ -195,36 +195,14 @@ impl PluginRuntime {
             instance.get_memory(&mut store, "memory").with_context(|| format!("plugin {name} has no memory"))?;
         let alloc =
             instance.get_typed_func::<i32, i32>(&mut store, "host_alloc").map_err(|e| anyhow!("plugin {name}: {e}"))?;
-        let typed = |store: &mut Store<StoreState>, export: &str| instance.get_func(&mut *store, export).is_some();
         let funcs = Funcs {
-            init: typed(&mut store, "host_init")
-                .then(|| instance.get_typed_func(&mut store, "host_init"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: host_init: {e}"))?,
-            begin: typed(&mut store, "host_begin")
-                .then(|| instance.get_typed_func(&mut store, "host_begin"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: host_begin: {e}"))?,
-            end: typed(&mut store, "host_end")
-                .then(|| instance.get_typed_func(&mut store, "host_end"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: host_end: {e}"))?,
-            accept: typed(&mut store, "sampler_accept")
-                .then(|| instance.get_typed_func(&mut store, "sampler_accept"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: sampler_accept: {e}"))?,
-            sample: typed(&mut store, "sampler_sample")
-                .then(|| instance.get_typed_func(&mut store, "sampler_sample"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: sampler_sample: {e}"))?,
-            rollback: typed(&mut store, "sampler_rollback")
-                .then(|| instance.get_typed_func(&mut store, "sampler_rollback"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: sampler_rollback: {e}"))?,
-            stop: typed(&mut store, "stop_check")
-                .then(|| instance.get_typed_func(&mut store, "stop_check"))
-                .transpose()
-                .map_err(|e| anyhow!("plugin {name}: stop_check: {e}"))?,
+            init: optional(&instance, &mut store, "host_init", &name)?,
+            begin: optional(&instance, &mut store, "host_begin", &name)?,
+            end: optional(&instance, &mut store, "host_end", &name)?,
+            accept: optional(&instance, &mut store, "sampler_accept", &name)?,
+            sample: optional(&instance, &mut store, "sampler_sample", &name)?,
+            rollback: optional(&instance, &mut store, "sampler_rollback", &name)?,
+            stop: optional(&instance, &mut store, "stop_check", &name)?,
         };
         let mut inst = Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3] };
         let config = serde_json::to_vec(config).expect("JSON serializes");
@@ -236,6 +214,22 @@ impl PluginRuntime {
             }
         }
         Ok(inst)
+    }
+}
+
+/// The export `name` as a typed function, if the module has it.
+fn optional<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+    instance: &wasmtime::Instance,
+    store: &mut Store<StoreState>,
+    name: &str,
+    plugin: &str,
+) -> Result<Option<TypedFunc<P, R>>> {
+    match instance.get_func(&mut *store, name) {
+        None => Ok(None),
+        Some(_) => instance
+            .get_typed_func(&mut *store, name)
+            .map(Some)
+            .map_err(|e| anyhow!("plugin {plugin}: export `{name}` does not have its ABI v1 type: {e}")),
     }
 }
 
