@@ -2,6 +2,7 @@
 hostile plugins fail only their own request (or are refused at load) while the server keeps
 serving."""
 import os
+import shutil
 import subprocess
 import time
 
@@ -76,6 +77,11 @@ def plugins_dir(tmp_path_factory):
                    cwd=ROOT, check=True)
     wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "example_rust_sampler.wasm")
     (d / "top-n-sigma.wasm").write_bytes(open(wasm, "rb").read())
+    # A plugin written in C against plugin-sdk/include/plugin.h (needs clang and lld).
+    if shutil.which("clang") and shutil.which("wasm-ld"):
+        subprocess.run([os.path.join(ROOT, "examples", "c", "build.sh"), str(d / "scripted-c.wasm")], check=True)
+    elif os.environ.get("CI"):
+        pytest.fail("clang and lld are needed to build examples/c under CI")
     return d
 
 
@@ -101,6 +107,14 @@ def test_a_scripted_sampler_forces_its_tokens_in_both_apis(plugged):
     m = httpx.post(plugged.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": Q,
                                                         "plugins": {"sampler": {"name": "scripted"}}}, timeout=60)
     assert m.json()["content"][0]["text"] == " Paris. Paris."
+
+
+def test_the_same_sampler_written_in_c(plugged, plugins_dir):
+    if not (plugins_dir / "scripted-c.wasm").exists():
+        pytest.skip("clang/lld not installed")
+    r = chat(plugged, {"sampler": {"name": "scripted-c"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris. Paris."
 
 
 def test_a_stop_rule_plugin_ends_generation(plugged):
