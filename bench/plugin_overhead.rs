@@ -68,6 +68,7 @@ fn main() -> Result<()> {
                         plugin: p.clone(),
                         config: config.clone(),
                         params: serde_json::json!({}),
+                        fallback: false,
                     };
                     let mut instance = registry.start(&selected, 1)?;
                     instance.accept(&prompt)?;

@@ -171,6 +171,18 @@ def test_a_hostile_sampler_fails_only_its_request(plugged, name, reason):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].startswith("The capital")
 
 
+def test_a_request_can_allow_falling_back_to_native_paths(plugged):
+    greedy = "The capital of France is Paris."
+    for name in ["spin", "trap-sample", "trap-init", "trap-accept"]:
+        r = chat(plugged, {"sampler": {"name": name, "fallback": True}}, max_tokens=30)
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == greedy, name
+    r = chat(plugged, {"stop": [{"name": "trap-stop", "fallback": True}]}, max_tokens=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy
+    # A refused config is the client's error, fallback or not.
+    assert chat(plugged, {"sampler": {"name": "refuse-config", "fallback": True}}).status_code == 400
+
+
 def test_a_hostile_stop_rule_fails_only_its_request_even_when_streaming(plugged):
     r = chat(plugged, {"stop": [{"name": "trap-stop"}]})
     assert r.status_code == 500 and "trap-stop" in r.json()["error"]["message"]

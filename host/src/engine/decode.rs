@@ -53,6 +53,11 @@ pub trait ExternalSampler {
     fn sample(&mut self, position: usize, frame: Frame<'_>) -> Result<Pick>;
     /// Called with each committed token, in order.
     fn accept(&mut self, tokens: &[u32]) -> Result<()>;
+    /// Whether a failure should hand sampling back to the native sampler (for the rest of
+    /// the request) instead of failing it.
+    fn fallback(&self) -> bool {
+        false
+    }
 }
 
 /// Limits and stop tokens of one generation.
@@ -200,9 +205,21 @@ impl<'m> Generation<'m> {
         }
         let logits = self.sampler.process(&logits, self.history.as_ref())?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let token = match self.external.as_deref_mut() {
+        let picked = match self.external.as_deref_mut() {
+            None => None,
+            Some(external) => match pick_external(external, &self.sampler, &logits, position) {
+                Ok(token) => Some(token),
+                Err(e) if external.fallback() => {
+                    tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+                    self.external = None;
+                    None
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let token = match picked {
+            Some(token) => token,
             None => self.sampler.sample(&logprobs, position)?,
-            Some(external) => pick_external(external, &self.sampler, &logits, position)?,
         };
         Ok((token, logprobs.squeeze(&[0])?))
     }
@@ -236,7 +253,13 @@ impl<'m> Generation<'m> {
             None
         };
         if let Some(external) = self.external.as_deref_mut() {
-            external.accept(&[id])?;
+            if let Err(e) = external.accept(&[id]) {
+                if !external.fallback() {
+                    return Err(e);
+                }
+                tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+                self.external = None;
+            }
             if finish.is_none() {
                 self.next_input = Some(y);
             }
@@ -479,6 +502,50 @@ mod tests {
             ids.push(t.id);
         }
         assert_eq!(ids, vec![7, 7, 7]);
+    }
+
+    /// Fails on every call; may allow falling back to native sampling.
+    struct Broken {
+        fallback: bool,
+    }
+
+    impl ExternalSampler for Broken {
+        fn candidates(&self) -> Option<usize> {
+            Some(4)
+        }
+        fn sample(&mut self, _position: usize, _frame: Frame<'_>) -> Result<Pick> {
+            bail!("broken sampler")
+        }
+        fn accept(&mut self, _tokens: &[u32]) -> Result<()> {
+            Ok(())
+        }
+        fn fallback(&self) -> bool {
+            self.fallback
+        }
+    }
+
+    #[test]
+    fn a_failing_external_sampler_fails_the_generation_unless_fallback_is_allowed() {
+        let model = testing::model("qwen3", 17).unwrap();
+        let prompt = [4u32, 5, 6];
+        let start = |fallback| {
+            let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
+            Generation::start_with(
+                model.as_ref(),
+                model.make_cache(),
+                &prompt,
+                sampler,
+                opts(5),
+                Some(Box::new(Broken { fallback })),
+            )
+        };
+        assert!(start(false).err().unwrap().to_string().contains("broken sampler"));
+        let mut g = start(true).unwrap();
+        let mut ids = Vec::new();
+        while let Some(t) = g.next_token().unwrap() {
+            ids.push(t.id);
+        }
+        assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 5), "native greedy took over");
     }
 
     #[test]

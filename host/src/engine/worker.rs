@@ -265,7 +265,7 @@ impl Worker {
             prefill_step_size: self.prefill_step_size,
         };
         let (external, mut stop_rules) = self.start_plugins(&request.plugins, prompt, seed)?;
-        let hold = stop_rules.iter().map(|(_, h)| *h).max().unwrap_or(0);
+        let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
         let mut held = String::new();
         let mut generation =
             Generation::start_with(self.model.as_ref(), cache, &prompt[reused..], sampler, options, external)?;
@@ -290,8 +290,18 @@ impl Worker {
             if !is_eos {
                 let mut piece = detok.push(token.id)?;
                 // Stop-rule plugins see raw text; the last `hold` characters wait for them.
-                for (rule, _) in stop_rules.iter_mut() {
-                    if let Some(trim) = rule.stop_check(token.id, &piece)? {
+                let mut faulted = None;
+                for (i, (rule, _, fallback)) in stop_rules.iter_mut().enumerate() {
+                    let verdict = match rule.stop_check(token.id, &piece) {
+                        Ok(v) => v,
+                        Err(e) if *fallback => {
+                            tracing::warn!("stop rule dropped for this request: {e:#}");
+                            faulted = Some(i);
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    if let Some(trim) = verdict {
                         held.push_str(&piece);
                         piece.clear();
                         let keep = held.chars().count().saturating_sub(trim);
@@ -299,6 +309,9 @@ impl Worker {
                         finish = Some(Finish::StopRule(rule.plugin().name().to_string()));
                         break;
                     }
+                }
+                if let Some(i) = faulted {
+                    stop_rules.remove(i);
                 }
                 held.push_str(&piece);
                 let release = if finish.is_some() { held.len() } else { char_split(&held, hold) };
@@ -332,7 +345,7 @@ impl Worker {
                 break;
             }
         }
-        for (rule, _) in stop_rules.iter_mut() {
+        for (rule, _, _) in stop_rules.iter_mut() {
             rule.end();
         }
         let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: generated.len(), cached_tokens: reused };
@@ -359,22 +372,44 @@ impl Worker {
         selection: &Selection,
         prompt: &[u32],
         seed: u64,
-    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize)>)> {
+    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize, bool)>)> {
         if selection.is_empty() {
             return Ok((None, Vec::new()));
         }
         let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
-        let external: Option<Box<dyn super::ExternalSampler>> = match &selection.sampler {
-            Some(selected) => {
-                let mut instance = registry.start(selected, seed)?;
-                instance.accept(prompt)?;
-                Some(Box::new(PluginSampler::new(instance, self.info.vocab_size)))
+        // A plugin that faults while starting is skipped when the request allows a fallback
+        // (a refused config is still the client's error).
+        let skip = |selected: &crate::plugins::Selected, e: &anyhow::Error| {
+            let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
+            if selected.fallback && !refused {
+                tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                true
+            } else {
+                false
             }
-            None => None,
         };
+        let mut external: Option<Box<dyn super::ExternalSampler>> = None;
+        if let Some(selected) = &selection.sampler {
+            let started = registry.start(selected, seed).and_then(|mut instance| {
+                instance.accept(prompt)?;
+                Ok(instance)
+            });
+            match started {
+                Ok(instance) => {
+                    let sampler = PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
+                    external = Some(Box::new(sampler));
+                }
+                Err(e) if skip(selected, &e) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let mut stops = Vec::new();
         for selected in &selection.stops {
-            stops.push((registry.start(selected, seed)?, selected.plugin.manifest.stop().hold));
+            match registry.start(selected, seed) {
+                Ok(instance) => stops.push((instance, selected.plugin.manifest.stop().hold, selected.fallback)),
+                Err(e) if skip(selected, &e) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok((external, stops))
     }

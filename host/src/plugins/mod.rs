@@ -23,6 +23,8 @@ pub struct Selected {
     pub plugin: Arc<Plugin>,
     pub config: Value,
     pub params: Value,
+    /// Carry on without the plugin when it faults, instead of failing the request.
+    pub fallback: bool,
 }
 
 /// The plugins one request uses.
@@ -168,7 +170,7 @@ impl PluginRegistry {
     }
 
     /// Looks up `name` for use as `kind`, with a message fit for a 400.
-    pub fn select(&self, kind: Kind, name: &str, config: Value, params: Value) -> Result<Selected> {
+    pub fn select(&self, kind: Kind, name: &str, config: Value, params: Value, fallback: bool) -> Result<Selected> {
         let Some(plugin) = self.get(name) else {
             let names = self.names();
             bail!(
@@ -179,7 +181,7 @@ impl PluginRegistry {
         if !plugin.manifest.has(kind) {
             bail!("plugin {name:?} is not a {kind} plugin (it is: {:?})", plugin.manifest.kinds);
         }
-        Ok(Selected { plugin, config, params })
+        Ok(Selected { plugin, config, params, fallback })
     }
 
     /// A started instance for one request: `host_init(config)` then `host_begin(params, seed)`.
@@ -194,11 +196,18 @@ impl PluginRegistry {
 pub struct PluginSampler {
     instance: Instance,
     vocab_size: usize,
+    fallback: bool,
 }
 
 impl PluginSampler {
     pub fn new(instance: Instance, vocab_size: usize) -> PluginSampler {
-        PluginSampler { instance, vocab_size }
+        PluginSampler { instance, vocab_size, fallback: false }
+    }
+
+    /// Falls back to native sampling when the plugin faults (the request allowed it).
+    pub fn with_fallback(mut self, fallback: bool) -> PluginSampler {
+        self.fallback = fallback;
+        self
     }
 
     /// A fault of this plugin: counted, and failing only the request.
@@ -257,6 +266,10 @@ impl ExternalSampler for PluginSampler {
 
     fn accept(&mut self, tokens: &[u32]) -> Result<()> {
         self.instance.accept(tokens)
+    }
+
+    fn fallback(&self) -> bool {
+        self.fallback
     }
 }
 

@@ -18,6 +18,10 @@ pub struct PluginRef {
     pub config: Option<Value>,
     #[serde(default)]
     pub params: Option<Value>,
+    /// On a plugin fault, carry on without the plugin (native sampling, or without that stop
+    /// rule) instead of failing the request.
+    #[serde(default)]
+    pub fallback: bool,
 }
 
 /// The `plugins` extension field (both APIs): at most one sampler, any stop rules.
