@@ -299,3 +299,35 @@ def test_server_default_plugins_from_the_config_file(tmp_path, plugins_dir):
         assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
     finally:
         s.stop()
+
+
+def test_a_settings_file_gives_defaults_and_reloads_with_its_plugin(tmp_path, plugins_dir):
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "top-n-sigma.wasm").write_bytes((plugins_dir / "top-n-sigma.wasm").read_bytes())
+    settings = live / "top-n-sigma.toml"
+    settings.write_text("deadline_ms = 200\nconfig = { n = 0.0001 }\n")
+    s = Server("--plugins", str(live), "--prompt-cache-bytes", "0")
+
+    def ask():
+        return httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 30, "temperature": 0,
+                                                                 "plugins": {"sampler": {"name": "top-n-sigma"}}}, timeout=60)
+
+    def until(predicate):
+        start = time.time()
+        while not predicate():
+            assert time.time() - start < 2, "settings change not applied"
+            time.sleep(0.05)
+
+    try:
+        r = ask()
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        settings.write_text("config = { n = -1 }\n")  # The plugin refuses this config.
+        until(lambda: ask().status_code == 400)
+        assert "refused its config" in ask().json()["error"]["message"]
+        settings.write_text("dedline_ms = 3\n")  # A typo: refused, the previous version keeps serving.
+        until(lambda: any(p["state"] == "refused" and "unknown field" in (p["error"] or "")
+                          for p in httpx.get(s.url + "/v1/plugins").json()["data"]))
+        assert ask().status_code == 400
+    finally:
+        s.stop()

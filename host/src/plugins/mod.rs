@@ -9,7 +9,7 @@ pub mod runtime;
 use crate::engine::{ExternalSampler, Frame, Pick};
 use abi_v1::{Kind, SamplerInput};
 use anyhow::{bail, Context, Result};
-use runtime::{Instance, Plugin, PluginRuntime};
+use runtime::{Instance, Plugin, PluginRuntime, PluginSettings};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -82,9 +82,16 @@ impl PluginRegistry {
 
     /// Validates and loads one `.wasm` file; on success it replaces a plugin of the same name.
     pub fn load_file(&self, path: &Path) -> Result<Arc<Plugin>> {
-        let result = std::fs::read(path)
-            .with_context(|| format!("reading {}", path.display()))
-            .and_then(|wasm| self.runtime.load(&wasm, path, false));
+        let settings_path = path.with_extension("toml");
+        let settings = if settings_path.is_file() {
+            PluginSettings::from_file(&settings_path)
+        } else {
+            Ok(PluginSettings::default())
+        };
+        let result = settings.and_then(|settings| {
+            let wasm = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            self.runtime.load(&wasm, path, false, settings)
+        });
         match result {
             Ok(plugin) => {
                 let plugin = Arc::new(plugin);
@@ -169,8 +176,16 @@ impl PluginRegistry {
         out
     }
 
-    /// Looks up `name` for use as `kind`, with a message fit for a 400.
-    pub fn select(&self, kind: Kind, name: &str, config: Value, params: Value, fallback: bool) -> Result<Selected> {
+    /// Looks up `name` for use as `kind`, with a message fit for a 400. A missing config or
+    /// params falls back to the plugin's settings file, then to `{}`.
+    pub fn select(
+        &self,
+        kind: Kind,
+        name: &str,
+        config: Option<Value>,
+        params: Option<Value>,
+        fallback: bool,
+    ) -> Result<Selected> {
         let Some(plugin) = self.get(name) else {
             let names = self.names();
             bail!(
@@ -181,6 +196,8 @@ impl PluginRegistry {
         if !plugin.manifest.has(kind) {
             bail!("plugin {name:?} is not a {kind} plugin (it is: {:?})", plugin.manifest.kinds);
         }
+        let config = config.or_else(|| plugin.settings.config.clone()).unwrap_or_else(|| serde_json::json!({}));
+        let params = params.or_else(|| plugin.settings.params.clone()).unwrap_or_else(|| serde_json::json!({}));
         Ok(Selected { plugin, config, params, fallback })
     }
 

@@ -1,6 +1,6 @@
 //! Hot reload: one thread owns updates to the registry. It watches the plugins folder
 //! (`notify`), waits until writes go quiet (debounce), then loads added or changed `.wasm`
-//! files and drops deleted ones. A file that fails to load leaves the previous version of its
+//! files (or those whose `NAME.toml` settings changed) and drops deleted ones. A file that fails to load leaves the previous version of its
 //! plugin serving; the reason shows in `GET /v1/plugins`. Requests in flight keep the
 //! `Arc<Plugin>` they started with, so they finish on their version.
 
@@ -49,7 +49,12 @@ pub fn watch(registry: Arc<PluginRegistry>, dir: &Path) -> Result<ReloadHandle> 
 
 fn collect(event: notify::Result<notify::Event>, changed: &mut BTreeSet<PathBuf>) {
     match event {
-        Ok(e) => changed.extend(e.paths.into_iter().filter(|p| p.extension().is_some_and(|x| x == "wasm"))),
+        // A settings file change reloads its plugin.
+        Ok(e) => changed.extend(e.paths.into_iter().filter_map(|p| match p.extension().and_then(|x| x.to_str()) {
+            Some("wasm") => Some(p),
+            Some("toml") => Some(p.with_extension("wasm")),
+            _ => None,
+        })),
         Err(e) => tracing::warn!("plugin watcher: {e}"),
     }
 }

@@ -25,6 +25,50 @@ pub const MEMORY_LIMIT: usize = 64 << 20;
 /// Faults after which a plugin is reported unhealthy.
 pub const UNHEALTHY_AFTER: u64 = 3;
 
+/// A plugin's optional settings file, `NAME.toml` next to `NAME.wasm`.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PluginSettings {
+    /// Config for `host_init` when a request gives none.
+    pub config: Option<serde_json::Value>,
+    /// Params for `host_begin` when a request gives none.
+    pub params: Option<serde_json::Value>,
+    /// Deadline of each per-token call, in milliseconds (1 to 10,000). Default: 50.
+    pub deadline_ms: u64,
+    /// Linear memory cap per instance, in MiB (1 to 4096). Default: 64.
+    pub memory_mib: usize,
+}
+
+impl Default for PluginSettings {
+    fn default() -> Self {
+        PluginSettings {
+            config: None,
+            params: None,
+            deadline_ms: CALL_DEADLINE.as_millis() as u64,
+            memory_mib: MEMORY_LIMIT >> 20,
+        }
+    }
+}
+
+impl PluginSettings {
+    /// Reads and checks a settings file.
+    pub fn from_file(path: &Path) -> Result<PluginSettings> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let settings: PluginSettings =
+            toml::from_str(&text).map_err(|e| anyhow!("{}: {}", path.display(), e.message()))?;
+        if !(1..=10_000).contains(&settings.deadline_ms) {
+            bail!("{}: deadline_ms must be between 1 and 10000, got {}", path.display(), settings.deadline_ms);
+        }
+        if !(1..=4096).contains(&settings.memory_mib) {
+            bail!("{}: memory_mib must be between 1 and 4096, got {}", path.display(), settings.memory_mib);
+        }
+        Ok(settings)
+    }
+    fn deadline(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms)
+    }
+}
+
 pub struct StoreState {
     limits: StoreLimits,
     plugin: String,
@@ -33,6 +77,7 @@ pub struct StoreState {
 /// A compiled, validated plugin, ready to instantiate.
 pub struct Plugin {
     pub manifest: Manifest,
+    pub settings: PluginSettings,
     pub source: PathBuf,
     pub sha256: String,
     pub builtin: bool,
@@ -121,7 +166,7 @@ impl PluginRuntime {
     /// Validates and compiles a module. Refuses it, with the reason, if its manifest is
     /// missing or unsupported, it imports anything but `host.log`, or it lacks an export its
     /// kinds need. Compilation can take tens of milliseconds: call it off the async runtime.
-    pub fn load(&self, wasm: &[u8], source: &Path, builtin: bool) -> Result<Plugin> {
+    pub fn load(&self, wasm: &[u8], source: &Path, builtin: bool, settings: PluginSettings) -> Result<Plugin> {
         let manifest = abi_v1::manifest(wasm)?;
         let module =
             Module::new(&self.engine, wasm).map_err(|e| anyhow!("plugin {} does not compile: {e}", manifest.name))?;
@@ -173,6 +218,7 @@ impl PluginRuntime {
         let sha256 = Sha256::digest(wasm).iter().map(|b| format!("{b:02x}")).collect();
         Ok(Plugin {
             manifest,
+            settings,
             source: source.to_path_buf(),
             sha256,
             builtin,
@@ -184,8 +230,11 @@ impl PluginRuntime {
 
     /// A fresh sandboxed instance of `plugin`, with its config passed to `host_init`.
     pub fn instantiate(&self, plugin: &Arc<Plugin>, config: &serde_json::Value) -> Result<Instance> {
-        let limits =
-            StoreLimitsBuilder::new().memory_size(MEMORY_LIMIT).instances(1).trap_on_grow_failure(true).build();
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(plugin.settings.memory_mib << 20)
+            .instances(1)
+            .trap_on_grow_failure(true)
+            .build();
         let mut store = Store::new(&self.engine, StoreState { limits, plugin: plugin.manifest.name.clone() });
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(SETUP_DEADLINE.as_millis() as u64 * TICKS_PER_MS);
@@ -270,13 +319,13 @@ fn describe(plugin: &Plugin, entry: &str, e: wasmtime::Error) -> anyhow::Error {
         Some(Trap::Interrupt) => anyhow!("plugin {name} exceeded its deadline in {entry}"),
         Some(Trap::MemoryOutOfBounds) => anyhow!("plugin {name} accessed memory out of bounds in {entry}"),
         Some(Trap::AllocationTooLarge) => {
-            anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", MEMORY_LIMIT >> 20)
+            anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", plugin.settings.memory_mib)
         }
         Some(trap) => anyhow!("plugin {name} trapped in {entry}: {trap}"),
         None => {
             let text = format!("{e:#}");
             if text.contains("memory") && (text.contains("limit") || text.contains("grow")) {
-                anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", MEMORY_LIMIT >> 20)
+                anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", plugin.settings.memory_mib)
             } else {
                 anyhow!("plugin {name} failed in {entry}: {text}")
             }
@@ -376,7 +425,7 @@ impl Instance {
 
     pub fn end(&mut self) {
         if let Some(end) = self.funcs.end.clone() {
-            let _ = self.call(&end, (), CALL_DEADLINE, "host_end");
+            let _ = self.call(&end, (), self.plugin.settings.deadline(), "host_end");
         }
     }
 
@@ -386,7 +435,8 @@ impl Instance {
         for chunk in tokens.chunks(4096) {
             let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
             let (ptr, _) = self.write(Slot::Tokens, &bytes)?;
-            let status = self.call(&accept, (ptr, chunk.len() as i32), CALL_DEADLINE, "sampler_accept")?;
+            let status =
+                self.call(&accept, (ptr, chunk.len() as i32), self.plugin.settings.deadline(), "sampler_accept")?;
             if status != 0 {
                 bail!("plugin {} failed in sampler_accept (status {status})", self.plugin.manifest.name);
             }
@@ -397,7 +447,7 @@ impl Instance {
     /// `sampler_rollback`, if the plugin has it; `false` means the caller must replay.
     pub fn rollback(&mut self, n: usize) -> Result<bool> {
         let Some(rollback) = self.funcs.rollback.clone() else { return Ok(false) };
-        let status = self.call(&rollback, n as i32, CALL_DEADLINE, "sampler_rollback")?;
+        let status = self.call(&rollback, n as i32, self.plugin.settings.deadline(), "sampler_rollback")?;
         if status != 0 {
             bail!("plugin {} failed in sampler_rollback (status {status})", self.plugin.manifest.name);
         }
@@ -413,7 +463,12 @@ impl Instance {
             .clone()
             .with_context(|| format!("plugin {} is not a sampler", self.plugin.manifest.name))?;
         let (ptr, _) = self.write(Slot::Frame, frame)?;
-        let result = self.call(&sample, (position as i32, ptr, records as i32), CALL_DEADLINE, "sampler_sample")?;
+        let result = self.call(
+            &sample,
+            (position as i32, ptr, records as i32),
+            self.plugin.settings.deadline(),
+            "sampler_sample",
+        )?;
         if result == -1 {
             frame.copy_from_slice(&self.read(ptr, frame.len())?);
         }
@@ -428,7 +483,7 @@ impl Instance {
             .clone()
             .with_context(|| format!("plugin {} is not a stop rule", self.plugin.manifest.name))?;
         let (ptr, len) = self.write(Slot::Json, text.as_bytes())?;
-        match self.call(&stop, (token as i32, ptr, len), CALL_DEADLINE, "stop_check")? {
+        match self.call(&stop, (token as i32, ptr, len), self.plugin.settings.deadline(), "stop_check")? {
             -1 => Ok(None),
             r if r >= 0 => Ok(Some(r as usize)),
             r => bail!(
@@ -441,5 +496,30 @@ impl Instance {
     pub fn sampler_input(&self) -> (SamplerInput, usize) {
         let s = self.plugin.manifest.sampler();
         (s.input, s.k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_files_are_strict_and_checked() {
+        let dir = std::env::temp_dir().join(format!("plugin-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.toml");
+        std::fs::write(&path, "deadline_ms = 200\nconfig = { n = 0.0001 }\n").unwrap();
+        let s = PluginSettings::from_file(&path).unwrap();
+        assert_eq!(s.deadline_ms, 200);
+        assert_eq!(s.memory_mib, 64);
+        assert_eq!(s.config, Some(serde_json::json!({"n": 0.0001})));
+        std::fs::write(&path, "dedline_ms = 3\n").unwrap();
+        assert!(PluginSettings::from_file(&path).unwrap_err().to_string().contains("unknown field `dedline_ms`"));
+        std::fs::write(&path, "memory_mib = 0\n").unwrap();
+        assert!(PluginSettings::from_file(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("memory_mib must be between 1 and 4096"));
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

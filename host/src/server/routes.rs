@@ -181,7 +181,7 @@ impl AppState {
             .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
         let pick = |kind: Kind, r: openai::PluginRef| {
             registry
-                .select(kind, &r.name, r.config.unwrap_or(json!({})), r.params.unwrap_or(json!({})), r.fallback)
+                .select(kind, &r.name, r.config, r.params, r.fallback)
                 .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
         };
         Ok(Selection {
