@@ -226,11 +226,13 @@ impl<'m> Generation<'m> {
 
     /// The next token, or `None` once generation has finished.
     pub fn next_token(&mut self) -> Result<Option<Token>> {
-        let serial = self.external.is_some();
         if let Some(input) = self.next_input.take() {
             let position = self.prompt_len + self.generated;
             self.pending = Some(self.step(&input, position)?);
         }
+        // Read after the step: a sampler that failed with fallback has just been dropped, and
+        // decoding goes back to the pipelined loop.
+        let serial = self.external.is_some();
         let Some((y, logprobs)) = self.pending.take() else { return Ok(None) };
         let n = self.generated;
         if !serial && n + 1 < self.options.max_tokens {
@@ -504,17 +506,26 @@ mod tests {
         assert_eq!(ids, vec![7, 7, 7]);
     }
 
-    /// Fails on every call; may allow falling back to native sampling.
+    /// Picks the best candidate until it fails at call `fail_at`; may allow a fallback.
     struct Broken {
         fallback: bool,
+        fail_at: usize,
+        calls: usize,
     }
 
     impl ExternalSampler for Broken {
         fn candidates(&self) -> Option<usize> {
             Some(4)
         }
-        fn sample(&mut self, _position: usize, _frame: Frame<'_>) -> Result<Pick> {
-            bail!("broken sampler")
+        fn sample(&mut self, _position: usize, frame: Frame<'_>) -> Result<Pick> {
+            self.calls += 1;
+            if self.calls >= self.fail_at {
+                bail!("broken sampler");
+            }
+            match frame {
+                Frame::Candidates(c) => Ok(Pick::Token(c[0].0)),
+                Frame::Logits(_) => Ok(Pick::Defer),
+            }
         }
         fn accept(&mut self, _tokens: &[u32]) -> Result<()> {
             Ok(())
@@ -528,24 +539,29 @@ mod tests {
     fn a_failing_external_sampler_fails_the_generation_unless_fallback_is_allowed() {
         let model = testing::model("qwen3", 17).unwrap();
         let prompt = [4u32, 5, 6];
-        let start = |fallback| {
+        let start = |fallback, fail_at| {
             let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
+            let broken = Broken { fallback, fail_at, calls: 0 };
             Generation::start_with(
                 model.as_ref(),
                 model.make_cache(),
                 &prompt,
                 sampler,
                 opts(5),
-                Some(Box::new(Broken { fallback })),
+                Some(Box::new(broken)),
             )
         };
-        assert!(start(false).err().unwrap().to_string().contains("broken sampler"));
-        let mut g = start(true).unwrap();
-        let mut ids = Vec::new();
-        while let Some(t) = g.next_token().unwrap() {
-            ids.push(t.id);
+        assert!(start(false, 1).err().unwrap().to_string().contains("broken sampler"));
+        // Failing at the first call or in the middle: native greedy takes over for the rest,
+        // and the generation still runs to its end.
+        for fail_at in [1, 3] {
+            let mut g = start(true, fail_at).unwrap();
+            let mut ids = Vec::new();
+            while let Some(t) = g.next_token().unwrap() {
+                ids.push(t.id);
+            }
+            assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 5), "fail at call {fail_at}");
         }
-        assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 5), "native greedy took over");
     }
 
     #[test]
