@@ -349,14 +349,25 @@ mod tests {
         params: SamplingParams,
         options: DecodeOptions,
     ) -> (Vec<u32>, Option<FinishReason>) {
-        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
-        let mut g = Generation::start(model, prompt, sampler, options).unwrap();
+        run_with(model, prompt, params, options, None).unwrap()
+    }
+
+    /// Generates to the end, with an optional external sampler; returns ids and finish.
+    fn run_with(
+        model: &dyn CausalLm,
+        prompt: &[u32],
+        params: SamplingParams,
+        options: DecodeOptions,
+        external: Option<Box<dyn ExternalSampler>>,
+    ) -> Result<(Vec<u32>, Option<FinishReason>)> {
+        let sampler = Sampler::new(params, model.vocab_size())?;
+        let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, external)?;
         let (mut ids, mut finish) = (Vec::new(), None);
-        while let Some(t) = g.next_token().unwrap() {
+        while let Some(t) = g.next_token()? {
             ids.push(t.id);
             finish = t.finish;
         }
-        (ids, finish)
+        Ok((ids, finish))
     }
 
     fn opts(max_tokens: usize) -> DecodeOptions {
@@ -459,20 +470,8 @@ mod tests {
         let model = testing::model("llama", 16).unwrap();
         let accepted = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
         let ext = Lowest { accepted: accepted.clone(), k: Some(4) };
-        let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
-        let mut g = Generation::start_with(
-            model.as_ref(),
-            model.make_cache(),
-            &[1, 2, 3],
-            sampler,
-            opts(6),
-            Some(Box::new(ext)),
-        )
-        .unwrap();
-        let mut ids = Vec::new();
-        while let Some(t) = g.next_token().unwrap() {
-            ids.push(t.id);
-        }
+        let (ids, _) =
+            run_with(model.as_ref(), &[1, 2, 3], SamplingParams::default(), opts(6), Some(Box::new(ext))).unwrap();
         assert_eq!(ids.len(), 6);
         assert_eq!(*accepted.borrow(), ids);
         // Each pick is the lowest id among the step's top 4: check against a fresh forward.
@@ -489,20 +488,8 @@ mod tests {
         }
         // Deferring over an edited full row samples natively from the edit.
         let ext = Lowest { accepted: Default::default(), k: None };
-        let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
-        let mut g = Generation::start_with(
-            model.as_ref(),
-            model.make_cache(),
-            &[1, 2, 3],
-            sampler,
-            opts(3),
-            Some(Box::new(ext)),
-        )
-        .unwrap();
-        let mut ids = Vec::new();
-        while let Some(t) = g.next_token().unwrap() {
-            ids.push(t.id);
-        }
+        let (ids, _) =
+            run_with(model.as_ref(), &[1, 2, 3], SamplingParams::default(), opts(3), Some(Box::new(ext))).unwrap();
         assert_eq!(ids, vec![7, 7, 7]);
     }
 
@@ -540,26 +527,14 @@ mod tests {
         let model = testing::model("qwen3", 17).unwrap();
         let prompt = [4u32, 5, 6];
         let start = |fallback, fail_at| {
-            let sampler = Sampler::new(SamplingParams::default(), 128).unwrap();
             let broken = Broken { fallback, fail_at, calls: 0 };
-            Generation::start_with(
-                model.as_ref(),
-                model.make_cache(),
-                &prompt,
-                sampler,
-                opts(5),
-                Some(Box::new(broken)),
-            )
+            run_with(model.as_ref(), &prompt, SamplingParams::default(), opts(5), Some(Box::new(broken)))
         };
-        assert!(start(false, 1).err().unwrap().to_string().contains("broken sampler"));
+        assert!(start(false, 1).unwrap_err().to_string().contains("broken sampler"));
         // Failing at the first call or in the middle: native greedy takes over for the rest,
         // and the generation still runs to its end.
         for fail_at in [1, 3] {
-            let mut g = start(true, fail_at).unwrap();
-            let mut ids = Vec::new();
-            while let Some(t) = g.next_token().unwrap() {
-                ids.push(t.id);
-            }
+            let (ids, _) = start(true, fail_at).unwrap();
             assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 5), "fail at call {fail_at}");
         }
     }
