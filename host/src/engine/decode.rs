@@ -6,9 +6,11 @@
 //! their callers.
 
 use super::sampling::Sampler;
+use super::speculative::{Speculation, Verify};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
 use models::{CausalLm, KvCache};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Why generation ended.
@@ -94,14 +96,50 @@ pub struct DecodeStats {
     pub prompt_tps: f64,
     pub generation_tps: f64,
     pub peak_memory_bytes: usize,
+    /// Target-model forwards after prefill (plain steps and speculative verifications).
+    pub decode_steps: usize,
+    /// Speculative decoding: tokens drafted and drafts accepted.
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+}
+
+impl DecodeStats {
+    /// Accepted drafts over drafted tokens (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.drafted_tokens as f64
+        }
+    }
+
+    /// Generated tokens per target forward (1 without speculation).
+    pub fn tokens_per_step(&self) -> f64 {
+        if self.decode_steps == 0 {
+            0.0
+        } else {
+            self.generated_tokens as f64 / self.decode_steps as f64
+        }
+    }
+}
+
+/// Optional parts of a generation: a sampler plugin and speculative decoding.
+#[derive(Default)]
+pub struct Hooks<'m> {
+    pub external: Option<Box<dyn ExternalSampler + 'm>>,
+    pub speculation: Option<Speculation<'m>>,
 }
 
 /// A generation in progress: call [`Generation::next_token`] until it returns `None`.
 pub struct Generation<'m> {
     model: &'m dyn CausalLm,
     external: Option<Box<dyn ExternalSampler + 'm>>,
-    /// Serial mode (external sampler): the input of the next step, once its token is known.
+    /// The last committed token when it is not yet in the cache and no step is in flight
+    /// (serial mode, speculation): the next forward's input.
     next_input: Option<Array>,
+    speculation: Option<Speculation<'m>>,
+    /// Committed tokens not yet returned (a verification commits several at once).
+    ready: VecDeque<Token>,
     cache: Vec<KvCache>,
     sampler: Sampler,
     options: DecodeOptions,
@@ -137,21 +175,27 @@ impl<'m> Generation<'m> {
         sampler: Sampler,
         options: DecodeOptions,
     ) -> Result<Self> {
-        Self::start_with(model, cache, prompt, sampler, options, None)
+        Self::start_with(model, cache, prompt, sampler, options, Hooks::default())
     }
 
-    /// As `start_with_cache`, with an optional external sampler that picks every token
-    /// (it must already have accepted the whole prompt).
+    /// As `start_with_cache`, with hooks: an external sampler that picks every token (it must
+    /// already have accepted the whole prompt) and speculative decoding.
     pub fn start_with(
         model: &'m dyn CausalLm,
         cache: Vec<KvCache>,
         prompt: &[u32],
         sampler: Sampler,
         options: DecodeOptions,
-        external: Option<Box<dyn ExternalSampler + 'm>>,
+        hooks: Hooks<'m>,
     ) -> Result<Self> {
+        let Hooks { external, speculation } = hooks;
         if prompt.is_empty() {
             bail!("the prompt is empty; give at least one token");
+        }
+        if let Some(s) = &speculation {
+            if s.config.verify == Verify::Lossless && external.is_some() {
+                bail!("lossless speculative verification works with the native sampler only; plugin samplers are verified exactly (verify: exact)");
+            }
         }
         let vocab = model.vocab_size();
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -164,6 +208,8 @@ impl<'m> Generation<'m> {
             model,
             external,
             next_input: None,
+            speculation,
+            ready: VecDeque::new(),
             cache,
             sampler,
             options,
@@ -197,6 +243,7 @@ impl<'m> Generation<'m> {
 
     /// One forward pass over `input` (`[L]`), returning the lazy next token and logprobs.
     fn step(&mut self, input: &Array, position: usize) -> Result<(Array, Array)> {
+        self.stats.decode_steps += 1;
         let len = input.dim(0) as i32;
         let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?;
         let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
@@ -226,34 +273,40 @@ impl<'m> Generation<'m> {
 
     /// The next token, or `None` once generation has finished.
     pub fn next_token(&mut self) -> Result<Option<Token>> {
+        if self.ready.is_empty() {
+            self.advance()?;
+        }
+        Ok(self.ready.pop_front())
+    }
+
+    /// Commits at least one token to `ready`, unless generation has finished.
+    fn advance(&mut self) -> Result<()> {
+        if self.next_input.is_some()
+            && self.speculation.as_ref().is_some_and(|s| s.adaptive.ready())
+            && self.speculate()?
+        {
+            return Ok(());
+        }
         if let Some(input) = self.next_input.take() {
             let position = self.prompt_len + self.generated;
             self.pending = Some(self.step(&input, position)?);
         }
-        // Read after the step: a sampler that failed with fallback has just been dropped, and
-        // decoding goes back to the pipelined loop.
-        let serial = self.external.is_some();
-        let Some((y, logprobs)) = self.pending.take() else { return Ok(None) };
+        let Some((y, logprobs)) = self.pending.take() else { return Ok(()) };
         let n = self.generated;
-        if !serial && n + 1 < self.options.max_tokens {
+        // Serial when a plugin picks tokens (read after the step: a sampler that failed with
+        // fallback has just been dropped) or when the next step will likely be speculative.
+        let serial = self.external.is_some()
+            || self.speculation.as_ref().is_some_and(|s| s.adaptive.ready() && s.drafter.likely(&s.seq));
+        let queued = !serial && n + 1 < self.options.max_tokens;
+        if queued {
             let next = self.step(&y, self.prompt_len + n + 1)?;
             mlx::async_eval(&[&next.0, &next.1])?;
             self.pending = Some(next);
         }
         let id = y.item_i32()? as u32;
-        let now = Instant::now();
-        let first = *self.first_token_at.get_or_insert(now);
-        self.generated += 1;
-        if n % 256 == 0 {
-            memory::clear_cache();
+        if let Some(s) = self.speculation.as_mut() {
+            s.adaptive.plain_token();
         }
-        let finish = if self.options.eos_token_ids.contains(&id) {
-            Some(FinishReason::Stop)
-        } else if self.generated >= self.options.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
         if let Some(external) = self.external.as_deref_mut() {
             if let Err(e) = external.accept(&[id]) {
                 if !external.fallback() {
@@ -262,12 +315,33 @@ impl<'m> Generation<'m> {
                 tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
                 self.external = None;
             }
-            if finish.is_none() {
-                self.next_input = Some(y);
-            }
         }
-        if finish.is_some() {
+        let finished = self.commit(id, logprobs.clone());
+        if finished {
             self.pending = None;
+        } else if !queued {
+            self.next_input = Some(y);
+        }
+        Ok(())
+    }
+
+    /// Records a committed token; returns whether generation has finished.
+    fn commit(&mut self, id: u32, logprobs: Array) -> bool {
+        let now = Instant::now();
+        let first = *self.first_token_at.get_or_insert(now);
+        if self.generated % 256 == 0 {
+            memory::clear_cache();
+        }
+        self.generated += 1;
+        let finish = if self.options.eos_token_ids.contains(&id) {
+            Some(FinishReason::Stop)
+        } else if self.generated >= self.options.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(s) = self.speculation.as_mut() {
+            s.seq.push(id);
         }
         let prompt_secs = (first - self.started).as_secs_f64();
         let gen_secs = (now - first).as_secs_f64();
@@ -275,7 +349,192 @@ impl<'m> Generation<'m> {
         self.stats.prompt_tps = if prompt_secs > 0.0 { self.stats.prompt_tokens as f64 / prompt_secs } else { 0.0 };
         self.stats.generation_tps = if gen_secs > 0.0 { self.generated as f64 / gen_secs } else { 0.0 };
         self.stats.peak_memory_bytes = memory::peak();
-        Ok(Some(Token { id, logprobs, finish }))
+        self.ready.push_back(Token { id, logprobs, finish });
+        finish.is_some()
+    }
+
+    /// One speculative step from the last committed token: draft, verify all drafts in one
+    /// forward, commit the agreed prefix and the target's next token, trim the rest from the
+    /// cache. Returns false (having changed nothing) when the drafter proposes nothing.
+    fn speculate(&mut self) -> Result<bool> {
+        let remaining = self.options.max_tokens - self.generated;
+        let spec = self.speculation.as_mut().expect("speculate needs speculation");
+        let k = spec.adaptive.k.min(remaining.saturating_sub(1));
+        if k == 0 {
+            return Ok(false);
+        }
+        let lossless = spec.config.verify == Verify::Lossless
+            && self.sampler.params().temperature > 0.0
+            && self.external.is_none();
+        let drafts = spec.drafter.draft(&spec.seq, k, &self.sampler, lossless)?;
+        let k = drafts.tokens.len();
+        if k == 0 {
+            return Ok(false);
+        }
+        let last = *spec.seq.last().expect("the sequence holds the prompt");
+        self.next_input = None;
+        let mut ids = vec![last];
+        ids.extend(&drafts.tokens);
+        let input = tokens_array(&ids)?;
+        let position = self.prompt_len + self.generated; // of the first drafted token
+        self.stats.decode_steps += 1;
+        let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?.squeeze(&[0])?;
+        let mut logprobs = Vec::with_capacity(k + 1);
+        let mut processed = Vec::with_capacity(k + 1);
+        for i in 0..=k {
+            let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
+            let history = match &self.history {
+                Some(h) => Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?),
+                None => None,
+            };
+            let row = self.sampler.process(&row, history.as_ref())?;
+            logprobs.push(row.subtract(&row.logsumexp(&[-1], true)?)?);
+            processed.push(row);
+        }
+        let emitted = if self.external.is_some() {
+            self.verify_external(&drafts.tokens, &processed, &logprobs, position)?
+        } else if lossless {
+            self.verify_lossless(&drafts, &logprobs, position)?
+        } else {
+            let picks: Vec<Array> =
+                (0..=k).map(|i| self.sampler.sample(&logprobs[i], position + i)).collect::<Result<_>>()?;
+            let refs: Vec<&Array> = picks.iter().collect();
+            let picks = mlx::ops::concatenate(&refs, 0)?.to_vec_i32()?;
+            let n = drafts.tokens.iter().zip(&picks).take_while(|(d, p)| **d as i32 == **p).count();
+            picks[..=n].iter().map(|&t| t as u32).collect()
+        };
+        let accepted = emitted.len() - 1;
+        for c in &mut self.cache {
+            c.trim(k - accepted);
+        }
+        if let Some(h) = &self.history {
+            self.history = Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, accepted as i32 + 1)?], 0)?);
+        }
+        let spec = self.speculation.as_mut().expect("checked above");
+        spec.drafter.commit(accepted)?;
+        spec.adaptive.update(k, accepted);
+        self.stats.drafted_tokens += k;
+        self.stats.accepted_tokens += accepted;
+        let mut finished = false;
+        for (i, &id) in emitted.iter().enumerate() {
+            finished = self.commit(id, logprobs[i].squeeze(&[0])?);
+            if finished {
+                break;
+            }
+        }
+        if !finished {
+            let last = *emitted.last().expect("at least one token");
+            self.next_input = Some(Array::from_i32(&[last as i32], &[1])?);
+        }
+        Ok(true)
+    }
+
+    /// Sample and match with the external sampler, row by row: it sees (and accepts) only
+    /// tokens that end up committed, exactly as in plain decoding.
+    fn verify_external(
+        &mut self,
+        drafts: &[u32],
+        processed: &[Array],
+        logprobs: &[Array],
+        position: usize,
+    ) -> Result<Vec<u32>> {
+        let mut emitted = Vec::new();
+        for i in 0..=drafts.len() {
+            let id = match self.external.as_deref_mut() {
+                Some(external) => match pick_external(external, &self.sampler, &processed[i], position + i) {
+                    Ok(t) => Some(t.item_i32()? as u32),
+                    Err(e) if external.fallback() => {
+                        tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+                        self.external = None;
+                        None
+                    }
+                    Err(e) => return Err(e),
+                },
+                None => None,
+            };
+            let id = match id {
+                Some(id) => id,
+                None => self.sampler.sample(&logprobs[i], position + i)?.item_i32()? as u32,
+            };
+            if let Some(external) = self.external.as_deref_mut() {
+                if let Err(e) = external.accept(&[id]) {
+                    if !external.fallback() {
+                        return Err(e);
+                    }
+                    tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+                    self.external = None;
+                }
+            }
+            emitted.push(id);
+            if i == drafts.len() || drafts[i] != id {
+                break;
+            }
+        }
+        Ok(emitted)
+    }
+
+    /// Rejection sampling: accept draft i with probability min(1, p_i(d)/q_i(d)); at the
+    /// first rejection draw from normalize(max(p_i - q_i, 0)); after K acceptances draw the
+    /// bonus token from p_K. Without draft distributions, q is one-hot on the draft.
+    fn verify_lossless(
+        &self,
+        drafts: &super::speculative::Drafts,
+        logprobs: &[Array],
+        position: usize,
+    ) -> Result<Vec<u32>> {
+        let k = drafts.tokens.len() as i32;
+        let rows: Vec<Array> = logprobs.iter().map(|lp| self.sampler.distribution(lp)).collect::<Result<_>>()?;
+        let refs: Vec<&Array> = rows.iter().collect();
+        let p_logits = mlx::ops::concatenate(&refs, 0)?.astype(mlx::Dtype::Float32)?;
+        let p = p_logits.softmax(&[-1], true)?;
+        let p_drafted = p.slice_axis(0, 0, k)?;
+        let d = Array::from_i32(&drafts.tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[k as usize, 1])?;
+        let p_d = p_drafted.take_along_axis(&d, 1)?;
+        let (q_d, residual) = match &drafts.distributions {
+            Some(q) => {
+                let q = q.astype(mlx::Dtype::Float32)?.softmax(&[-1], true)?;
+                let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
+                (q.take_along_axis(&d, 1)?, p_drafted.subtract(&q)?.maximum(&zero)?)
+            }
+            None => {
+                let zeros = Array::zeros(&[k as usize, 1], mlx::Dtype::Float32)?;
+                (
+                    Array::scalar(1.0, mlx::Dtype::Float32)?.broadcast_to(&[k, 1])?,
+                    p_drafted.put_along_axis(&d, &zeros, 1)?,
+                )
+            }
+        };
+        // Where the residual is all zero (p == q) rejection cannot happen; fall back to p.
+        let mass = residual.sum(&[-1], true)?;
+        let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
+        let residual_logits =
+            mlx::ops::where_(&mass.greater(&zero)?, &residual.log()?, &p_logits.slice_axis(0, 0, k)?)?;
+        let mut draws = Vec::with_capacity(k as usize + 1);
+        for i in 0..k {
+            let key = self.sampler.salted_key(position + i as usize, 2)?;
+            draws.push(mlx::random::categorical(&residual_logits.slice_axis(0, i, i + 1)?, -1, &key)?);
+        }
+        draws.push(mlx::random::categorical(
+            &p_logits.slice_axis(0, k, k + 1)?,
+            -1,
+            &self.sampler.key(position + k as usize)?,
+        )?);
+        let refs: Vec<&Array> = draws.iter().collect();
+        let draws = mlx::ops::concatenate(&refs, 0)?;
+        mlx::eval(&[&p_d, &q_d, &draws])?;
+        let (p_d, q_d, draws) = (p_d.to_vec_f32()?, q_d.to_vec_f32()?, draws.to_vec_i32()?);
+        let mut emitted = Vec::new();
+        for i in 0..k as usize {
+            let u = self.sampler.uniform(position + i, 1);
+            if u * (q_d[i] as f64) < p_d[i] as f64 {
+                emitted.push(drafts.tokens[i]);
+            } else {
+                emitted.push(draws[i] as u32);
+                return Ok(emitted);
+            }
+        }
+        emitted.push(draws[k as usize] as u32);
+        Ok(emitted)
     }
 
     pub fn stats(&self) -> DecodeStats {
@@ -340,6 +599,7 @@ fn pick_external(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::speculative::{SpecConfig, SpecMethod};
     use crate::engine::SamplingParams;
     use models::testing;
 
@@ -361,7 +621,8 @@ mod tests {
         external: Option<Box<dyn ExternalSampler>>,
     ) -> Result<(Vec<u32>, Option<FinishReason>)> {
         let sampler = Sampler::new(params, model.vocab_size())?;
-        let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, external)?;
+        let hooks = Hooks { external, speculation: None };
+        let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks)?;
         let (mut ids, mut finish) = (Vec::new(), None);
         while let Some(t) = g.next_token()? {
             ids.push(t.id);
@@ -404,7 +665,7 @@ mod tests {
     fn the_same_seed_gives_the_same_tokens() {
         let model = testing::model("llama", 12).unwrap();
         let prompt = [1, 2, 3, 4];
-        let p = |seed| SamplingParams { temperature: 1.5, seed: Some(seed), ..Default::default() };
+        let p = |seed| SamplingParams { temperature: 0.6, seed: Some(seed), ..Default::default() };
         let a = run(model.as_ref(), &prompt, p(42), opts(24)).0;
         assert_eq!(a, run(model.as_ref(), &prompt, p(42), opts(24)).0);
         assert_ne!(a, run(model.as_ref(), &prompt, p(43), opts(24)).0);
@@ -537,6 +798,255 @@ mod tests {
             let (ids, _) = start(true, fail_at).unwrap();
             assert_eq!(ids, reference_greedy(model.as_ref(), &prompt, 5), "fail at call {fail_at}");
         }
+    }
+
+    /// Generates with speculation; returns ids and stats.
+    fn run_spec(
+        model: &dyn CausalLm,
+        draft: Option<&dyn CausalLm>,
+        prompt: &[u32],
+        params: SamplingParams,
+        options: DecodeOptions,
+        config: SpecConfig,
+        external: Option<Box<dyn ExternalSampler>>,
+    ) -> (Vec<u32>, DecodeStats) {
+        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
+        let speculation = Speculation::new(config, prompt, draft, options.prefill_step_size).unwrap();
+        let hooks = Hooks { external, speculation: Some(speculation) };
+        let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks).unwrap();
+        let mut ids = Vec::new();
+        while let Some(t) = g.next_token().unwrap() {
+            ids.push(t.id);
+        }
+        (ids, g.stats())
+    }
+
+    fn spec(method: SpecMethod, k: usize) -> SpecConfig {
+        SpecConfig { method, num_draft_tokens: k, ngram_min: 1, ..Default::default() }
+    }
+
+    /// A prompt with repeats, so prompt lookup has something to draft.
+    fn repetitive_prompt() -> Vec<u32> {
+        let phrase: Vec<u32> = (0..9).map(|i| (i * 13 + 5) % 128).collect();
+        phrase.iter().chain(&[77, 78]).chain(&phrase).chain(&phrase[..4]).copied().collect()
+    }
+
+    #[test]
+    fn speculative_greedy_decoding_is_token_identical_with_both_drafters() {
+        for arch in ["llama", "qwen2", "qwen3"] {
+            let model = testing::model(arch, 21).unwrap();
+            let other = testing::model(arch, 22).unwrap();
+            let prompt = repetitive_prompt();
+            let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(40));
+            for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other.as_ref()), SpecMethod::Draft)] {
+                for k in [1, 3, 8] {
+                    let (ids, stats) = run_spec(
+                        model.as_ref(),
+                        draft,
+                        &prompt,
+                        SamplingParams::default(),
+                        opts(40),
+                        spec(method, k),
+                        None,
+                    );
+                    assert_eq!(ids, plain, "{arch} {method:?} k={k}");
+                    assert!(stats.drafted_tokens > 0, "{arch} {method:?} k={k}: nothing was drafted");
+                    assert_eq!(stats.generated_tokens, 40);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_draft_identical_to_the_target_accepts_every_draft() {
+        let model = testing::model("qwen3", 23).unwrap();
+        let same = testing::model("qwen3", 23).unwrap();
+        let prompt = [3u32, 4, 5, 6];
+        let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(30));
+        let (ids, stats) = run_spec(
+            model.as_ref(),
+            Some(same.as_ref()),
+            &prompt,
+            SamplingParams::default(),
+            opts(30),
+            spec(SpecMethod::Draft, 4),
+            None,
+        );
+        assert_eq!(ids, plain);
+        assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
+        assert!(stats.tokens_per_step() > 3.0, "{} tokens per target step", stats.tokens_per_step());
+        // Seeded sampling with coupled draws: the same distributions draw the same tokens.
+        let params = SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(5), ..Default::default() };
+        let (plain, _) = run(model.as_ref(), &prompt, params.clone(), opts(30));
+        let (ids, stats) =
+            run_spec(model.as_ref(), Some(same.as_ref()), &prompt, params, opts(30), spec(SpecMethod::Draft, 4), None);
+        assert_eq!(ids, plain);
+        assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
+    }
+
+    #[test]
+    fn seeded_sampling_under_speculation_gives_the_plain_tokens() {
+        let model = testing::model("llama", 24).unwrap();
+        let other = testing::model("llama", 25).unwrap();
+        let prompt = repetitive_prompt();
+        let cases = [
+            SamplingParams { temperature: 0.7, seed: Some(1), ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: 20, min_p: 0.05, seed: Some(2), ..Default::default() },
+            // Penalties read the history, which verification extends with the drafts.
+            SamplingParams {
+                temperature: 0.5,
+                repetition_penalty: Some(1.3),
+                presence_penalty: Some(0.5),
+                seed: Some(3),
+                ..Default::default()
+            },
+            SamplingParams { repetition_penalty: Some(1.2), frequency_penalty: Some(0.3), ..Default::default() },
+        ];
+        let mut looked_up = 0;
+        for params in cases {
+            let (plain, _) = run(model.as_ref(), &prompt, params.clone(), opts(32));
+            for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other.as_ref()), SpecMethod::Draft)] {
+                let (ids, stats) =
+                    run_spec(model.as_ref(), draft, &prompt, params.clone(), opts(32), spec(method, 4), None);
+                assert_eq!(ids, plain, "{params:?} {method:?}");
+                // Strong penalties can keep the output free of repeats: nothing to look up.
+                match method {
+                    SpecMethod::Draft => assert!(stats.drafted_tokens > 0, "{params:?}: {stats:?}"),
+                    _ => looked_up += stats.drafted_tokens,
+                }
+            }
+        }
+        assert!(looked_up > 0);
+    }
+
+    #[test]
+    fn an_external_sampler_under_speculation_sees_only_committed_tokens_and_picks_the_same() {
+        let model = testing::model("qwen2", 26).unwrap();
+        let same = testing::model("qwen2", 26).unwrap();
+        let prompt = repetitive_prompt();
+        let plain_seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let ext = Lowest { accepted: plain_seen.clone(), k: Some(3) };
+        let (plain, _) =
+            run_with(model.as_ref(), &prompt, SamplingParams::default(), opts(24), Some(Box::new(ext))).unwrap();
+        for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(same.as_ref()), SpecMethod::Draft)] {
+            let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+            let ext = Lowest { accepted: seen.clone(), k: Some(3) };
+            let (ids, stats) = run_spec(
+                model.as_ref(),
+                draft,
+                &prompt,
+                SamplingParams::default(),
+                opts(24),
+                spec(method, 4),
+                Some(Box::new(ext)),
+            );
+            assert_eq!(ids, plain, "{method:?}");
+            assert_eq!(*seen.borrow(), plain, "{method:?}: the sampler accepted exactly the committed tokens");
+            assert!(stats.drafted_tokens > 0, "{method:?}");
+        }
+    }
+
+    #[test]
+    fn rollback_across_a_cache_growth_boundary_keeps_later_tokens_correct() {
+        // The KV buffers grow every 256 positions: verification of up to 8 drafts from a
+        // 250-token prompt writes past 256 and is then trimmed back; prefill chunks of 5.
+        let model = testing::model("llama", 27).unwrap();
+        let other = testing::model("llama", 28).unwrap();
+        let prompt: Vec<u32> = (0..250).map(|i| (i * 31 + 7) % 128).collect();
+        let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(20));
+        for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other.as_ref()), SpecMethod::Draft)] {
+            let (ids, stats) =
+                run_spec(model.as_ref(), draft, &prompt, SamplingParams::default(), opts(20), spec(method, 8), None);
+            assert_eq!(ids, plain, "{method:?}");
+            assert!(stats.drafted_tokens > stats.accepted_tokens, "{method:?}: some drafts were rejected");
+        }
+    }
+
+    #[test]
+    fn speculation_stops_at_eos_and_max_tokens_like_plain_decoding() {
+        let model = testing::model("qwen3", 29).unwrap();
+        let same = testing::model("qwen3", 29).unwrap();
+        let prompt = [5u32, 6, 7];
+        let (free, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(12));
+        let options = DecodeOptions { eos_token_ids: vec![free[5]], ..opts(12) };
+        let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), options.clone());
+        let (ids, _) = run_spec(
+            model.as_ref(),
+            Some(same.as_ref()),
+            &prompt,
+            SamplingParams::default(),
+            options,
+            spec(SpecMethod::Draft, 8),
+            None,
+        );
+        assert_eq!(ids, plain);
+        for max in [1, 2, 7] {
+            let (ids, _) = run_spec(
+                model.as_ref(),
+                Some(same.as_ref()),
+                &prompt,
+                SamplingParams::default(),
+                opts(max),
+                spec(SpecMethod::Draft, 8),
+                None,
+            );
+            assert_eq!(ids, free[..max].to_vec());
+        }
+    }
+
+    #[test]
+    fn lossless_verification_accepts_everything_from_an_identical_draft_and_differs_from_plain_otherwise() {
+        let model = testing::model("llama", 30).unwrap();
+        let same = testing::model("llama", 30).unwrap();
+        let prompt = repetitive_prompt();
+        let params = SamplingParams { temperature: 1.0, seed: Some(9), ..Default::default() };
+        let lossless = |method| SpecConfig { verify: Verify::Lossless, ..spec(method, 4) };
+        let (ids, stats) = run_spec(
+            model.as_ref(),
+            Some(same.as_ref()),
+            &prompt,
+            params.clone(),
+            opts(40),
+            lossless(SpecMethod::Draft),
+            None,
+        );
+        assert_eq!(ids.len(), 40);
+        assert_eq!(stats.accepted_tokens, stats.drafted_tokens, "p == q accepts with probability 1");
+        let (ids, stats) =
+            run_spec(model.as_ref(), None, &prompt, params.clone(), opts(40), lossless(SpecMethod::PromptLookup), None);
+        assert_eq!(ids.len(), 40);
+        assert!(stats.drafted_tokens > 0);
+        // A plugin sampler cannot be verified losslessly.
+        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
+        let speculation = Speculation::new(lossless(SpecMethod::PromptLookup), &prompt, None, 5).unwrap();
+        let ext = Lowest { accepted: Default::default(), k: Some(2) };
+        let hooks = Hooks { external: Some(Box::new(ext)), speculation: Some(speculation) };
+        let err =
+            Generation::start_with(model.as_ref(), model.make_cache(), &prompt, sampler, opts(4), hooks).err().unwrap();
+        assert!(err.to_string().contains("lossless"), "{err}");
+    }
+
+    /// The lossless mode keeps the target's distribution: over many seeds, the first
+    /// speculative token (drafted by a different model) is distributed as plain sampling's.
+    #[test]
+    fn lossless_verification_keeps_the_output_distribution() {
+        let model = testing::model("qwen2", 31).unwrap();
+        let draft = testing::model("qwen2", 32).unwrap();
+        let prompt = [1u32, 2, 3];
+        let n = 400;
+        let (mut plain, mut specd) = (vec![0f64; 128], vec![0f64; 128]);
+        for seed in 0..n {
+            let params = SamplingParams { temperature: 0.6, seed: Some(seed), ..Default::default() };
+            let (a, _) = run(model.as_ref(), &prompt, params.clone(), opts(3));
+            plain[a[1] as usize] += 1.0;
+            let config = SpecConfig { verify: Verify::Lossless, ..spec(SpecMethod::Draft, 1) };
+            let (b, _) = run_spec(model.as_ref(), Some(draft.as_ref()), &prompt, params, opts(3), config, None);
+            specd[b[1] as usize] += 1.0;
+        }
+        // Total variation distance between the two empirical second-token distributions:
+        // 0.11 here; accepting every draft instead (the draft's distribution) gives 0.92.
+        let tv: f64 = plain.iter().zip(&specd).map(|(a, b)| (a - b).abs()).sum::<f64>() / (2.0 * n as f64);
+        assert!(tv < 0.3, "total variation {tv}");
     }
 
     #[test]

@@ -1,12 +1,15 @@
-//! The engine: the decode loop (`decode.rs`), native sampling (`sampling.rs`), stop strings
+//! The engine: the decode loop (`decode.rs`), speculative decoding (`speculative.rs`),
+//! native sampling (`sampling.rs`), stop strings
 //! (`stop.rs`), KV reuse across requests (`prompt_cache.rs`) and the engine thread that
 //! serves requests (`worker.rs`). All MLX arrays of a model live on the thread that drives it.
 
 pub mod decode;
 pub mod prompt_cache;
 pub mod sampling;
+pub mod speculative;
 pub mod stop;
 pub mod worker;
 
-pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Pick, Token};
+pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Hooks, Pick, Token};
 pub use sampling::{Sampler, SamplingParams};
+pub use speculative::{SpecConfig, SpecMethod, Speculation, Verify};

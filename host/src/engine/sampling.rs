@@ -194,10 +194,17 @@ impl Sampler {
     /// Picks the next token from `logprobs` (`[1, V]`, normalized) for sequence position
     /// `position`; returns a lazy `[1]` int32 array.
     pub fn sample(&self, logprobs: &Array, position: usize) -> Result<Array> {
-        let p = &self.params;
-        if p.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
             return Ok(logprobs.argmax(-1, false)?);
         }
+        Ok(random::categorical(&self.distribution(logprobs)?, -1, &self.key(position)?)?)
+    }
+
+    /// The unnormalized log-distribution `sample` draws from at temperature > 0: `logprobs`
+    /// (`[N, V]`) restricted by top-p, min-p and top-k (dropped tokens are -inf) and divided
+    /// by the temperature. Lossless speculative verification compares these.
+    pub fn distribution(&self, logprobs: &Array) -> Result<Array> {
+        let p = &self.params;
         let neg_inf = scalar(f32::NEG_INFINITY)?;
         let mut lp = logprobs.clone();
         if p.top_p > 0.0 && p.top_p < 1.0 {
@@ -220,8 +227,32 @@ impl Sampler {
             let drop = idx.slice_axis(-1, k, idx.dim(-1) as i32)?;
             lp = lp.put_along_axis(&drop, &neg_inf.astype(lp.dtype())?, -1)?;
         }
-        let key = random::key(mix(self.seed ^ mix(position as u64)))?;
-        Ok(random::categorical(&lp.multiply(&scalar(1.0 / p.temperature)?)?, -1, &key)?)
+        Ok(lp.multiply(&scalar(1.0 / p.temperature.max(f32::MIN_POSITIVE))?)?)
+    }
+
+    /// The random key of sequence position `position`.
+    pub fn key(&self, position: usize) -> Result<Array> {
+        self.salted_key(position, 0)
+    }
+
+    /// A key for `position` from the independent stream `salt` (0 is `key`'s).
+    pub fn salted_key(&self, position: usize, salt: u64) -> Result<Array> {
+        Ok(random::key(self.stream(position, salt))?)
+    }
+
+    /// A uniform draw in [0, 1) for `position` from an independent stream `salt` (> 0),
+    /// computed on the host: speculative verification's acceptance tests use these.
+    pub fn uniform(&self, position: usize, salt: u64) -> f64 {
+        (self.stream(position, salt) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn stream(&self, position: usize, salt: u64) -> u64 {
+        let base = mix(self.seed ^ mix(position as u64));
+        if salt == 0 {
+            base
+        } else {
+            mix(base ^ mix(salt.wrapping_mul(0xA24B_AED4_963E_E407)))
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 
 use super::prompt_cache::PromptCache;
 use super::stop::StopMatcher;
-use super::{DecodeOptions, FinishReason, Generation, Sampler, SamplingParams};
+use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams};
 use crate::generate::{load_model, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
 use crate::plugins::{PluginRegistry, PluginSampler, Selection};
@@ -267,8 +267,14 @@ impl Worker {
         let (external, mut stop_rules) = self.start_plugins(&request.plugins, prompt, seed)?;
         let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
         let mut held = String::new();
-        let mut generation =
-            Generation::start_with(self.model.as_ref(), cache, &prompt[reused..], sampler, options, external)?;
+        let mut generation = Generation::start_with(
+            self.model.as_ref(),
+            cache,
+            &prompt[reused..],
+            sampler,
+            options,
+            Hooks { external, speculation: None },
+        )?;
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
         if job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused }).is_err() {

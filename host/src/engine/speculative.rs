@@ -1,0 +1,361 @@
+//! Speculative decoding: a drafter proposes the next K tokens, the target model scores all of
+//! them in one forward of K+1 positions, and the longest prefix the target agrees with is
+//! kept (plus the target's own token after it). Rejected positions are trimmed from the KV
+//! caches. `decode.rs` runs the verification; this file holds the drafters, the settings and
+//! the adaptive draft length.
+//!
+//! Exactness: the target's token at position p is a function of (its logits at p, seed, p),
+//! so "sample and match" — draw the target token at every drafted position and keep drafts
+//! while they equal the draw — yields exactly the tokens plain decoding would, for greedy,
+//! seeded native sampling and plugin samplers alike. `Verify::Lossless` instead accepts a
+//! draft with probability min(1, p/q) and resamples from the residual on rejection: the same
+//! output distribution with higher acceptance, not the same tokens.
+
+use super::sampling::Sampler;
+use anyhow::{bail, Result};
+use mlx::Array;
+use models::{CausalLm, KvCache};
+
+/// How drafts are checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verify {
+    /// Sample and match: token for token what non-speculative decoding gives.
+    #[default]
+    Exact,
+    /// Rejection sampling against the draft distribution (native samplers only).
+    Lossless,
+}
+
+/// Which drafter a request uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SpecMethod {
+    #[default]
+    Off,
+    /// Continue the longest recent n-gram match in the prompt and output.
+    PromptLookup,
+    /// A smaller model sharing the tokenizer (`--draft-model`).
+    Draft,
+}
+
+impl SpecMethod {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpecMethod::Off => "off",
+            SpecMethod::PromptLookup => "prompt-lookup",
+            SpecMethod::Draft => "draft",
+        }
+    }
+}
+
+/// Settings of one speculative generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecConfig {
+    pub method: SpecMethod,
+    /// The most tokens drafted per target step (the adaptive length stays at or below it).
+    pub num_draft_tokens: usize,
+    /// Prompt lookup: the longest and shortest n-gram tried, longest first.
+    pub ngram_max: usize,
+    pub ngram_min: usize,
+    pub verify: Verify,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig { method: SpecMethod::Off, num_draft_tokens: 8, ngram_max: 4, ngram_min: 2, verify: Verify::Exact }
+    }
+}
+
+impl SpecConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.method != SpecMethod::Off && !(1..=64).contains(&self.num_draft_tokens) {
+            bail!("`num_draft_tokens` must be between 1 and 64, got {}", self.num_draft_tokens);
+        }
+        if self.ngram_min == 0 || self.ngram_min > self.ngram_max || self.ngram_max > 32 {
+            bail!(
+                "prompt-lookup n-gram sizes must satisfy 1 <= min <= max <= 32, got min {} and max {}",
+                self.ngram_min,
+                self.ngram_max
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A drafter's proposal.
+pub struct Drafts {
+    pub tokens: Vec<u32>,
+    /// The draft's sampling distributions (`[K, V]`, as `Sampler::distribution`), when the
+    /// drafter has them; `None` means the drafts were chosen deterministically.
+    pub distributions: Option<Array>,
+}
+
+/// Proposes continuations of the committed sequence.
+pub trait Drafter {
+    /// Up to `k` tokens continuing `seq` (the prompt and every committed token). An empty
+    /// proposal means "decode this step normally".
+    fn draft(&mut self, seq: &[u32], k: usize, sampler: &Sampler, lossless: bool) -> Result<Drafts>;
+    /// After verification: the first `accepted` drafts of the last proposal were kept.
+    fn commit(&mut self, accepted: usize) -> Result<()>;
+    /// A cheap guess whether `draft` would propose anything for `seq` (lets the decode loop
+    /// stay pipelined while there is nothing to draft).
+    fn likely(&self, seq: &[u32]) -> bool;
+}
+
+/// Prompt lookup decoding: find the most recent earlier occurrence of the sequence's last n
+/// tokens (n from `ngram_max` down to `ngram_min`) and propose what followed it.
+pub struct PromptLookup {
+    pub ngram_max: usize,
+    pub ngram_min: usize,
+}
+
+impl PromptLookup {
+    /// The start of the continuation of the longest, most recent match, if any.
+    fn find(&self, seq: &[u32]) -> Option<usize> {
+        for n in (self.ngram_min..=self.ngram_max).rev() {
+            if seq.len() <= n {
+                continue;
+            }
+            let suffix = &seq[seq.len() - n..];
+            // Most recent first; the match must end before the suffix itself does.
+            if let Some(start) = (0..seq.len() - n).rev().find(|&i| &seq[i..i + n] == suffix) {
+                return Some(start + n);
+            }
+        }
+        None
+    }
+}
+
+impl Drafter for PromptLookup {
+    fn draft(&mut self, seq: &[u32], k: usize, _sampler: &Sampler, _lossless: bool) -> Result<Drafts> {
+        let tokens = match self.find(seq) {
+            Some(from) => seq[from..(from + k).min(seq.len())].to_vec(),
+            None => Vec::new(),
+        };
+        Ok(Drafts { tokens, distributions: None })
+    }
+
+    fn commit(&mut self, _accepted: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn likely(&self, seq: &[u32]) -> bool {
+        self.find(seq).is_some()
+    }
+}
+
+/// A draft model with its own KV cache. It proposes by decoding `k` tokens with the request's
+/// native sampler at the same positions and keys as the target (greedy drafts for greedy
+/// requests; "coupled" draws otherwise, which agree whenever the two distributions are close).
+pub struct DraftModel<'m> {
+    model: &'m dyn CausalLm,
+    cache: Vec<KvCache>,
+    /// Tokens of the committed sequence held in `cache`.
+    held: usize,
+    /// The last proposal: sequence length when drafting and tokens drafted.
+    last: Option<(usize, usize)>,
+    prefill_step_size: usize,
+}
+
+impl<'m> DraftModel<'m> {
+    pub fn new(model: &'m dyn CausalLm, prefill_step_size: usize) -> Self {
+        DraftModel {
+            model,
+            cache: model.make_cache(),
+            held: 0,
+            last: None,
+            prefill_step_size: prefill_step_size.max(1),
+        }
+    }
+}
+
+fn ids_array(ids: &[u32]) -> Result<Array> {
+    let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Ok(Array::from_i32(&ids, &[1, ids.len()])?)
+}
+
+impl Drafter for DraftModel<'_> {
+    fn draft(&mut self, seq: &[u32], k: usize, sampler: &Sampler, lossless: bool) -> Result<Drafts> {
+        if self.held >= seq.len() {
+            bail!("draft cache holds {} tokens of a {}-token sequence", self.held, seq.len());
+        }
+        let new = &seq[self.held..];
+        let (head, tail) = new.split_at(new.len().saturating_sub(self.prefill_step_size));
+        for chunk in head.chunks(self.prefill_step_size) {
+            self.model.forward(&ids_array(chunk)?, &mut self.cache)?;
+            let state: Vec<&Array> = self.cache.iter().flat_map(KvCache::state).collect();
+            mlx::eval(&state)?;
+        }
+        let mut input = ids_array(tail)?;
+        let (mut tokens, mut dists) = (Vec::with_capacity(k), Vec::new());
+        for i in 0..k {
+            let logits = self.model.forward(&input, &mut self.cache)?;
+            let len = logits.dim(1) as i32;
+            let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
+            let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+            let token = sampler.sample(&logprobs, seq.len() + i)?;
+            if lossless {
+                dists.push(sampler.distribution(&logprobs)?);
+            }
+            input = token.expand_dims(&[0])?;
+            tokens.push(token);
+        }
+        let refs: Vec<&Array> = tokens.iter().collect();
+        let tokens = mlx::ops::concatenate(&refs, 0)?;
+        let distributions = if lossless {
+            let refs: Vec<&Array> = dists.iter().collect();
+            Some(mlx::ops::concatenate(&refs, 0)?)
+        } else {
+            None
+        };
+        let mut outputs = vec![&tokens];
+        outputs.extend(distributions.as_ref());
+        mlx::eval(&outputs)?;
+        // The cache now holds the sequence and every draft but the last.
+        self.held = seq.len() + k - 1;
+        self.last = Some((seq.len(), k));
+        let tokens = tokens.to_vec_i32()?.into_iter().map(|t| t as u32).collect();
+        Ok(Drafts { tokens, distributions })
+    }
+
+    fn commit(&mut self, accepted: usize) -> Result<()> {
+        let Some((len, k)) = self.last.take() else { return Ok(()) };
+        let keep = len + accepted.min(k - 1);
+        for c in &mut self.cache {
+            c.trim(self.held - keep);
+        }
+        self.held = keep;
+        Ok(())
+    }
+
+    fn likely(&self, _seq: &[u32]) -> bool {
+        true
+    }
+}
+
+/// The draft length, adapted to acceptance: grows by 2 after a fully accepted step, shrinks
+/// by 1 after a partial one. Steps that accept nothing start a back-off of plain decoding
+/// that doubles with each consecutive miss (up to 32 tokens), so speculation on text that
+/// does not repeat costs a few failed steps, not a slowdown.
+#[derive(Debug, Clone)]
+pub struct AdaptiveK {
+    pub k: usize,
+    max: usize,
+    misses: u32,
+    cooldown: usize,
+}
+
+impl AdaptiveK {
+    pub fn new(max: usize) -> Self {
+        AdaptiveK { k: max.clamp(1, 4), max: max.max(1), misses: 0, cooldown: 0 }
+    }
+
+    /// Whether to try speculating now.
+    pub fn ready(&self) -> bool {
+        self.cooldown == 0
+    }
+
+    /// A token decoded without speculation.
+    pub fn plain_token(&mut self) {
+        self.cooldown = self.cooldown.saturating_sub(1);
+    }
+
+    pub fn update(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        if accepted == drafted {
+            self.k = (self.k + 2).min(self.max);
+        } else {
+            self.k = self.k.saturating_sub(1).max(1);
+        }
+        if accepted == 0 {
+            self.misses += 1;
+            self.cooldown = 1usize << self.misses.min(5);
+        } else {
+            self.misses = 0;
+        }
+    }
+}
+
+/// Counters of one generation's speculation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Verification forwards (each scores K+1 positions).
+    pub verify_steps: usize,
+}
+
+/// Speculation state carried by a `Generation`.
+pub struct Speculation<'m> {
+    pub drafter: Box<dyn Drafter + 'm>,
+    pub config: SpecConfig,
+    pub adaptive: AdaptiveK,
+    /// The prompt (whole, including any prefix reused from the prompt cache) and every
+    /// committed token.
+    pub seq: Vec<u32>,
+}
+
+impl<'m> Speculation<'m> {
+    /// `prompt` is the whole prompt, including a prefix served from the prompt cache.
+    pub fn new(
+        config: SpecConfig,
+        prompt: &[u32],
+        draft_model: Option<&'m dyn CausalLm>,
+        prefill_step_size: usize,
+    ) -> Result<Self> {
+        config.validate()?;
+        let drafter: Box<dyn Drafter + 'm> = match config.method {
+            SpecMethod::Off => bail!("speculation is off"),
+            SpecMethod::PromptLookup => {
+                Box::new(PromptLookup { ngram_max: config.ngram_max, ngram_min: config.ngram_min })
+            }
+            SpecMethod::Draft => match draft_model {
+                Some(m) => Box::new(DraftModel::new(m, prefill_step_size)),
+                None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
+            },
+        };
+        Ok(Speculation { drafter, adaptive: AdaptiveK::new(config.num_draft_tokens), config, seq: prompt.to_vec() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lookup_continues_the_longest_most_recent_match() {
+        let pl = PromptLookup { ngram_max: 3, ngram_min: 1 };
+        // "1 2 3" occurs at 0 and 5; the most recent earlier one (5) wins.
+        let seq = [1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 1, 2, 3];
+        assert_eq!(pl.find(&seq), Some(8));
+        // A longer match beats a more recent shorter one: "5 6" at 0, "6" alone at 4.
+        let seq = [5, 6, 10, 11, 6, 12, 5, 6];
+        assert_eq!(pl.find(&seq), Some(2));
+        assert_eq!(PromptLookup { ngram_max: 2, ngram_min: 2 }.find(&[1, 2, 3, 4]), None);
+    }
+
+    #[test]
+    fn adaptive_k_grows_on_full_acceptance_and_backs_off_on_misses() {
+        let mut a = AdaptiveK::new(8);
+        assert_eq!(a.k, 4);
+        a.update(4, 4);
+        assert_eq!(a.k, 6);
+        a.update(6, 2);
+        assert_eq!(a.k, 5);
+        a.update(5, 0);
+        assert!(!a.ready());
+        a.plain_token();
+        a.plain_token();
+        assert!(a.ready(), "first miss: 2 plain tokens");
+        a.update(4, 0);
+        for _ in 0..3 {
+            a.plain_token();
+        }
+        assert!(!a.ready(), "second consecutive miss: 4 plain tokens");
+        a.plain_token();
+        assert!(a.ready());
+    }
+}
