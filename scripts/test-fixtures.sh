@@ -59,6 +59,13 @@ if [ ! -f "$MODELS/tiny-llama3/model.safetensors" ]; then
     --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 >&2
 fi
 
+# A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
+if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
+  log "making the SmolLM2 layer-truncated draft"
+  "$ORACLE/bin/python" "$SHARED/models/make-layer-draft.py" "$MODELS/smollm2-f32" "$MODELS/smollm2-draft8" \
+    --layers 8 >&2
+fi
+
 # MLX-quantized folders (as mlx_lm.convert writes them: sharded index, chat_template.jinja).
 for spec in "tiny-qwen3 tiny-qwen3-q4 4" "tiny-llama tiny-llama-q8 8"; do
   set -- $spec

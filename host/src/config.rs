@@ -1,6 +1,7 @@
 //! `ServeConfig`: settings of `host serve`, from an optional TOML file (`--config`) with CLI
 //! flags on top. Defaults live in one place, `Default for ServeConfig`.
 
+use crate::engine::speculative::{SpecConfig, SpecMethod, Verify};
 use crate::generate::DeviceChoice;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -42,6 +43,15 @@ pub struct ServeConfig {
     /// Plugins for requests that carry no `plugins` field (same shape as that field).
     /// Default: none.
     pub default_plugins: Option<crate::server::openai::PluginsField>,
+    /// A draft model for speculative decoding (must share the model's tokenizer). Default: none.
+    pub draft_model: Option<PathBuf>,
+    /// Speculative decoding for requests that do not choose: off, prompt-lookup or draft.
+    /// Default: draft with a draft model, else off.
+    pub speculative: Option<SpecMethod>,
+    /// The most tokens drafted per step. Default: 8.
+    pub num_draft_tokens: Option<usize>,
+    /// exact (token-identical to plain decoding) or lossless (rejection sampling). Default: exact.
+    pub speculative_verify: Option<Verify>,
 }
 
 impl Default for ServeConfig {
@@ -60,6 +70,10 @@ impl Default for ServeConfig {
             shutdown_grace_secs: 10,
             plugins: None,
             default_plugins: None,
+            draft_model: None,
+            speculative: None,
+            num_draft_tokens: None,
+            speculative_verify: None,
         }
     }
 }
@@ -138,6 +152,55 @@ pub struct ServeArgs {
     /// Folder of *.wasm plugins (ABI v1, see plugin-sdk/ABI.md).
     #[arg(long)]
     pub plugins: Option<PathBuf>,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// Speculative decoding flags (`host generate` and `host serve`).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct SpecArgs {
+    /// A draft model (HF folder or .gguf) sharing the model's tokenizer; implies --speculative draft.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// Speculative decoding: off, prompt-lookup (drafts from n-grams of the prompt and
+    /// output) or draft (the --draft-model). Default: draft with a draft model, else off.
+    #[arg(long, value_enum)]
+    pub speculative: Option<SpecMethod>,
+    /// The most tokens drafted per step; the draft length adapts below it (default 8).
+    #[arg(long)]
+    pub num_draft_tokens: Option<usize>,
+    /// exact: token-identical to plain decoding with the same seed; lossless: rejection
+    /// sampling (same distribution, more accepted drafts; native samplers only).
+    #[arg(long, value_enum)]
+    pub speculative_verify: Option<Verify>,
+}
+
+/// The speculative settings from optional pieces, with the defaults filled in.
+pub fn spec_config(
+    draft_model: bool,
+    method: Option<SpecMethod>,
+    num_draft_tokens: Option<usize>,
+    verify: Option<Verify>,
+) -> Result<SpecConfig> {
+    let defaults = SpecConfig::default();
+    let method = method.unwrap_or(if draft_model { SpecMethod::Draft } else { SpecMethod::Off });
+    if method == SpecMethod::Draft && !draft_model {
+        bail!("--speculative draft needs --draft-model PATH (a model sharing the tokenizer), or use prompt-lookup");
+    }
+    let config = SpecConfig {
+        method,
+        num_draft_tokens: num_draft_tokens.unwrap_or(defaults.num_draft_tokens),
+        verify: verify.unwrap_or_default(),
+        ..defaults
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+impl SpecArgs {
+    pub fn config(&self) -> Result<SpecConfig> {
+        spec_config(self.draft_model.is_some(), self.speculative, self.num_draft_tokens, self.speculative_verify)
+    }
 }
 
 impl ServeConfig {
@@ -163,10 +226,27 @@ impl ServeConfig {
         if args.memory_budget.is_some() {
             config.memory_budget = args.memory_budget;
         }
+        if args.spec.draft_model.is_some() {
+            config.draft_model = args.spec.draft_model.clone();
+        }
+        if args.spec.speculative.is_some() {
+            config.speculative = args.spec.speculative;
+        }
+        if args.spec.num_draft_tokens.is_some() {
+            config.num_draft_tokens = args.spec.num_draft_tokens;
+        }
+        if args.spec.speculative_verify.is_some() {
+            config.speculative_verify = args.spec.speculative_verify;
+        }
         if config.api_key.as_deref() == Some("") {
             config.api_key = None;
         }
         Ok(config)
+    }
+
+    /// The server's default speculative settings.
+    pub fn spec(&self) -> Result<SpecConfig> {
+        spec_config(self.draft_model.is_some(), self.speculative, self.num_draft_tokens, self.speculative_verify)
     }
 
     pub fn from_file(path: &Path) -> Result<ServeConfig> {

@@ -1,7 +1,7 @@
 //! `host generate`: one prompt in, a streamed completion (or one JSON object) out.
 
 use crate::default_model;
-use crate::engine::{DecodeOptions, FinishReason, Generation, Sampler, SamplingParams};
+use crate::engine::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecMethod, Speculation};
 use anyhow::{bail, Context, Result};
 use mlx::Device;
 use models::{Detokenizer, Loaded};
@@ -39,6 +39,13 @@ pub fn select_device(choice: DeviceChoice) -> Result<Device> {
     };
     device.set_default()?;
     Ok(device)
+}
+
+/// Loads a draft model for `target` and checks that it shares the target's tokenizer.
+pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
+    let draft = models::load(path).with_context(|| format!("loading the draft model from {}", path.display()))?;
+    crate::engine::speculative::check_draft(target, &draft)?;
+    Ok(draft)
 }
 
 /// Loads `path`, or the built-in default model (fetched on first use) when `None`.
@@ -100,6 +107,8 @@ pub struct Args {
     pub json: bool,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[command(flatten)]
+    pub spec: crate::config::SpecArgs,
 }
 
 fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
@@ -168,6 +177,13 @@ pub struct JsonOutput {
     pub seed: u64,
     pub prompt_tokens: usize,
     pub generation_tokens: usize,
+    /// Speculative decoding: off, prompt-lookup or draft.
+    pub speculative: &'static str,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    pub acceptance_rate: f64,
+    /// Generated tokens per target forward.
+    pub tokens_per_step: f64,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -176,7 +192,9 @@ pub fn run(args: Args) -> Result<()> {
     if !args.json {
         eprintln!("host: mlx {} on {device}", mlx::version());
     }
+    let spec = args.spec.config()?;
     let loaded = load_model(args.model.as_deref())?;
+    let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let prompt_ids = prompt_tokens(&loaded, &prompt, args.system.as_deref(), args.raw)?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -187,7 +205,18 @@ pub fn run(args: Args) -> Result<()> {
         eos_token_ids: loaded.info.eos_token_ids.clone(),
         ..Default::default()
     };
-    let mut generation = Generation::start(loaded.model.as_ref(), &prompt_ids, sampler, options)?;
+    let speculation = match spec.method {
+        SpecMethod::Off => None,
+        _ => Some(Speculation::new(
+            spec.clone(),
+            &prompt_ids,
+            draft.as_ref().map(|d| d.model.as_ref()),
+            options.prefill_step_size,
+        )?),
+    };
+    let model = loaded.model.as_ref();
+    let hooks = Hooks { external: None, speculation };
+    let mut generation = Generation::start_with(model, model.make_cache(), &prompt_ids, sampler, options, hooks)?;
     let mut detok = Detokenizer::new(&loaded.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let (mut text, mut ids, mut finish) = (String::new(), Vec::new(), FinishReason::Length);
@@ -221,13 +250,29 @@ pub fn run(args: Args) -> Result<()> {
             seed: generation.seed(),
             prompt_tokens: stats.prompt_tokens,
             generation_tokens: stats.generated_tokens,
+            speculative: spec.method.as_str(),
+            drafted_tokens: stats.drafted_tokens,
+            accepted_tokens: stats.accepted_tokens,
+            acceptance_rate: stats.acceptance_rate(),
+            tokens_per_step: stats.tokens_per_step(),
         };
         serde_json::to_writer(&mut stdout, &out)?;
         writeln!(stdout)?;
     } else {
         writeln!(stdout, "{rest}")?;
+        let speculative = match spec.method {
+            SpecMethod::Off => String::new(),
+            m => format!(
+                " | {}: {}/{} drafts accepted ({:.0}%), {:.2} tokens/step",
+                m.as_str(),
+                stats.accepted_tokens,
+                stats.drafted_tokens,
+                100.0 * stats.acceptance_rate(),
+                stats.tokens_per_step()
+            ),
+        };
         eprintln!(
-            "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | finish: {}",
+            "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | finish: {}{speculative}",
             stats.prompt_tokens,
             stats.prompt_tps,
             stats.generated_tokens,

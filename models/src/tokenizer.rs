@@ -80,6 +80,11 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Every token string (added tokens included) with its id.
+    pub fn vocabulary(&self) -> std::collections::HashMap<String, u32> {
+        self.inner.get_vocab(true)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

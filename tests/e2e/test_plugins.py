@@ -331,3 +331,14 @@ def test_a_settings_file_gives_defaults_and_reloads_with_its_plugin(tmp_path, pl
         assert ask().status_code == 400
     finally:
         s.stop()
+
+
+def test_a_plugin_sampler_under_speculation_gives_the_same_tokens(plugged):
+    # Sample and match runs the plugin at each drafted position, in order, and it only ever
+    # sees committed tokens: its (seeded) output is unchanged by prompt lookup.
+    edit = [{"role": "user", "content": open(os.path.join(ROOT, "bench", "edit_prompt.txt")).read()}]
+    wide = {"sampler": {"name": "top-n-sigma", "config": {"n": 1.0, "temperature": 0.7}}}
+    plain = chat(plugged, wide, messages=edit, max_tokens=40, seed=5).json()
+    spec = chat(plugged, wide, messages=edit, max_tokens=40, seed=5, speculative="prompt-lookup").json()
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert spec["usage"]["speculative"]["drafted_tokens"] > 0, spec["usage"]

@@ -243,7 +243,6 @@ impl<'m> Generation<'m> {
 
     /// One forward pass over `input` (`[L]`), returning the lazy next token and logprobs.
     fn step(&mut self, input: &Array, position: usize) -> Result<(Array, Array)> {
-        self.stats.decode_steps += 1;
         let len = input.dim(0) as i32;
         let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?;
         let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
@@ -304,6 +303,7 @@ impl<'m> Generation<'m> {
             self.pending = Some(next);
         }
         let id = y.item_i32()? as u32;
+        self.stats.decode_steps += 1;
         if let Some(s) = self.speculation.as_mut() {
             s.adaptive.plain_token();
         }

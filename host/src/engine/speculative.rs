@@ -234,6 +234,39 @@ impl Drafter for DraftModel<'_> {
     }
 }
 
+/// Refuses a draft model whose vocabulary differs from the target's: the same size of
+/// logits row and the same token string for every id.
+pub fn check_draft(target: &models::Loaded, draft: &models::Loaded) -> Result<()> {
+    let (t, d) = (&target.info, &draft.info);
+    let fix = "use a draft model made from the same tokenizer (e.g. a smaller model of the same family)";
+    if t.vocab_size != d.vocab_size {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens but the model {} has {}; {fix}",
+            d.source.display(),
+            d.vocab_size,
+            t.source.display(),
+            t.vocab_size
+        );
+    }
+    let (tv, dv) = (target.tokenizer.vocabulary(), draft.tokenizer.vocabulary());
+    let mut differ: Vec<(&String, &u32)> = tv.iter().filter(|(tok, id)| dv.get(*tok) != Some(id)).collect();
+    if !differ.is_empty() || tv.len() != dv.len() {
+        differ.sort_by_key(|(_, id)| **id);
+        let example = differ
+            .first()
+            .map(|(tok, id)| format!(" (e.g. {tok:?} is token {id} for the model, {:?} for the draft)", dv.get(*tok)))
+            .unwrap_or_default();
+        bail!(
+            "the draft model {} does not share the tokenizer of {}: {} of {} token strings differ{example}; {fix}",
+            d.source.display(),
+            t.source.display(),
+            differ.len().max(tv.len().abs_diff(dv.len())),
+            tv.len()
+        );
+    }
+    Ok(())
+}
+
 /// The draft length, adapted to acceptance: grows by 2 after a fully accepted step, shrinks
 /// by 1 after a partial one. Steps that accept nothing start a back-off of plain decoding
 /// that doubles with each consecutive miss (up to 32 tokens), so speculation on text that

@@ -7,8 +7,10 @@
 
 use super::prompt_cache::PromptCache;
 use super::stop::StopMatcher;
-use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams};
-use crate::generate::{load_model, select_device, DeviceChoice};
+use super::{
+    DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation,
+};
+use crate::generate::{load_draft, load_model, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
 use crate::plugins::{PluginRegistry, PluginSampler, Selection};
 use anyhow::{Context, Result};
@@ -31,6 +33,8 @@ pub struct EngineConfig {
     pub prefill_step_size: usize,
     /// Plugins requests may select.
     pub plugins: Option<Arc<PluginRegistry>>,
+    /// A draft model for speculative decoding (checked against the model's tokenizer).
+    pub draft_model: Option<PathBuf>,
 }
 
 /// One generation request, as the server hands it to the engine.
@@ -44,6 +48,8 @@ pub struct JobRequest {
     pub top_logprobs: Option<usize>,
     /// Sampler and stop-rule plugins for this request.
     pub plugins: Selection,
+    /// Speculative decoding for this request (`SpecMethod::Off` for none).
+    pub speculative: SpecConfig,
 }
 
 /// A token's log-probability and the most likely alternatives.
@@ -90,6 +96,28 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens whose KV came from the prompt cache.
     pub cached_tokens: usize,
+    /// Set when the request decoded speculatively.
+    pub speculative: Option<SpecUsage>,
+}
+
+/// How speculation went for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecUsage {
+    pub method: SpecMethod,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    /// Target-model forwards while decoding (plain steps and verifications).
+    pub target_steps: usize,
+}
+
+impl SpecUsage {
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.drafted_tokens as f64
+        }
+    }
 }
 
 /// What a job reports, in order: `Started`, any number of `Delta`s, then `Done` or `Error`.
@@ -132,6 +160,12 @@ pub struct EngineStats {
     pub prompt_cache_bytes: AtomicUsize,
     pub prompt_cache_hits: AtomicUsize,
     pub active_memory: AtomicUsize,
+    /// Speculative decoding: tokens drafted, drafts accepted, target forwards while decoding
+    /// speculatively, and tokens those requests generated.
+    pub spec_drafted_tokens: AtomicUsize,
+    pub spec_accepted_tokens: AtomicUsize,
+    pub spec_target_steps: AtomicUsize,
+    pub spec_generated_tokens: AtomicUsize,
 }
 
 /// The server's handle on the engine thread.
@@ -143,6 +177,8 @@ pub struct Engine {
     pub stats: Arc<EngineStats>,
     /// Bytes of memory held once the model is loaded (weights and runtime).
     pub baseline_memory: usize,
+    /// Whether a draft model is loaded (requests may ask for `draft` speculation).
+    pub has_draft: bool,
 }
 
 /// Why a job was not accepted.
@@ -159,25 +195,28 @@ impl Engine {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let thread_stats = stats.clone();
+        let has_draft = config.draft_model.is_some();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
                 let loaded = (|| -> Result<_> {
                     let device = select_device(config.device)?;
                     let loaded = load_model(config.model.as_deref())?;
-                    Ok((device, loaded))
+                    let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
+                    Ok((device, loaded, draft))
                 })();
                 match loaded {
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                     }
-                    Ok((device, loaded)) => {
+                    Ok((device, loaded, draft)) => {
                         let tokenizer = Arc::new(loaded.tokenizer);
                         let baseline = memory::active();
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
                         let worker = Worker {
                             plugins: config.plugins.clone(),
                             model: loaded.model,
+                            draft: draft.map(|d| d.model),
                             tokenizer,
                             info: loaded.info,
                             cache: PromptCache::new(config.prompt_cache_bytes),
@@ -191,7 +230,7 @@ impl Engine {
             .context("spawning the engine thread")?;
         let (tokenizer, info, device, baseline_memory) =
             ready_rx.recv().context("the engine thread exited while loading the model")??;
-        Ok(Engine { jobs: Mutex::new(jobs), tokenizer, info, device, stats, baseline_memory })
+        Ok(Engine { jobs: Mutex::new(jobs), tokenizer, info, device, stats, baseline_memory, has_draft })
     }
 
     /// Queues a job; its events arrive on the returned receiver. Dropping the receiver
@@ -216,6 +255,7 @@ impl Engine {
 struct Worker {
     plugins: Option<Arc<PluginRegistry>>,
     model: Box<dyn CausalLm>,
+    draft: Option<Box<dyn CausalLm>>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
     cache: PromptCache,
@@ -267,14 +307,18 @@ impl Worker {
         let (external, mut stop_rules) = self.start_plugins(&request.plugins, prompt, seed)?;
         let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
         let mut held = String::new();
-        let mut generation = Generation::start_with(
-            self.model.as_ref(),
-            cache,
-            &prompt[reused..],
-            sampler,
-            options,
-            Hooks { external, speculation: None },
-        )?;
+        let speculation = match request.speculative.method {
+            SpecMethod::Off => None,
+            _ => Some(Speculation::new(
+                request.speculative.clone(),
+                prompt,
+                self.draft.as_deref(),
+                self.prefill_step_size,
+            )?),
+        };
+        let hooks = Hooks { external, speculation };
+        let mut generation =
+            Generation::start_with(self.model.as_ref(), cache, &prompt[reused..], sampler, options, hooks)?;
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
         if job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused }).is_err() {
@@ -354,13 +398,38 @@ impl Worker {
         for (rule, _, _) in stop_rules.iter_mut() {
             rule.end();
         }
-        let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: generated.len(), cached_tokens: reused };
+        let stats = generation.stats();
+        let speculative = (request.speculative.method != SpecMethod::Off).then(|| SpecUsage {
+            method: request.speculative.method,
+            drafted_tokens: stats.drafted_tokens,
+            accepted_tokens: stats.accepted_tokens,
+            target_steps: stats.decode_steps,
+        });
+        if let Some(s) = &speculative {
+            self.stats.spec_drafted_tokens.fetch_add(s.drafted_tokens, Ordering::Relaxed);
+            self.stats.spec_accepted_tokens.fetch_add(s.accepted_tokens, Ordering::Relaxed);
+            self.stats.spec_target_steps.fetch_add(s.target_steps, Ordering::Relaxed);
+            self.stats.spec_generated_tokens.fetch_add(stats.generated_tokens, Ordering::Relaxed);
+        }
+        let usage = Usage {
+            prompt_tokens: prompt.len(),
+            completion_tokens: generated.len(),
+            cached_tokens: reused,
+            speculative,
+        };
         let _ = job.events.send(Event::Done { finish: finish.unwrap_or(Finish::Length), usage });
-        // Keep the KV of everything the cache now holds for the next request.
+        // Keep the KV of everything the cache now holds for the next request. A speculative
+        // step may have committed tokens past the point where the request stopped: trim them.
         let mut cache = generation.into_cache();
         let held = cache.first().map_or(0, models::KvCache::offset);
         let mut sequence = prompt.clone();
         sequence.extend(&generated);
+        if held > sequence.len() {
+            for c in &mut cache {
+                c.trim(held - sequence.len());
+            }
+        }
+        let held = cache.first().map_or(0, models::KvCache::offset);
         if held <= sequence.len() {
             sequence.truncate(held);
             let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();

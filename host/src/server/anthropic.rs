@@ -24,6 +24,8 @@ pub struct MessagesRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub plugins: Option<super::openai::PluginsField>,
+    /// Speculative decoding for this request (extension; see `openai::speculative`).
+    pub speculative: Option<Value>,
 }
 
 /// `count_tokens` takes the same fields except `max_tokens`.
@@ -178,10 +180,14 @@ pub fn stop_reason(f: &Finish) -> (&'static str, Value) {
 }
 
 pub fn usage_json(u: &Usage) -> Value {
-    json!({
+    let mut v = json!({
         "input_tokens": u.prompt_tokens - u.cached_tokens,
         "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
         "output_tokens": u.completion_tokens,
-    })
+    });
+    if let Some(s) = &u.speculative {
+        v["speculative"] = super::openai::speculative_json(s, u.completion_tokens);
+    }
+    v
 }

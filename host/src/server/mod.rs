@@ -55,11 +55,13 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         plugins,
         default_plugins: config.default_plugins.clone(),
+        speculative: config.spec().unwrap_or_default(),
     })
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let config = ServeConfig::resolve(&args)?;
+    config.spec()?;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("HOST_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
@@ -92,6 +94,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prompt_cache_bytes: config.prompt_cache_bytes as usize,
         prefill_step_size: 2048,
         plugins: Some(registry.clone()),
+        draft_model: config.draft_model.clone(),
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let runtime =

@@ -3,8 +3,8 @@
 //! known fields are type- and range-checked with messages that name them.
 
 use super::error::ApiError;
-use crate::engine::worker::{Finish, TokenLogprob, Usage};
-use crate::engine::SamplingParams;
+use crate::engine::worker::{Finish, SpecUsage, TokenLogprob, Usage};
+use crate::engine::{SamplingParams, SpecConfig, SpecMethod, Verify};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -158,6 +158,8 @@ pub struct ChatRequest {
     pub response_format: Option<Value>,
     pub modalities: Option<Vec<String>>,
     pub plugins: Option<PluginsField>,
+    /// Speculative decoding for this request (extension; see `speculative`).
+    pub speculative: Option<Value>,
 }
 
 impl ChatRequest {
@@ -211,6 +213,7 @@ pub struct CompletionRequest {
     pub echo: bool,
     pub n: Option<i64>,
     pub plugins: Option<PluginsField>,
+    pub speculative: Option<Value>,
 }
 
 /// Checks `n`, which this server supports only as 1.
@@ -354,12 +357,84 @@ pub fn completion_logprobs(entries: &[TokenLogprob], text_start: usize) -> Value
 }
 
 pub fn usage_json(u: &Usage) -> Value {
-    json!({
+    let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    });
+    if let Some(s) = &u.speculative {
+        v["speculative"] = speculative_json(s, u.completion_tokens);
+    }
+    v
+}
+
+/// The `speculative` object in `usage` (both APIs).
+pub fn speculative_json(s: &SpecUsage, completion_tokens: usize) -> Value {
+    let per_step = if s.target_steps == 0 { 0.0 } else { completion_tokens as f64 / s.target_steps as f64 };
+    json!({
+        "method": s.method.as_str(),
+        "drafted_tokens": s.drafted_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "acceptance_rate": (s.acceptance_rate() * 1000.0).round() / 1000.0,
+        "target_steps": s.target_steps,
+        "tokens_per_step": (per_step * 1000.0).round() / 1000.0,
     })
+}
+
+/// The `speculative` extension field (both APIs), over the server's defaults: `"off"`,
+/// `"prompt-lookup"`, `"draft"`, or `{"method": ..., "num_draft_tokens": 1-64, "verify":
+/// "exact"|"lossless", "ngram_max": n, "ngram_min": n}` (absent keys keep the defaults).
+pub fn speculative(field: Option<Value>, defaults: &SpecConfig, has_draft: bool) -> Result<SpecConfig, String> {
+    let mut config = defaults.clone();
+    let method = |v: &Value| -> Result<SpecMethod, String> {
+        match v.as_str() {
+            Some("off") => Ok(SpecMethod::Off),
+            Some("prompt-lookup" | "prompt_lookup") => Ok(SpecMethod::PromptLookup),
+            Some("draft") => Ok(SpecMethod::Draft),
+            _ => Err(format!("`speculative` method must be \"off\", \"prompt-lookup\" or \"draft\", got {v}")),
+        }
+    };
+    let count = |key: &str, v: &Value| -> Result<usize, String> {
+        v.as_u64().map(|n| n as usize).ok_or_else(|| format!("`speculative.{key}` must be a positive integer, got {v}"))
+    };
+    match field {
+        None | Some(Value::Null) => return Ok(config),
+        Some(v @ Value::String(_)) => config.method = method(&v)?,
+        Some(Value::Object(o)) => {
+            for (key, v) in &o {
+                match key.as_str() {
+                    "method" => config.method = method(v)?,
+                    "num_draft_tokens" => config.num_draft_tokens = count(key, v)?,
+                    "ngram_max" => config.ngram_max = count(key, v)?,
+                    "ngram_min" => config.ngram_min = count(key, v)?,
+                    "verify" => {
+                        config.verify = match v.as_str() {
+                            Some("exact") => Verify::Exact,
+                            Some("lossless") => Verify::Lossless,
+                            _ => return Err(format!("`speculative.verify` must be \"exact\" or \"lossless\", got {v}")),
+                        }
+                    }
+                    other => {
+                        return Err(format!(
+                            "unknown key `speculative.{other}`; known: method, num_draft_tokens, verify, ngram_max, ngram_min"
+                        ))
+                    }
+                }
+            }
+            if !o.contains_key("method") && config.method == SpecMethod::Off {
+                config.method = if has_draft { SpecMethod::Draft } else { SpecMethod::PromptLookup };
+            }
+        }
+        Some(other) => {
+            return Err(format!("`speculative` must be a method name or an object, got {other}"));
+        }
+    }
+    if config.method == SpecMethod::Draft && !has_draft {
+        return Err("speculative method \"draft\" needs a draft model, and this server has none (start it with --draft-model PATH); use \"prompt-lookup\"".into());
+    }
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
 }
 
 pub fn finish_reason(f: &Finish) -> &'static str {

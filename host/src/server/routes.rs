@@ -8,6 +8,7 @@ use super::error::{parse_body, ApiError, Flavor};
 use super::metrics::Metrics;
 use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
 use crate::engine::worker::{Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
+use crate::engine::SpecConfig;
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::{PluginRegistry, Selection};
 use axum::body::Bytes;
@@ -40,6 +41,8 @@ pub struct AppState {
     pub plugins: Option<Arc<PluginRegistry>>,
     /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
     pub default_plugins: Option<openai::PluginsField>,
+    /// Speculative decoding for requests that do not choose.
+    pub speculative: SpecConfig,
 }
 
 type Shared = Arc<AppState>;
@@ -188,6 +191,12 @@ impl AppState {
             sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
         })
+    }
+
+    /// Resolves the `speculative` extension field over the server's defaults.
+    fn speculative(&self, field: Option<Value>, flavor: Flavor) -> Result<SpecConfig, ApiError> {
+        openai::speculative(field, &self.speculative, self.engine.has_draft)
+            .map_err(|m| ApiError::invalid("speculative", m).flavor(flavor))
     }
 
     /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
@@ -400,7 +409,9 @@ async fn chat_completions(
     let max_tokens = state.admit(prompt.len(), max)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs, plugins };
+    let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
+    let stop = openai::stops(req.stop)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
     if !req.stream {
@@ -485,7 +496,9 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     let max_tokens = state.admit(prompt.len(), Some(max))?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop: openai::stops(req.stop)?, top_logprobs, plugins };
+    let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
+    let stop = openai::stops(req.stop)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
     let echo = if req.echo { prompt_text } else { String::new() };
@@ -552,7 +565,9 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let stop = openai::stops(req.stop_sequences.map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
     state.check_sampling(&sampling, a)?;
     let plugins = state.plugins(req.plugins, a)?;
-    let rx = state.submit(JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins }, a)?;
+    let speculative = state.speculative(req.speculative, a)?;
+    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins, speculative };
+    let rx = state.submit(job, a)?;
     let (id, model) = (request_id("msg_"), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, a).await?;
@@ -646,6 +661,7 @@ mod tests {
                     prompt_cache_bytes: 1 << 20,
                     prefill_step_size: 64,
                     plugins: None,
+                    draft_model: None,
                 };
                 Arc::new(Engine::start(config).unwrap())
             })
@@ -718,5 +734,43 @@ mod tests {
         assert_eq!(status, 200);
         // ChatML: "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" in byte tokens.
         assert_eq!(v["input_tokens"], 1 + 5 + 5 + 1 + 1 + 1 + 10);
+    }
+
+    #[tokio::test]
+    async fn the_speculative_field_is_validated_and_reported_in_usage() {
+        let chat = |spec: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "abcabcabcabc"}}], "max_tokens": 12, "temperature": 0, "speculative": {spec}}}"#
+            )
+        };
+        let (status, v) = check(router(None), "POST", "/v1/chat/completions", &chat("\"prompt-lookup\""), &[]).await;
+        assert_eq!(status, 200, "{v}");
+        let spec = &v["usage"]["speculative"];
+        assert_eq!(spec["method"], "prompt-lookup", "{v}");
+        assert!(spec["target_steps"].as_u64().unwrap() >= 1, "{v}");
+        let (_, plain) = check(router(None), "POST", "/v1/chat/completions", &chat("\"off\""), &[]).await;
+        assert_eq!(plain["choices"][0]["message"]["content"], v["choices"][0]["message"]["content"]);
+        assert!(plain["usage"].get("speculative").is_none(), "{plain}");
+        let bad = [
+            ("\"draft\"", "needs a draft model"),
+            ("\"fast\"", r#"must be "off", "prompt-lookup" or "draft""#),
+            (r#"{"num_draft_tokens": 0}"#, "between 1 and 64"),
+            (r#"{"num_draft_tokens": "many"}"#, "positive integer"),
+            (r#"{"verify": "maybe"}"#, r#""exact" or "lossless""#),
+            (r#"{"ngram_min": 5, "ngram_max": 2}"#, "n-gram sizes"),
+            (r#"{"k": 4}"#, "unknown key `speculative.k`"),
+            ("[1]", "method name or an object"),
+        ];
+        for (field, want) in bad {
+            let (status, v) = check(router(None), "POST", "/v1/chat/completions", &chat(field), &[]).await;
+            assert_eq!(status, 400, "{field}: {v}");
+            let message = v["error"]["message"].as_str().unwrap();
+            assert!(message.contains(want), "{field}: {message}");
+            assert_eq!(v["error"]["param"], "speculative");
+        }
+        let body = r#"{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "xyxyxyxy"}], "speculative": {"method": "prompt-lookup", "num_draft_tokens": 3}}"#;
+        let (status, v) = check(router(None), "POST", "/v1/messages", body, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["speculative"]["method"], "prompt-lookup", "{v}");
     }
 }

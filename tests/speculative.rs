@@ -1,0 +1,121 @@
+//! Speculative decoding through `host generate`, on real model folders: the output is token
+//! for token the plain output (greedy and seeded sampling) with both drafters, on SmolLM2
+//! with its layer-truncated draft (`../shared/models/make-layer-draft.py`) and on the tiny
+//! random models; a draft with another vocabulary is refused with a clear error.
+//!
+//! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn models() -> Option<PathBuf> {
+    match std::env::var_os("HOST_TEST_MODELS") {
+        Some(m) => Some(PathBuf::from(m)),
+        None if std::env::var_os("CI").is_some() => panic!("HOST_TEST_MODELS missing under CI"),
+        None => {
+            eprintln!("skipped: fixtures not set up (eval \"$(scripts/test-fixtures.sh)\")");
+            None
+        }
+    }
+}
+
+/// The "edit this file" prompt of `bench/speculative.py`: prompt lookup has a lot to draft.
+const EDIT: &str = include_str!("../bench/edit_prompt.txt");
+const CHAT: &str = "Write a short story about a lighthouse keeper.";
+
+fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["generate", "--json", "--device", "cpu", "--max-tokens", &max_tokens.to_string(), "--prompt", prompt])
+        .arg("--model")
+        .arg(model)
+        .args(extra)
+        .output()
+        .expect("running host generate")
+}
+
+fn generate(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
+    let out = run(model, prompt, max_tokens, extra);
+    assert!(out.status.success(), "host generate {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Plain and speculative runs of the same request give the same ids; returns the
+/// speculative runs' (drafted, accepted) totals.
+fn check_identical(
+    model: &Path,
+    draft: &Path,
+    prompts: &[&str],
+    max_tokens: usize,
+    sampling: &[&str],
+) -> Vec<(u64, u64)> {
+    let draft = draft.to_str().unwrap();
+    let mut totals = vec![(0, 0); 2];
+    for prompt in prompts {
+        let plain = generate(model, prompt, max_tokens, sampling);
+        let spec_args: [&[&str]; 2] = [&["--speculative", "prompt-lookup"], &["--draft-model", draft]];
+        for (i, spec) in spec_args.iter().enumerate() {
+            let args: Vec<&str> = sampling.iter().chain(spec.iter()).copied().collect();
+            let v = generate(model, prompt, max_tokens, &args);
+            assert_eq!(v["token_ids"], plain["token_ids"], "{}: {args:?} on {prompt:?}", model.display());
+            assert_eq!(v["text"], plain["text"]);
+            totals[i].0 += v["drafted_tokens"].as_u64().unwrap();
+            totals[i].1 += v["accepted_tokens"].as_u64().unwrap();
+        }
+    }
+    totals
+}
+
+#[test]
+fn smollm2_speculative_greedy_output_is_the_plain_output() {
+    let Some(m) = models() else { return };
+    let totals = check_identical(&m.join("smollm2-f32"), &m.join("smollm2-draft8"), &[EDIT, CHAT], 64, &[]);
+    for (method, (drafted, accepted)) in ["prompt-lookup", "draft"].iter().zip(totals) {
+        assert!(drafted > 0, "{method}: nothing drafted");
+        eprintln!("{method}: {accepted}/{drafted} accepted");
+    }
+    assert!(totals_accepted(&m), "prompt lookup accepts drafts on the edit workload");
+}
+
+fn totals_accepted(m: &Path) -> bool {
+    let v = generate(&m.join("smollm2-f32"), EDIT, 64, &["--speculative", "prompt-lookup"]);
+    v["accepted_tokens"].as_u64().unwrap() > 0 && v["tokens_per_step"].as_f64().unwrap() > 1.0
+}
+
+#[test]
+fn smollm2_speculative_seeded_sampling_is_the_plain_output() {
+    let Some(m) = models() else { return };
+    let sampling = ["--temp", "0.8", "--top-p", "0.95", "--seed", "11"];
+    check_identical(&m.join("smollm2-f32"), &m.join("smollm2-draft8"), &[EDIT], 48, &sampling);
+}
+
+#[test]
+fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
+    let Some(m) = models() else { return };
+    // Each target drafted by a different tiny model of the same tokenizer.
+    for (target, draft) in [
+        ("tiny-llama", "tiny-qwen2"),
+        ("tiny-qwen2", "tiny-llama3"),
+        ("tiny-qwen3", "tiny-llama"),
+        ("tiny-qwen3-q4", "tiny-qwen3"),
+    ] {
+        let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
+        assert!(totals[1].0 > 0, "{target}: the draft model drafted nothing");
+    }
+}
+
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused() {
+    let Some(m) = models() else { return };
+    let dir = std::env::temp_dir().join(format!("host-spec-byte-draft-{}", std::process::id()));
+    models::testing::write_model(&dir, "llama", 1).unwrap();
+    let out = run(&m.join("smollm2-f32"), "hi", 4, &["--draft-model", dir.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("vocabulary of 258 tokens but the model") && err.contains("49152"), "{err}");
+    assert!(err.contains("same tokenizer"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+    // --speculative draft without a draft model is a usage error.
+    let out = run(&m.join("tiny-llama"), "hi", 4, &["--speculative", "draft"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --draft-model"));
+}
