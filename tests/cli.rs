@@ -110,3 +110,34 @@ fn a_corrupt_config_names_the_file() {
     assert!(err.contains("config.json") && err.contains("not valid JSON"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn bench_prints_one_json_row_per_prompt_length() {
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--device", "cpu", "--json", "--prompt-lengths", "8,24", "--gen", "6", "--runs", "2"])
+        .args(["--bandwidth", "10", "--model"])
+        .arg(model_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    for (row, len) in rows.iter().zip([8, 24]) {
+        assert_eq!(row["prompt_tokens"], len);
+        assert_eq!(row["gen_tokens"], 6);
+        for key in ["prefill_tps", "ttft_ms", "decode_tps", "peak_memory_bytes", "warmup_s"] {
+            assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
+        }
+        let per_token = row["weight_bytes_per_token"].as_f64().unwrap();
+        assert!((row["floor_tps"].as_f64().unwrap() - 10e9 / per_token).abs() < 1e-6 * 10e9 / per_token);
+        let pct = 100.0 * row["decode_tps"].as_f64().unwrap() / row["floor_tps"].as_f64().unwrap();
+        assert!((row["pct_of_floor"].as_f64().unwrap() - pct).abs() < 1e-9);
+    }
+    let err = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--gen", "1", "--model"])
+        .arg(model_dir())
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&err.stderr).contains("--gen must be at least 2"));
+}

@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod config;
 pub mod default_model;
 pub mod engine;

@@ -15,6 +15,8 @@ struct Cli {
 enum Command {
     /// Generate a completion for one prompt, streaming it to stdout.
     Generate(host::generate::Args),
+    /// Measure prefill, decode, time to first token and memory on one model.
+    Bench(host::bench::Args),
     /// Serve the OpenAI and Anthropic APIs over HTTP.
     Serve(host::config::ServeArgs),
     /// Validate or list Wasm plugins.
@@ -26,6 +28,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => host::generate::run(args),
+        Command::Bench(args) => host::bench::run(args),
         Command::Serve(args) => host::server::run(args),
         Command::Plugins(command) => host::plugins::run_command(command),
     };

@@ -20,8 +20,11 @@ pub struct ModelInfo {
     /// Token ids that end generation (config, generation_config and tokenizer EOS).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
-    /// Bytes of all weights as held in memory (what one decode step reads).
+    /// Bytes of all weights as held in memory.
     pub weight_bytes: usize,
+    /// Bytes one decode step reads: all weights, except that an untied embedding table
+    /// counts one row (a tied one is read whole as the output head).
+    pub weight_bytes_per_token: usize,
     pub n_layers: usize,
     pub vocab_size: usize,
     /// Context length from the config, if it says.
@@ -228,12 +231,21 @@ fn build(
     // it is quantized, its scales').
     let act = weights.get("model.embed_tokens.scales").or_else(|_| weights.get("model.embed_tokens.weight"))?.dtype();
     let (layers, kv_heads, head_dim) = arch.kv_dims();
+    let embedding: usize = weights
+        .names()
+        .filter(|n| n.starts_with("model.embed_tokens."))
+        .map(|n| weights.get(n).map(|a| a.nbytes()))
+        .sum::<Result<usize>>()?;
+    let untied = weights.get("lm_head.weight").is_ok() || weights.get("lm_head.scales").is_ok();
+    let per_token =
+        if untied { weights.nbytes() - embedding + embedding / model.vocab_size().max(1) } else { weights.nbytes() };
     let info = ModelInfo {
         model_type: arch.name().to_string(),
         source: source.to_path_buf(),
         eos_token_ids: eos,
         bos_token_id: config.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
         weight_bytes: weights.nbytes(),
+        weight_bytes_per_token: per_token,
         n_layers: model.make_cache().len(),
         vocab_size: model.vocab_size(),
         max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
