@@ -7,8 +7,10 @@
 Two workloads: "edit" (bench/edit_prompt.txt: a source file and a request to rewrite it
 with a small change — the text the model writes is mostly in the prompt) and "chat" (a
 free-form story: little to look up). For each, `host generate --json` runs plain, with
-`--speculative prompt-lookup` and (with --draft-model) `--draft-model`; mlx-lm runs plain
-and with its own draft-model speculation. All greedy, chat template, median of --runs.
+`--speculative prompt-lookup` and (with --draft-model) `--draft-model` (each `host bench
+--prompt-file`: one process, a warm-up generation, then --runs timed ones); mlx-lm runs plain
+and with its own draft-model speculation, also warmed up in-process. All greedy, chat
+template; decode tok/s = (tokens - 1) / (first-to-last token time), median of --runs.
 Prints a markdown table: generation tok/s, the ratio to host plain and to mlx-lm plain,
 acceptance, tokens per target step, and whether the ids equal the plain run's.
 """
@@ -18,11 +20,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 MLX_LM = r"""
-import json, sys
+import json, sys, time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
@@ -34,25 +37,26 @@ ids = tok.apply_chat_template([{"role": "user", "content": a["prompt"]}], add_ge
 if isinstance(ids, dict): ids = ids["input_ids"]
 kw = {"draft_model": draft, "num_draft_tokens": a["k"]} if draft is not None else {}
 for _ in range(a["runs"]):
-    toks, last, drafted = [], None, 0
+    toks, ts, drafted = [], [], 0
     for r in stream_generate(model, tok, list(ids), max_tokens=a["max_tokens"], sampler=make_sampler(temp=0.0), **kw):
-        toks.append(r.token); last = r; drafted += int(getattr(r, "from_draft", False))
-    print(json.dumps({"token_ids": toks, "generation_tps": last.generation_tps, "accepted_tokens": drafted}), flush=True)
+        toks.append(r.token); ts.append(time.perf_counter()); drafted += int(getattr(r, "from_draft", False))
+    tps = (len(ts) - 1) / (ts[-1] - ts[0])
+    print(json.dumps({"token_ids": toks, "decode_tps": tps, "accepted_tokens": drafted}), flush=True)
 """
 
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def run_host(a, prompt, extra):
-    cmd = [a.host, "generate", "--json", "--device", a.device, "--model", a.model,
-           "--prompt", "-", "--max-tokens", str(a.max_tokens), *extra]
-    outs = []
-    for _ in range(a.runs + 1):  # the first run warms up (GPU kernel compilation)
-        p = subprocess.run(cmd, input=prompt, capture_output=True, text=True)
-        if p.returncode != 0:
-            sys.exit(f"host {extra} failed:\n{p.stderr}")
-        outs.append(json.loads(p.stdout))
-    return outs[1:]
+def run_host(a, prompt_file, extra):
+    # `host bench` warms up in-process (GPU kernels compile on first use) and then times
+    # --runs generations, as the mlx-lm side does.
+    cmd = [a.host, "bench", "--json", "--device", a.device, "--model", a.model, "--prompt-file", prompt_file,
+           "--gen", str(a.max_tokens), "--runs", str(a.runs), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"host {extra} failed:\n{p.stderr}")
+    row = json.loads(p.stdout)
+    return [dict(row, same_runs=row["runs_identical"])]
 
 
 def run_mlx_lm(a, prompt, draft):
@@ -76,33 +80,36 @@ def main():
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="host: the most drafted per step")
     ap.add_argument("--mlx-draft-tokens", type=int, default=3, help="mlx-lm: drafted per step (fixed)")
     a = ap.parse_args()
-    workloads = {"edit": open(os.path.join(HERE, "edit_prompt.txt")).read(), "chat": CHAT}
+    chat_file = os.path.join(tempfile.mkdtemp(), "chat.txt")
+    open(chat_file, "w").write(CHAT)
+    workloads = {"edit": os.path.join(HERE, "edit_prompt.txt"), "chat": chat_file}
     k = ["--num-draft-tokens", str(a.num_draft_tokens)]
     print(f"model: {a.model}; draft: {a.draft_model or '-'}; device: {a.device}; greedy; "
           f"max {a.max_tokens} tokens; median of {a.runs} runs after a warm-up\n")
     print("| workload | engine | tokens | generation tok/s | vs host plain | vs mlx-lm plain | acceptance | tokens/step | same ids |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, prompt in workloads.items():
-        rows = [("host plain", run_host(a, prompt, []))]
-        rows.append(("host prompt-lookup", run_host(a, prompt, ["--speculative", "prompt-lookup", *k])))
+    for name, prompt_file in workloads.items():
+        prompt = open(prompt_file).read()
+        rows = [("host plain", run_host(a, prompt_file, []))]
+        rows.append(("host prompt-lookup", run_host(a, prompt_file, ["--speculative", "prompt-lookup", *k])))
         if a.draft_model:
-            rows.append(("host draft", run_host(a, prompt, ["--draft-model", a.draft_model, *k])))
+            rows.append(("host draft", run_host(a, prompt_file, ["--draft-model", a.draft_model, *k])))
         rows.append(("mlx-lm plain", run_mlx_lm(a, prompt, None)))
         if a.draft_model:
             rows.append((f"mlx-lm draft (k={a.mlx_draft_tokens})", run_mlx_lm(a, prompt, a.draft_model)))
-        tps = {label: statistics.median(r["generation_tps"] for r in runs) for label, runs in rows}
+        tps = {label: statistics.median(r["decode_tps"] for r in runs) for label, runs in rows}
         plain_ids = rows[0][1][0]["token_ids"]
         for label, runs in rows:
             r = runs[0]
             n = len(r["token_ids"])
             if "drafted_tokens" in r:
-                acc = f"{r['acceptance_rate']:.0%}" if r["drafted_tokens"] else "-"
+                acc = f"{r['accepted_tokens'] / r['drafted_tokens']:.0%}" if r["drafted_tokens"] else "-"
                 per_step = f"{r['tokens_per_step']:.2f}"
             elif "draft" in label:
                 acc, per_step = f"{r['accepted_tokens']}/{n} tokens drafted", "-"
             else:
                 acc, per_step = "-", "1.00"
-            same = "yes" if all(x["token_ids"] == plain_ids for x in runs) else "NO"
+            same = "yes" if all(x["token_ids"] == plain_ids and x.get("same_runs", True) for x in runs) else "NO"
             print(f"| {name} | {label} | {n} | {tps[label]:.1f} | {tps[label] / tps['host plain']:.2f}x | "
                   f"{tps[label] / tps['mlx-lm plain']:.2f}x | {acc} | {per_step} | {same} |")
 

@@ -3,9 +3,9 @@
 //! peak memory, and decode speed against a memory-bandwidth floor (weight bytes read per
 //! token / bandwidth). Prompts are seeded random token ids; end of sequence is ignored.
 
-use crate::engine::{DecodeOptions, Generation, Sampler, SamplingParams};
-use crate::generate::{load_model, select_device, DeviceChoice};
-use anyhow::{bail, Result};
+use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
+use crate::generate::{load_draft, load_model, prompt_tokens, select_device, DeviceChoice};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -33,6 +33,12 @@ pub struct Args {
     pub json: bool,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    /// Measure this text (through the chat template) instead of random prompts; generation
+    /// then stops at end of sequence, and the row carries the generated ids.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub spec: crate::config::SpecArgs,
 }
 
 /// One prompt length's results.
@@ -53,6 +59,31 @@ pub struct Row {
     /// `bandwidth / weight_bytes_per_token`, when a bandwidth was given.
     pub floor_tps: Option<f64>,
     pub pct_of_floor: Option<f64>,
+    /// Speculative decoding (off, prompt-lookup, draft) and how it went in the first run.
+    pub speculative: &'static str,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    pub tokens_per_step: f64,
+    /// With --prompt-file: the first run's ids, and whether every run generated the same.
+    pub token_ids: Option<Vec<u32>>,
+    pub runs_identical: bool,
+}
+
+/// What one run gives back.
+struct Run {
+    ttft: f64,
+    /// Seconds from the first token to the last.
+    rest: f64,
+    peak: usize,
+    ids: Vec<u32>,
+    stats: crate::engine::DecodeStats,
+}
+
+struct Setup<'a> {
+    model: &'a dyn models::CausalLm,
+    draft: Option<&'a dyn models::CausalLm>,
+    spec: &'a SpecConfig,
+    eos: Vec<u32>,
 }
 
 /// Seeded pseudo-random token ids in `[0, vocab)`.
@@ -66,19 +97,33 @@ fn prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// (time to first token, decode seconds for the remaining tokens, peak memory).
-fn run_once(model: &dyn models::CausalLm, ids: &[u32], gen: usize) -> Result<(f64, f64, usize)> {
+/// One greedy generation of at most `gen` tokens.
+fn run_once(setup: &Setup<'_>, ids: &[u32], gen: usize) -> Result<Run> {
     let started = Instant::now();
+    let model = setup.model;
     let sampler = Sampler::new(SamplingParams::default(), model.vocab_size())?;
-    let options = DecodeOptions { max_tokens: gen, eos_token_ids: Vec::new(), ..Default::default() };
-    let mut g = Generation::start(model, ids, sampler, options)?;
-    let mut first = None;
-    while let Some(_t) = g.next_token()? {
+    let options = DecodeOptions { max_tokens: gen, eos_token_ids: setup.eos.clone(), ..Default::default() };
+    let speculation = match setup.spec.method {
+        SpecMethod::Off => None,
+        _ => Some(Speculation::new(setup.spec.clone(), ids, setup.draft, options.prefill_step_size)?),
+    };
+    let hooks = Hooks { external: None, speculation };
+    let mut g = Generation::start_with(model, model.make_cache(), ids, sampler, options, hooks)?;
+    let (mut first, mut out) = (None, Vec::new());
+    while let Some(t) = g.next_token()? {
         first.get_or_insert_with(Instant::now);
+        out.push(t.id);
     }
     let end = Instant::now();
     let first = first.unwrap_or(end);
-    Ok(((first - started).as_secs_f64(), (end - first).as_secs_f64(), g.stats().peak_memory_bytes))
+    let stats = g.stats();
+    Ok(Run {
+        ttft: (first - started).as_secs_f64(),
+        rest: (end - first).as_secs_f64(),
+        peak: stats.peak_memory_bytes,
+        ids: out,
+        stats,
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -91,28 +136,47 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--gen must be at least 2, --runs at least 1 and every prompt length at least 1");
     }
     let device = select_device(args.device)?;
+    let spec = args.spec.config()?;
     let loaded = load_model(args.model.as_deref())?;
+    let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let model = loaded.model.as_ref();
     let vocab = loaded.info.vocab_size;
+    let text = match &args.prompt_file {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
+        None => None,
+    };
+    let setup = Setup {
+        model,
+        draft: draft.as_ref().map(|d| d.model.as_ref()),
+        spec: &spec,
+        eos: if text.is_some() { loaded.info.eos_token_ids.clone() } else { Vec::new() },
+    };
+    let prompts: Vec<Vec<u32>> = match &text {
+        Some(t) => vec![prompt_tokens(&loaded, t, None, false)?],
+        None => args.prompt_lengths.iter().enumerate().map(|(i, &len)| prompt(len, vocab, 1 + i as u64)).collect(),
+    };
     let name = loaded.info.source.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let per_token = loaded.info.weight_bytes_per_token;
     if !args.json {
         eprintln!("host bench: {name} on {device} (mlx {}), {} runs per row", mlx::version(), args.runs);
     }
     let mut rows = Vec::new();
-    for (i, &len) in args.prompt_lengths.iter().enumerate() {
-        let ids = prompt(len, vocab, 1 + i as u64);
-        // Warm-up at this shape: compiles kernels and fills MLX's buffer cache.
+    for ids in &prompts {
+        let len = ids.len();
+        // Warm-up: compiles kernels and fills MLX's buffer cache. A real prompt warms up with
+        // the whole measured generation, so speculation meets every shape it will verify.
         let t = Instant::now();
-        run_once(model, &ids, args.gen.min(16))?;
+        run_once(&setup, ids, if text.is_some() { args.gen } else { args.gen.min(16) })?;
         let warmup_s = t.elapsed().as_secs_f64();
-        let (mut ttft, mut decode, mut peak) = (Vec::new(), Vec::new(), 0);
+        let (mut ttft, mut decode, mut peak, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
         for _ in 0..args.runs {
-            let (first, rest, p) = run_once(model, &ids, args.gen)?;
-            ttft.push(first);
-            decode.push((args.gen - 1) as f64 / rest);
-            peak = peak.max(p);
+            let r = run_once(&setup, ids, args.gen)?;
+            ttft.push(r.ttft);
+            decode.push((r.ids.len().max(2) - 1) as f64 / r.rest);
+            peak = peak.max(r.peak);
+            runs.push(r);
         }
+        let first = &runs[0];
         let ttft = median(ttft);
         let decode_tps = median(decode);
         let floor_tps = (args.bandwidth > 0.0).then(|| args.bandwidth * 1e9 / per_token as f64);
@@ -120,7 +184,7 @@ pub fn run(args: Args) -> Result<()> {
             model: name.clone(),
             device: device.to_string(),
             prompt_tokens: len,
-            gen_tokens: args.gen,
+            gen_tokens: first.ids.len(),
             runs: args.runs,
             prefill_tps: len as f64 / ttft,
             ttft_ms: ttft * 1e3,
@@ -130,6 +194,12 @@ pub fn run(args: Args) -> Result<()> {
             warmup_s,
             floor_tps,
             pct_of_floor: floor_tps.map(|f| 100.0 * decode_tps / f),
+            speculative: spec.method.as_str(),
+            drafted_tokens: first.stats.drafted_tokens,
+            accepted_tokens: first.stats.accepted_tokens,
+            tokens_per_step: first.stats.tokens_per_step(),
+            token_ids: text.as_ref().map(|_| first.ids.clone()),
+            runs_identical: runs.iter().all(|r| r.ids == first.ids),
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
