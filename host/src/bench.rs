@@ -132,7 +132,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.gen < 2 || args.runs == 0 || args.prompt_lengths.iter().any(|&l| l == 0) {
+    if args.gen < 2 || args.runs == 0 || args.prompt_lengths.contains(&0) {
         bail!("--gen must be at least 2, --runs at least 1 and every prompt length at least 1");
     }
     let device = select_device(args.device)?;

@@ -329,7 +329,7 @@ impl<'m> Generation<'m> {
     fn commit(&mut self, id: u32, logprobs: Array) -> bool {
         let now = Instant::now();
         let first = *self.first_token_at.get_or_insert(now);
-        if self.generated % 256 == 0 {
+        if self.generated.is_multiple_of(256) {
             memory::clear_cache();
         }
         self.generated += 1;

@@ -399,7 +399,7 @@ impl Worker {
             rule.end();
         }
         let stats = generation.stats();
-        let speculative = (request.speculative.method != SpecMethod::Off).then(|| SpecUsage {
+        let speculative = (request.speculative.method != SpecMethod::Off).then_some(SpecUsage {
             method: request.speculative.method,
             drafted_tokens: stats.drafted_tokens,
             accepted_tokens: stats.accepted_tokens,
