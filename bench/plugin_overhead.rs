@@ -12,7 +12,7 @@
 
 use anyhow::{Context, Result};
 use host::engine::{DecodeOptions, ExternalSampler, Generation, Sampler, SamplingParams};
-use host::engine::{Frame, Pick};
+use host::engine::{Frame, Hooks, Pick};
 use host::plugins::{PluginRegistry, PluginSampler};
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -86,7 +86,7 @@ fn main() -> Result<()> {
                 &prompt,
                 sampler,
                 options,
-                external,
+                Hooks { external, speculation: None },
             )?;
             g.next_token()?.context("no first token")?;
             let before = in_plugin.get();
