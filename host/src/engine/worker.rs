@@ -170,7 +170,9 @@ pub struct EngineStats {
 
 /// The server's handle on the engine thread.
 pub struct Engine {
-    jobs: Mutex<SyncSender<Job>>,
+    /// `None` once the engine is shutting down.
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     pub tokenizer: Arc<Tokenizer>,
     pub info: ModelInfo,
     pub device: Device,
@@ -196,7 +198,7 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let thread_stats = stats.clone();
         let has_draft = config.draft_model.is_some();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
                 let loaded = (|| -> Result<_> {
@@ -230,7 +232,16 @@ impl Engine {
             .context("spawning the engine thread")?;
         let (tokenizer, info, device, baseline_memory) =
             ready_rx.recv().context("the engine thread exited while loading the model")??;
-        Ok(Engine { jobs: Mutex::new(jobs), tokenizer, info, device, stats, baseline_memory, has_draft })
+        Ok(Engine {
+            jobs: Mutex::new(Some(jobs)),
+            thread: Mutex::new(Some(thread)),
+            tokenizer,
+            info,
+            device,
+            stats,
+            baseline_memory,
+            has_draft,
+        })
     }
 
     /// Queues a job; its events arrive on the returned receiver. Dropping the receiver
@@ -238,6 +249,7 @@ impl Engine {
     pub fn submit(&self, request: JobRequest) -> std::result::Result<UnboundedReceiver<Event>, SubmitError> {
         let (events, rx) = unbounded_channel();
         let jobs = self.jobs.lock().expect("engine queue lock");
+        let Some(jobs) = jobs.as_ref() else { return Err(SubmitError::Stopped) };
         self.stats.queue_depth.fetch_add(1, Ordering::SeqCst);
         match jobs.try_send(Job { request, events }) {
             Ok(()) => Ok(rx),
@@ -248,6 +260,18 @@ impl Engine {
                     TrySendError::Disconnected(_) => SubmitError::Stopped,
                 })
             }
+        }
+    }
+}
+
+/// Stops the engine thread and waits for it: the model's MLX arrays are freed on that thread
+/// before the process goes on to exit (MLX's static state must outlive them; a process that
+/// exits while the thread still frees arrays can abort).
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.jobs.lock().map(|mut j| j.take()).ok();
+        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = thread.join();
         }
     }
 }
