@@ -40,7 +40,7 @@ fn default_true() -> bool {
 }
 
 /// The shapes and options of one decoder stack, resolved from any of the configs that
-/// share Llama's block (Llama, Qwen2).
+/// share Llama's block (Llama, Qwen2, Qwen3).
 #[derive(Debug, Clone)]
 pub(crate) struct Dims {
     pub hidden: usize,
@@ -54,6 +54,8 @@ pub(crate) struct Dims {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub mlp_bias: bool,
+    /// RMSNorm over each head of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
     pub tied: bool,
 }
 
@@ -71,6 +73,7 @@ impl Config {
             qkv_bias: self.attention_bias,
             o_bias: self.attention_bias,
             mlp_bias: self.mlp_bias,
+            qk_norm: false,
             tied: self.tie_word_embeddings,
         }
     }
@@ -81,6 +84,9 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Per-head norms of q and k (Qwen3), applied before RoPE.
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
     n_heads: i32,
     n_kv_heads: i32,
     scale: f32,
@@ -93,6 +99,8 @@ impl Attention {
             k_proj: Linear::load(w, &format!("{p}.k_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
             v_proj: Linear::load(w, &format!("{p}.v_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
             o_proj: Linear::load(w, &format!("{p}.o_proj"), d.n_heads * d.head_dim, d.hidden, d.o_bias)?,
+            q_norm: d.qk_norm.then(|| RmsNorm::load(w, &format!("{p}.q_norm"), d.head_dim, d.eps)).transpose()?,
+            k_norm: d.qk_norm.then(|| RmsNorm::load(w, &format!("{p}.k_norm"), d.head_dim, d.eps)).transpose()?,
             n_heads: d.n_heads as i32,
             n_kv_heads: d.n_kv_heads as i32,
             scale: (d.head_dim as f64).powf(-0.5) as f32,
@@ -101,10 +109,16 @@ impl Attention {
 
     fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut KvCache, rope: &Rope) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
-        let heads = |a: Array, n: i32| -> Result<Array> { Ok(a.reshape(&[b, l, n, -1])?.transpose(&[0, 2, 1, 3])?) };
-        let q = heads(self.q_proj.forward(x)?, self.n_heads)?;
-        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads)?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?;
+        let heads = |a: Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
+            let mut a = a.reshape(&[b, l, n, -1])?;
+            if let Some(norm) = norm {
+                a = norm.forward(&a)?;
+            }
+            Ok(a.transpose(&[0, 2, 1, 3])?)
+        };
+        let q = heads(self.q_proj.forward(x)?, self.n_heads, self.q_norm.as_ref())?;
+        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, self.k_norm.as_ref())?;
+        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, None)?;
         let q = rope.forward(&q, cache.offset())?;
         let k = rope.forward(&k, cache.offset())?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
@@ -113,7 +127,7 @@ impl Attention {
     }
 }
 
-pub(crate) fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
+fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
     match m {
         Mask::None => Mask::None,
         Mask::Causal => Mask::Causal,
@@ -122,7 +136,7 @@ pub(crate) fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
 }
 
 /// mlx-lm's mask choice: none for one new token, "causal" for several.
-pub(crate) fn attention_mask(len: usize) -> Mask<'static> {
+fn attention_mask(len: usize) -> Mask<'static> {
     if len > 1 {
         Mask::Causal
     } else {
@@ -130,21 +144,21 @@ pub(crate) fn attention_mask(len: usize) -> Mask<'static> {
     }
 }
 
-pub(crate) struct Mlp {
+struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
 }
 
 impl Mlp {
-    pub(crate) fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool) -> Result<Self> {
+    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool) -> Result<Self> {
         Ok(Mlp {
             gate_proj: Linear::load(w, &format!("{p}.gate_proj"), hidden, ffn, bias)?,
             up_proj: Linear::load(w, &format!("{p}.up_proj"), hidden, ffn, bias)?,
             down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias)?,
         })
     }
-    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+    fn forward(&self, x: &Array) -> Result<Array> {
         self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
     }
 }

@@ -127,8 +127,8 @@ impl Arch {
     pub fn model(&self, weights: &Weights) -> Result<Box<dyn CausalLm>> {
         Ok(match self {
             Arch::Llama(c) => Box::new(llama::Model::load(c, weights)?),
-            Arch::Qwen2(c) => Box::new(qwen2::Model::load(c, weights)?),
-            Arch::Qwen3(c) => Box::new(qwen3::Model::load(c, weights)?),
+            Arch::Qwen2(c) => Box::new(qwen2::load(c, weights)?),
+            Arch::Qwen3(c) => Box::new(qwen3::load(c, weights)?),
         })
     }
 }

@@ -2,11 +2,9 @@
 //! Differs from Llama only in biased q/k/v projections (o_proj has none) and in its
 //! config defaults (tied embeddings, rope_theta 1e6), so it reuses Llama's block.
 
-use crate::cache::KvCache;
 use crate::layers::Rope;
 use crate::weights::Weights;
-use crate::{llama, CausalLm, Result};
-use mlx::Array;
+use crate::{llama, Result};
 use serde::Deserialize;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -34,38 +32,24 @@ fn default_true() -> bool {
     true
 }
 
-pub struct Model(llama::Model);
-
-impl Model {
-    pub fn load(c: &Config, weights: &Weights) -> Result<Self> {
-        let head_dim = c.hidden_size / c.num_attention_heads;
-        let dims = llama::Dims {
-            hidden: c.hidden_size,
-            layers: c.num_hidden_layers,
-            ffn: c.intermediate_size,
-            n_heads: c.num_attention_heads,
-            n_kv_heads: c.num_key_value_heads,
-            head_dim,
-            vocab: c.vocab_size,
-            eps: c.rms_norm_eps,
-            qkv_bias: true,
-            o_bias: false,
-            mlp_bias: false,
-            tied: c.tie_word_embeddings,
-        };
-        let rope = Rope::new(head_dim, c.rope_theta, c.rope_traditional, c.rope_scaling.as_ref())?;
-        Ok(Model(llama::Model::load_dims(&dims, rope, weights)?))
-    }
-}
-
-impl CausalLm for Model {
-    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        self.0.forward(tokens, cache)
-    }
-    fn make_cache(&self) -> Vec<KvCache> {
-        self.0.make_cache()
-    }
-    fn vocab_size(&self) -> usize {
-        self.0.vocab_size()
-    }
+/// Llama's decoder with Qwen2's biases and defaults.
+pub fn load(c: &Config, weights: &Weights) -> Result<llama::Model> {
+    let head_dim = c.hidden_size / c.num_attention_heads;
+    let dims = llama::Dims {
+        hidden: c.hidden_size,
+        layers: c.num_hidden_layers,
+        ffn: c.intermediate_size,
+        n_heads: c.num_attention_heads,
+        n_kv_heads: c.num_key_value_heads,
+        head_dim,
+        vocab: c.vocab_size,
+        eps: c.rms_norm_eps,
+        qkv_bias: true,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: false,
+        tied: c.tie_word_embeddings,
+    };
+    let rope = Rope::new(head_dim, c.rope_theta, c.rope_traditional, c.rope_scaling.as_ref())?;
+    llama::Model::load_dims(&dims, rope, weights)
 }
