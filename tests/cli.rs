@@ -141,3 +141,35 @@ fn bench_prints_one_json_row_per_prompt_length() {
         .unwrap();
     assert!(String::from_utf8_lossy(&err.stderr).contains("--gen must be at least 2"));
 }
+
+#[test]
+fn bench_measures_a_prompt_file_with_speculation() {
+    let file = std::env::temp_dir().join(format!("host-bench-prompt-{}.txt", std::process::id()));
+    std::fs::write(&file, "abcabcabcabcabcabc").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--speculative", "prompt-lookup"])
+        .arg("--prompt-file")
+        .arg(&file)
+        .arg("--model")
+        .arg(model_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let row: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(row["speculative"], "prompt-lookup");
+    assert!(row["prompt_tokens"].as_u64().unwrap() > 18, "the chat template wraps the file: {row}");
+    let ids = row["token_ids"].as_array().unwrap();
+    assert_eq!(row["gen_tokens"].as_u64().unwrap() as usize, ids.len());
+    assert!(!ids.is_empty() && ids.len() <= 12);
+    assert_eq!(row["runs_identical"], true);
+    // The same ids as `host generate` on the same prompt.
+    let plain = json_of(&generate(&["--prompt", "abcabcabcabcabcabc", "--max-tokens", "12", "--json"]));
+    assert_eq!(plain["token_ids"].as_array().unwrap(), ids);
+    let missing = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--prompt-file", "/nonexistent/prompt.txt", "--model"])
+        .arg(model_dir())
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("reading /nonexistent/prompt.txt"));
+    std::fs::remove_file(file).ok();
+}

@@ -137,14 +137,14 @@ pub fn run(args: Args) -> Result<()> {
     }
     let device = select_device(args.device)?;
     let spec = args.spec.config()?;
-    let loaded = load_model(args.model.as_deref())?;
-    let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
-    let model = loaded.model.as_ref();
-    let vocab = loaded.info.vocab_size;
     let text = match &args.prompt_file {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
     };
+    let loaded = load_model(args.model.as_deref())?;
+    let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
+    let model = loaded.model.as_ref();
+    let vocab = loaded.info.vocab_size;
     let setup = Setup {
         model,
         draft: draft.as_ref().map(|d| d.model.as_ref()),

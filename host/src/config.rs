@@ -283,4 +283,44 @@ mod tests {
         assert!(format!("{err:#}").contains("unknown field `prot`"), "{err:#}");
         std::fs::remove_dir_all(dir).unwrap();
     }
+
+    #[test]
+    fn speculative_settings_resolve_from_file_and_flags_with_clear_errors() {
+        let dir = std::env::temp_dir().join(format!("host-config-spec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("host.toml");
+        std::fs::write(
+            &path,
+            "speculative = \"prompt-lookup\"\nnum_draft_tokens = 5\nspeculative_verify = \"lossless\"\n",
+        )
+        .unwrap();
+        let c = ServeConfig::resolve(&ServeArgs { config: Some(path.clone()), ..Default::default() }).unwrap();
+        let spec = c.spec().unwrap();
+        assert_eq!((spec.method, spec.num_draft_tokens, spec.verify), (SpecMethod::PromptLookup, 5, Verify::Lossless));
+        // A draft model alone turns draft speculation on; a flag overrides the file.
+        let args = ServeArgs {
+            config: Some(path.clone()),
+            spec: SpecArgs {
+                draft_model: Some("d".into()),
+                speculative: Some(SpecMethod::Draft),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().spec().unwrap().method, SpecMethod::Draft);
+        assert_eq!(ServeConfig::default().spec().unwrap().method, SpecMethod::Off);
+        let with_draft = ServeConfig { draft_model: Some("d".into()), ..Default::default() };
+        assert_eq!(with_draft.spec().unwrap().method, SpecMethod::Draft);
+        std::fs::write(&path, "speculative = \"draft\"\n").unwrap();
+        let c = ServeConfig::resolve(&ServeArgs { config: Some(path.clone()), ..Default::default() }).unwrap();
+        assert!(c.spec().unwrap_err().to_string().contains("needs --draft-model"));
+        std::fs::write(&path, "speculative = \"fast\"\n").unwrap();
+        let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
+        assert!(format!("{err:#}").contains("unknown variant `fast`"), "{err:#}");
+        assert!(spec_config(false, Some(SpecMethod::PromptLookup), Some(0), None)
+            .unwrap_err()
+            .to_string()
+            .contains("between 1 and 64"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

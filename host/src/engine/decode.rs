@@ -251,19 +251,7 @@ impl<'m> Generation<'m> {
         }
         let logits = self.sampler.process(&logits, self.history.as_ref())?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let picked = match self.external.as_deref_mut() {
-            None => None,
-            Some(external) => match pick_external(external, &self.sampler, &logits, position) {
-                Ok(token) => Some(token),
-                Err(e) if external.fallback() => {
-                    tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
-                    self.external = None;
-                    None
-                }
-                Err(e) => return Err(e),
-            },
-        };
-        let token = match picked {
+        let token = match self.external_pick(&logits, position)? {
             Some(token) => token,
             None => self.sampler.sample(&logprobs, position)?,
         };
@@ -307,16 +295,8 @@ impl<'m> Generation<'m> {
         if let Some(s) = self.speculation.as_mut() {
             s.adaptive.plain_token();
         }
-        if let Some(external) = self.external.as_deref_mut() {
-            if let Err(e) = external.accept(&[id]) {
-                if !external.fallback() {
-                    return Err(e);
-                }
-                tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
-                self.external = None;
-            }
-        }
-        let finished = self.commit(id, logprobs.clone());
+        self.external_accept(id)?;
+        let finished = self.commit(id, logprobs);
         if finished {
             self.pending = None;
         } else if !queued {
@@ -440,31 +420,12 @@ impl<'m> Generation<'m> {
     ) -> Result<Vec<u32>> {
         let mut emitted = Vec::new();
         for i in 0..=drafts.len() {
-            let id = match self.external.as_deref_mut() {
-                Some(external) => match pick_external(external, &self.sampler, &processed[i], position + i) {
-                    Ok(t) => Some(t.item_i32()? as u32),
-                    Err(e) if external.fallback() => {
-                        tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
-                        self.external = None;
-                        None
-                    }
-                    Err(e) => return Err(e),
-                },
-                None => None,
+            let token = match self.external_pick(&processed[i], position + i)? {
+                Some(token) => token,
+                None => self.sampler.sample(&logprobs[i], position + i)?,
             };
-            let id = match id {
-                Some(id) => id,
-                None => self.sampler.sample(&logprobs[i], position + i)?.item_i32()? as u32,
-            };
-            if let Some(external) = self.external.as_deref_mut() {
-                if let Err(e) = external.accept(&[id]) {
-                    if !external.fallback() {
-                        return Err(e);
-                    }
-                    tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
-                    self.external = None;
-                }
-            }
+            let id = token.item_i32()? as u32;
+            self.external_accept(id)?;
             emitted.push(id);
             if i == drafts.len() || drafts[i] != id {
                 break;
@@ -546,9 +507,45 @@ impl<'m> Generation<'m> {
         self.sampler.seed()
     }
 
-    /// Ends generation and hands back the cache (for prompt caching by a caller).
-    pub fn into_cache(self) -> Vec<KvCache> {
+    /// Ends generation and hands back the cache (for prompt caching by a caller). It holds no
+    /// position of a token the caller was not given: a verification commits several tokens at
+    /// once, and a caller that stops early leaves some of them unread.
+    pub fn into_cache(mut self) -> Vec<KvCache> {
+        let unread = self.ready.len();
+        for c in &mut self.cache {
+            c.trim(unread);
+        }
         self.cache
+    }
+
+    /// The external sampler's pick at `position` from processed logits `[1, V]`; `None` when
+    /// there is no external sampler or it just failed and the request allows a fallback.
+    fn external_pick(&mut self, logits: &Array, position: usize) -> Result<Option<Array>> {
+        let Some(external) = self.external.as_deref_mut() else { return Ok(None) };
+        match pick_external(external, &self.sampler, logits, position) {
+            Ok(token) => Ok(Some(token)),
+            Err(e) => self.external_failed(e).map(|()| None),
+        }
+    }
+
+    /// Tells the external sampler (if any) that `id` was committed.
+    fn external_accept(&mut self, id: u32) -> Result<()> {
+        let Some(external) = self.external.as_deref_mut() else { return Ok(()) };
+        match external.accept(&[id]) {
+            Ok(()) => Ok(()),
+            Err(e) => self.external_failed(e),
+        }
+    }
+
+    /// An external sampler failure fails the generation, unless the request allows falling
+    /// back: then native sampling takes over for the rest of it.
+    fn external_failed(&mut self, e: anyhow::Error) -> Result<()> {
+        if !self.external.as_ref().is_some_and(|x| x.fallback()) {
+            return Err(e);
+        }
+        tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+        self.external = None;
+        Ok(())
     }
 }
 
@@ -960,6 +957,26 @@ mod tests {
             assert_eq!(ids, plain, "{method:?}");
             assert!(stats.drafted_tokens > stats.accepted_tokens, "{method:?}: some drafts were rejected");
         }
+    }
+
+    #[test]
+    fn the_cache_handed_back_holds_only_tokens_the_caller_read() {
+        let model = testing::model("llama", 33).unwrap();
+        let same = testing::model("llama", 33).unwrap();
+        let prompt = [7u32, 8, 9, 10];
+        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+        let speculation = Speculation::new(spec(SpecMethod::Draft, 8), &prompt, Some(same.as_ref()), 5).unwrap();
+        let hooks = Hooks { external: None, speculation: Some(speculation) };
+        let mut g =
+            Generation::start_with(model.as_ref(), model.make_cache(), &prompt, sampler, opts(30), hooks).unwrap();
+        // The identical draft makes each verification commit several tokens; read only 3.
+        for _ in 0..3 {
+            g.next_token().unwrap().unwrap();
+        }
+        assert!(g.stats().generated_tokens > 3, "a verification committed more than was read");
+        let cache = g.into_cache();
+        // Prompt and the first two read tokens; the third is the next input, not yet in it.
+        assert_eq!(cache[0].offset(), prompt.len() + 2);
     }
 
     #[test]

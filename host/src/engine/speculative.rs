@@ -313,15 +313,6 @@ impl AdaptiveK {
     }
 }
 
-/// Counters of one generation's speculation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SpecStats {
-    pub drafted: usize,
-    pub accepted: usize,
-    /// Verification forwards (each scores K+1 positions).
-    pub verify_steps: usize,
-}
-
 /// Speculation state carried by a `Generation`.
 pub struct Speculation<'m> {
     pub drafter: Box<dyn Drafter + 'm>,

@@ -110,16 +110,6 @@ pub struct SpecUsage {
     pub target_steps: usize,
 }
 
-impl SpecUsage {
-    pub fn acceptance_rate(&self) -> f64 {
-        if self.drafted_tokens == 0 {
-            0.0
-        } else {
-            self.accepted_tokens as f64 / self.drafted_tokens as f64
-        }
-    }
-}
-
 /// What a job reports, in order: `Started`, any number of `Delta`s, then `Done` or `Error`.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -442,18 +432,11 @@ impl Worker {
             speculative,
         };
         let _ = job.events.send(Event::Done { finish: finish.unwrap_or(Finish::Length), usage });
-        // Keep the KV of everything the cache now holds for the next request. A speculative
-        // step may have committed tokens past the point where the request stopped: trim them.
+        // Keep the KV of everything the cache now holds for the next request.
         let mut cache = generation.into_cache();
         let held = cache.first().map_or(0, models::KvCache::offset);
         let mut sequence = prompt.clone();
         sequence.extend(&generated);
-        if held > sequence.len() {
-            for c in &mut cache {
-                c.trim(held - sequence.len());
-            }
-        }
-        let held = cache.first().map_or(0, models::KvCache::offset);
         if held <= sequence.len() {
             sequence.truncate(held);
             let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();

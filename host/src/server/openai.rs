@@ -371,14 +371,15 @@ pub fn usage_json(u: &Usage) -> Value {
 
 /// The `speculative` object in `usage` (both APIs).
 pub fn speculative_json(s: &SpecUsage, completion_tokens: usize) -> Value {
-    let per_step = if s.target_steps == 0 { 0.0 } else { completion_tokens as f64 / s.target_steps as f64 };
+    // Rounded to 3 decimals; 0 when nothing was drafted or no step ran.
+    let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { (a as f64 / b as f64 * 1000.0).round() / 1000.0 };
     json!({
         "method": s.method.as_str(),
         "drafted_tokens": s.drafted_tokens,
         "accepted_tokens": s.accepted_tokens,
-        "acceptance_rate": (s.acceptance_rate() * 1000.0).round() / 1000.0,
+        "acceptance_rate": ratio(s.accepted_tokens, s.drafted_tokens),
         "target_steps": s.target_steps,
-        "tokens_per_step": (per_step * 1000.0).round() / 1000.0,
+        "tokens_per_step": ratio(completion_tokens, s.target_steps),
     })
 }
 

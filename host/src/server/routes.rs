@@ -748,6 +748,11 @@ mod tests {
         let spec = &v["usage"]["speculative"];
         assert_eq!(spec["method"], "prompt-lookup", "{v}");
         assert!(spec["target_steps"].as_u64().unwrap() >= 1, "{v}");
+        let (drafted, accepted) = (spec["drafted_tokens"].as_f64().unwrap(), spec["accepted_tokens"].as_f64().unwrap());
+        let rate = if drafted > 0.0 { (accepted / drafted * 1000.0).round() / 1000.0 } else { 0.0 };
+        assert_eq!(spec["acceptance_rate"].as_f64().unwrap(), rate, "{v}");
+        let per_step = v["usage"]["completion_tokens"].as_f64().unwrap() / spec["target_steps"].as_f64().unwrap();
+        assert_eq!(spec["tokens_per_step"].as_f64().unwrap(), (per_step * 1000.0).round() / 1000.0, "{v}");
         let (_, plain) = check(router(None), "POST", "/v1/chat/completions", &chat("\"off\""), &[]).await;
         assert_eq!(plain["choices"][0]["message"]["content"], v["choices"][0]["message"]["content"]);
         assert!(plain["usage"].get("speculative").is_none(), "{plain}");
