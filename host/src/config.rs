@@ -52,6 +52,25 @@ pub struct ServeConfig {
     pub num_draft_tokens: Option<usize>,
     /// exact (token-identical to plain decoding) or lossless (rejection sampling). Default: exact.
     pub speculative_verify: Option<Verify>,
+    /// The tool-call adapter plugin for requests with tools (e.g. "hermes"); "none" turns
+    /// parsing off. Default: chosen from the model's chat template.
+    pub tool_adapter: Option<String>,
+    /// The scheduling-policy plugin ordering the queue: fcfs, priority,
+    /// shortest-prompt-first, latest-wins or a user plugin. Default: fcfs.
+    pub scheduler: String,
+    /// Config for the scheduling policy's `host_init`. Default: none (`{}`).
+    pub scheduler_config: Option<serde_json::Value>,
+    /// Per-model overrides, keyed by model id (the model folder's or file's name), e.g.
+    /// `[models.SmolLM2-135M-Instruct] tool_adapter = "hermes"`.
+    pub models: std::collections::BTreeMap<String, ModelDefaults>,
+}
+
+/// Settings that apply only when the server runs a given model; each replaces the global one.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelDefaults {
+    pub default_plugins: Option<crate::server::openai::PluginsField>,
+    pub tool_adapter: Option<String>,
 }
 
 impl Default for ServeConfig {
@@ -74,6 +93,10 @@ impl Default for ServeConfig {
             speculative: None,
             num_draft_tokens: None,
             speculative_verify: None,
+            tool_adapter: None,
+            scheduler: "fcfs".into(),
+            scheduler_config: None,
+            models: Default::default(),
         }
     }
 }
@@ -152,6 +175,14 @@ pub struct ServeArgs {
     /// Folder of *.wasm plugins (ABI v1, see plugin-sdk/ABI.md).
     #[arg(long)]
     pub plugins: Option<PathBuf>,
+    /// The scheduling-policy plugin (default fcfs; also priority, shortest-prompt-first,
+    /// latest-wins).
+    #[arg(long)]
+    pub scheduler: Option<String>,
+    /// The tool-call adapter for requests with tools (default: chosen from the chat
+    /// template; "none" leaves tool calls in the text).
+    #[arg(long)]
+    pub tool_adapter: Option<String>,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -220,6 +251,12 @@ impl ServeConfig {
         if args.plugins.is_some() {
             config.plugins = args.plugins.clone();
         }
+        if let Some(s) = &args.scheduler {
+            config.scheduler = s.clone();
+        }
+        if args.tool_adapter.is_some() {
+            config.tool_adapter = args.tool_adapter.clone();
+        }
         if args.api_key.is_some() {
             config.api_key = args.api_key.clone();
         }
@@ -242,6 +279,20 @@ impl ServeConfig {
             config.api_key = None;
         }
         Ok(config)
+    }
+
+    /// The settings for model `id`: its `[models.ID]` entries over the global ones.
+    pub fn for_model(&self, id: &str) -> ServeConfig {
+        let mut config = self.clone();
+        if let Some(m) = self.models.get(id) {
+            if m.default_plugins.is_some() {
+                config.default_plugins = m.default_plugins.clone();
+            }
+            if m.tool_adapter.is_some() {
+                config.tool_adapter = m.tool_adapter.clone();
+            }
+        }
+        config
     }
 
     /// The server's default speculative settings.

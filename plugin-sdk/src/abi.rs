@@ -150,3 +150,70 @@ macro_rules! export_stop_rule {
         };
     };
 }
+
+/// Keeps `bytes` alive until the plugin's next call and returns them as a packed slice
+/// (`ptr << 32 | len`; `0` for none).
+pub fn packed(keep: &'static mut Vec<u8>, bytes: Vec<u8>) -> i64 {
+    *keep = bytes;
+    if keep.is_empty() {
+        return 0;
+    }
+    ((keep.as_ptr() as usize as i64) << 32) | keep.len() as i64
+}
+
+/// Exports a [`ToolAdapter`](crate::ToolAdapter) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_tool_adapter {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            $crate::__export_common!($ty, $crate::ToolAdapter, $manifest);
+            static mut OUT: Vec<u8> = Vec::new();
+            fn out() -> &'static mut Vec<u8> {
+                // SAFETY: single-threaded instance; the host copies the result before the next call.
+                unsafe { &mut *core::ptr::addr_of_mut!(OUT) }
+            }
+            fn lines(events: Vec<$crate::ToolEvent>) -> i64 {
+                let mut text = String::new();
+                for e in &events {
+                    text.push_str(&e.to_json());
+                    text.push('\n');
+                }
+                $crate::abi::packed(out(), text.into_bytes())
+            }
+            #[no_mangle]
+            extern "C" fn tool_feed(ptr: i32, len: i32) -> i64 {
+                let mut events = Vec::new();
+                $crate::ToolAdapter::feed(state(), text(ptr, len), &mut events);
+                lines(events)
+            }
+            #[no_mangle]
+            extern "C" fn tool_finish() -> i64 {
+                let mut events = Vec::new();
+                $crate::ToolAdapter::finish(state(), &mut events);
+                lines(events)
+            }
+            #[no_mangle]
+            extern "C" fn tool_render(ptr: i32, len: i32) -> i64 {
+                let rendered = $crate::ToolAdapter::render(state(), text(ptr, len)).unwrap_or_default();
+                $crate::abi::packed(out(), rendered.into_bytes())
+            }
+        };
+    };
+}
+
+/// Exports a [`Scheduler`](crate::Scheduler) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_scheduler {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            $crate::__export_common!($ty, $crate::Scheduler, $manifest);
+            static mut OUT: Vec<u8> = Vec::new();
+            #[no_mangle]
+            extern "C" fn schedule(ptr: i32, len: i32) -> i64 {
+                let decision = $crate::Scheduler::schedule(state(), text(ptr, len));
+                // SAFETY: single-threaded instance; the host copies the result before the next call.
+                $crate::abi::packed(unsafe { &mut *core::ptr::addr_of_mut!(OUT) }, decision.into_bytes())
+            }
+        };
+    };
+}

@@ -1,6 +1,6 @@
 //! The Rust SDK for `host` plugins (ABI v1, see `ABI.md` next to this crate).
 //!
-//! Implement [`Sampler`] or [`StopRule`] on a type with `Default`, then register it once:
+//! Implement [`Sampler`], [`StopRule`], [`ToolAdapter`] or [`Scheduler`] on a type with `Default`, then register it once:
 //!
 //! ```ignore
 //! #[derive(Default)]
@@ -29,7 +29,7 @@ pub struct Candidate {
 }
 
 /// A sampler's decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Choice {
     /// This token id.
     Token(u32),
@@ -67,6 +67,88 @@ pub trait StopRule: Default {
         Ok(())
     }
     fn check(&mut self, token: u32, text: &str) -> Option<usize>;
+}
+
+/// What a tool adapter reports while it parses the model's output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolEvent {
+    /// Plain text for the user.
+    Content(String),
+    /// A tool call starts: its index (0, 1, ... in this response), id and function name.
+    Call { index: usize, id: String, name: String },
+    /// More of call `index`'s JSON arguments string.
+    Args { index: usize, delta: String },
+}
+
+impl ToolEvent {
+    /// The event as one line of the ABI's JSON event stream.
+    pub fn to_json(&self) -> String {
+        match self {
+            ToolEvent::Content(text) => format!("{{\"content\":{}}}", json_string(text)),
+            ToolEvent::Call { index, id, name } => format!(
+                "{{\"tool_call\":{{\"index\":{index},\"id\":{},\"name\":{}}}}}",
+                json_string(id),
+                json_string(name)
+            ),
+            ToolEvent::Args { index, delta } => {
+                format!("{{\"tool_call_args\":{{\"index\":{index},\"delta\":{}}}}}", json_string(delta))
+            }
+        }
+    }
+}
+
+/// A tool-call adapter: a streaming parser over the model's output text that separates
+/// content from tool calls. One instance serves one request.
+pub trait ToolAdapter: Default {
+    fn init(&mut self, _config: &str) -> Result<(), String> {
+        Ok(())
+    }
+    /// Params are `{"tools": [...]}`: the request's tool definitions (OpenAI shape).
+    fn begin(&mut self, _params: &str, _seed: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// Consumes the next piece of output text, pushing events to `out`.
+    fn feed(&mut self, text: &str, out: &mut Vec<ToolEvent>);
+    /// End of output: flush whatever is still held.
+    fn finish(&mut self, out: &mut Vec<ToolEvent>);
+    /// Renders tool definitions (a JSON array, OpenAI shape) as system-prompt text, for
+    /// models whose chat template ignores `tools`; `None` leaves it to the host.
+    fn render(&mut self, _tools: &str) -> Option<String> {
+        None
+    }
+}
+
+/// A scheduling policy: one long-lived instance orders the server's queue.
+pub trait Scheduler: Default {
+    fn init(&mut self, _config: &str) -> Result<(), String> {
+        Ok(())
+    }
+    /// Not called for schedulers (ABI.md §5.4); here so the export macro is uniform.
+    fn begin(&mut self, _params: &str, _seed: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// Given the queue as JSON (`{"now_ms", "running", "waiting"}`, see ABI.md), returns
+    /// `{"order": [ids], "preempt": [ids], "cancel": [ids]}` as JSON.
+    fn schedule(&mut self, queue: &str) -> String;
+}
+
+/// `text` as a JSON string literal (quoted and escaped).
+pub fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// Writes to the host's log (0 error, 1 warn, 2 info, 3 debug).
@@ -110,6 +192,15 @@ mod tests {
         assert!(rule.init("{}").is_ok() && rule.begin("{}", 7).is_ok());
         assert_eq!(rule.check(1, "a\n"), Some(1));
         assert_eq!(rule.check(1, "a"), None);
+    }
+
+    #[test]
+    fn tool_events_are_json_lines() {
+        let call = ToolEvent::Call { index: 1, id: "call_1".into(), name: "f".into() };
+        assert_eq!(call.to_json(), r#"{"tool_call":{"index":1,"id":"call_1","name":"f"}}"#);
+        let args = ToolEvent::Args { index: 0, delta: "{\"a\": \"x\\ny\"}".into() };
+        assert_eq!(args.to_json(), r#"{"tool_call_args":{"index":0,"delta":"{\"a\": \"x\\ny\"}"}}"#);
+        assert_eq!(ToolEvent::Content("\u{1}é\t".into()).to_json(), r#"{"content":"\u0001é\t"}"#);
     }
 
     #[test]

@@ -72,10 +72,11 @@ def plugins_dir(tmp_path_factory):
         sources[name] = str(path)
     for name, src in sources.items():
         subprocess.run([binary, "plugins", "build-wat", src, str(d / f"{name}.wasm")], check=True)
-    # A plugin written in Rust with plugin-sdk (examples/rust-sampler).
-    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "example-rust-sampler"],
+    # A plugin written in Rust with plugin-sdk (plugins/top-n-sigma, also built in: this file
+    # overrides the built-in one of the same name).
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "top-n-sigma"],
                    cwd=ROOT, check=True)
-    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "example_rust_sampler.wasm")
+    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "top_n_sigma.wasm")
     (d / "top-n-sigma.wasm").write_bytes(open(wasm, "rb").read())
     # A plugin written in C against plugin-sdk/include/plugin.h (needs clang and lld).
     if shutil.which("clang") and shutil.which("wasm-ld"):

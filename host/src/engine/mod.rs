@@ -5,6 +5,7 @@
 
 pub mod decode;
 pub mod prompt_cache;
+pub mod queue;
 pub mod sampling;
 pub mod speculative;
 pub mod stop;

@@ -6,13 +6,14 @@
 //! notices at the next token and frees the job's cache.
 
 use super::prompt_cache::PromptCache;
+use super::queue::{reorder, Entry, Policy, QueueView};
 use super::stop::StopMatcher;
 use super::{
     DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation,
 };
 use crate::generate::{load_draft, load_model, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
-use crate::plugins::{PluginRegistry, PluginSampler, Selection};
+use crate::plugins::{PluginRegistry, PluginSampler, PluginScheduler, PluginTools, Selection, ToolOutput};
 use anyhow::{Context, Result};
 use mlx::{memory, Array, Device};
 use models::{CausalLm, Detokenizer, ModelInfo, Tokenizer};
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// How the engine thread is set up.
@@ -35,6 +37,8 @@ pub struct EngineConfig {
     pub plugins: Option<Arc<PluginRegistry>>,
     /// A draft model for speculative decoding (checked against the model's tokenizer).
     pub draft_model: Option<PathBuf>,
+    /// The scheduling-policy plugin and its config; `None`: first come, first served.
+    pub scheduler: Option<(String, serde_json::Value)>,
 }
 
 /// One generation request, as the server hands it to the engine.
@@ -50,6 +54,10 @@ pub struct JobRequest {
     pub plugins: Selection,
     /// Speculative decoding for this request (`SpecMethod::Off` for none).
     pub speculative: SpecConfig,
+    /// For the scheduling policy: higher is more urgent (default 0).
+    pub priority: i64,
+    /// For the scheduling policy: who sent it (OpenAI `user`, Anthropic `metadata.user_id`).
+    pub client: Option<String>,
 }
 
 /// A token's log-probability and the most likely alternatives.
@@ -70,6 +78,8 @@ pub enum Finish {
     /// A stop-rule plugin ended generation.
     StopRule(String),
     Length,
+    /// The model called tools (the tool adapter reported calls).
+    ToolCalls,
 }
 
 impl Finish {
@@ -78,6 +88,7 @@ impl Finish {
         match self {
             Finish::Eos | Finish::StopString(_) | Finish::StopRule(_) => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
@@ -123,6 +134,17 @@ pub enum Event {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
+    /// The tool adapter found a call: its index in this response, id and function name.
+    ToolCall {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// More of call `index`'s JSON arguments.
+    ToolArgs {
+        index: usize,
+        delta: String,
+    },
     Done {
         finish: Finish,
         usage: Usage,
@@ -133,11 +155,22 @@ pub enum Event {
     Refused(String),
     /// A plugin failed while serving this request; the message names it.
     PluginFault(String),
+    /// The scheduling policy cancelled this request; the message says why.
+    Cancelled(String),
 }
 
 struct Job {
     request: JobRequest,
     events: UnboundedSender<Event>,
+    /// Engine-wide sequence number (the policy's id: `r<seq>`).
+    seq: u64,
+    arrived: Instant,
+}
+
+impl Job {
+    fn key(&self) -> String {
+        format!("r{}", self.seq)
+    }
 }
 
 /// Counters the engine keeps for `/metrics`.
@@ -171,6 +204,8 @@ pub struct Engine {
     pub baseline_memory: usize,
     /// Whether a draft model is loaded (requests may ask for `draft` speculation).
     pub has_draft: bool,
+    queue_limit: usize,
+    next_seq: std::sync::atomic::AtomicU64,
 }
 
 /// Why a job was not accepted.
@@ -183,7 +218,8 @@ pub enum SubmitError {
 impl Engine {
     /// Starts the engine thread and waits until the model is loaded.
     pub fn start(config: EngineConfig) -> Result<Engine> {
-        let (jobs, rx) = sync_channel::<Job>(config.queue_limit);
+        let (jobs, rx) = sync_channel::<Job>(config.queue_limit.max(1));
+        let queue_limit = config.queue_limit;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let thread_stats = stats.clone();
@@ -205,17 +241,25 @@ impl Engine {
                         let tokenizer = Arc::new(loaded.tokenizer);
                         let baseline = memory::active();
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
+                        let policy = match (&config.scheduler, &config.plugins) {
+                            (Some((name, cfg)), Some(registry)) => Some(Box::new(PluginScheduler::new(
+                                registry.clone(),
+                                name.clone(),
+                                cfg.clone(),
+                            )) as Box<dyn Policy>),
+                            _ => None,
+                        };
                         let worker = Worker {
                             plugins: config.plugins.clone(),
-                            model: loaded.model,
-                            draft: draft.map(|d| d.model),
-                            tokenizer,
                             info: loaded.info,
                             cache: PromptCache::new(config.prompt_cache_bytes),
                             stats: thread_stats,
                             prefill_step_size: config.prefill_step_size,
+                            policy,
                         };
-                        worker.run(rx);
+                        let draft = draft.map(|d| d.model);
+                        let models = Models { model: loaded.model.as_ref(), draft: draft.as_deref(), tokenizer: &tokenizer };
+                        worker.run(models, rx);
                     }
                 }
             })
@@ -231,6 +275,8 @@ impl Engine {
             stats,
             baseline_memory,
             has_draft,
+            queue_limit,
+            next_seq: Default::default(),
         })
     }
 
@@ -240,8 +286,15 @@ impl Engine {
         let (events, rx) = unbounded_channel();
         let jobs = self.jobs.lock().expect("engine queue lock");
         let Some(jobs) = jobs.as_ref() else { return Err(SubmitError::Stopped) };
-        self.stats.queue_depth.fetch_add(1, Ordering::SeqCst);
-        match jobs.try_send(Job { request, events }) {
+        // Jobs wait in the engine's own queue (where the policy orders them), so the limit
+        // is counted here, not by the channel.
+        let depth = self.stats.queue_depth.fetch_add(1, Ordering::SeqCst);
+        if depth >= self.queue_limit {
+            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(depth));
+        }
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        match jobs.try_send(Job { request, events, seq, arrived: Instant::now() }) {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
@@ -268,151 +321,362 @@ impl Drop for Engine {
 
 struct Worker {
     plugins: Option<Arc<PluginRegistry>>,
-    model: Box<dyn CausalLm>,
-    draft: Option<Box<dyn CausalLm>>,
-    tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
     cache: PromptCache,
     stats: Arc<EngineStats>,
     prefill_step_size: usize,
+    /// The queue policy; `None`: first come, first served.
+    policy: Option<Box<dyn Policy>>,
+}
+
+/// What generation borrows for as long as the engine thread runs.
+#[derive(Clone, Copy)]
+struct Models<'m> {
+    model: &'m dyn CausalLm,
+    draft: Option<&'m dyn CausalLm>,
+    tokenizer: &'m Tokenizer,
+}
+
+/// At most this many requests wait paused (each keeps its KV cache in memory).
+const MAX_PAUSED: usize = 4;
+/// While requests wait, the policy is asked again at least this often (aging).
+const POLICY_INTERVAL: Duration = Duration::from_millis(100);
+
+/// A request in the queue: not started yet, or paused by the policy.
+enum Waiting<'m> {
+    New(Job),
+    Paused(Box<Active<'m>>),
+}
+
+impl Waiting<'_> {
+    fn job(&self) -> &Job {
+        match self {
+            Waiting::New(job) => job,
+            Waiting::Paused(active) => &active.job,
+        }
+    }
+}
+
+/// A tool adapter on a request's output, and how many calls it has reported.
+struct Tools {
+    adapter: PluginTools,
+    calls: usize,
+}
+
+/// A request being served: its generation and its text pipeline.
+struct Active<'m> {
+    job: Job,
+    generation: Generation<'m>,
+    detok: Detokenizer<'m>,
+    stop: StopMatcher,
+    /// Stop-rule plugins: (instance, characters to hold back, fallback allowed).
+    stop_rules: Vec<(Instance, usize, bool)>,
+    hold: usize,
+    held: String,
+    tools: Option<Tools>,
+    generated: Vec<u32>,
+    reused: usize,
+    finish: Option<Finish>,
+}
+
+impl Active<'_> {
+    fn end_plugins(&mut self) {
+        for (rule, _, _) in self.stop_rules.iter_mut() {
+            rule.end();
+        }
+        if let Some(t) = self.tools.as_mut() {
+            t.adapter.end();
+        }
+    }
+}
+
+/// The event for a failed job: a refused plugin config (400), a plugin fault, or an
+/// internal error.
+fn failure(e: anyhow::Error) -> Event {
+    if let Some(r) = e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
+        Event::Refused(r.0.clone())
+    } else if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<PluginFault>()) {
+        tracing::warn!("{}", f.0);
+        Event::PluginFault(f.0.clone())
+    } else {
+        tracing::error!("generation failed: {e:#}");
+        Event::Error(format!("{e:#}"))
+    }
 }
 
 impl Worker {
-    fn run(mut self, rx: Receiver<Job>) {
-        while let Ok(job) = rx.recv() {
-            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            if job.events.is_closed() {
-                continue;
+    /// The engine loop: take jobs into the queue, let the policy order it (and pause or
+    /// cancel), start the first waiting request when none runs, and advance the running
+    /// one by a token at a time so the policy can act between tokens.
+    fn run<'m>(mut self, m: Models<'m>, rx: Receiver<Job>) {
+        let mut waiting: Vec<Waiting<'m>> = Vec::new();
+        let mut running: Option<Active<'m>> = None;
+        let mut dirty = false;
+        let mut decided = Instant::now();
+        loop {
+            if running.is_none() && waiting.is_empty() {
+                match rx.recv() {
+                    Ok(job) => waiting.push(Waiting::New(job)),
+                    Err(_) => break,
+                }
+                dirty = true;
             }
-            if let Err(e) = self.run_job(&job) {
-                let event = if let Some(r) = e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
-                    Event::Refused(r.0.clone())
-                } else if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<PluginFault>()) {
-                    tracing::warn!("{}", f.0);
-                    Event::PluginFault(f.0.clone())
-                } else {
-                    tracing::error!("generation failed: {e:#}");
-                    Event::Error(format!("{e:#}"))
-                };
-                let _ = job.events.send(event);
+            while let Ok(job) = rx.try_recv() {
+                waiting.push(Waiting::New(job));
+                dirty = true;
             }
-            self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
-            self.stats.active_memory.store(memory::active(), Ordering::Relaxed);
+            // Requests whose client went away leave the queue.
+            waiting.retain_mut(|w| {
+                let closed = w.job().events.is_closed();
+                if closed {
+                    match w {
+                        Waiting::New(_) => {
+                            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                        }
+                        Waiting::Paused(a) => a.end_plugins(),
+                    }
+                }
+                !closed
+            });
+            if self.policy.is_some() && !waiting.is_empty() && (dirty || decided.elapsed() >= POLICY_INTERVAL) {
+                self.schedule(&mut waiting, &mut running);
+                dirty = false;
+                decided = Instant::now();
+            }
+            if running.is_none() && !waiting.is_empty() {
+                match waiting.remove(0) {
+                    Waiting::Paused(active) => running = Some(*active),
+                    Waiting::New(job) => {
+                        self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                        if job.events.is_closed() {
+                            continue;
+                        }
+                        match self.start(m, job) {
+                            Ok(active) => running = Some(active),
+                            Err((job, e)) => {
+                                let _ = job.events.send(failure(e));
+                            }
+                        }
+                    }
+                }
+            }
+            let Some(active) = running.as_mut() else { continue };
+            let done = match self.step(m, active) {
+                Ok(done) => done,
+                Err(e) => {
+                    let _ = active.job.events.send(failure(e));
+                    active.end_plugins();
+                    running = None;
+                    true
+                }
+            };
+            if done {
+                if let Some(active) = running.take() {
+                    if let Err(e) = self.finish(active) {
+                        tracing::error!("finishing a generation failed: {e:#}");
+                    }
+                }
+                dirty = true;
+                self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
+                self.stats.active_memory.store(memory::active(), Ordering::Relaxed);
+            }
         }
     }
 
-    fn run_job(&mut self, job: &Job) -> Result<()> {
+    /// Asks the policy about the queue and applies its decision: cancel, reorder, and pause
+    /// the running request in favour of the first waiting one.
+    fn schedule<'m>(&mut self, waiting: &mut Vec<Waiting<'m>>, running: &mut Option<Active<'m>>) {
+        let Some(policy) = self.policy.as_mut() else { return };
+        let entry = |job: &Job, generated: usize| Entry {
+            id: job.key(),
+            priority: job.request.priority,
+            prompt_tokens: job.request.prompt.len(),
+            waited_ms: job.arrived.elapsed().as_millis() as u64,
+            generated_tokens: generated,
+            client: job.request.client.clone(),
+            hints: serde_json::Value::Object(Default::default()),
+        };
+        let view = QueueView {
+            now_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            running: running.iter().map(|a| entry(&a.job, a.generated.len())).collect(),
+            waiting: waiting
+                .iter()
+                .map(|w| match w {
+                    Waiting::New(job) => entry(job, 0),
+                    Waiting::Paused(a) => entry(&a.job, a.generated.len()),
+                })
+                .collect(),
+        };
+        let decision = match policy.decide(&view) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("scheduling policy failed, serving first come first served: {e:#}");
+                return;
+            }
+        };
+        let name = policy.name();
+        let ids: Vec<String> = view.waiting.iter().map(|e| e.id.clone()).collect();
+        let order = reorder(&ids, &decision);
+        let mut slots: Vec<Option<Waiting<'m>>> = waiting.drain(..).map(Some).collect();
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if decision.cancel.contains(&ids[i]) {
+                if let Some(w) = slot.take() {
+                    let message = format!(
+                        "the {name} scheduling policy cancelled this request (for example, a newer request from the same client superseded it)"
+                    );
+                    match w {
+                        Waiting::New(job) => {
+                            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                            let _ = job.events.send(Event::Cancelled(message));
+                        }
+                        Waiting::Paused(mut a) => {
+                            let _ = a.job.events.send(Event::Cancelled(message));
+                            a.end_plugins();
+                        }
+                    }
+                }
+            }
+        }
+        waiting.extend(order.into_iter().filter_map(|i| slots[i].take()));
+        let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).count();
+        let preempt = running.as_ref().is_some_and(|a| decision.preempt.contains(&a.job.key()));
+        if preempt && !waiting.is_empty() && paused < MAX_PAUSED {
+            let active = running.take().expect("checked above");
+            tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
+            waiting.insert(1, Waiting::Paused(Box::new(active)));
+        }
+    }
+
+    /// Starts a job: prompt-cache lookup, plugins, prefill; sends `Started`.
+    #[allow(clippy::result_large_err)]
+    fn start<'m>(&mut self, m: Models<'m>, job: Job) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
         let request = &job.request;
         let prompt = &request.prompt;
         let (cache, reused) = match self.cache.take(prompt) {
             Some(r) => (r.cache, r.reused),
-            None => (self.model.make_cache(), 0),
+            None => (m.model.make_cache(), 0),
         };
         if reused > 0 {
             self.stats.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
         }
-        let sampler = Sampler::new(request.sampling.clone(), self.info.vocab_size)?;
-        let seed = sampler.seed();
-        let options = DecodeOptions {
-            max_tokens: request.max_tokens,
-            eos_token_ids: self.info.eos_token_ids.clone(),
-            prefill_step_size: self.prefill_step_size,
+        let started = (|| -> Result<_> {
+            let sampler = Sampler::new(request.sampling.clone(), self.info.vocab_size)?;
+            let seed = sampler.seed();
+            let options = DecodeOptions {
+                max_tokens: request.max_tokens,
+                eos_token_ids: self.info.eos_token_ids.clone(),
+                prefill_step_size: self.prefill_step_size,
+            };
+            let (external, stop_rules, tools) = self.start_plugins(&request.plugins, prompt, seed)?;
+            let speculation = match request.speculative.method {
+                SpecMethod::Off => None,
+                _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
+            };
+            let hooks = Hooks { external, speculation };
+            let generation = Generation::start_with(m.model, cache, &prompt[reused..], sampler, options, hooks)?;
+            Ok((generation, stop_rules, tools))
+        })();
+        let (generation, stop_rules, tools) = match started {
+            Ok(parts) => parts,
+            Err(e) => return Err((job, e)),
         };
-        let (external, mut stop_rules) = self.start_plugins(&request.plugins, prompt, seed)?;
-        let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
-        let mut held = String::new();
-        let speculation = match request.speculative.method {
-            SpecMethod::Off => None,
-            _ => Some(Speculation::new(
-                request.speculative.clone(),
-                prompt,
-                self.draft.as_deref(),
-                self.prefill_step_size,
-            )?),
-        };
-        let hooks = Hooks { external, speculation };
-        let mut generation =
-            Generation::start_with(self.model.as_ref(), cache, &prompt[reused..], sampler, options, hooks)?;
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
-        if job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused }).is_err() {
-            return Ok(());
+        let _ = job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused });
+        let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
+        let stop = StopMatcher::new(&request.stop);
+        Ok(Active {
+            job,
+            generation,
+            detok: Detokenizer::new(m.tokenizer),
+            stop,
+            stop_rules,
+            hold,
+            held: String::new(),
+            tools: tools.map(|adapter| Tools { adapter, calls: 0 }),
+            generated: Vec::new(),
+            reused,
+            finish: None,
+        })
+    }
+
+    /// Generates one token and passes its text down the pipeline (stop-rule plugins, stop
+    /// strings, the tool adapter) to the client. `Ok(true)` when the request is over.
+    fn step(&mut self, m: Models<'_>, a: &mut Active<'_>) -> Result<bool> {
+        if a.job.events.is_closed() {
+            return Ok(true);
         }
-        let mut detok = Detokenizer::new(&self.tokenizer);
-        let mut stop = StopMatcher::new(&request.stop);
-        let mut generated: Vec<u32> = Vec::new();
-        let mut finish = None;
-        while let Some(token) = generation.next_token()? {
-            generated.push(token.id);
-            self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
-            let is_eos = token.finish == Some(FinishReason::Stop);
-            let logprobs = match request.top_logprobs {
-                Some(k) => vec![self.logprob(&token.logprobs, token.id, k)?],
-                None => vec![],
-            };
-            let mut text = String::new();
-            if !is_eos {
-                let mut piece = detok.push(token.id)?;
-                // Stop-rule plugins see raw text; the last `hold` characters wait for them.
-                let mut faulted = None;
-                for (i, (rule, _, fallback)) in stop_rules.iter_mut().enumerate() {
-                    let verdict = match rule.stop_check(token.id, &piece) {
-                        Ok(v) => v,
-                        Err(e) if *fallback => {
-                            tracing::warn!("stop rule dropped for this request: {e:#}");
-                            faulted = Some(i);
-                            break;
-                        }
-                        Err(e) => return Err(e),
-                    };
-                    if let Some(trim) = verdict {
-                        held.push_str(&piece);
-                        piece.clear();
-                        let keep = held.chars().count().saturating_sub(trim);
-                        held = held.chars().take(keep).collect();
-                        finish = Some(Finish::StopRule(rule.plugin().name().to_string()));
+        let Some(token) = a.generation.next_token()? else { return Ok(true) };
+        a.generated.push(token.id);
+        self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let is_eos = token.finish == Some(FinishReason::Stop);
+        let logprobs = match a.job.request.top_logprobs {
+            Some(k) => vec![logprob(m.tokenizer, &token.logprobs, token.id, k)?],
+            None => vec![],
+        };
+        let mut text = String::new();
+        if !is_eos {
+            let mut piece = a.detok.push(token.id)?;
+            // Stop-rule plugins see raw text; the last `hold` characters wait for them.
+            let mut faulted = None;
+            for (i, (rule, _, fallback)) in a.stop_rules.iter_mut().enumerate() {
+                let verdict = match rule.stop_check(token.id, &piece) {
+                    Ok(v) => v,
+                    Err(e) if *fallback => {
+                        tracing::warn!("stop rule dropped for this request: {e:#}");
+                        faulted = Some(i);
                         break;
                     }
-                }
-                if let Some(i) = faulted {
-                    stop_rules.remove(i);
-                }
-                held.push_str(&piece);
-                let release = if finish.is_some() { held.len() } else { char_split(&held, hold) };
-                let out = stop.push(&held[..release]);
-                held.drain(..release);
-                text = out.text;
-                if let Some(s) = out.stopped {
-                    finish = Some(Finish::StopString(s));
-                }
-            }
-            if finish.is_none() {
-                finish = match token.finish {
-                    Some(FinishReason::Stop) => Some(Finish::Eos),
-                    Some(FinishReason::Length) => Some(Finish::Length),
-                    None => None,
+                    Err(e) => return Err(e),
                 };
-                if finish.is_some() && !matches!(finish, Some(Finish::StopString(_))) {
-                    held.push_str(&detok.flush()?);
-                    let tail = stop.push(&std::mem::take(&mut held));
-                    text.push_str(&tail.text);
-                    match tail.stopped {
-                        Some(s) => finish = Some(Finish::StopString(s)),
-                        None => text.push_str(&stop.flush()),
-                    }
+                if let Some(trim) = verdict {
+                    a.held.push_str(&piece);
+                    piece.clear();
+                    let keep = a.held.chars().count().saturating_sub(trim);
+                    a.held = a.held.chars().take(keep).collect();
+                    a.finish = Some(Finish::StopRule(rule.plugin().name().to_string()));
+                    break;
                 }
             }
-            if (!text.is_empty() || !logprobs.is_empty()) && job.events.send(Event::Delta { text, logprobs }).is_err() {
-                break; // The client went away.
+            if let Some(i) = faulted {
+                a.stop_rules.remove(i);
             }
-            if finish.is_some() || job.events.is_closed() {
-                break;
+            a.held.push_str(&piece);
+            let release = if a.finish.is_some() { a.held.len() } else { char_split(&a.held, a.hold) };
+            let out = a.stop.push(&a.held[..release]);
+            a.held.drain(..release);
+            text = out.text;
+            if let Some(s) = out.stopped {
+                a.finish = Some(Finish::StopString(s));
             }
         }
-        for (rule, _, _) in stop_rules.iter_mut() {
-            rule.end();
+        if a.finish.is_none() {
+            a.finish = match token.finish {
+                Some(FinishReason::Stop) => Some(Finish::Eos),
+                Some(FinishReason::Length) => Some(Finish::Length),
+                None => None,
+            };
+            if a.finish.is_some() {
+                a.held.push_str(&a.detok.flush()?);
+                let tail = a.stop.push(&std::mem::take(&mut a.held));
+                text.push_str(&tail.text);
+                match tail.stopped {
+                    Some(s) => a.finish = Some(Finish::StopString(s)),
+                    None => text.push_str(&a.stop.flush()),
+                }
+            }
         }
-        let stats = generation.stats();
+        let sent = emit(a, text, logprobs, a.finish.is_some())?;
+        Ok(!sent || a.finish.is_some() || a.job.events.is_closed())
+    }
+
+    /// Reports usage, sends `Done`, and keeps the request's KV for the prompt cache.
+    fn finish(&mut self, mut a: Active<'_>) -> Result<()> {
+        a.end_plugins();
+        let request = &a.job.request;
+        let stats = a.generation.stats();
         let speculative = (request.speculative.method != SpecMethod::Off).then_some(SpecUsage {
             method: request.speculative.method,
             drafted_tokens: stats.drafted_tokens,
@@ -426,17 +690,21 @@ impl Worker {
             self.stats.spec_generated_tokens.fetch_add(stats.generated_tokens, Ordering::Relaxed);
         }
         let usage = Usage {
-            prompt_tokens: prompt.len(),
-            completion_tokens: generated.len(),
-            cached_tokens: reused,
+            prompt_tokens: request.prompt.len(),
+            completion_tokens: a.generated.len(),
+            cached_tokens: a.reused,
             speculative,
         };
-        let _ = job.events.send(Event::Done { finish: finish.unwrap_or(Finish::Length), usage });
+        let mut finish = a.finish.take().unwrap_or(Finish::Length);
+        if a.tools.as_ref().is_some_and(|t| t.calls > 0) && finish != Finish::Length {
+            finish = Finish::ToolCalls;
+        }
+        let _ = a.job.events.send(Event::Done { finish, usage });
         // Keep the KV of everything the cache now holds for the next request.
-        let mut cache = generation.into_cache();
+        let mut cache = a.generation.into_cache();
         let held = cache.first().map_or(0, models::KvCache::offset);
-        let mut sequence = prompt.clone();
-        sequence.extend(&generated);
+        let mut sequence = a.job.request.prompt.clone();
+        sequence.extend(&a.generated);
         if held <= sequence.len() {
             sequence.truncate(held);
             let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
@@ -446,17 +714,17 @@ impl Worker {
         Ok(())
     }
 
-    /// Starts the request's plugin instances: the sampler (fed the whole prompt) and the
-    /// stop rules with how many characters each needs held back.
+    /// Starts the request's plugin instances: the sampler (fed the whole prompt), the stop
+    /// rules with how many characters each needs held back, and the tool adapter.
     #[allow(clippy::type_complexity)]
     fn start_plugins(
         &self,
         selection: &Selection,
         prompt: &[u32],
         seed: u64,
-    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize, bool)>)> {
+    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize, bool)>, Option<PluginTools>)> {
         if selection.is_empty() {
-            return Ok((None, Vec::new()));
+            return Ok((None, Vec::new(), None));
         }
         let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
         // A plugin that faults while starting is skipped when the request allows a fallback
@@ -493,11 +761,52 @@ impl Worker {
                 Err(e) => return Err(e),
             }
         }
-        Ok((external, stops))
+        let mut tools = None;
+        if let Some(selected) = &selection.tool {
+            match registry.start(selected, seed) {
+                Ok(instance) => tools = Some(PluginTools::new(instance, selected.fallback)),
+                Err(e) if skip(selected, &e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((external, stops, tools))
     }
 
-    /// The chosen token's log-probability and the `k` most likely tokens.
-    fn logprob(&self, logprobs: &Array, id: u32, k: usize) -> Result<TokenLogprob> {
+}
+
+/// Sends a token's text (through the tool adapter, when the request has one; flushing it
+/// at the end of output) and its logprobs. `Ok(false)` when the client has gone.
+fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: bool) -> Result<bool> {
+    let mut events = Vec::new();
+    let mut content = text;
+    if let Some(tools) = a.tools.as_mut() {
+        let mut out = if content.is_empty() { Vec::new() } else { tools.adapter.feed(&content)? };
+        if last {
+            out.extend(tools.adapter.finish()?);
+        }
+        content = String::new();
+        for o in out {
+            match o {
+                ToolOutput::Content(c) => content.push_str(&c),
+                ToolOutput::Call { index, id, name } => {
+                    if !content.is_empty() {
+                        events.push(Event::Delta { text: std::mem::take(&mut content), logprobs: vec![] });
+                    }
+                    tools.calls += 1;
+                    events.push(Event::ToolCall { index, id, name });
+                }
+                ToolOutput::Args { index, delta } => events.push(Event::ToolArgs { index, delta }),
+            }
+        }
+    }
+    if !content.is_empty() || !logprobs.is_empty() {
+        events.push(Event::Delta { text: content, logprobs });
+    }
+    Ok(events.into_iter().all(|e| a.job.events.send(e).is_ok()))
+}
+
+/// The chosen token's log-probability and the `k` most likely tokens.
+fn logprob(tokenizer: &Tokenizer, logprobs: &Array, id: u32, k: usize) -> Result<TokenLogprob> {
         let all = logprobs.astype(mlx::Dtype::Float32)?;
         let chosen = all.take(&Array::from_i32(&[id as i32], &[1])?, 0)?.item_f32()?;
         let mut top = Vec::new();
@@ -508,9 +817,8 @@ impl Worker {
             let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|i| i as u32).zip(values).collect();
             pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
             for (t, lp) in pairs {
-                top.push((self.tokenizer.decode(&[t])?, lp));
+                top.push((tokenizer.decode(&[t])?, lp));
             }
         }
-        Ok(TokenLogprob { token: self.tokenizer.decode(&[id])?, logprob: chosen, top })
-    }
+        Ok(TokenLogprob { token: tokenizer.decode(&[id])?, logprob: chosen, top })
 }

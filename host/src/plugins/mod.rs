@@ -6,6 +6,11 @@ pub mod abi_v1;
 pub mod reload;
 pub mod runtime;
 
+/// The built-in plugins (`plugins/*`, built to wasm by `build.rs`): (crate name, module).
+mod builtin {
+    include!(concat!(env!("OUT_DIR"), "/builtin_plugins.rs"));
+}
+
 use crate::engine::{ExternalSampler, Frame, Pick};
 use abi_v1::{Kind, SamplerInput};
 use anyhow::{bail, Context, Result};
@@ -32,11 +37,13 @@ pub struct Selected {
 pub struct Selection {
     pub sampler: Option<Selected>,
     pub stops: Vec<Selected>,
+    /// The tool-call adapter over the output (its params carry the request's tools).
+    pub tool: Option<Selected>,
 }
 
 impl Selection {
     pub fn is_empty(&self) -> bool {
-        self.sampler.is_none() && self.stops.is_empty()
+        self.sampler.is_none() && self.stops.is_empty() && self.tool.is_none()
     }
 }
 
@@ -54,9 +61,11 @@ pub struct PluginStatus {
     pub faults: u64,
 }
 
-/// Loaded plugins by name, and the files that failed to load with their reasons.
+/// Loaded plugins by name, and the files that failed to load with their reasons. A plugin
+/// loaded from a file replaces a built-in one of the same name (until the file goes away).
 pub struct PluginRegistry {
     runtime: Arc<PluginRuntime>,
+    builtins: BTreeMap<String, Arc<Plugin>>,
     plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
     failed: RwLock<BTreeMap<PathBuf, String>>,
 }
@@ -68,12 +77,39 @@ impl std::fmt::Debug for PluginRegistry {
 }
 
 impl PluginRegistry {
+    /// A registry without built-in plugins.
     pub fn new() -> Result<Arc<PluginRegistry>> {
         Ok(Arc::new(PluginRegistry {
             runtime: PluginRuntime::new()?,
+            builtins: BTreeMap::new(),
             plugins: Default::default(),
             failed: Default::default(),
         }))
+    }
+
+    /// A registry holding the built-in plugins, compiled in parallel (or read from the
+    /// compiled-module cache).
+    pub fn with_builtins() -> Result<Arc<PluginRegistry>> {
+        let runtime = PluginRuntime::new()?;
+        let loaded: Vec<Result<Plugin>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = builtin::BUILTIN
+                .iter()
+                .map(|(name, wasm)| {
+                    let runtime = &runtime;
+                    scope.spawn(move || {
+                        let source = PathBuf::from(format!("builtin:{name}"));
+                        runtime.load(wasm, &source, true, PluginSettings::default())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("built-in plugin loader thread")).collect()
+        });
+        let mut builtins = BTreeMap::new();
+        for plugin in loaded {
+            let plugin = plugin.context("a built-in plugin failed to load (a build problem)")?;
+            builtins.insert(plugin.manifest.name.clone(), Arc::new(plugin));
+        }
+        Ok(Arc::new(PluginRegistry { runtime, builtins, plugins: Default::default(), failed: Default::default() }))
     }
 
     pub fn runtime(&self) -> &Arc<PluginRuntime> {
@@ -135,31 +171,36 @@ impl PluginRegistry {
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Plugin>> {
-        self.plugins.read().expect("registry lock").get(name).cloned()
+        self.plugins.read().expect("registry lock").get(name).or_else(|| self.builtins.get(name)).cloned()
     }
 
     pub fn names(&self) -> Vec<String> {
-        self.plugins.read().expect("registry lock").keys().cloned().collect()
+        let mut names: Vec<String> = self.plugins.read().expect("registry lock").keys().cloned().collect();
+        names.extend(self.builtins.keys().cloned());
+        names.sort();
+        names.dedup();
+        names
     }
 
+    /// Every plugin (a built-in replaced by a file shows as `overridden`) and refused file.
     pub fn status(&self) -> Vec<PluginStatus> {
-        let mut out: Vec<PluginStatus> = self
-            .plugins
-            .read()
-            .expect("registry lock")
-            .values()
-            .map(|p| PluginStatus {
-                name: p.manifest.name.clone(),
-                kinds: p.manifest.kinds.clone(),
-                version: p.manifest.version.clone(),
-                source: p.source.display().to_string(),
-                sha256: p.sha256.clone(),
-                state: if p.healthy() { "ready" } else { "unhealthy" },
-                error: None,
-                calls: p.calls.load(Ordering::Relaxed),
-                faults: p.faults.load(Ordering::Relaxed),
-            })
-            .collect();
+        let user = self.plugins.read().expect("registry lock");
+        let show = |p: &Plugin, state: &'static str| PluginStatus {
+            name: p.manifest.name.clone(),
+            kinds: p.manifest.kinds.clone(),
+            version: p.manifest.version.clone(),
+            source: p.source.display().to_string(),
+            sha256: p.sha256.clone(),
+            state: if state == "ready" && !p.healthy() { "unhealthy" } else { state },
+            error: None,
+            calls: p.calls.load(Ordering::Relaxed),
+            faults: p.faults.load(Ordering::Relaxed),
+        };
+        let mut out: Vec<PluginStatus> = user.values().map(|p| show(p, "ready")).collect();
+        for (name, p) in &self.builtins {
+            out.push(show(p, if user.contains_key(name) { "overridden" } else { "ready" }));
+        }
+        drop(user);
         for (path, error) in self.failed.read().expect("registry lock").iter() {
             out.push(PluginStatus {
                 name: path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -296,19 +337,168 @@ impl Drop for PluginSampler {
     }
 }
 
+/// What a tool adapter reports (ABI.md §5.3), checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolOutput {
+    Content(String),
+    Call { index: usize, id: String, name: String },
+    Args { index: usize, delta: String },
+}
+
+/// A tool-adapter instance on one request's output. With a fallback allowed, a fault turns
+/// it off and the text passes through as content from then on.
+pub struct PluginTools {
+    instance: Option<Instance>,
+    fallback: bool,
+    /// Calls reported so far: the next call's index.
+    calls: usize,
+}
+
+impl PluginTools {
+    pub fn new(instance: Instance, fallback: bool) -> PluginTools {
+        PluginTools { instance: Some(instance), fallback, calls: 0 }
+    }
+
+    /// Feeds the next piece of output text.
+    pub fn feed(&mut self, text: &str) -> Result<Vec<ToolOutput>> {
+        self.run(text, |i| i.tool_feed(text))
+    }
+
+    /// End of output: what the adapter still holds.
+    pub fn finish(&mut self) -> Result<Vec<ToolOutput>> {
+        self.run("", Instance::tool_finish)
+    }
+
+    pub fn end(&mut self) {
+        if let Some(i) = self.instance.as_mut() {
+            i.end();
+        }
+    }
+
+    fn run(&mut self, text: &str, call: impl FnOnce(&mut Instance) -> Result<String>) -> Result<Vec<ToolOutput>> {
+        let passthrough = || if text.is_empty() { vec![] } else { vec![ToolOutput::Content(text.to_string())] };
+        let Some(instance) = self.instance.as_mut() else { return Ok(passthrough()) };
+        let result = call(instance).and_then(|lines| {
+            let name = instance.plugin().name().to_string();
+            let (events, calls) = parse_tool_events(&name, &lines, self.calls).map_err(|m| {
+                instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
+                anyhow::Error::new(runtime::PluginFault(m))
+            })?;
+            self.calls = calls;
+            Ok(events)
+        });
+        match result {
+            Ok(events) => Ok(events),
+            Err(e) if self.fallback => {
+                tracing::warn!("tool adapter dropped for this request, passing text through: {e:#}");
+                self.end();
+                self.instance = None;
+                Ok(passthrough())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Parses and checks a tool adapter's JSON-lines events: call indexes must count up from
+/// `calls`, arguments must name a reported call. Returns the events and the new call count.
+fn parse_tool_events(plugin: &str, lines: &str, mut calls: usize) -> Result<(Vec<ToolOutput>, usize), String> {
+    let bad = |line: &str, why: &str| format!("plugin {plugin} returned a bad tool event {line:?}: {why}");
+    let mut out = Vec::new();
+    for line in lines.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(line, &e.to_string()))?;
+        let index = |o: &Value| o.get("index").and_then(Value::as_u64).map(|i| i as usize);
+        let text = |o: &Value, key: &str| o.get(key).and_then(Value::as_str).map(str::to_string);
+        if let Some(c) = text(&v, "content") {
+            out.push(ToolOutput::Content(c));
+        } else if let Some(call) = v.get("tool_call") {
+            let i = index(call).ok_or_else(|| bad(line, "tool_call needs an integer index"))?;
+            if i != calls {
+                return Err(bad(line, &format!("expected call index {calls}")));
+            }
+            let name = text(call, "name").filter(|n| !n.is_empty()).ok_or_else(|| bad(line, "tool_call needs a name"))?;
+            let id = text(call, "id").filter(|n| !n.is_empty()).unwrap_or_else(|| format!("call_{i}"));
+            calls += 1;
+            out.push(ToolOutput::Call { index: i, id, name });
+        } else if let Some(args) = v.get("tool_call_args") {
+            let i = index(args).filter(|&i| i < calls).ok_or_else(|| bad(line, "tool_call_args needs the index of a reported call"))?;
+            let delta = text(args, "delta").ok_or_else(|| bad(line, "tool_call_args needs a string delta"))?;
+            out.push(ToolOutput::Args { index: i, delta });
+        } else {
+            return Err(bad(line, "expected one of content, tool_call, tool_call_args"));
+        }
+    }
+    Ok((out, calls))
+}
+
+/// Renders tool definitions with the adapter's `tool_render`, if it has one.
+pub fn render_tools(registry: &PluginRegistry, selected: &Selected, tools: &Value) -> Result<Option<String>> {
+    let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
+    let text = instance.tool_render(&tools.to_string());
+    instance.end();
+    text
+}
+
+/// The scheduling policy as a plugin: one long-lived instance, replaced when hot reload
+/// swaps the plugin (the registry's current version is looked up at every decision).
+pub struct PluginScheduler {
+    registry: Arc<PluginRegistry>,
+    name: String,
+    config: Value,
+    current: Option<(Arc<Plugin>, Instance)>,
+}
+
+impl PluginScheduler {
+    pub fn new(registry: Arc<PluginRegistry>, name: String, config: Value) -> PluginScheduler {
+        PluginScheduler { registry, name, config, current: None }
+    }
+}
+
+impl crate::engine::queue::Policy for PluginScheduler {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn decide(&mut self, view: &crate::engine::queue::QueueView) -> Result<crate::engine::queue::Decision> {
+        let plugin = self
+            .registry
+            .get(&self.name)
+            .filter(|p| p.manifest.has(Kind::Scheduler))
+            .with_context(|| format!("scheduling policy {:?} is not loaded", self.name))?;
+        if !self.current.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, &plugin)) {
+            let instance = self.registry.runtime.instantiate(&plugin, &self.config)?;
+            tracing::info!(policy = self.name, version = plugin.manifest.version, "scheduling policy instance started");
+            self.current = Some((plugin, instance));
+        }
+        let (plugin, instance) = self.current.as_mut().expect("set above");
+        let result = instance.schedule(&serde_json::to_string(view).expect("JSON serializes")).and_then(|text| {
+            serde_json::from_str(&text).map_err(|e| {
+                plugin.faults.fetch_add(1, Ordering::Relaxed);
+                anyhow::anyhow!("plugin {} returned a bad decision from schedule: {e}", plugin.name())
+            })
+        });
+        if result.is_err() {
+            // A fresh instance next time: a trapped one may be in any state.
+            self.current = None;
+        }
+        result
+    }
+}
+
 /// `host plugins ...`: offline validation and listing.
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginsCommand {
     /// Validate a plugin against ABI v1: manifest, imports, exports, compilation, instantiation.
     Check { file: PathBuf },
-    /// Show what a plugins folder holds, and why any file is refused.
+    /// Show the built-in plugins and what a plugins folder holds (and why any file is refused).
     List { dir: PathBuf },
     /// Assemble a hand-written WebAssembly text plugin (.wat) into a .wasm file.
     BuildWat { input: PathBuf, output: PathBuf },
 }
 
 pub fn run_command(command: PluginsCommand) -> Result<()> {
-    let registry = PluginRegistry::new()?;
+    let registry =
+        if matches!(command, PluginsCommand::List { .. }) { PluginRegistry::with_builtins()? } else { PluginRegistry::new()? };
     match command {
         PluginsCommand::Check { file } => {
             let plugin = registry.load_file(&file)?;

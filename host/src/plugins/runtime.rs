@@ -22,6 +22,8 @@ pub const CALL_DEADLINE: Duration = Duration::from_millis(50);
 pub const SETUP_DEADLINE: Duration = Duration::from_millis(1000);
 /// Linear memory per instance.
 pub const MEMORY_LIMIT: usize = 64 << 20;
+/// Largest result a plugin may return through a packed slice.
+pub const MAX_RESULT_BYTES: usize = 1 << 20;
 /// Faults after which a plugin is reported unhealthy.
 pub const UNHEALTHY_AFTER: u64 = 3;
 
@@ -127,6 +129,9 @@ impl PluginRuntime {
     pub fn new() -> Result<Arc<PluginRuntime>> {
         let mut config = Config::new();
         config.epoch_interruption(true);
+        if let Some(cache) = module_cache() {
+            config.cache(Some(cache));
+        }
         let engine = Engine::new(&config).map_err(|e| anyhow!("starting wasmtime: {e}"))?;
         let mut linker = Linker::new(&engine);
         linker
@@ -252,6 +257,10 @@ impl PluginRuntime {
             sample: optional(&instance, &mut store, "sampler_sample", &name)?,
             rollback: optional(&instance, &mut store, "sampler_rollback", &name)?,
             stop: optional(&instance, &mut store, "stop_check", &name)?,
+            tool_feed: optional(&instance, &mut store, "tool_feed", &name)?,
+            tool_finish: optional(&instance, &mut store, "tool_finish", &name)?,
+            tool_render: optional(&instance, &mut store, "tool_render", &name)?,
+            schedule: optional(&instance, &mut store, "schedule", &name)?,
         };
         let mut inst = Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3] };
         let config = serde_json::to_vec(config).expect("JSON serializes");
@@ -263,6 +272,25 @@ impl PluginRuntime {
             }
         }
         Ok(inst)
+    }
+}
+
+/// The on-disk cache of compiled modules (wasmtime's, keyed by the module's bytes and the
+/// compiler settings), in `<cache dir>/wasm-modules`; `HOST_PLUGIN_CACHE=off` disables it.
+/// Compiling the built-in plugins takes seconds; loading them from the cache, milliseconds.
+fn module_cache() -> Option<wasmtime::Cache> {
+    if std::env::var("HOST_PLUGIN_CACHE").as_deref() == Ok("off") {
+        return None;
+    }
+    let dir = crate::default_model::cache_dir().ok()?.join("wasm-modules");
+    let mut config = wasmtime::CacheConfig::new();
+    config.with_directory(&dir);
+    match wasmtime::Cache::new(config) {
+        Ok(cache) => Some(cache),
+        Err(e) => {
+            tracing::warn!("compiled-plugin cache at {} disabled: {e:#}", dir.display());
+            None
+        }
     }
 }
 
@@ -348,6 +376,10 @@ struct Funcs {
     sample: Option<TypedFunc<(i32, i32, i32), i32>>,
     rollback: Option<TypedFunc<i32, i32>>,
     stop: Option<TypedFunc<(i32, i32, i32), i32>>,
+    tool_feed: Option<TypedFunc<(i32, i32), i64>>,
+    tool_finish: Option<TypedFunc<(), i64>>,
+    tool_render: Option<TypedFunc<(i32, i32), i64>>,
+    schedule: Option<TypedFunc<(i32, i32), i64>>,
 }
 
 /// One live instance, serving one request.
@@ -491,6 +523,74 @@ impl Instance {
                 self.plugin.manifest.name
             ),
         }
+    }
+
+    /// Copies out a packed slice (`ptr << 32 | len`) the plugin returned, at most `limit` bytes.
+    fn packed(&self, packed: i64, entry: &str, limit: usize) -> Result<Vec<u8>> {
+        let (ptr, len) = ((packed as u64 >> 32) as i32, (packed as u64 & 0xffff_ffff) as usize);
+        if len > limit {
+            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
+            bail!(PluginFault(format!(
+                "plugin {} returned {len} bytes from {entry}, more than the {limit} allowed",
+                self.plugin.manifest.name
+            )));
+        }
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.read(ptr, len).map_err(|e| {
+            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
+            anyhow::Error::new(PluginFault(format!("{e:#} (the packed slice returned from {entry})")))
+        })
+    }
+
+    /// A packed-slice result as UTF-8 text.
+    fn packed_text(&self, packed: i64, entry: &str, limit: usize) -> Result<String> {
+        String::from_utf8(self.packed(packed, entry, limit)?).map_err(|_| {
+            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
+            anyhow::Error::new(PluginFault(format!(
+                "plugin {} returned text that is not UTF-8 from {entry}",
+                self.plugin.manifest.name
+            )))
+        })
+    }
+
+    fn tool_call(&mut self, f: Option<TypedFunc<(i32, i32), i64>>, input: &[u8], entry: &str) -> Result<String> {
+        let f = f.with_context(|| format!("plugin {} has no {entry}", self.plugin.manifest.name))?;
+        let (ptr, len) = self.write(Slot::Json, input)?;
+        let packed = self.call(&f, (ptr, len), self.plugin.settings.deadline(), entry)?;
+        self.packed_text(packed, entry, MAX_RESULT_BYTES)
+    }
+
+    /// `tool_feed`: the adapter's events (JSON lines) for the next piece of output text.
+    pub fn tool_feed(&mut self, text: &str) -> Result<String> {
+        self.tool_call(self.funcs.tool_feed.clone(), text.as_bytes(), "tool_feed")
+    }
+
+    /// `tool_finish`: the adapter's last events.
+    pub fn tool_finish(&mut self) -> Result<String> {
+        let f = self
+            .funcs
+            .tool_finish
+            .clone()
+            .with_context(|| format!("plugin {} is not a tool adapter", self.plugin.manifest.name))?;
+        let packed = self.call(&f, (), self.plugin.settings.deadline(), "tool_finish")?;
+        self.packed_text(packed, "tool_finish", MAX_RESULT_BYTES)
+    }
+
+    /// `tool_render`, if exported: system-prompt text for `tools`; `None` when the plugin
+    /// lacks it or returns nothing.
+    pub fn tool_render(&mut self, tools: &str) -> Result<Option<String>> {
+        if self.funcs.tool_render.is_none() {
+            return Ok(None);
+        }
+        let text = self.tool_call(self.funcs.tool_render.clone(), tools.as_bytes(), "tool_render")?;
+        Ok(Some(text).filter(|t| !t.is_empty()))
+    }
+
+    /// `schedule`: the policy's decision (JSON) for a queue description.
+    pub fn schedule(&mut self, queue: &str) -> Result<String> {
+        self.tool_call(self.funcs.schedule.clone(), queue.as_bytes(), "schedule")
     }
 
     pub fn sampler_input(&self) -> (SamplerInput, usize) {

@@ -26,6 +26,10 @@ pub struct MessagesRequest {
     pub plugins: Option<super::openai::PluginsField>,
     /// Speculative decoding for this request (extension; see `openai::speculative`).
     pub speculative: Option<Value>,
+    /// `metadata.user_id` is the request's client for the scheduling policy.
+    pub metadata: Option<Value>,
+    /// Scheduling priority (extension; see `openai::priority`).
+    pub priority: Option<i64>,
 }
 
 /// `count_tokens` takes the same fields except `max_tokens`.
@@ -176,7 +180,28 @@ pub fn stop_reason(f: &Finish) -> (&'static str, Value) {
         Finish::StopString(s) => ("stop_sequence", json!(s)),
         Finish::StopRule(_) => ("stop_sequence", Value::Null),
         Finish::Length => ("max_tokens", Value::Null),
+        Finish::ToolCalls => ("tool_use", Value::Null),
     }
+}
+
+/// A tool call's id in Anthropic's style (`toolu_...`).
+pub fn tool_use_id(id: &str) -> String {
+    format!("toolu_{}", id.strip_prefix("call_").unwrap_or(id))
+}
+
+/// A `tool_use` content block; arguments that are not a JSON object are kept under
+/// `arguments` as text (the model wrote something the adapter could not parse as an object).
+pub fn tool_use_block(call: &super::openai::ToolCall) -> Value {
+    let input = match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({"arguments": call.arguments}),
+    };
+    json!({"type": "tool_use", "id": tool_use_id(&call.id), "name": call.name, "input": input})
+}
+
+/// The client id in `metadata.user_id`, if any.
+pub fn client(r: &MessagesRequest) -> Option<String> {
+    r.metadata.as_ref()?.get("user_id")?.as_str().map(str::to_string)
 }
 
 pub fn usage_json(u: &Usage) -> Value {

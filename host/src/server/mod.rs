@@ -9,6 +9,7 @@ pub mod routes;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::worker::{Engine, EngineConfig};
+use crate::plugins::abi_v1::Kind;
 use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
 use routes::AppState;
@@ -37,12 +38,18 @@ fn memory_budget(config: &ServeConfig, engine: &Engine) -> u64 {
 
 /// Builds the shared state from a loaded engine.
 pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<PluginRegistry>>) -> Arc<AppState> {
+    let model_id =
+        engine.info.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let config = &config.for_model(&model_id);
+    let tool_adapter = match config.tool_adapter.as_deref() {
+        Some("none" | "off") => None,
+        Some(name) => Some(name.to_string()),
+        None => plugins.as_ref().map(|_| detect_tool_adapter(engine.tokenizer.chat_template()).to_string()),
+    };
     let budget = memory_budget(config, &engine);
     let free = budget.saturating_sub(engine.baseline_memory as u64);
     let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
     let max_sequence_tokens = (free / per_token) as usize;
-    let model_id =
-        engine.info.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     tracing::info!(budget, max_sequence_tokens, model = model_id, "memory budget");
     Arc::new(AppState {
         engine,
@@ -56,7 +63,28 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         plugins,
         default_plugins: config.default_plugins.clone(),
         speculative: config.spec().unwrap_or_default(),
+        tool_adapter,
     })
+}
+
+/// The tool-call adapter that fits a chat template, by the markers its tool-call syntax
+/// uses. Templates that ignore tools get Hermes (the host describes the tools in that
+/// convention), except Gemma's, whose adapter renders its own instructions.
+pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
+    let t = template.unwrap_or("");
+    if t.contains("<function=") && t.contains("<parameter=") {
+        "qwen3-coder"
+    } else if t.contains("<tool_call>") {
+        "hermes"
+    } else if t.contains("[TOOL_CALLS]") {
+        "mistral"
+    } else if t.contains("<|python_tag|>") || t.contains("ipython") {
+        "llama3-json"
+    } else if t.contains("tool_code") || t.contains("<start_of_turn>") {
+        "gemma"
+    } else {
+        "hermes"
+    }
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -67,7 +95,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let registry = PluginRegistry::new()?;
+    let started = std::time::Instant::now();
+    let registry = PluginRegistry::with_builtins()?;
+    tracing::info!(
+        builtins = registry.names().len(),
+        ms = started.elapsed().as_millis() as u64,
+        "built-in plugins ready"
+    );
     let _reload = match &config.plugins {
         Some(dir) => {
             let n = registry.load_dir(dir)?;
@@ -76,15 +110,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    if let Some(defaults) = &config.default_plugins {
-        let names = defaults.sampler.iter().chain(&defaults.stop).map(|r| r.name.clone());
-        for name in names {
-            if registry.get(&name).is_none() {
-                anyhow::bail!(
-                    "default plugin {name:?} (from default_plugins) is not loaded; loaded: {:?}",
-                    registry.names()
-                );
+    // Every plugin the configuration names must be loaded and of the right kind.
+    let mut named: Vec<(&str, Kind, &String)> = vec![("scheduler", Kind::Scheduler, &config.scheduler)];
+    let defaults =
+        config.default_plugins.iter().chain(config.models.values().filter_map(|m| m.default_plugins.as_ref()));
+    for d in defaults {
+        named.extend(d.sampler.iter().map(|r| ("default_plugins.sampler", Kind::Sampler, &r.name)));
+        named.extend(d.stop.iter().map(|r| ("default_plugins.stop", Kind::Stop, &r.name)));
+        named.extend(d.tool.iter().map(|r| ("default_plugins.tool", Kind::Tool, &r.name)));
+    }
+    let adapters = config.tool_adapter.iter().chain(config.models.values().filter_map(|m| m.tool_adapter.as_ref()));
+    named.extend(adapters.filter(|n| !matches!(n.as_str(), "none" | "off")).map(|n| ("tool_adapter", Kind::Tool, n)));
+    for (key, kind, name) in named {
+        match registry.get(name) {
+            None => anyhow::bail!("plugin {name:?} (from {key}) is not loaded; loaded: {}", registry.names().join(", ")),
+            Some(p) if !p.manifest.has(kind) => {
+                anyhow::bail!("plugin {name:?} (from {key}) is not a {kind} plugin (it is: {:?})", p.manifest.kinds)
             }
+            Some(_) => {}
         }
     }
     let engine = Arc::new(Engine::start(EngineConfig {
@@ -95,6 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prefill_step_size: 2048,
         plugins: Some(registry.clone()),
         draft_model: config.draft_model.clone(),
+        scheduler: Some((config.scheduler.clone(), config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})))),
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let runtime =

@@ -31,6 +31,9 @@ pub struct PluginsField {
     pub sampler: Option<PluginRef>,
     #[serde(default)]
     pub stop: Vec<PluginRef>,
+    /// The tool-call adapter for requests with tools (default: the server's, chosen from
+    /// the model's chat template).
+    pub tool: Option<PluginRef>,
 }
 
 /// `stop`: a string or a list of strings.
@@ -160,6 +163,11 @@ pub struct ChatRequest {
     pub plugins: Option<PluginsField>,
     /// Speculative decoding for this request (extension; see `speculative`).
     pub speculative: Option<Value>,
+    /// The end user; the scheduling policy sees it as the request's client.
+    pub user: Option<String>,
+    /// Scheduling priority (extension, as vLLM's): higher is served first by the
+    /// `priority` policy. Default 0.
+    pub priority: Option<i64>,
 }
 
 impl ChatRequest {
@@ -214,6 +222,8 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
     pub plugins: Option<PluginsField>,
     pub speculative: Option<Value>,
+    pub user: Option<String>,
+    pub priority: Option<i64>,
 }
 
 /// Checks `n`, which this server supports only as 1.
@@ -440,4 +450,31 @@ pub fn speculative(field: Option<Value>, defaults: &SpecConfig, has_draft: bool)
 
 pub fn finish_reason(f: &Finish) -> &'static str {
     f.reason()
+}
+
+/// A tool call as the collector gathers it: id, function name, JSON arguments.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// `message.tool_calls` of a chat completion.
+pub fn tool_calls_json(calls: &[ToolCall]) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect(),
+    )
+}
+
+/// Checks `priority`: an integer within +-1,000,000.
+pub fn priority(p: Option<i64>) -> Result<i64, ApiError> {
+    match p {
+        None => Ok(0),
+        Some(p) if p.abs() <= 1_000_000 => Ok(p),
+        Some(p) => Err(ApiError::invalid("priority", format!("`priority` must be between -1000000 and 1000000, got {p}"))),
+    }
 }

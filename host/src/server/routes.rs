@@ -10,7 +10,7 @@ use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
 use crate::engine::worker::{Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
 use crate::plugins::abi_v1::Kind;
-use crate::plugins::{PluginRegistry, Selection};
+use crate::plugins::{PluginRegistry, Selected, Selection};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{MatchedPath, Request, State};
@@ -43,6 +43,9 @@ pub struct AppState {
     pub default_plugins: Option<openai::PluginsField>,
     /// Speculative decoding for requests that do not choose.
     pub speculative: SpecConfig,
+    /// The tool-call adapter for requests with tools that do not name one (configured, or
+    /// chosen from the chat template); `None`: tool calls stay in the text.
+    pub tool_adapter: Option<String>,
 }
 
 type Shared = Arc<AppState>;
@@ -134,18 +137,39 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
 }
 
 impl AppState {
+    fn template_takes_tools(&self) -> bool {
+        self.engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
+    }
+
+    /// For templates that ignore `tools`: the tool adapter's own description of them
+    /// (`tool_render`), when it has one. Runs the plugin off the async runtime.
+    async fn render_tools(&self, adapter: Option<&Selected>, tools: Option<&Vec<Value>>) -> Result<Option<String>, ApiError> {
+        let (Some(adapter), Some(tools), Some(registry)) = (adapter, tools, self.plugins.clone()) else { return Ok(None) };
+        if self.template_takes_tools() || tools.is_empty() {
+            return Ok(None);
+        }
+        let (adapter, tools) = (adapter.clone(), Value::Array(tools.clone()));
+        tokio::task::spawn_blocking(move || crate::plugins::render_tools(&registry, &adapter, &tools))
+            .await
+            .map_err(ApiError::internal)?
+            .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+    }
+
     /// Renders chat messages (and tools) through the model's template and tokenizes them.
+    /// A template that ignores `tools` gets them described in the system message: `rendered`
+    /// (the tool adapter's text) or the Hermes convention.
     fn chat_prompt(
         &self,
         mut messages: Vec<Value>,
         tools: Option<Vec<Value>>,
         kwargs: Option<&Value>,
+        rendered: Option<String>,
     ) -> Result<Vec<u32>, ApiError> {
         let tokenizer = &self.engine.tokenizer;
-        let template_takes_tools = tokenizer.chat_template().is_some_and(|t| t.contains("tools"));
+        let template_takes_tools = self.template_takes_tools();
         let tools = tools.filter(|t| !t.is_empty());
         if let (Some(tools), false) = (&tools, template_takes_tools) {
-            inject_tools(&mut messages, tools);
+            inject_tools(&mut messages, tools, rendered);
         }
         let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
         let text = tokenizer
@@ -175,9 +199,23 @@ impl AppState {
         }
     }
 
-    /// Resolves the `plugins` extension field to loaded plugins.
-    fn plugins(&self, field: Option<openai::PluginsField>, flavor: Flavor) -> Result<Selection, ApiError> {
-        let Some(field) = field.or_else(|| self.default_plugins.clone()) else { return Ok(Selection::default()) };
+    /// Resolves the `plugins` extension field to loaded plugins. A request with `tools` gets
+    /// a tool adapter (the field's `tool`, else the server's), with the tools as its params.
+    fn plugins(
+        &self,
+        field: Option<openai::PluginsField>,
+        tools: Option<&Vec<Value>>,
+        flavor: Flavor,
+    ) -> Result<Selection, ApiError> {
+        let field = field.or_else(|| self.default_plugins.clone()).unwrap_or_default();
+        let tool = field.tool.or_else(|| {
+            let name = self.tool_adapter.clone()?;
+            tools.filter(|t| !t.is_empty())?;
+            Some(openai::PluginRef { name, config: None, params: None, fallback: true })
+        });
+        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() {
+            return Ok(Selection::default());
+        }
         let registry = self
             .plugins
             .as_ref()
@@ -187,9 +225,23 @@ impl AppState {
                 .select(kind, &r.name, r.config, r.params, r.fallback)
                 .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
         };
+        let tool = tool
+            .map(|mut r| {
+                let tools = Value::Array(tools.cloned().unwrap_or_default());
+                r.params = Some(match r.params.take() {
+                    Some(Value::Object(mut p)) => {
+                        p.insert("tools".into(), tools);
+                        Value::Object(p)
+                    }
+                    _ => json!({ "tools": tools }),
+                });
+                pick(Kind::Tool, r)
+            })
+            .transpose()?;
         Ok(Selection {
             sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
+            tool,
         })
     }
 
@@ -219,14 +271,16 @@ impl AppState {
     }
 }
 
-/// For templates that ignore `tools`: describe them in the system message, in the Hermes
-/// `<tool_call>` convention that tool-call parsers understand.
-fn inject_tools(messages: &mut Vec<Value>, tools: &[Value]) {
-    let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
-    let text = format!(
-        "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
-        list.join("\n")
-    );
+/// For templates that ignore `tools`: describe them in the system message, with the
+/// adapter's `rendered` text or in the Hermes `<tool_call>` convention.
+fn inject_tools(messages: &mut Vec<Value>, tools: &[Value], rendered: Option<String>) {
+    let text = rendered.unwrap_or_else(|| {
+        let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
+        format!(
+            "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
+            list.join("\n")
+        )
+    });
     match messages.first_mut() {
         Some(first) if first["role"] == "system" => {
             let existing = first["content"].as_str().unwrap_or("").to_string();
@@ -240,6 +294,7 @@ fn inject_tools(messages: &mut Vec<Value>, tools: &[Value]) {
 struct Completion {
     text: String,
     logprobs: Vec<TokenLogprob>,
+    tool_calls: Vec<openai::ToolCall>,
     finish: Finish,
     usage: Usage,
 }
@@ -247,9 +302,19 @@ struct Completion {
 async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Flavor) -> Result<Completion, ApiError> {
     let start = Instant::now();
     let (mut text, mut logprobs, mut first) = (String::new(), Vec::new(), true);
+    let mut tool_calls: Vec<openai::ToolCall> = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
             Event::Started { .. } => {}
+            Event::ToolCall { id, name, .. } => {
+                tool_calls.push(openai::ToolCall { id, name, arguments: String::new() })
+            }
+            Event::ToolArgs { index, delta } => {
+                if let Some(c) = tool_calls.get_mut(index) {
+                    c.arguments.push_str(&delta);
+                }
+            }
+            Event::Cancelled(m) => return Err(cancelled(m, flavor)),
             Event::Delta { text: t, logprobs: l } => {
                 if first {
                     state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
@@ -266,7 +331,7 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                     finish = finish.reason(),
                     "generation"
                 );
-                return Ok(Completion { text, logprobs, finish, usage });
+                return Ok(Completion { text, logprobs, tool_calls, finish, usage });
             }
             Event::Error(e) => return Err(ApiError::internal(e).flavor(flavor)),
             Event::Refused(m) => return Err(ApiError::invalid("plugins", m).flavor(flavor)),
@@ -274,6 +339,11 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
         }
     }
     Err(ApiError::internal("the engine dropped the request").flavor(flavor))
+}
+
+/// The scheduling policy cancelled this request before it started: a 409.
+fn cancelled(message: String, flavor: Flavor) -> ApiError {
+    ApiError::new(StatusCode::CONFLICT, message).with_code("cancelled_by_scheduler").flavor(flavor)
 }
 
 /// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
@@ -291,6 +361,7 @@ async fn started(
         Some(Event::Refused(m)) => Err(ApiError::invalid("plugins", m).flavor(flavor)),
         Some(Event::PluginFault(m)) => Err(plugin_fault(m, flavor)),
         Some(Event::Error(e)) => Err(ApiError::internal(e).flavor(flavor)),
+        Some(Event::Cancelled(m)) => Err(cancelled(m, flavor)),
         Some(first) => Ok((first, rx)),
         None => Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
     }
@@ -339,7 +410,10 @@ where
                     "generation (streamed)"
                 );
             }
-            let end = matches!(event, Event::Done { .. } | Event::Error(_) | Event::Refused(_) | Event::PluginFault(_));
+            let end = matches!(
+                event,
+                Event::Done { .. } | Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)
+            );
             for e in render(&event) {
                 if tx.send(Ok(e)).await.is_err() {
                     return; // Client gone: dropping `rx` cancels the job.
@@ -368,7 +442,7 @@ fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
             tracing::error!("generation failed mid-stream: {m}");
             "internal error; see the server log".to_string()
         }
-        Event::Refused(m) | Event::PluginFault(m) => m.clone(),
+        Event::Refused(m) | Event::PluginFault(m) | Event::Cancelled(m) => m.clone(),
         _ => String::new(),
     };
     match flavor {
@@ -405,22 +479,32 @@ async fn chat_completions(
         _ => req.tools.clone(),
     };
     let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
-    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref())?;
-    let max_tokens = state.admit(prompt.len(), max)?;
+    let priority = openai::priority(req.priority)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
+    let plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
+    let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
+    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref(), rendered)?;
+    let max_tokens = state.admit(prompt.len(), max)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
     let stop = openai::stops(req.stop)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative };
+    let client = req.user.clone();
+    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative, priority, client };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, Flavor::OpenAi).await?;
         let logprobs =
             if top_logprobs.is_some() { json!({"content": openai::chat_logprobs(&c.logprobs)}) } else { Value::Null };
+        let mut message = json!({"role": "assistant", "content": c.text});
+        if !c.tool_calls.is_empty() {
+            if c.text.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = openai::tool_calls_json(&c.tool_calls);
+        }
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": c.finish.reason()}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": c.finish.reason()}],
             "usage": openai::usage_json(&c.usage),
         }))
         .into_response());
@@ -449,6 +533,16 @@ async fn chat_completions(
                 let lp = if want_logprobs { json!({"content": openai::chat_logprobs(logprobs)}) } else { Value::Null };
                 vec![chunk(json!({"content": text}), lp, Value::Null)]
             }
+            Event::ToolCall { index, id, name } => vec![chunk(
+                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                Value::Null,
+                Value::Null,
+            )],
+            Event::ToolArgs { index, delta } => vec![chunk(
+                json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}),
+                Value::Null,
+                Value::Null,
+            )],
             Event::Done { finish, usage } => {
                 let mut out = vec![chunk(json!({}), Value::Null, json!(finish.reason()))];
                 if include_usage {
@@ -456,7 +550,9 @@ async fn chat_completions(
                 }
                 out
             }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::OpenAi)],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+                vec![stream_error(e, Flavor::OpenAi)]
+            }
         },
         true,
         Flavor::OpenAi,
@@ -495,10 +591,11 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let max_tokens = state.admit(prompt.len(), Some(max))?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let plugins = state.plugins(req.plugins, Flavor::OpenAi)?;
+    let plugins = state.plugins(req.plugins, None, Flavor::OpenAi)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
     let stop = openai::stops(req.stop)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative };
+    let (priority, client) = (openai::priority(req.priority)?, req.user.clone());
+    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative, priority, client };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
     let echo = if req.echo { prompt_text } else { String::new() };
@@ -542,7 +639,11 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
                 }
                 out
             }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::OpenAi)],
+            // A completion has no tools, so no adapter reports calls.
+            Event::ToolCall { .. } | Event::ToolArgs { .. } => vec![],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+                vec![stream_error(e, Flavor::OpenAi)]
+            }
         },
         true,
         Flavor::OpenAi,
@@ -560,27 +661,39 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         Some("none") => None,
         _ => anthropic::tools(req.tools.as_ref())?,
     };
-    let prompt = state.chat_prompt(messages, tools, None).map_err(|e| e.flavor(a))?;
-    let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
-    let stop = openai::stops(req.stop_sequences.map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
     state.check_sampling(&sampling, a)?;
-    let plugins = state.plugins(req.plugins, a)?;
-    let speculative = state.speculative(req.speculative, a)?;
-    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins, speculative };
+    let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
+    let plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
+    let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
+    let prompt = state.chat_prompt(messages, tools, None, rendered).map_err(|e| e.flavor(a))?;
+    let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
+    let stop = openai::stops(req.stop_sequences.clone().map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
+    let speculative = state.speculative(req.speculative.clone(), a)?;
+    let client = anthropic::client(&req);
+    let job =
+        JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins, speculative, priority, client };
     let rx = state.submit(job, a)?;
     let (id, model) = (request_id("msg_"), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, a).await?;
         let (reason, sequence) = anthropic::stop_reason(&c.finish);
+        let mut content = Vec::new();
+        if !c.text.is_empty() || c.tool_calls.is_empty() {
+            content.push(json!({"type": "text", "text": c.text}));
+        }
+        content.extend(c.tool_calls.iter().map(anthropic::tool_use_block));
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": c.text}],
+            "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": anthropic::usage_json(&c.usage),
         }))
         .into_response());
     }
-    let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
+    // Content blocks in order: text at index 0, then a block per tool call (and a new text
+    // block if text follows a call). `current` is the open block; `open_text` its kind.
+    let mut open_text = true;
+    let mut current = 0usize;
     stream(
         state.clone(),
         rx,
@@ -601,15 +714,32 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
             ],
             Event::Delta { text, .. } if text.is_empty() => vec![],
             Event::Delta { text, .. } => {
-                vec![named(
+                let mut out = vec![];
+                if !open_text {
+                    out = next_block(&mut current, json!({"type": "text", "text": ""}));
+                    open_text = true;
+                }
+                out.push(named(
                     "content_block_delta",
-                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
-                )]
+                    json!({"type": "content_block_delta", "index": current, "delta": {"type": "text_delta", "text": text}}),
+                ));
+                out
             }
+            Event::ToolCall { id, name, .. } => {
+                open_text = false;
+                let call = openai::ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() };
+                let mut start = anthropic::tool_use_block(&call);
+                start["input"] = json!({});
+                next_block(&mut current, start)
+            }
+            Event::ToolArgs { delta, .. } => vec![named(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": current, "delta": {"type": "input_json_delta", "partial_json": delta}}),
+            )],
             Event::Done { finish, usage } => {
                 let (reason, sequence) = anthropic::stop_reason(finish);
                 vec![
-                    named("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
+                    named("content_block_stop", json!({"type": "content_block_stop", "index": current})),
                     named(
                         "message_delta",
                         json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": anthropic::usage_json(usage)}),
@@ -617,12 +747,26 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
                     named("message_stop", json!({"type": "message_stop"})),
                 ]
             }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_)) => vec![stream_error(e, Flavor::Anthropic)],
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+                vec![stream_error(e, Flavor::Anthropic)]
+            }
         },
         false,
         Flavor::Anthropic,
     )
     .await
+}
+
+/// A named SSE event (the Anthropic stream's shape).
+fn named(name: &str, v: Value) -> SseEvent {
+    SseEvent::default().event(name).data(v.to_string())
+}
+
+/// Closes content block `current` and opens the next with `start`.
+fn next_block(current: &mut usize, start: Value) -> Vec<SseEvent> {
+    let stop = named("content_block_stop", json!({"type": "content_block_stop", "index": *current}));
+    *current += 1;
+    vec![stop, named("content_block_start", json!({"type": "content_block_start", "index": *current, "content_block": start}))]
 }
 
 async fn count_tokens(
@@ -632,7 +776,11 @@ async fn count_tokens(
     let a = Flavor::Anthropic;
     let req: anthropic::CountTokensRequest = parse_body(body, state.max_body_bytes).map_err(|e| e.flavor(a))?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
-    let prompt = state.chat_prompt(messages, anthropic::tools(req.tools.as_ref())?, None).map_err(|e| e.flavor(a))?;
+    // The same prompt `messages` would build, tool descriptions included.
+    let tools = anthropic::tools(req.tools.as_ref())?;
+    let tool = state.plugins(None, tools.as_ref(), a)?.tool;
+    let rendered = state.render_tools(tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
+    let prompt = state.chat_prompt(messages, tools, None, rendered).map_err(|e| e.flavor(a))?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 
@@ -662,6 +810,7 @@ mod tests {
                     prefill_step_size: 64,
                     plugins: None,
                     draft_model: None,
+                    scheduler: None,
                 };
                 Arc::new(Engine::start(config).unwrap())
             })

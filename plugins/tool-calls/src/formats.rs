@@ -1,0 +1,442 @@
+//! The tool-call syntaxes of the model families the built-in adapters cover.
+
+use super::{function, Call, Format};
+use serde_json::{Map, Value};
+
+/// Every JSON value in `text`, allowing whitespace, `;` or `,` between them.
+fn json_values(text: &str) -> Result<Vec<Value>, String> {
+    let mut out = Vec::new();
+    let mut rest = text.trim();
+    while !rest.is_empty() {
+        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        match stream.next() {
+            Some(Ok(v)) => out.push(v),
+            Some(Err(e)) => return Err(e.to_string()),
+            None => break,
+        }
+        rest = rest[stream.byte_offset()..].trim_start_matches(|c: char| c.is_whitespace() || c == ';' || c == ',');
+    }
+    Ok(out)
+}
+
+/// `{"name": .., "arguments" | "parameters": ..}` as a call.
+fn named_call(v: &Value) -> Result<Call, String> {
+    let name = v.get("name").and_then(Value::as_str).ok_or("a tool call needs a string `name`")?;
+    let args = v.get("arguments").or_else(|| v.get("parameters")).unwrap_or(&Value::Null);
+    Ok(Call::new(name, args))
+}
+
+/// Hermes / Qwen2.5: `<tool_call>\n{"name": "f", "arguments": {..}}\n</tool_call>`.
+#[derive(Default)]
+pub struct Hermes;
+
+impl Format for Hermes {
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<tool_call>", false)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("</tool_call>")
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        json_values(region)?.iter().map(named_call).collect()
+    }
+    fn render(&self, tools: &[Value]) -> Option<String> {
+        let list: Vec<String> = tools.iter().map(|t| function(t).to_string()).collect();
+        Some(format!(
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>",
+            list.join("\n")
+        ))
+    }
+}
+
+/// Qwen3-Coder XML: `<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`.
+/// Parameter values are text; they become JSON per the tool's schema (strings stay strings,
+/// numbers, booleans, objects and arrays are parsed), or by their look when no schema says.
+#[derive(Default)]
+pub struct Qwen3Coder;
+
+/// The schema type of `param` of function `name` among `tools`.
+fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
+    tools.iter().map(function).find(|f| f["name"] == name)?["parameters"]["properties"][param]["type"].as_str()
+}
+
+fn typed(value: &str, kind: Option<&str>) -> Value {
+    match kind {
+        Some("string") => Value::String(value.to_string()),
+        _ => match serde_json::from_str::<Value>(value) {
+            Ok(v) if kind.is_some() || !v.is_string() => v,
+            _ => Value::String(value.to_string()),
+        },
+    }
+}
+
+/// The text between `<tag=NAME>` and `</tag>`, for each occurrence: (NAME, body).
+fn tagged<'a>(text: &'a str, tag: &str) -> Result<Vec<(&'a str, &'a str)>, String> {
+    let (open, close) = (format!("<{tag}="), format!("</{tag}>"));
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(&open) {
+        let after = &rest[at + open.len()..];
+        let gt = after.find('>').ok_or_else(|| format!("unterminated <{tag}=...>"))?;
+        let body = &after[gt + 1..];
+        let end = body.find(&close).unwrap_or(body.len());
+        out.push((after[..gt].trim(), &body[..end]));
+        rest = &body[(end + close.len()).min(body.len())..];
+    }
+    Ok(out)
+}
+
+impl Format for Qwen3Coder {
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<tool_call>", false)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("</tool_call>")
+    }
+    fn parse(&self, region: &str, tools: &[Value]) -> Result<Vec<Call>, String> {
+        let functions = tagged(region, "function")?;
+        if functions.is_empty() {
+            return Err("no <function=...> in the tool call".into());
+        }
+        functions
+            .into_iter()
+            .map(|(name, body)| {
+                let mut args = Map::new();
+                for (param, value) in tagged(body, "parameter")? {
+                    let value = value.strip_prefix('\n').unwrap_or(value);
+                    let value = value.strip_suffix('\n').unwrap_or(value);
+                    args.insert(param.to_string(), typed(value, param_type(tools, name, param)));
+                }
+                Ok(Call::new(name, &Value::Object(args)))
+            })
+            .collect()
+    }
+}
+
+/// Llama 3.x: the whole reply is `{"name": "f", "parameters": {..}}` (several separated by
+/// `;`), optionally after `<|python_tag|>`. Prose that merely contains JSON is not a call.
+#[derive(Default)]
+pub struct Llama3Json;
+
+impl Format for Llama3Json {
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<|python_tag|>", false), ("{", true)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        None
+    }
+    fn anchored(&self) -> bool {
+        true
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        let region = region.trim().trim_end_matches("<|eom_id|>").trim_end_matches("<|eot_id|>");
+        json_values(region)?.iter().map(named_call).collect()
+    }
+}
+
+/// Mistral: `[TOOL_CALLS][{"name": "f", "arguments": {..}}]` (v3 tokenizers) or
+/// `[TOOL_CALLS]f[ARGS]{..}` repeated (v11+), to the end of the reply.
+#[derive(Default)]
+pub struct Mistral;
+
+impl Format for Mistral {
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("[TOOL_CALLS]", false)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        None
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        let region = region.trim().trim_end_matches("</s>").trim();
+        if region.starts_with('[') || region.starts_with('{') {
+            let mut calls = Vec::new();
+            for v in json_values(region)? {
+                match v {
+                    Value::Array(items) => calls.extend(items.iter().map(named_call).collect::<Result<Vec<_>, _>>()?),
+                    v => calls.push(named_call(&v)?),
+                }
+            }
+            return Ok(calls);
+        }
+        region
+            .split("[TOOL_CALLS]")
+            .filter(|s| !s.trim().is_empty())
+            .map(|segment| {
+                let (name, args) = segment.split_once("[ARGS]").ok_or("expected NAME[ARGS]{...}")?;
+                let name = name.split("[CALL_ID]").next().unwrap_or(name).trim();
+                let args: Value = serde_json::from_str(args.trim()).map_err(|e| e.to_string())?;
+                Ok(Call::new(name, &args))
+            })
+            .collect()
+    }
+}
+
+/// Gemma: Python calls in a fenced block, `` ```tool_code\nf(city="Paris", days=3)\n``` ``.
+#[derive(Default)]
+pub struct Gemma;
+
+impl Format for Gemma {
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("```tool_code", false)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("```")
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        let mut calls = Vec::new();
+        let mut p = Py { s: region.as_bytes(), at: 0 };
+        loop {
+            p.space();
+            if p.at >= p.s.len() {
+                break;
+            }
+            let name = p.dotted()?;
+            p.expect(b'(')?;
+            let mut args = Map::new();
+            loop {
+                p.space();
+                if p.eat(b')') {
+                    break;
+                }
+                let key = p.ident()?;
+                p.space();
+                p.expect(b'=')?;
+                args.insert(key, p.value()?);
+                p.space();
+                if !p.eat(b',') {
+                    p.space();
+                    p.expect(b')')?;
+                    break;
+                }
+            }
+            calls.push(Call::new(&name, &Value::Object(args)));
+        }
+        Ok(calls)
+    }
+    fn render(&self, tools: &[Value]) -> Option<String> {
+        let list: Vec<String> = tools.iter().map(|t| function(t).to_string()).collect();
+        Some(format!(
+            "You have access to functions. If you decide to invoke any of the function(s), put it in a fenced block tagged tool_code, as Python calls with keyword arguments:\n```tool_code\nfunction_name(parameter=value)\n```\nYou SHOULD NOT include any other text in the response if you call a function.\nThe functions, as JSON schemas:\n{}",
+            list.join("\n")
+        ))
+    }
+}
+
+/// A small parser of Python call syntax and literals.
+struct Py<'a> {
+    s: &'a [u8],
+    at: usize,
+}
+
+impl Py<'_> {
+    fn space(&mut self) {
+        while self.at < self.s.len() && self.s[self.at].is_ascii_whitespace() {
+            self.at += 1;
+        }
+    }
+    fn eat(&mut self, c: u8) -> bool {
+        let ok = self.s.get(self.at) == Some(&c);
+        self.at += usize::from(ok);
+        ok
+    }
+    fn expect(&mut self, c: u8) -> Result<(), String> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(format!("expected {:?} at byte {}", c as char, self.at))
+        }
+    }
+    fn ident(&mut self) -> Result<String, String> {
+        let start = self.at;
+        while self.at < self.s.len() && (self.s[self.at].is_ascii_alphanumeric() || self.s[self.at] == b'_') {
+            self.at += 1;
+        }
+        if start == self.at {
+            return Err(format!("expected a name at byte {start}"));
+        }
+        Ok(String::from_utf8_lossy(&self.s[start..self.at]).into_owned())
+    }
+    fn dotted(&mut self) -> Result<String, String> {
+        let mut name = self.ident()?;
+        while self.eat(b'.') {
+            name.push('.');
+            name.push_str(&self.ident()?);
+        }
+        Ok(name)
+    }
+    fn value(&mut self) -> Result<Value, String> {
+        self.space();
+        let Some(&c) = self.s.get(self.at) else { return Err("expected a value".into()) };
+        match c {
+            b'"' | b'\'' => self.string(c),
+            b'[' | b'(' => {
+                self.at += 1;
+                let close = if c == b'[' { b']' } else { b')' };
+                let mut items = Vec::new();
+                loop {
+                    self.space();
+                    if self.eat(close) {
+                        return Ok(Value::Array(items));
+                    }
+                    items.push(self.value()?);
+                    self.space();
+                    if !self.eat(b',') {
+                        self.space();
+                        self.expect(close)?;
+                        return Ok(Value::Array(items));
+                    }
+                }
+            }
+            b'{' => {
+                self.at += 1;
+                let mut map = Map::new();
+                loop {
+                    self.space();
+                    if self.eat(b'}') {
+                        return Ok(Value::Object(map));
+                    }
+                    let key = match self.value()? {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    self.space();
+                    self.expect(b':')?;
+                    map.insert(key, self.value()?);
+                    self.space();
+                    if !self.eat(b',') {
+                        self.space();
+                        self.expect(b'}')?;
+                        return Ok(Value::Object(map));
+                    }
+                }
+            }
+            _ => {
+                let start = self.at;
+                while self.at < self.s.len() && !matches!(self.s[self.at], b',' | b')' | b']' | b'}' | b':') && !self.s[self.at].is_ascii_whitespace() {
+                    self.at += 1;
+                }
+                let word = std::str::from_utf8(&self.s[start..self.at]).map_err(|e| e.to_string())?;
+                match word {
+                    "True" | "true" => Ok(Value::Bool(true)),
+                    "False" | "false" => Ok(Value::Bool(false)),
+                    "None" | "null" => Ok(Value::Null),
+                    _ => serde_json::from_str::<serde_json::Number>(word)
+                        .map(Value::Number)
+                        .map_err(|_| format!("unsupported value {word:?}")),
+                }
+            }
+        }
+    }
+    fn string(&mut self, quote: u8) -> Result<Value, String> {
+        self.at += 1;
+        let mut out = Vec::new();
+        while let Some(&c) = self.s.get(self.at) {
+            self.at += 1;
+            match c {
+                b'\\' => {
+                    let e = *self.s.get(self.at).ok_or("unterminated string")?;
+                    self.at += 1;
+                    out.push(match e {
+                        b'n' => b'\n',
+                        b't' => b'\t',
+                        b'r' => b'\r',
+                        other => other,
+                    });
+                }
+                c if c == quote => return Ok(Value::String(String::from_utf8_lossy(&out).into_owned())),
+                c => out.push(c),
+            }
+        }
+        Err("unterminated string".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{chunks, run};
+    use serde_json::json;
+
+    /// Runs `text` whole and in 1- and 3-character pieces; all must agree.
+    fn check<F: Format>(text: &str, tools: &[Value]) -> (String, Vec<(String, String)>) {
+        let whole = run::<F>(&[text], tools);
+        for n in [1, 3] {
+            let pieces = chunks(text, n);
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            assert_eq!(run::<F>(&refs, tools), whole, "pieces of {n}");
+        }
+        whole
+    }
+
+    fn call(name: &str, args: Value) -> (String, String) {
+        (name.to_string(), args.to_string())
+    }
+
+    #[test]
+    fn hermes_calls_between_content() {
+        let text = "Let me check.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\": \"time\", \"arguments\": {}}</tool_call>";
+        let (content, calls) = check::<Hermes>(text, &[]);
+        assert_eq!(content, "Let me check.\n");
+        assert_eq!(calls, vec![call("get_weather", json!({"city": "Paris"})), call("time", json!({}))]);
+        // Broken JSON is given back as written; a lone "<" is content.
+        let (content, calls) = check::<Hermes>("a < b <tool_call>{oops}</tool_call>", &[]);
+        assert_eq!((content.as_str(), calls.len()), ("a < b <tool_call>{oops}</tool_call>", 0));
+        // An unclosed call at the end of the output still parses.
+        let (_, calls) = check::<Hermes>("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}", &[]);
+        assert_eq!(calls, vec![call("f", json!({"x": 1}))]);
+    }
+
+    #[test]
+    fn qwen3_coder_xml_with_schema_types() {
+        let tools = [json!({"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "nights": {"type": "integer"}, "zip": {"type": "string"}, "opts": {"type": "object"}}}}})];
+        let text = "Booking.\n<tool_call>\n<function=book>\n<parameter=city>\nNew York\n</parameter>\n<parameter=nights>\n3\n</parameter>\n<parameter=zip>\n10001\n</parameter>\n<parameter=opts>\n{\"view\": true}\n</parameter>\n</function>\n</tool_call>";
+        let (content, calls) = check::<Qwen3Coder>(text, &tools);
+        assert_eq!(content, "Booking.\n");
+        assert_eq!(calls, vec![call("book", json!({"city": "New York", "nights": 3, "zip": "10001", "opts": {"view": true}}))]);
+        // Without a schema, values that look like numbers become numbers.
+        let (_, calls) = check::<Qwen3Coder>("<tool_call><function=f><parameter=n>7</parameter><parameter=s>hi</parameter></function></tool_call>", &[]);
+        assert_eq!(calls, vec![call("f", json!({"n": 7, "s": "hi"}))]);
+    }
+
+    #[test]
+    fn llama3_json_only_at_the_start() {
+        let (content, calls) = check::<Llama3Json>("  {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}", &[]);
+        assert_eq!((content.as_str(), calls), ("", vec![call("get_weather", json!({"city": "Paris"}))]));
+        let (_, calls) =
+            check::<Llama3Json>("<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": [1]}}<|eom_id|>", &[]);
+        assert_eq!(calls, vec![call("a", json!({})), call("b", json!({"x": [1]}))]);
+        let (content, calls) = check::<Llama3Json>("Use {\"name\": \"x\"} like this.", &[]);
+        assert_eq!((content.as_str(), calls.len()), ("Use {\"name\": \"x\"} like this.", 0));
+        let (content, calls) = check::<Llama3Json>("{not json at all", &[]);
+        assert_eq!((content.as_str(), calls.len()), ("{not json at all", 0));
+    }
+
+    #[test]
+    fn mistral_both_generations() {
+        let (content, calls) = check::<Mistral>("[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}, {\"name\": \"g\", \"arguments\": {}}]</s>", &[]);
+        assert_eq!((content.as_str(), calls), ("", vec![call("f", json!({"a": 1})), call("g", json!({}))]));
+        let (content, calls) = check::<Mistral>("Sure.[TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g[CALL_ID]abc123456[ARGS]{}", &[]);
+        assert_eq!((content.as_str(), calls), ("Sure.", vec![call("f", json!({"a": 1})), call("g", json!({}))]));
+    }
+
+    #[test]
+    fn gemma_python_calls() {
+        let text = "Checking.\n```tool_code\nget_weather(city=\"Paris\", days=3, units='metric', alerts=True, tags=[\"a\", 2], extra={\"k\": None})\n```\nDone.";
+        let (content, calls) = check::<Gemma>(text, &[]);
+        assert_eq!(content, "Checking.\n\nDone.");
+        assert_eq!(calls, vec![call("get_weather", json!({"city": "Paris", "days": 3, "units": "metric", "alerts": true, "tags": ["a", 2], "extra": {"k": null}}))]);
+        let (content, calls) = check::<Gemma>("```python\nprint(1)\n```", &[]);
+        assert_eq!((content.as_str(), calls.len()), ("```python\nprint(1)\n```", 0));
+        let (content, calls) = check::<Gemma>("```tool_code\nf(x=)\n```", &[]);
+        assert_eq!((content.as_str(), calls.len()), ("```tool_code\nf(x=)\n```", 0));
+    }
+
+    #[test]
+    fn renders_for_templates_without_tools() {
+        let tools = [json!({"type": "function", "function": {"name": "f", "parameters": {}}})];
+        assert!(Hermes.render(&tools).unwrap().contains("<tools>\n{\"name\":\"f\",\"parameters\":{}}\n</tools>"));
+        assert!(Gemma.render(&tools).unwrap().contains("```tool_code"));
+        assert!(Mistral.render(&tools).is_none());
+    }
+}

@@ -1,0 +1,241 @@
+//! The machinery behind the built-in tool-call adapters: a streaming scanner that passes
+//! plain text through as content (holding back only what could be the start of a marker),
+//! collects the text of each tool-call region, and hands it to a [`Format`] that turns it
+//! into calls. A region that does not parse is given back as content, as written.
+//!
+//! Each adapter crate is `Adapter<TheFormat>` plus `export_tool_adapter!`.
+
+pub mod formats;
+
+use plugin_sdk::{ToolAdapter, ToolEvent};
+use serde_json::Value;
+
+/// One parsed call: the function name and its arguments as a JSON text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    pub name: String,
+    pub arguments: String,
+}
+
+impl Call {
+    /// A call whose arguments are a JSON value (an object, or a string holding JSON).
+    pub fn new(name: &str, arguments: &Value) -> Call {
+        let arguments = match arguments {
+            Value::String(s) if serde_json::from_str::<Value>(s).is_ok() => s.clone(),
+            Value::Null => "{}".into(),
+            v => v.to_string(),
+        };
+        Call { name: name.to_string(), arguments }
+    }
+}
+
+/// A tool-call syntax.
+pub trait Format: Default {
+    /// Markers that open a region: (marker, whether the marker is part of the region's text).
+    fn open(&self) -> &'static [(&'static str, bool)];
+    /// The marker that closes a region; `None`: it runs to the end of the output.
+    fn close(&self) -> Option<&'static str>;
+    /// Regions only at the start of the output (after whitespace), not inside prose.
+    fn anchored(&self) -> bool {
+        false
+    }
+    /// The calls in a region's text; `Err` gives the region back as content.
+    fn parse(&self, region: &str, tools: &[Value]) -> Result<Vec<Call>, String>;
+    /// System-prompt text describing `tools` (a JSON array) for templates that ignore them.
+    fn render(&self, _tools: &[Value]) -> Option<String> {
+        None
+    }
+}
+
+/// A [`Format`] as a streaming [`ToolAdapter`].
+#[derive(Default)]
+pub struct Adapter<F: Format> {
+    format: F,
+    tools: Vec<Value>,
+    seed: u64,
+    calls: usize,
+    /// Text not yet classified (it may begin a marker).
+    pending: String,
+    /// Inside a region: the marker that opened it and the region text so far.
+    region: Option<(String, String)>,
+    /// Anchored formats: whether the output has shown non-space text yet.
+    decided: bool,
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+impl<F: Format> Adapter<F> {
+    fn content(out: &mut Vec<ToolEvent>, text: &str) {
+        if !text.is_empty() {
+            match out.last_mut() {
+                Some(ToolEvent::Content(c)) => c.push_str(text),
+                _ => out.push(ToolEvent::Content(text.to_string())),
+            }
+        }
+    }
+
+    /// Ends a region: its calls as events, or its text back as content.
+    fn close_region(&mut self, marker: &str, text: &str, closed: bool, out: &mut Vec<ToolEvent>) {
+        let keep = self.format.open().iter().any(|(m, keep)| *m == marker && *keep);
+        let parsed = self.format.parse(text, &self.tools).ok().filter(|c| !c.is_empty());
+        match parsed {
+            Some(calls) => {
+                for call in calls {
+                    let index = self.calls;
+                    self.calls += 1;
+                    let id = format!("call_{:08x}{index}", self.seed as u32 ^ (self.seed >> 32) as u32);
+                    out.push(ToolEvent::Call { index, id, name: call.name });
+                    out.push(ToolEvent::Args { index, delta: call.arguments });
+                }
+            }
+            None => {
+                if !keep {
+                    Self::content(out, marker);
+                }
+                Self::content(out, text);
+                if closed {
+                    Self::content(out, self.format.close().unwrap_or(""));
+                }
+            }
+        }
+    }
+
+    fn scan(&mut self, out: &mut Vec<ToolEvent>, finished: bool) {
+        loop {
+            if let Some((marker, mut text)) = self.region.take() {
+                match self.format.close() {
+                    Some(close) => match self.pending.find(close) {
+                        Some(at) => {
+                            text.push_str(&self.pending[..at]);
+                            self.pending.drain(..at + close.len());
+                            self.close_region(&marker, &text, true, out);
+                            continue;
+                        }
+                        None => {
+                            let hold = if finished { 0 } else { partial_suffix(&self.pending, close) };
+                            let take = self.pending.len() - hold;
+                            text.extend(self.pending.drain(..take));
+                        }
+                    },
+                    None => text.push_str(&std::mem::take(&mut self.pending)),
+                }
+                if finished {
+                    self.close_region(&marker, &text, false, out);
+                } else {
+                    self.region = Some((marker, text));
+                }
+                return;
+            }
+            if self.format.anchored() && !self.decided {
+                let body = self.pending.trim_start();
+                if body.is_empty() && !finished {
+                    return;
+                }
+                let lead = self.pending.len() - body.len();
+                if let Some((m, keep)) = self.format.open().iter().find(|(m, _)| body.starts_with(m)) {
+                    self.decided = true;
+                    let skip = lead + if *keep { 0 } else { m.len() };
+                    self.pending.drain(..skip);
+                    self.region = Some((m.to_string(), String::new()));
+                    continue;
+                }
+                if !finished && self.format.open().iter().any(|(m, _)| m.starts_with(body)) {
+                    return;
+                }
+                self.decided = true;
+            }
+            if self.format.anchored() {
+                // Decided as prose: everything is content.
+                Self::content(out, &std::mem::take(&mut self.pending));
+                return;
+            }
+            let first = self.format.open().iter().filter_map(|(m, keep)| self.pending.find(m).map(|at| (at, *m, *keep))).min();
+            match first {
+                Some((at, marker, keep)) => {
+                    let before: String = self.pending.drain(..at).collect();
+                    Self::content(out, &before);
+                    if !keep {
+                        self.pending.drain(..marker.len());
+                    }
+                    self.region = Some((marker.to_string(), String::new()));
+                }
+                None => {
+                    let hold = if finished {
+                        0
+                    } else {
+                        self.format.open().iter().map(|(m, _)| partial_suffix(&self.pending, m)).max().unwrap_or(0)
+                    };
+                    let take = self.pending.len() - hold;
+                    let text: String = self.pending.drain(..take).collect();
+                    Self::content(out, &text);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl<F: Format> ToolAdapter for Adapter<F> {
+    fn begin(&mut self, params: &str, seed: u64) -> Result<(), String> {
+        let params: Value = plugin_util::parse("tool adapter", "params", params)?;
+        self.tools = params.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
+        self.seed = seed;
+        Ok(())
+    }
+
+    fn feed(&mut self, text: &str, out: &mut Vec<ToolEvent>) {
+        self.pending.push_str(text);
+        self.scan(out, false);
+    }
+
+    fn finish(&mut self, out: &mut Vec<ToolEvent>) {
+        self.scan(out, true);
+    }
+
+    fn render(&mut self, tools: &str) -> Option<String> {
+        let tools: Vec<Value> = serde_json::from_str(tools).ok()?;
+        self.format.render(&tools)
+    }
+}
+
+/// The function object of an OpenAI tool definition (`{"type": "function", "function": {..}}`).
+pub fn function(tool: &Value) -> &Value {
+    tool.get("function").unwrap_or(tool)
+}
+
+/// Feeds `pieces` through a fresh adapter and returns its events, merged: content pieces
+/// joined, argument deltas joined per call. For tests.
+pub fn run<F: Format>(pieces: &[&str], tools: &[Value]) -> (String, Vec<(String, String)>) {
+    let mut adapter = Adapter::<F>::default();
+    adapter.begin(&serde_json::json!({"tools": tools}).to_string(), 1).unwrap();
+    let mut events = Vec::new();
+    for p in pieces {
+        adapter.feed(p, &mut events);
+    }
+    adapter.finish(&mut events);
+    let mut content = String::new();
+    let mut calls: Vec<(String, String)> = Vec::new();
+    for e in events {
+        match e {
+            ToolEvent::Content(c) => content.push_str(&c),
+            ToolEvent::Call { index, name, .. } => {
+                assert_eq!(index, calls.len());
+                calls.push((name, String::new()));
+            }
+            ToolEvent::Args { index, delta } => calls[index].1.push_str(&delta),
+        }
+    }
+    (content, calls)
+}
+
+/// Splits `text` into pieces of `n` characters (streaming in tests).
+pub fn chunks(text: &str, n: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(n).map(|c| c.iter().collect()).collect()
+}
