@@ -61,6 +61,8 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/plugins", get(list_plugins))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
@@ -767,6 +769,46 @@ fn next_block(current: &mut usize, start: Value) -> Vec<SseEvent> {
     let stop = named("content_block_stop", json!({"type": "content_block_stop", "index": *current}));
     *current += 1;
     vec![stop, named("content_block_start", json!({"type": "content_block_start", "index": *current, "content_block": start}))]
+}
+
+/// `POST /tokenize` (as vLLM's): `{"prompt": "text", "add_special_tokens": false}` or
+/// `{"messages": [...]}` (rendered with the chat template) -> token ids.
+async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Req {
+        model: Option<String>,
+        prompt: Option<String>,
+        messages: Option<Vec<Value>>,
+        #[serde(default)]
+        add_special_tokens: bool,
+    }
+    let req: Req = parse_body(body, state.max_body_bytes)?;
+    let _ = req.model;
+    let tokens = match (req.prompt, req.messages) {
+        (Some(text), None) => state.engine.tokenizer.encode(&text, req.add_special_tokens).map_err(ApiError::internal)?,
+        (None, Some(messages)) => state.chat_prompt(openai::template_messages(&messages)?, None, None, None)?,
+        _ => return Err(ApiError::invalid("prompt", "give exactly one of `prompt` (text) or `messages`")),
+    };
+    Ok(Json(json!({"count": tokens.len(), "max_model_len": state.max_sequence_tokens, "tokens": tokens})))
+}
+
+/// `POST /detokenize`: `{"tokens": [ids]}` -> `{"prompt": "text"}`.
+async fn detokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Req {
+        model: Option<String>,
+        tokens: Vec<u32>,
+    }
+    let req: Req = parse_body(body, state.max_body_bytes)?;
+    let _ = req.model;
+    let vocab = state.engine.info.vocab_size;
+    if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid("tokens", format!("token {bad} is outside the vocabulary of {vocab}")));
+    }
+    let text = state.engine.tokenizer.decode(&req.tokens).map_err(ApiError::internal)?;
+    Ok(Json(json!({ "prompt": text })))
 }
 
 async fn count_tokens(

@@ -1,0 +1,299 @@
+"""Built-in plugins in a live server, with no --plugins flag needed: every built-in loads;
+each tool adapter turns its format into tool calls in both APIs, streamed and not; the
+samplers and stop rules change real generations; the scheduling policies order, pause and
+cancel real requests. Outputs are scripted exactly with the `replay` test sampler
+(tests/plugins/replay), which emits token ids given in its params."""
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from conftest import ROOT, Server
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-p": "sampler", "top-n-sigma": "sampler",
+            "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
+            "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
+            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler"}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                         "required": ["city"]}}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+ARGS = {"city": "Paris", "days": 3}
+# The same call written in each adapter's format, after some prose where the format allows it.
+FORMATS = {
+    "hermes": ("Let me check. ", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'),
+    "qwen3-coder": ("Let me check. ", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+    "llama3-json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'),
+    "mistral": ("Let me check. ", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'),
+    "gemma": ("Let me check. ", '```tool_code\nget_weather(city="Paris", days=3)\n```'),
+}
+
+
+@pytest.fixture(scope="module")
+def replay_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "replay-sampler"],
+                   cwd=ROOT, check=True)
+    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "replay_sampler.wasm")
+    (d / "replay.wasm").write_bytes(open(wasm, "rb").read())
+    return d
+
+
+@pytest.fixture(scope="module")
+def srv(replay_dir):
+    s = Server("--plugins", str(replay_dir), "--prompt-cache-bytes", "0")
+    yield s
+    s.stop()
+
+
+def tokens(server, text):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def script(server, text):
+    """Replay params that make the model write `text`, then end its turn."""
+    eos = tokens(server, "<|im_end|>")
+    assert len(eos) == 1
+    ids = tokens(server, text)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    return {"name": "replay", "params": {"tokens": ids + eos}}, len(ids) + 4
+
+
+def chat(server, plugins=None, messages=Q, max_tokens=8, **kw):
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
+    if plugins is not None:
+        body["plugins"] = plugins
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_every_builtin_is_loaded_without_a_plugins_folder():
+    s = Server("--prompt-cache-bytes", "0")
+    try:
+        listed = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
+    finally:
+        s.stop()
+    for name, kind in BUILTINS.items():
+        assert listed[name]["kinds"] == [kind], listed[name]
+        assert listed[name]["source"] == f"builtin:{name}" and listed[name]["state"] == "ready", listed[name]
+
+
+@pytest.mark.parametrize("adapter", list(FORMATS))
+def test_each_tool_adapter_gives_tool_calls_in_both_apis_streamed_and_not(srv, adapter):
+    prose, call = FORMATS[adapter]
+    sampler, max_tokens = script(srv, prose + call)
+    plugins = {"sampler": sampler, "tool": {"name": adapter}}
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    kw = dict(model="m", messages=Q, tools=TOOLS, max_tokens=max_tokens, temperature=0, extra_body={"plugins": plugins})
+    r = oa.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert (choice.message.content or "") == prose
+    [tc] = choice.message.tool_calls
+    assert tc.type == "function" and tc.function.name == "get_weather" and tc.id
+    assert json.loads(tc.function.arguments) == ARGS
+    # Streamed: the SDK reassembles the argument deltas.
+    content, calls, finish = "", {}, None
+    for chunk in oa.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = entry["id"] or d.id
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == prose
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == ARGS
+    # Anthropic: tool_use blocks, stop_reason tool_use, streamed with input_json deltas.
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x")
+    akw = dict(model="m", max_tokens=max_tokens, messages=Q, tools=ANTHROPIC_TOOLS, extra_body={"plugins": plugins})
+    for message in [an.messages.create(**akw), an.messages.stream(**akw).__enter__().get_final_message()]:
+        assert message.stop_reason == "tool_use", message
+        uses = [b for b in message.content if b.type == "tool_use"]
+        texts = "".join(b.text for b in message.content if b.type == "text")
+        assert texts == prose
+        assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].input == ARGS
+        assert uses[0].id.startswith("toolu_")
+
+
+def test_the_adapter_is_chosen_from_the_chat_template_and_tool_choice_none_turns_it_off(srv):
+    # SmolLM2's template ignores tools, so the server describes them in the Hermes format and
+    # parses that format back.
+    sampler, max_tokens = script(srv, FORMATS["hermes"][1])
+    r = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["choices"][0]["message"]["content"] is None
+    assert json.loads(r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == ARGS
+    # Without tools (or with tool_choice none) the same text is just text.
+    for extra in [{}, {"tools": TOOLS, "tool_choice": "none"}]:
+        r = chat(srv, {"sampler": sampler}, max_tokens=max_tokens, **extra)
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert r["choices"][0]["message"]["content"] == FORMATS["hermes"][1]
+    # A call the model botched stays text.
+    sampler, max_tokens = script(srv, "<tool_call>{not json}</tool_call>")
+    r = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens)
+    assert r["choices"][0]["message"]["content"] == "<tool_call>{not json}</tool_call>"
+    assert r["choices"][0]["finish_reason"] == "stop" and not r["choices"][0]["message"].get("tool_calls")
+
+
+def test_a_regex_stop_ends_output_at_the_match(srv):
+    plain = chat(srv, max_tokens=30)["choices"][0]["message"]["content"]
+    assert plain == "The capital of France is Paris."
+    r = chat(srv, {"stop": [{"name": "regex-stop", "config": {"pattern": "P[a-z]+s"}}]}, max_tokens=30)
+    assert r["choices"][0]["message"]["content"] == "The capital of France is "
+    assert r["choices"][0]["finish_reason"] == "stop"
+    r = chat(srv, {"stop": [{"name": "regex-stop", "config": {"pattern": "P[a-z]+s", "keep_match": True}}]}, max_tokens=30)
+    assert r["choices"][0]["message"]["content"] == "The capital of France is Paris"
+    bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 5, "plugins": {
+        "stop": [{"name": "regex-stop", "config": {"pattern": "("}}]}})
+    assert bad.status_code == 400 and "regex-stop" in bad.json()["error"]["message"], bad.text
+
+
+def test_max_sentences_stops_after_n_sentences(srv):
+    moon = [{"role": "user", "content": "Tell me about the Moon in a few sentences."}]
+    plain = chat(srv, messages=moon, max_tokens=120)["choices"][0]["message"]["content"]
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", plain)]
+    assert len(ends) >= 2, plain
+    r = chat(srv, {"stop": [{"name": "max-sentences", "config": {"n": 2}}]}, messages=moon, max_tokens=120)
+    assert r["choices"][0]["message"]["content"] == plain[:ends[1]]
+
+
+def test_builtin_samplers_change_generations_reproducibly(srv):
+    story = [{"role": "user", "content": "Write a short story about a robot."}]
+    greedy = chat(srv, messages=story, max_tokens=24)["choices"][0]["message"]["content"]
+
+    def run(name, config, seed=5, temperature=1.0):
+        return chat(srv, {"sampler": {"name": name, "config": config}}, messages=story, max_tokens=24,
+                    seed=seed, temperature=temperature)["choices"][0]["message"]["content"]
+
+    # Mirostat: a tiny target surprise truncates to the best token (greedy); a large one
+    # samples, reproducibly for a seed.
+    assert run("mirostat", {"tau": 0.001}) == greedy
+    wide = run("mirostat", {"tau": 8.0})
+    assert wide == run("mirostat", {"tau": 8.0}) and wide != greedy
+    # Top-n-sigma (built in here, no override): a tiny band is greedy.
+    assert run("top-n-sigma", {"n": 0.0001}) == greedy
+    # Typical-p with a tiny mass keeps one token per step: the seed no longer matters, while
+    # native sampling at temperature 1 differs by seed.
+    native = {seed: chat(srv, messages=story, max_tokens=24, temperature=1.0, seed=seed)["choices"][0]["message"]["content"]
+              for seed in (1, 2)}
+    assert native[1] != native[2]
+    assert run("typical-p", {"p": 1e-6}, seed=1) == run("typical-p", {"p": 1e-6}, seed=2)
+    # XTC always on, greedy after it: the top choice is excluded whenever another clears the
+    # threshold, so the text leaves the greedy path.
+    xtc = run("xtc", {"threshold": 0.05, "probability": 1.0}, temperature=0)
+    assert xtc != greedy and xtc == run("xtc", {"threshold": 0.05, "probability": 1.0}, temperature=0)
+
+
+def test_dry_breaks_verbatim_repetition(srv):
+    def complete(plugins=None):
+        body = {"prompt": "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3 4", "max_tokens": 24, "temperature": 0}
+        if plugins:
+            body["plugins"] = plugins
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    plain = complete()
+    dry = complete({"sampler": {"name": "dry", "config": {"multiplier": 3.0, "base": 2.0, "allowed_length": 2}}})
+    # Greedy decoding loops on the pattern; DRY penalizes every token that would extend it.
+    assert plain.startswith(" 1 2 3 4 1 2 3 4"), plain
+    assert "1 2 3 4" not in dry, dry
+
+
+LONG = [{"role": "user", "content": "Write a long essay about the history of Rome."}]
+
+
+def timed(server, results, key, **body):
+    def go():
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": Q, "temperature": 0, **body}, timeout=300)
+        results[key] = (time.time(), r.status_code, r.json())
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def start_long(server, results, max_tokens, **kw):
+    """Starts a long streamed request; returns once its first token arrived."""
+    first = threading.Event()
+
+    def go():
+        text = ""
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300, json={
+                "messages": LONG, "temperature": 0, "max_tokens": max_tokens, "stream": True, **kw}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"]
+                    text += delta[0]["delta"].get("content") or "" if delta else ""
+                    first.set()
+        results["long"] = (time.time(), 200, text)
+    t = threading.Thread(target=go)
+    t.start()
+    assert first.wait(60)
+    return t
+
+
+def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_request(replay_dir):
+    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0")
+    try:
+        alone = chat(s, messages=LONG, max_tokens=120)["choices"][0]["message"]["content"]
+        results = {}
+        long = start_long(s, results, 120)
+        low = timed(s, results, "low", max_tokens=5, priority=0)
+        time.sleep(0.3)
+        high = timed(s, results, "high", max_tokens=5, priority=10)
+        for t in (long, low, high):
+            t.join(300)
+        assert all(results[k][1] == 200 for k in ("low", "high")), results
+        # The high-priority request finished first: before the one queued ahead of it, and
+        # before the running one, which it paused.
+        assert results["high"][0] < results["low"][0]
+        assert results["high"][0] < results["long"][0]
+        # The paused request resumed where it stopped: its text is what it generates alone.
+        assert results["long"][2] == alone
+        assert any("paused for a waiting request" in line for line in s.log)
+    finally:
+        s.stop()
+
+
+def test_latest_wins_cancels_a_clients_older_queued_requests(replay_dir):
+    s = Server("--scheduler", "latest-wins", "--prompt-cache-bytes", "0")
+    try:
+        results = {}
+        long = start_long(s, results, 80)
+        threads = []
+        for i in range(3):
+            threads.append(timed(s, results, f"ed{i}", max_tokens=3, user="editor"))
+            time.sleep(0.2)
+        other = timed(s, results, "other", max_tokens=3, user="someone-else")
+        for t in [long, other, *threads]:
+            t.join(300)
+        assert results["ed2"][1] == 200 and results["other"][1] == 200
+        for k in ("ed0", "ed1"):
+            status, body = results[k][1], results[k][2]
+            assert status == 409 and body["error"]["code"] == "cancelled_by_scheduler", body
+            assert "latest-wins" in body["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_unknown_scheduler_or_adapter_is_refused_at_start():
+    for args, want in [(["--scheduler", "nope"], 'plugin "nope" (from scheduler) is not loaded'),
+                       (["--scheduler", "hermes"], 'is not a scheduler plugin'),
+                       (["--tool-adapter", "mirostat"], 'is not a tool plugin')]:
+        with pytest.raises(RuntimeError) as e:
+            Server(*args)
+        assert want in str(e.value), e.value
