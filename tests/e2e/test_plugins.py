@@ -4,6 +4,7 @@ serving."""
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import httpx
@@ -50,6 +51,19 @@ HOSTILE = {
     "trap-stop": f"""(module {manifest("trap-stop", '["stop"]')} {ALLOC}
       (func (export "stop_check") (param i32 i32 i32) (result i32) unreachable))""",
     "refuse-config": sampler("refuse-config", "(i32.const 0)", '(func (export "host_init") (param i32 i32) (result i32) (i32.const 3))'),
+    # A tool adapter that returns garbage, memory it does not have, or too much.
+    "bad-tool": f"""(module {manifest("bad-tool", '["tool"]')} {ALLOC} (data (i32.const 1024) "garbage")
+      (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0x0000040000000007))
+      (func (export "tool_finish") (result i64) (i64.const 0)))""",
+    "oob-tool": f"""(module {manifest("oob-tool", '["tool"]')} {ALLOC}
+      (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0x7ffffff000000010))
+      (func (export "tool_finish") (result i64) (i64.const 0)))""",
+    "huge-tool": f"""(module {manifest("huge-tool", '["tool"]')} {ALLOC}
+      (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0x000004007fffffff))
+      (func (export "tool_finish") (result i64) (i64.const 0)))""",
+    # A scheduling policy that traps on every decision.
+    "trap-sched": f"""(module {manifest("trap-sched", '["scheduler"]')} {ALLOC}
+      (func (export "schedule") (param i32 i32) (result i64) unreachable))""",
     # Refused at load:
     "wrong-abi": f"(module {manifest('wrong-abi', abi=9)} {ALLOC})",
     "wasi": f"""(module (import "wasi_snapshot_preview1" "fd_write" (func (param i32 i32 i32 i32) (result i32)))
@@ -188,6 +202,44 @@ def test_a_hostile_stop_rule_fails_only_its_request_even_when_streaming(plugged)
     r = chat(plugged, {"stop": [{"name": "trap-stop"}]})
     assert r.status_code == 500 and "trap-stop" in r.json()["error"]["message"]
     assert chat(plugged, {}).status_code == 200
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("bad-tool", "bad tool event"), ("oob-tool", "outside its memory"), ("huge-tool", "more than the 1048576"),
+])
+def test_a_hostile_tool_adapter_fails_only_its_request_or_falls_back_to_text(plugged, name, reason):
+    r = chat(plugged, {"tool": {"name": name}}, tools=TOOLS)
+    assert r.status_code == 500, r.text
+    msg = r.json()["error"]["message"]
+    assert name in msg and reason in msg and "tool_feed" in msg, msg
+    r = chat(plugged, {"tool": {"name": name, "fallback": True}}, tools=TOOLS, max_tokens=12)
+    assert r.status_code == 200, r.text
+    # The text passes through untouched, the piece the adapter failed on included.
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert chat(plugged, {}).status_code == 200
+
+
+def test_a_trapping_scheduler_leaves_the_queue_first_come_first_served(plugins_dir):
+    s = Server("--plugins", str(plugins_dir), "--scheduler", "trap-sched", "--prompt-cache-bytes", "0")
+    try:
+        results = []
+
+        def go():
+            results.append(chat(s, {}, max_tokens=8).status_code)
+        threads = [threading.Thread(target=go) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == [200] * 4
+        status = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
+        assert status["trap-sched"]["faults"] >= 1
+        assert any("scheduling policy failed, serving first come first served" in line for line in s.log)
+    finally:
+        s.stop()
 
 
 def test_broken_modules_are_refused_at_load_with_their_reason(plugged):

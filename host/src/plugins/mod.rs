@@ -361,12 +361,12 @@ impl PluginTools {
 
     /// Feeds the next piece of output text.
     pub fn feed(&mut self, text: &str) -> Result<Vec<ToolOutput>> {
-        self.run(text, |i| i.tool_feed(text))
+        self.run(text, "tool_feed", |i| i.tool_feed(text))
     }
 
     /// End of output: what the adapter still holds.
     pub fn finish(&mut self) -> Result<Vec<ToolOutput>> {
-        self.run("", Instance::tool_finish)
+        self.run("", "tool_finish", Instance::tool_finish)
     }
 
     pub fn end(&mut self) {
@@ -375,12 +375,17 @@ impl PluginTools {
         }
     }
 
-    fn run(&mut self, text: &str, call: impl FnOnce(&mut Instance) -> Result<String>) -> Result<Vec<ToolOutput>> {
+    fn run(
+        &mut self,
+        text: &str,
+        entry: &str,
+        call: impl FnOnce(&mut Instance) -> Result<String>,
+    ) -> Result<Vec<ToolOutput>> {
         let passthrough = || if text.is_empty() { vec![] } else { vec![ToolOutput::Content(text.to_string())] };
         let Some(instance) = self.instance.as_mut() else { return Ok(passthrough()) };
         let result = call(instance).and_then(|lines| {
             let name = instance.plugin().name().to_string();
-            let (events, calls) = parse_tool_events(&name, &lines, self.calls).map_err(|m| {
+            let (events, calls) = parse_tool_events(&name, entry, &lines, self.calls).map_err(|m| {
                 instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
                 anyhow::Error::new(runtime::PluginFault(m))
             })?;
@@ -402,8 +407,13 @@ impl PluginTools {
 
 /// Parses and checks a tool adapter's JSON-lines events: call indexes must count up from
 /// `calls`, arguments must name a reported call. Returns the events and the new call count.
-fn parse_tool_events(plugin: &str, lines: &str, mut calls: usize) -> Result<(Vec<ToolOutput>, usize), String> {
-    let bad = |line: &str, why: &str| format!("plugin {plugin} returned a bad tool event {line:?}: {why}");
+fn parse_tool_events(
+    plugin: &str,
+    entry: &str,
+    lines: &str,
+    mut calls: usize,
+) -> Result<(Vec<ToolOutput>, usize), String> {
+    let bad = |line: &str, why: &str| format!("plugin {plugin} returned a bad tool event from {entry}: {line:?}: {why}");
     let mut out = Vec::new();
     for line in lines.lines().filter(|l| !l.trim().is_empty()) {
         let v: Value = serde_json::from_str(line).map_err(|e| bad(line, &e.to_string()))?;
@@ -533,5 +543,39 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_events_are_checked() {
+        let ok = "{\"content\": \"Hi \"}\n{\"tool_call\": {\"index\": 0, \"id\": \"c\", \"name\": \"f\"}}\n{\"tool_call_args\": {\"index\": 0, \"delta\": \"{}\"}}\n";
+        let (events, calls) = parse_tool_events("p", "tool_feed", ok, 0).unwrap();
+        assert_eq!(calls, 1);
+        assert_eq!(
+            events,
+            vec![
+                ToolOutput::Content("Hi ".into()),
+                ToolOutput::Call { index: 0, id: "c".into(), name: "f".into() },
+                ToolOutput::Args { index: 0, delta: "{}".into() },
+            ]
+        );
+        let bad = [
+            ("garbage", "expected value"),
+            (r#"{"tool_call": {"index": 1, "name": "f"}}"#, "expected call index 0"),
+            (r#"{"tool_call": {"index": 0}}"#, "needs a name"),
+            (r#"{"tool_call_args": {"index": 0, "delta": "x"}}"#, "index of a reported call"),
+            (r#"{"other": 1}"#, "expected one of content"),
+        ];
+        for (line, want) in bad {
+            let e = parse_tool_events("p", "tool_finish", line, 0).unwrap_err();
+            assert!(e.contains(want) && e.starts_with("plugin p returned a bad tool event from tool_finish"), "{e}");
+        }
+        // Ids are optional; the host numbers calls after those already reported.
+        let (events, _) = parse_tool_events("p", "tool_feed", r#"{"tool_call": {"index": 2, "name": "g"}}"#, 2).unwrap();
+        assert_eq!(events, vec![ToolOutput::Call { index: 2, id: "call_2".into(), name: "g".into() }]);
     }
 }
