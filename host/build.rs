@@ -78,6 +78,7 @@ fn builtin_plugins() {
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
     crates.sort();
+    ensure_wasm_target();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let target_dir = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root.join("target"));
     let target_dir = target_dir.join("builtin-plugins");
@@ -111,4 +112,17 @@ fn builtin_plugins() {
         rows.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", copy.display().to_string()));
     }
     std::fs::write(&table, format!("pub static BUILTIN: &[(&str, &[u8])] = &[\n{rows}];\n")).unwrap();
+}
+
+/// Adds the wasm32 target with rustup when this toolchain lacks it (rustup ships it as a
+/// component of the toolchain; without rustup the nested build's error says what to do).
+fn ensure_wasm_target() {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let sysroot = Command::new(rustc).args(["--print", "sysroot"]).output().ok();
+    let sysroot = sysroot.map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    if sysroot.is_some_and(|s| s.join("lib/rustlib/wasm32-unknown-unknown").is_dir()) {
+        return;
+    }
+    println!("cargo:warning=adding the wasm32-unknown-unknown target with rustup (built-in plugins)");
+    let _ = Command::new("rustup").args(["target", "add", "wasm32-unknown-unknown"]).status();
 }
