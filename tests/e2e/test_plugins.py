@@ -97,6 +97,13 @@ def plugins_dir(tmp_path_factory):
         subprocess.run([os.path.join(ROOT, "examples", "c", "build.sh"), str(d / "scripted-c.wasm")], check=True)
     elif os.environ.get("CI"):
         pytest.fail("clang and lld are needed to build examples/c under CI")
+    # The same plugin in Zig (Zig from PyPI; scripts/test-fixtures.sh installs it).
+    zig_dir = os.environ.get("HOST_ZIG_DIR")
+    if zig_dir and os.path.isdir(zig_dir):
+        env = dict(os.environ, PYTHONPATH=zig_dir, ZIG="python3 -m ziglang")
+        subprocess.run([os.path.join(ROOT, "examples", "zig", "build.sh"), str(d / "scripted-zig.wasm")], check=True, env=env)
+    elif os.environ.get("CI"):
+        pytest.fail("Zig is needed to build examples/zig under CI (scripts/test-fixtures.sh installs it)")
     return d
 
 
@@ -124,10 +131,11 @@ def test_a_scripted_sampler_forces_its_tokens_in_both_apis(plugged):
     assert m.json()["content"][0]["text"] == " Paris. Paris."
 
 
-def test_the_same_sampler_written_in_c(plugged, plugins_dir):
-    if not (plugins_dir / "scripted-c.wasm").exists():
-        pytest.skip("clang/lld not installed")
-    r = chat(plugged, {"sampler": {"name": "scripted-c"}})
+@pytest.mark.parametrize("language", ["c", "zig"])
+def test_the_same_sampler_written_in_c_and_zig(plugged, plugins_dir, language):
+    if not (plugins_dir / f"scripted-{language}.wasm").exists():
+        pytest.skip(f"no {language} toolchain")
+    r = chat(plugged, {"sampler": {"name": f"scripted-{language}"}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris. Paris."
 
