@@ -336,6 +336,34 @@ mod tests {
     }
 
     #[test]
+    fn per_model_sections_override_plugin_settings_for_their_model_only() {
+        let text = r#"
+            scheduler = "priority"
+            scheduler_config = { aging_ms = 250 }
+            tool_adapter = "hermes"
+            [default_plugins]
+            stop = [{ name = "max-sentences" }]
+            [models.Qwen3-Coder]
+            tool_adapter = "qwen3-coder"
+            default_plugins = { sampler = { name = "mirostat", config = { tau = 3.0 } } }
+        "#;
+        let c: ServeConfig = toml::from_str(text).unwrap();
+        assert_eq!((c.scheduler.as_str(), c.scheduler_config.clone()), ("priority", Some(serde_json::json!({"aging_ms": 250}))));
+        let other = c.for_model("SmolLM2");
+        assert_eq!(other.tool_adapter.as_deref(), Some("hermes"));
+        assert_eq!(other.default_plugins.as_ref().unwrap().stop[0].name, "max-sentences");
+        let coder = c.for_model("Qwen3-Coder");
+        assert_eq!(coder.tool_adapter.as_deref(), Some("qwen3-coder"));
+        let d = coder.default_plugins.unwrap();
+        assert_eq!((d.sampler.unwrap().name.as_str(), d.stop.len()), ("mirostat", 0));
+        let args = ServeArgs { scheduler: Some("latest-wins".into()), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().scheduler, "latest-wins");
+        assert_eq!(ServeConfig::default().scheduler, "fcfs");
+        let bad = toml::from_str::<ServeConfig>("[models.x]\nschedule = 1\n").unwrap_err();
+        assert!(bad.message().contains("unknown field `schedule`"), "{}", bad.message());
+    }
+
+    #[test]
     fn speculative_settings_resolve_from_file_and_flags_with_clear_errors() {
         let dir = std::env::temp_dir().join(format!("host-config-spec-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -297,3 +297,51 @@ def test_unknown_scheduler_or_adapter_is_refused_at_start():
         with pytest.raises(RuntimeError) as e:
             Server(*args)
         assert want in str(e.value), e.value
+
+
+def test_shortest_prompt_first_serves_the_short_prompt_ahead_of_an_earlier_long_one():
+    s = Server("--scheduler", "shortest-prompt-first", "--prompt-cache-bytes", "0")
+    try:
+        results = {}
+        long = start_long(s, results, 60)
+        essay = [{"role": "user", "content": "Summarize this: " + "The quick brown fox jumps over the lazy dog. " * 40}]
+        big = timed(s, results, "big", max_tokens=3, messages=essay)
+        time.sleep(0.3)
+        small = timed(s, results, "small", max_tokens=3)
+        for t in (long, big, small):
+            t.join(300)
+        assert results["big"][1] == 200 and results["small"][1] == 200
+        assert results["small"][0] < results["big"][0]
+    finally:
+        s.stop()
+
+
+def test_a_plugin_file_overrides_a_builtin_until_it_is_removed(tmp_path):
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "top-n-sigma"],
+                   cwd=ROOT, check=True)
+    wasm = open(os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "top_n_sigma.wasm"), "rb").read()
+    s = Server("--plugins", str(tmp_path), "--prompt-cache-bytes", "0")
+
+    def entries():
+        data = httpx.get(s.url + "/v1/plugins").json()["data"]
+        return sorted((p["source"], p["state"]) for p in data if p["name"] == "top-n-sigma")
+
+    def wait_for(want):
+        deadline = time.time() + 5
+        while entries() != want and time.time() < deadline:
+            time.sleep(0.05)
+        assert entries() == want
+
+    try:
+        assert entries() == [("builtin:top-n-sigma", "ready")]
+        path = tmp_path / "top-n-sigma.wasm"
+        path.write_bytes(wasm)
+        wait_for(sorted([("builtin:top-n-sigma", "overridden"), (str(path), "ready")]))
+        assert chat(s, {"sampler": {"name": "top-n-sigma", "config": {"n": 0.0001}}}, max_tokens=30)[
+            "choices"][0]["message"]["content"] == "The capital of France is Paris."
+        calls = {p["source"]: p["calls"] for p in httpx.get(s.url + "/v1/plugins").json()["data"] if p["name"] == "top-n-sigma"}
+        assert calls[str(path)] > 0 and calls["builtin:top-n-sigma"] == 0, calls
+        path.unlink()
+        wait_for([("builtin:top-n-sigma", "ready")])
+    finally:
+        s.stop()
