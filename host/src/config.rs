@@ -348,7 +348,10 @@ mod tests {
             default_plugins = { sampler = { name = "mirostat", config = { tau = 3.0 } } }
         "#;
         let c: ServeConfig = toml::from_str(text).unwrap();
-        assert_eq!((c.scheduler.as_str(), c.scheduler_config.clone()), ("priority", Some(serde_json::json!({"aging_ms": 250}))));
+        assert_eq!(
+            (c.scheduler.as_str(), c.scheduler_config.clone()),
+            ("priority", Some(serde_json::json!({"aging_ms": 250})))
+        );
         let other = c.for_model("SmolLM2");
         assert_eq!(other.tool_adapter.as_deref(), Some("hermes"));
         assert_eq!(other.default_plugins.as_ref().unwrap().stop[0].name, "max-sentences");

@@ -337,6 +337,9 @@ def test_a_plugin_file_overrides_a_builtin_until_it_is_removed(tmp_path):
         path = tmp_path / "top-n-sigma.wasm"
         path.write_bytes(wasm)
         wait_for(sorted([("builtin:top-n-sigma", "overridden"), (str(path), "ready")]))
+        time.sleep(1.0)
+        # One write, one load: loading (reading) the file must not count as a change.
+        assert sum("plugin loaded" in line and "top-n-sigma" in line for line in s.log) == 1, s.log[-5:]
         assert chat(s, {"sampler": {"name": "top-n-sigma", "config": {"n": 0.0001}}}, max_tokens=30)[
             "choices"][0]["message"]["content"] == "The capital of France is Paris."
         calls = {p["source"]: p["calls"] for p in httpx.get(s.url + "/v1/plugins").json()["data"] if p["name"] == "top-n-sigma"}

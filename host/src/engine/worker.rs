@@ -242,11 +242,10 @@ impl Engine {
                         let baseline = memory::active();
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
                         let policy = match (&config.scheduler, &config.plugins) {
-                            (Some((name, cfg)), Some(registry)) => Some(Box::new(PluginScheduler::new(
-                                registry.clone(),
-                                name.clone(),
-                                cfg.clone(),
-                            )) as Box<dyn Policy>),
+                            (Some((name, cfg)), Some(registry)) => {
+                                Some(Box::new(PluginScheduler::new(registry.clone(), name.clone(), cfg.clone()))
+                                    as Box<dyn Policy>)
+                            }
                             _ => None,
                         };
                         let worker = Worker {
@@ -258,7 +257,8 @@ impl Engine {
                             policy,
                         };
                         let draft = draft.map(|d| d.model);
-                        let models = Models { model: loaded.model.as_ref(), draft: draft.as_deref(), tokenizer: &tokenizer };
+                        let models =
+                            Models { model: loaded.model.as_ref(), draft: draft.as_deref(), tokenizer: &tokenizer };
                         worker.run(models, rx);
                     }
                 }
@@ -771,7 +771,6 @@ impl Worker {
         }
         Ok((external, stops, tools))
     }
-
 }
 
 /// Sends a token's text (through the tool adapter, when the request has one; flushing it
@@ -807,18 +806,18 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
 
 /// The chosen token's log-probability and the `k` most likely tokens.
 fn logprob(tokenizer: &Tokenizer, logprobs: &Array, id: u32, k: usize) -> Result<TokenLogprob> {
-        let all = logprobs.astype(mlx::Dtype::Float32)?;
-        let chosen = all.take(&Array::from_i32(&[id as i32], &[1])?, 0)?.item_f32()?;
-        let mut top = Vec::new();
-        if k > 0 {
-            let idx = all.negative()?.argpartition(k as i32 - 1, 0)?.slice_axis(0, 0, k as i32)?;
-            let values = all.take(&idx, 0)?.to_vec_f32()?;
-            let ids = idx.to_vec_i32()?;
-            let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|i| i as u32).zip(values).collect();
-            pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
-            for (t, lp) in pairs {
-                top.push((tokenizer.decode(&[t])?, lp));
-            }
+    let all = logprobs.astype(mlx::Dtype::Float32)?;
+    let chosen = all.take(&Array::from_i32(&[id as i32], &[1])?, 0)?.item_f32()?;
+    let mut top = Vec::new();
+    if k > 0 {
+        let idx = all.negative()?.argpartition(k as i32 - 1, 0)?.slice_axis(0, 0, k as i32)?;
+        let values = all.take(&idx, 0)?.to_vec_f32()?;
+        let ids = idx.to_vec_i32()?;
+        let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|i| i as u32).zip(values).collect();
+        pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (t, lp) in pairs {
+            top.push((tokenizer.decode(&[t])?, lp));
         }
-        Ok(TokenLogprob { token: tokenizer.decode(&[id])?, logprob: chosen, top })
+    }
+    Ok(TokenLogprob { token: tokenizer.decode(&[id])?, logprob: chosen, top })
 }

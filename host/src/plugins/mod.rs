@@ -413,7 +413,8 @@ fn parse_tool_events(
     lines: &str,
     mut calls: usize,
 ) -> Result<(Vec<ToolOutput>, usize), String> {
-    let bad = |line: &str, why: &str| format!("plugin {plugin} returned a bad tool event from {entry}: {line:?}: {why}");
+    let bad =
+        |line: &str, why: &str| format!("plugin {plugin} returned a bad tool event from {entry}: {line:?}: {why}");
     let mut out = Vec::new();
     for line in lines.lines().filter(|l| !l.trim().is_empty()) {
         let v: Value = serde_json::from_str(line).map_err(|e| bad(line, &e.to_string()))?;
@@ -426,12 +427,15 @@ fn parse_tool_events(
             if i != calls {
                 return Err(bad(line, &format!("expected call index {calls}")));
             }
-            let name = text(call, "name").filter(|n| !n.is_empty()).ok_or_else(|| bad(line, "tool_call needs a name"))?;
+            let name =
+                text(call, "name").filter(|n| !n.is_empty()).ok_or_else(|| bad(line, "tool_call needs a name"))?;
             let id = text(call, "id").filter(|n| !n.is_empty()).unwrap_or_else(|| format!("call_{i}"));
             calls += 1;
             out.push(ToolOutput::Call { index: i, id, name });
         } else if let Some(args) = v.get("tool_call_args") {
-            let i = index(args).filter(|&i| i < calls).ok_or_else(|| bad(line, "tool_call_args needs the index of a reported call"))?;
+            let i = index(args)
+                .filter(|&i| i < calls)
+                .ok_or_else(|| bad(line, "tool_call_args needs the index of a reported call"))?;
             let delta = text(args, "delta").ok_or_else(|| bad(line, "tool_call_args needs a string delta"))?;
             out.push(ToolOutput::Args { index: i, delta });
         } else {
@@ -507,8 +511,11 @@ pub enum PluginsCommand {
 }
 
 pub fn run_command(command: PluginsCommand) -> Result<()> {
-    let registry =
-        if matches!(command, PluginsCommand::List { .. }) { PluginRegistry::with_builtins()? } else { PluginRegistry::new()? };
+    let registry = if matches!(command, PluginsCommand::List { .. }) {
+        PluginRegistry::with_builtins()?
+    } else {
+        PluginRegistry::new()?
+    };
     match command {
         PluginsCommand::Check { file } => {
             let plugin = registry.load_file(&file)?;
@@ -575,7 +582,8 @@ mod tests {
             assert!(e.contains(want) && e.starts_with("plugin p returned a bad tool event from tool_finish"), "{e}");
         }
         // Ids are optional; the host numbers calls after those already reported.
-        let (events, _) = parse_tool_events("p", "tool_feed", r#"{"tool_call": {"index": 2, "name": "g"}}"#, 2).unwrap();
+        let (events, _) =
+            parse_tool_events("p", "tool_feed", r#"{"tool_call": {"index": 2, "name": "g"}}"#, 2).unwrap();
         assert_eq!(events, vec![ToolOutput::Call { index: 2, id: "call_2".into(), name: "g".into() }]);
     }
 }

@@ -48,7 +48,15 @@ pub fn watch(registry: Arc<PluginRegistry>, dir: &Path) -> Result<ReloadHandle> 
 }
 
 fn collect(event: notify::Result<notify::Event>, changed: &mut BTreeSet<PathBuf>) {
+    use notify::event::{EventKind, MetadataKind, ModifyKind};
     match event {
+        // Reading a file (as loading it does) is not a change: without this filter every load
+        // triggered the next one, forever.
+        Ok(e)
+            if matches!(
+                e.kind,
+                EventKind::Access(_) | EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime))
+            ) => {}
         // A settings file change reloads its plugin.
         Ok(e) => changed.extend(e.paths.into_iter().filter_map(|p| match p.extension().and_then(|x| x.to_str()) {
             Some("wasm") => Some(p),

@@ -123,7 +123,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     named.extend(adapters.filter(|n| !matches!(n.as_str(), "none" | "off")).map(|n| ("tool_adapter", Kind::Tool, n)));
     for (key, kind, name) in named {
         match registry.get(name) {
-            None => anyhow::bail!("plugin {name:?} (from {key}) is not loaded; loaded: {}", registry.names().join(", ")),
+            None => {
+                anyhow::bail!("plugin {name:?} (from {key}) is not loaded; loaded: {}", registry.names().join(", "))
+            }
             Some(p) if !p.manifest.has(kind) => {
                 anyhow::bail!("plugin {name:?} (from {key}) is not a {kind} plugin (it is: {:?})", p.manifest.kinds)
             }
@@ -138,7 +140,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prefill_step_size: 2048,
         plugins: Some(registry.clone()),
         draft_model: config.draft_model.clone(),
-        scheduler: Some((config.scheduler.clone(), config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})))),
+        scheduler: Some((
+            config.scheduler.clone(),
+            config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
+        )),
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let runtime =

@@ -475,6 +475,8 @@ pub fn priority(p: Option<i64>) -> Result<i64, ApiError> {
     match p {
         None => Ok(0),
         Some(p) if p.abs() <= 1_000_000 => Ok(p),
-        Some(p) => Err(ApiError::invalid("priority", format!("`priority` must be between -1000000 and 1000000, got {p}"))),
+        Some(p) => {
+            Err(ApiError::invalid("priority", format!("`priority` must be between -1000000 and 1000000, got {p}")))
+        }
     }
 }

@@ -145,8 +145,14 @@ impl AppState {
 
     /// For templates that ignore `tools`: the tool adapter's own description of them
     /// (`tool_render`), when it has one. Runs the plugin off the async runtime.
-    async fn render_tools(&self, adapter: Option<&Selected>, tools: Option<&Vec<Value>>) -> Result<Option<String>, ApiError> {
-        let (Some(adapter), Some(tools), Some(registry)) = (adapter, tools, self.plugins.clone()) else { return Ok(None) };
+    async fn render_tools(
+        &self,
+        adapter: Option<&Selected>,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<String>, ApiError> {
+        let (Some(adapter), Some(tools), Some(registry)) = (adapter, tools, self.plugins.clone()) else {
+            return Ok(None);
+        };
         if self.template_takes_tools() || tools.is_empty() {
             return Ok(None);
         }
@@ -768,7 +774,10 @@ fn named(name: &str, v: Value) -> SseEvent {
 fn next_block(current: &mut usize, start: Value) -> Vec<SseEvent> {
     let stop = named("content_block_stop", json!({"type": "content_block_stop", "index": *current}));
     *current += 1;
-    vec![stop, named("content_block_start", json!({"type": "content_block_start", "index": *current, "content_block": start}))]
+    vec![
+        stop,
+        named("content_block_start", json!({"type": "content_block_start", "index": *current, "content_block": start})),
+    ]
 }
 
 /// `POST /tokenize` (as vLLM's): `{"prompt": "text", "add_special_tokens": false}` or
@@ -786,7 +795,9 @@ async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let req: Req = parse_body(body, state.max_body_bytes)?;
     let _ = req.model;
     let tokens = match (req.prompt, req.messages) {
-        (Some(text), None) => state.engine.tokenizer.encode(&text, req.add_special_tokens).map_err(ApiError::internal)?,
+        (Some(text), None) => {
+            state.engine.tokenizer.encode(&text, req.add_special_tokens).map_err(ApiError::internal)?
+        }
         (None, Some(messages)) => state.chat_prompt(openai::template_messages(&messages)?, None, None, None)?,
         _ => return Err(ApiError::invalid("prompt", "give exactly one of `prompt` (text) or `messages`")),
     };

@@ -22,7 +22,8 @@ impl Policy for LatestWins {
             }
         }
         let superseded = |r: &sched_util::Request| {
-            r.client.as_deref().is_some_and(|c| newest.get(c).is_some_and(|(id, _)| *id != r.id)) && r.generated_tokens == 0
+            r.client.as_deref().is_some_and(|c| newest.get(c).is_some_and(|(id, _)| *id != r.id))
+                && r.generated_tokens == 0
         };
         let cancel: Vec<String> = queue.waiting.iter().filter(|r| superseded(r)).map(|r| r.id.clone()).collect();
         let kept: Vec<sched_util::Request> = queue.waiting.iter().filter(|r| !superseded(r)).cloned().collect();
@@ -43,7 +44,12 @@ mod tests {
     fn older_queued_requests_of_a_client_are_cancelled() {
         let q = sched_util::queue(
             &[("run", 0, 1, 0, Some("ed"))],
-            &[("ed1", 0, 1, 300, Some("ed")), ("x", 0, 1, 200, None), ("ed2", 0, 1, 100, Some("ed")), ("ed3", 0, 1, 10, Some("ed"))],
+            &[
+                ("ed1", 0, 1, 300, Some("ed")),
+                ("x", 0, 1, 200, None),
+                ("ed2", 0, 1, 100, Some("ed")),
+                ("ed3", 0, 1, 10, Some("ed")),
+            ],
         );
         let d = LatestWins.decide(&q);
         assert_eq!(d.cancel, ["ed1", "ed2"]);

@@ -60,7 +60,10 @@ mod tests {
     #[test]
     fn higher_priority_first_with_aging_and_preemption() {
         let p = Priority::default();
-        let q = sched_util::queue(&[("r", 0, 10, 0, None)], &[("low", 0, 10, 500, None), ("high", 5, 10, 0, None), ("old", 0, 10, 9000, None)]);
+        let q = sched_util::queue(
+            &[("r", 0, 10, 0, None)],
+            &[("low", 0, 10, 500, None), ("high", 5, 10, 0, None), ("old", 0, 10, 9000, None)],
+        );
         let d = p.decide(&q);
         assert_eq!(d.order, ["old", "high", "low"]);
         assert_eq!(d.preempt, ["r"]);

@@ -34,9 +34,17 @@ impl StopRule for RegexStop {
         }
         let regex = Regex::new(&c.pattern).map_err(|e| format!("regex-stop: bad `pattern`: {e}"))?;
         if regex.is_match("") {
-            return Err(format!("regex-stop: `pattern` {:?} matches the empty string, so it would stop at once", c.pattern));
+            return Err(format!(
+                "regex-stop: `pattern` {:?} matches the empty string, so it would stop at once",
+                c.pattern
+            ));
         }
-        *self = RegexStop { regex: Some(regex), keep_match: c.keep_match, window: c.window.unwrap_or(2048).max(1), text: String::new() };
+        *self = RegexStop {
+            regex: Some(regex),
+            keep_match: c.keep_match,
+            window: c.window.unwrap_or(2048).max(1),
+            text: String::new(),
+        };
         Ok(())
     }
 

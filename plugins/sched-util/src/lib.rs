@@ -77,7 +77,10 @@ pub fn number(config: &Value, policy: &str, key: &str, default: f64, ok: impl Fn
 }
 
 /// Builds a queue from `(id, priority, prompt_tokens, waited_ms, client)` rows. For tests.
-pub fn queue(running: &[(&str, i64, u64, u64, Option<&str>)], waiting: &[(&str, i64, u64, u64, Option<&str>)]) -> Queue {
+pub fn queue(
+    running: &[(&str, i64, u64, u64, Option<&str>)],
+    waiting: &[(&str, i64, u64, u64, Option<&str>)],
+) -> Queue {
     let rows = |rows: &[(&str, i64, u64, u64, Option<&str>)]| {
         rows.iter()
             .map(|(id, priority, prompt_tokens, waited_ms, client)| Request {

@@ -41,7 +41,10 @@ mod tests {
 
     #[test]
     fn short_prompts_first_unless_starved() {
-        let q = sched_util::queue(&[], &[("long", 0, 900, 10, None), ("short", 0, 5, 0, None), ("starved", 0, 5000, 20_000, None)]);
+        let q = sched_util::queue(
+            &[],
+            &[("long", 0, 900, 10, None), ("short", 0, 5, 0, None), ("starved", 0, 5000, 20_000, None)],
+        );
         assert_eq!(ShortestPromptFirst::default().decide(&q).order, ["starved", "short", "long"]);
     }
 }

@@ -312,7 +312,10 @@ impl Py<'_> {
             }
             _ => {
                 let start = self.at;
-                while self.at < self.s.len() && !matches!(self.s[self.at], b',' | b')' | b']' | b'}' | b':') && !self.s[self.at].is_ascii_whitespace() {
+                while self.at < self.s.len()
+                    && !matches!(self.s[self.at], b',' | b')' | b']' | b'}' | b':')
+                    && !self.s[self.at].is_ascii_whitespace()
+                {
                     self.at += 1;
                 }
                 let word = std::str::from_utf8(&self.s[start..self.at]).map_err(|e| e.to_string())?;
@@ -388,20 +391,29 @@ mod tests {
 
     #[test]
     fn qwen3_coder_xml_with_schema_types() {
-        let tools = [json!({"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}, "nights": {"type": "integer"}, "zip": {"type": "string"}, "opts": {"type": "object"}}}}})];
+        let tools = [
+            json!({"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "nights": {"type": "integer"}, "zip": {"type": "string"}, "opts": {"type": "object"}}}}}),
+        ];
         let text = "Booking.\n<tool_call>\n<function=book>\n<parameter=city>\nNew York\n</parameter>\n<parameter=nights>\n3\n</parameter>\n<parameter=zip>\n10001\n</parameter>\n<parameter=opts>\n{\"view\": true}\n</parameter>\n</function>\n</tool_call>";
         let (content, calls) = check::<Qwen3Coder>(text, &tools);
         assert_eq!(content, "Booking.\n");
-        assert_eq!(calls, vec![call("book", json!({"city": "New York", "nights": 3, "zip": "10001", "opts": {"view": true}}))]);
+        assert_eq!(
+            calls,
+            vec![call("book", json!({"city": "New York", "nights": 3, "zip": "10001", "opts": {"view": true}}))]
+        );
         // Without a schema, values that look like numbers become numbers.
-        let (_, calls) = check::<Qwen3Coder>("<tool_call><function=f><parameter=n>7</parameter><parameter=s>hi</parameter></function></tool_call>", &[]);
+        let (_, calls) = check::<Qwen3Coder>(
+            "<tool_call><function=f><parameter=n>7</parameter><parameter=s>hi</parameter></function></tool_call>",
+            &[],
+        );
         assert_eq!(calls, vec![call("f", json!({"n": 7, "s": "hi"}))]);
     }
 
     #[test]
     fn llama3_json_only_at_the_start() {
-        let (content, calls) = check::<Llama3Json>("  {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}", &[]);
+        let (content, calls) =
+            check::<Llama3Json>("  {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}", &[]);
         assert_eq!((content.as_str(), calls), ("", vec![call("get_weather", json!({"city": "Paris"}))]));
         let (_, calls) =
             check::<Llama3Json>("<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": [1]}}<|eom_id|>", &[]);
@@ -414,9 +426,13 @@ mod tests {
 
     #[test]
     fn mistral_both_generations() {
-        let (content, calls) = check::<Mistral>("[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}, {\"name\": \"g\", \"arguments\": {}}]</s>", &[]);
+        let (content, calls) = check::<Mistral>(
+            "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}, {\"name\": \"g\", \"arguments\": {}}]</s>",
+            &[],
+        );
         assert_eq!((content.as_str(), calls), ("", vec![call("f", json!({"a": 1})), call("g", json!({}))]));
-        let (content, calls) = check::<Mistral>("Sure.[TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g[CALL_ID]abc123456[ARGS]{}", &[]);
+        let (content, calls) =
+            check::<Mistral>("Sure.[TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g[CALL_ID]abc123456[ARGS]{}", &[]);
         assert_eq!((content.as_str(), calls), ("Sure.", vec![call("f", json!({"a": 1})), call("g", json!({}))]));
     }
 
@@ -425,7 +441,13 @@ mod tests {
         let text = "Checking.\n```tool_code\nget_weather(city=\"Paris\", days=3, units='metric', alerts=True, tags=[\"a\", 2], extra={\"k\": None})\n```\nDone.";
         let (content, calls) = check::<Gemma>(text, &[]);
         assert_eq!(content, "Checking.\n\nDone.");
-        assert_eq!(calls, vec![call("get_weather", json!({"city": "Paris", "days": 3, "units": "metric", "alerts": true, "tags": ["a", 2], "extra": {"k": null}}))]);
+        assert_eq!(
+            calls,
+            vec![call(
+                "get_weather",
+                json!({"city": "Paris", "days": 3, "units": "metric", "alerts": true, "tags": ["a", 2], "extra": {"k": null}})
+            )]
+        );
         let (content, calls) = check::<Gemma>("```python\nprint(1)\n```", &[]);
         assert_eq!((content.as_str(), calls.len()), ("```python\nprint(1)\n```", 0));
         let (content, calls) = check::<Gemma>("```tool_code\nf(x=)\n```", &[]);

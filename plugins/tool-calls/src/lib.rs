@@ -155,7 +155,8 @@ impl<F: Format> Adapter<F> {
                 Self::content(out, &std::mem::take(&mut self.pending));
                 return;
             }
-            let first = self.format.open().iter().filter_map(|(m, keep)| self.pending.find(m).map(|at| (at, *m, *keep))).min();
+            let first =
+                self.format.open().iter().filter_map(|(m, keep)| self.pending.find(m).map(|at| (at, *m, *keep))).min();
             match first {
                 Some((at, marker, keep)) => {
                     let before: String = self.pending.drain(..at).collect();

@@ -58,7 +58,11 @@ mod tests {
     use super::*;
 
     fn frame() -> Vec<Candidate> {
-        [5.0, 4.9, 1.0, 0.5, 0.0].iter().enumerate().map(|(i, &l)| Candidate { token: i as u32 + 10, logit: l }).collect()
+        [5.0, 4.9, 1.0, 0.5, 0.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Candidate { token: i as u32 + 10, logit: l })
+            .collect()
     }
 
     #[test]

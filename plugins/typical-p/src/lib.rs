@@ -62,7 +62,8 @@ mod tests {
         s.init(r#"{"p": 0.5}"#).unwrap();
         // One dominant token and a flat tail: the entropy is low, so the dominant token
         // (surprise ~ entropy) is typical and the unlikely tail is cut.
-        let mut c: Vec<Candidate> = (0..20).map(|i| Candidate { token: i, logit: if i == 0 { 6.0 } else { 0.0 } }).collect();
+        let mut c: Vec<Candidate> =
+            (0..20).map(|i| Candidate { token: i, logit: if i == 0 { 6.0 } else { 0.0 } }).collect();
         assert_eq!(s.sample(0, &mut c), Choice::Defer);
         assert!(c[0].logit.is_finite());
         assert!(c.iter().filter(|c| c.logit.is_finite()).count() < 20);
