@@ -60,6 +60,9 @@ pub struct ServeConfig {
     pub scheduler: String,
     /// Config for the scheduling policy's `host_init`. Default: none (`{}`).
     pub scheduler_config: Option<serde_json::Value>,
+    /// Split the model over this many processes (tensor parallel over MLX distributed: the
+    /// ring backend on CPUs, NCCL on GPUs). Default: 1 (off).
+    pub tensor_parallel: usize,
     /// Per-model overrides, keyed by model id (the model folder's or file's name), e.g.
     /// `[models.SmolLM2-135M-Instruct] tool_adapter = "hermes"`.
     pub models: std::collections::BTreeMap<String, ModelDefaults>,
@@ -96,6 +99,7 @@ impl Default for ServeConfig {
             tool_adapter: None,
             scheduler: "fcfs".into(),
             scheduler_config: None,
+            tensor_parallel: 1,
             models: Default::default(),
         }
     }
@@ -183,6 +187,9 @@ pub struct ServeArgs {
     /// template; "none" leaves tool calls in the text).
     #[arg(long)]
     pub tool_adapter: Option<String>,
+    /// Split the model over this many processes (tensor parallel; default 1: off).
+    #[arg(long)]
+    pub tensor_parallel: Option<usize>,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -244,7 +251,7 @@ impl ServeConfig {
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { config.$field = v.into(); } )* };
         }
-        set!(host, port, device, queue_limit, prompt_cache_bytes, max_body_bytes, default_max_tokens);
+        set!(host, port, device, queue_limit, prompt_cache_bytes, max_body_bytes, default_max_tokens, tensor_parallel);
         if args.model.is_some() {
             config.model = args.model.clone();
         }

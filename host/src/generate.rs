@@ -21,6 +21,16 @@ pub enum DeviceChoice {
     Gpu,
 }
 
+impl DeviceChoice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Gpu => "gpu",
+        }
+    }
+}
+
 /// Picks and sets the default device; an explicit `gpu` without one is an error.
 pub fn select_device(choice: DeviceChoice) -> Result<Device> {
     let device = match choice {
@@ -50,10 +60,19 @@ pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
 
 /// Loads `path`, or the built-in default model (fetched on first use) when `None`.
 pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
+    load_model_split(path, 1, DeviceChoice::Auto)
+}
+
+/// As `load_model`, split over `tensor_parallel` ranks on `device` when more than 1 (this
+/// process becomes rank 0 and launches the others; see `tp.rs`).
+pub fn load_model_split(path: Option<&Path>, tensor_parallel: usize, device: DeviceChoice) -> Result<Loaded> {
     let path = match path {
         Some(p) => p.to_path_buf(),
         None => default_model::ensure()?,
     };
+    if tensor_parallel > 1 {
+        return crate::tp::load(&path, tensor_parallel, device);
+    }
     models::load(&path).with_context(|| format!("loading model from {}", path.display()))
 }
 
@@ -109,6 +128,9 @@ pub struct Args {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub spec: crate::config::SpecArgs,
+    /// Split the model over this many processes (tensor parallel; 1: off).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
@@ -193,7 +215,7 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("host: mlx {} on {device}", mlx::version());
     }
     let spec = args.spec.config()?;
-    let loaded = load_model(args.model.as_deref())?;
+    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let prompt_ids = prompt_tokens(&loaded, &prompt, args.system.as_deref(), args.raw)?;
     if args.max_tokens == 0 {

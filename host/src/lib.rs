@@ -10,3 +10,4 @@ pub mod engine;
 pub mod generate;
 pub mod plugins;
 pub mod server;
+pub mod tp;

@@ -22,6 +22,9 @@ enum Command {
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::plugins::PluginsCommand),
+    /// One rank of a tensor-parallel group (launched by `--tensor-parallel`).
+    #[command(hide = true)]
+    TpWorker(host::tp::WorkerArgs),
 }
 
 fn main() {
@@ -31,6 +34,7 @@ fn main() {
         Command::Bench(args) => host::bench::run(args),
         Command::Serve(args) => host::server::run(args),
         Command::Plugins(command) => host::plugins::run_command(command),
+        Command::TpWorker(args) => host::tp::worker(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -5,17 +5,79 @@
 
 use crate::Result;
 use mlx::Array;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 const STEP: usize = 256;
 
-#[derive(Default, Clone)]
 pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: usize,
+    /// Process-unique, so a tensor-parallel peer can mirror this cache (see [`mirror`]).
+    id: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+static MIRRORING: AtomicBool = AtomicBool::new(false);
+static LOG: Mutex<Vec<CacheOp>> = Mutex::new(Vec::new());
+
+/// What happened to caches since the last [`take_ops`], for a tensor-parallel peer that
+/// keeps the same caches (its shard of every layer) by id. Appends need no entry (the peer
+/// runs the same forward) and neither do trims (each forward carries the offsets it starts
+/// from); copies and frees do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheOp {
+    /// Cache `to` starts as a copy of cache `from`.
+    Clone {
+        from: u64,
+        to: u64,
+    },
+    Drop(u64),
+}
+
+/// Starts recording [`CacheOp`]s (rank 0 of a tensor-parallel group does).
+pub fn mirror() {
+    MIRRORING.store(true, Ordering::SeqCst);
+}
+
+/// The operations recorded since the last call.
+pub fn take_ops() -> Vec<CacheOp> {
+    std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn record(op: CacheOp) {
+    if MIRRORING.load(Ordering::Relaxed) {
+        LOG.lock().unwrap_or_else(|e| e.into_inner()).push(op);
+    }
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        KvCache { keys: None, values: None, offset: 0, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) }
+    }
+}
+
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let copy =
+            KvCache { keys: self.keys.clone(), values: self.values.clone(), offset: self.offset, ..Default::default() };
+        record(CacheOp::Clone { from: self.id, to: copy.id });
+        copy
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        record(CacheOp::Drop(self.id));
+    }
 }
 
 impl KvCache {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Positions held.
     pub fn offset(&self) -> usize {
         self.offset

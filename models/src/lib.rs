@@ -19,7 +19,7 @@ pub mod weights;
 
 pub use cache::KvCache;
 pub use error::{Error, Result};
-pub use loader::{load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
+pub use loader::{check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
 pub use tokenizer::{Detokenizer, Tokenizer};
 
 use mlx::Array;
@@ -29,6 +29,11 @@ pub trait CausalLm {
     /// Runs `tokens` (`[B, L]` int32) through the model, appending to `cache` (one entry per
     /// layer), and returns logits `[B, L, vocab]`.
     fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    /// The final hidden states (`forward` is `head(forward_hidden(..))`). Tensor-parallel
+    /// ranks evaluate these: they depend on every all-reduce of the step.
+    fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    /// The output head over final hidden states.
+    fn head(&self, hidden: &Array) -> Result<Array>;
     /// A fresh cache, one entry per layer.
     fn make_cache(&self) -> Vec<KvCache>;
     fn vocab_size(&self) -> usize;

@@ -5,6 +5,7 @@ use crate::cache::KvCache;
 use crate::layers::{Embedding, Linear, RmsNorm, Rope};
 use crate::weights::Weights;
 use crate::{CausalLm, Result};
+use mlx::distributed::Group;
 use mlx::fast::{self, Mask};
 use mlx::{ops, Array};
 use serde::Deserialize;
@@ -90,20 +91,38 @@ struct Attention {
     n_heads: i32,
     n_kv_heads: i32,
     scale: f32,
+    /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
+    reduce: bool,
+}
+
+/// Sums a row-parallel layer's partial outputs over the tensor-parallel group.
+fn reduced(y: Array, reduce: bool) -> Result<Array> {
+    if reduce {
+        Ok(mlx::distributed::all_sum(&y)?)
+    } else {
+        Ok(y)
+    }
 }
 
 impl Attention {
-    fn load(w: &Weights, p: &str, d: &Dims) -> Result<Self> {
+    fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
         Ok(Attention {
             q_proj: Linear::load(w, &format!("{p}.q_proj"), d.hidden, d.n_heads * d.head_dim, d.qkv_bias)?,
             k_proj: Linear::load(w, &format!("{p}.k_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
             v_proj: Linear::load(w, &format!("{p}.v_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
-            o_proj: Linear::load(w, &format!("{p}.o_proj"), d.n_heads * d.head_dim, d.hidden, d.o_bias)?,
+            o_proj: Linear::load(
+                w,
+                &format!("{p}.o_proj"),
+                d.n_heads * d.head_dim,
+                d.hidden,
+                d.o_bias && tp.rank == 0,
+            )?,
             q_norm: d.qk_norm.then(|| RmsNorm::load(w, &format!("{p}.q_norm"), d.head_dim, d.eps)).transpose()?,
             k_norm: d.qk_norm.then(|| RmsNorm::load(w, &format!("{p}.k_norm"), d.head_dim, d.eps)).transpose()?,
             n_heads: d.n_heads as i32,
             n_kv_heads: d.n_kv_heads as i32,
             scale: (d.head_dim as f64).powf(-0.5) as f32,
+            reduce: tp.size > 1,
         })
     }
 
@@ -123,7 +142,7 @@ impl Attention {
         let k = rope.forward(&k, cache.offset())?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask_ref(mask))?;
-        self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
+        reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
     }
 }
 
@@ -148,18 +167,22 @@ struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// Tensor parallel: this rank holds some columns; sum `down_proj`'s partial outputs.
+    reduce: bool,
 }
 
 impl Mlp {
-    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool) -> Result<Self> {
+    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool, tp: Tp) -> Result<Self> {
         Ok(Mlp {
             gate_proj: Linear::load(w, &format!("{p}.gate_proj"), hidden, ffn, bias)?,
             up_proj: Linear::load(w, &format!("{p}.up_proj"), hidden, ffn, bias)?,
-            down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias)?,
+            down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias && tp.rank == 0)?,
+            reduce: tp.size > 1,
         })
     }
     fn forward(&self, x: &Array) -> Result<Array> {
-        self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
+        let y = self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)?;
+        reduced(y, self.reduce)
     }
 }
 
@@ -187,23 +210,29 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(config: &Config, weights: &Weights) -> Result<Self> {
+    pub fn load(config: &Config, weights: &mut Weights, group: Option<Group>) -> Result<Self> {
         let rope = Rope::new(
             config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             config.rope_theta,
             config.rope_traditional,
             config.rope_scaling.as_ref(),
         )?;
-        Self::load_dims(&config.dims(), rope, weights)
+        Self::load_dims(&config.dims(), rope, weights, group)
     }
 
-    pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &Weights) -> Result<Self> {
+    /// Builds the decoder; with a tensor-parallel `group`, this rank's shard of it (attention
+    /// heads and MLP columns split across ranks, an all-reduce after `o_proj` and `down_proj`).
+    /// `w` is cut down to this rank's shard in place.
+    pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, group: Option<Group>) -> Result<Self> {
+        let tp = group.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size });
+        let d = &if tp.size > 1 { shard(d, w, tp)? } else { d.clone() };
+        let w = &*w;
         let layers = (0..d.layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
                 Ok(Block {
-                    self_attn: Attention::load(w, &format!("{p}.self_attn"), d)?,
-                    mlp: Mlp::load(w, &format!("{p}.mlp"), d.hidden, d.ffn, d.mlp_bias)?,
+                    self_attn: Attention::load(w, &format!("{p}.self_attn"), d, tp)?,
+                    mlp: Mlp::load(w, &format!("{p}.mlp"), d.hidden, d.ffn, d.mlp_bias, tp)?,
                     input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
                     post_attention_layernorm: RmsNorm::load(
                         w,
@@ -225,18 +254,111 @@ impl Model {
     }
 }
 
-impl CausalLm for Model {
-    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
+impl Model {
+    /// The final hidden states (after the last norm), before the output head. Under tensor
+    /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
+    pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let mut h = self.embed_tokens.forward(tokens)?;
         let mask = attention_mask(tokens.dim(-1));
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
             h = layer.forward(&h, &mask, c, &self.rope)?;
         }
-        let h = self.norm.forward(&h)?;
+        self.norm.forward(&h)
+    }
+
+    /// Logits of final hidden states.
+    pub fn head(&self, h: &Array) -> Result<Array> {
         match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
+            Some(head) => head.forward(h),
+            None => self.embed_tokens.as_linear(h),
         }
+    }
+}
+
+/// This process's rank and the group size (1 when not tensor-parallel).
+#[derive(Debug, Clone, Copy)]
+struct Tp {
+    rank: usize,
+    size: usize,
+}
+
+/// Whether a decoder with these widths splits evenly over `n` ranks; the error says which
+/// rank counts would.
+pub(crate) fn check_split(n_heads: usize, n_kv_heads: usize, ffn: usize, n: usize) -> Result<()> {
+    for (what, value) in [("key/value heads", n_kv_heads), ("attention heads", n_heads), ("MLP width", ffn)] {
+        if value % n != 0 {
+            let ok: Vec<String> = (1..=n_kv_heads)
+                .filter(|k| n_kv_heads % k == 0 && n_heads % k == 0 && ffn % k == 0)
+                .map(|k| k.to_string())
+                .collect();
+            return Err(crate::Error::Invalid(format!(
+                "tensor parallelism over {n} ranks needs the model's {what} ({value}) to divide by {n}; this model can use {} ranks",
+                ok.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// This rank's dims and weights: q/k/v/gate/up split by output rows (column parallel),
+/// o/down by input columns (row parallel, bias kept on rank 0 only); embeddings, norms and
+/// the head stay whole.
+fn shard(d: &Dims, w: &mut Weights, tp: Tp) -> Result<Dims> {
+    let n = tp.size;
+    check_split(d.n_heads, d.n_kv_heads, d.ffn, n)?;
+    for i in 0..d.layers {
+        let p = format!("model.layers.{i}");
+        for (module, rows) in [
+            ("self_attn.q_proj", true),
+            ("self_attn.k_proj", true),
+            ("self_attn.v_proj", true),
+            ("mlp.gate_proj", true),
+            ("mlp.up_proj", true),
+            ("self_attn.o_proj", false),
+            ("mlp.down_proj", false),
+        ] {
+            let prefix = format!("{p}.{module}");
+            if let Some(q) = w.quantization_of(&prefix)? {
+                let inputs = if module == "self_attn.o_proj" { d.n_heads * d.head_dim } else { d.ffn };
+                if !rows && (inputs / n) % q.group_size as usize != 0 {
+                    return Err(crate::Error::Invalid(format!(
+                        "tensor parallelism over {n} ranks splits {prefix}'s {inputs} inputs into parts of {}, not a multiple of its quantization group size {}",
+                        inputs / n,
+                        q.group_size
+                    )));
+                }
+            }
+            for part in ["weight", "scales", "biases"] {
+                let name = format!("{prefix}.{part}");
+                if w.contains(&name) {
+                    w.shard(&name, if rows { 0 } else { 1 }, n, tp.rank)?;
+                }
+            }
+            let bias = format!("{prefix}.bias");
+            if w.contains(&bias) {
+                if rows {
+                    w.shard(&bias, 0, n, tp.rank)?;
+                } else if tp.rank != 0 {
+                    w.remove(&bias);
+                }
+            }
+        }
+    }
+    Ok(Dims { n_heads: d.n_heads / n, n_kv_heads: d.n_kv_heads / n, ffn: d.ffn / n, ..d.clone() })
+}
+
+impl CausalLm for Model {
+    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        let h = self.forward_hidden(tokens, cache)?;
+        self.head(&h)
+    }
+
+    fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        Model::forward_hidden(self, tokens, cache)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array> {
+        Model::head(self, hidden)
     }
 
     fn make_cache(&self) -> Vec<KvCache> {

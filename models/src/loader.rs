@@ -45,6 +45,8 @@ pub struct Loaded {
 pub struct LoadOptions {
     /// Dequantize GGUF weights to float32; `None` decides by the default device.
     pub dequantize_gguf: Option<bool>,
+    /// Load this rank's tensor-parallel shard (the group must be initialized).
+    pub tensor_parallel: Option<mlx::distributed::Group>,
 }
 
 pub fn load(path: &Path) -> Result<Loaded> {
@@ -56,7 +58,7 @@ pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
         let dequantize = options.dequantize_gguf.unwrap_or(Device::default_device() == Device::Cpu);
         let g = gguf::load(path, dequantize)?;
         let arch = Arch::parse(&g.config, path)?;
-        return build(path, arch, &g.config, Value::Null, g.weights, g.tokenizer);
+        return build(path, arch, &g.config, Value::Null, g.weights, g.tokenizer, options);
     }
     if !path.is_dir() {
         return Err(Error::Invalid(format!(
@@ -72,7 +74,17 @@ pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
     let generation = read_json(&path.join("generation_config.json")).unwrap_or(Value::Null);
     let weights = Weights::new(safetensors::load(path)?, path, arch.name()).with_quantization(q, overrides);
     let tokenizer = Tokenizer::from_dir(path)?;
-    build(path, arch, &config, generation, weights, tokenizer)
+    build(path, arch, &config, generation, weights, tokenizer, options)
+}
+
+/// Checks that the model folder at `path` splits over `n` tensor-parallel ranks (GGUF files
+/// are checked when they load).
+pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
+    if !path.is_dir() {
+        return Ok(());
+    }
+    let config_path = path.join("config.json");
+    Arch::parse(&read_json(&config_path)?, &config_path)?.check_tensor_parallel(n)
 }
 
 /// A parsed config of one of the supported architectures.
@@ -115,6 +127,20 @@ impl Arch {
         }
     }
 
+    /// Refuses a split over `n` tensor-parallel ranks that does not divide the heads and the
+    /// MLP evenly, before any rank loads weights.
+    pub fn check_tensor_parallel(&self, n: usize) -> Result<()> {
+        let (heads, kv, ffn) = match self {
+            Arch::Llama(c) => {
+                let d = c.dims();
+                (d.n_heads, d.n_kv_heads, d.ffn)
+            }
+            Arch::Qwen2(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Qwen3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+        };
+        llama::check_split(heads, kv, ffn, n)
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Arch::Llama(_) => "llama",
@@ -123,12 +149,13 @@ impl Arch {
         }
     }
 
-    /// Builds the model from (sanitized) weights.
-    pub fn model(&self, weights: &Weights) -> Result<Box<dyn CausalLm>> {
+    /// Builds the model from (sanitized) weights; with a tensor-parallel group, this rank's
+    /// shard (and `weights` is cut down to it).
+    pub fn model(&self, weights: &mut Weights, group: Option<mlx::distributed::Group>) -> Result<Box<dyn CausalLm>> {
         Ok(match self {
-            Arch::Llama(c) => Box::new(llama::Model::load(c, weights)?),
-            Arch::Qwen2(c) => Box::new(qwen2::load(c, weights)?),
-            Arch::Qwen3(c) => Box::new(qwen3::load(c, weights)?),
+            Arch::Llama(c) => Box::new(llama::Model::load(c, weights, group)?),
+            Arch::Qwen2(c) => Box::new(qwen2::load(c, weights, group)?),
+            Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, group)?),
         })
     }
 }
@@ -201,6 +228,7 @@ fn build(
     generation: Value,
     mut weights: Weights,
     tokenizer: Tokenizer,
+    options: &LoadOptions,
 ) -> Result<Loaded> {
     // Sanitize as mlx-lm does: precomputed rotary tables are unused; tied heads are dropped.
     let unused: Vec<String> = weights.names().filter(|n| n.contains("rotary_emb.inv_freq")).cloned().collect();
@@ -210,7 +238,7 @@ fn build(
     if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
         weights.remove("lm_head.weight");
     }
-    let model = arch.model(&weights)?;
+    let model = arch.model(&mut weights, options.tensor_parallel)?;
     // Materialize every weight now, as mlx-lm's `load` does: read errors surface here, and
     // the first request does not pay for reading the file.
     weights.eval()?;
@@ -231,6 +259,8 @@ fn build(
     // it is quantized, its scales').
     let act = weights.get("model.embed_tokens.scales").or_else(|_| weights.get("model.embed_tokens.weight"))?.dtype();
     let (layers, kv_heads, head_dim) = arch.kv_dims();
+    // A tensor-parallel rank holds its share of the heads.
+    let kv_heads = kv_heads / options.tensor_parallel.map_or(1, |g| g.size);
     let embedding: usize = weights
         .names()
         .filter(|n| n.starts_with("model.embed_tokens."))

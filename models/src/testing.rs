@@ -89,7 +89,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
 pub fn model(model_type: &str, seed: u64) -> Result<Box<dyn CausalLm>> {
     let path = Path::new("<tiny random>");
     let arch = Arch::parse(&config(model_type), path)?;
-    arch.model(&Weights::new(weights(model_type, seed)?, path, model_type))
+    arch.model(&mut Weights::new(weights(model_type, seed)?, path, model_type), None)
 }
 
 /// A byte-level BPE `tokenizer.json` with no merges: `<|im_start|>` (0), `<|im_end|>` (1),

@@ -3,6 +3,8 @@
 // turns them into Rust errors.
 #include "mlx/cpp/shim.h"
 
+#include <optional>
+
 #include <stdexcept>
 
 namespace mx = mlx::core;
@@ -197,6 +199,7 @@ Ptr scatter_add_axis(const array& a, const array& idx, const array& v, int32_t a
 }
 Ptr concatenate(const ArrayList& arrays, int32_t axis) { return wrap(mx::concatenate(arrays.items, axis)); }
 Ptr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
+Ptr copy(const array& a) { return wrap(mx::copy(a)); }
 
 Ptr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta) {
@@ -261,6 +264,23 @@ size_t device_memory_size(bool gpu) {
   return 0;
 }
 void synchronize() { mx::synchronize(); }
+
+namespace {
+std::optional<mx::distributed::Group> group;
+}
+
+int32_t distributed_init(rust::Str backend) {
+  group = mx::distributed::init(true, std::string(backend));
+  return group->size();
+}
+int32_t distributed_rank() {
+  if (!group) throw std::runtime_error("distributed_init was not called");
+  return group->rank();
+}
+Ptr all_sum(const array& a) {
+  if (!group) throw std::runtime_error("distributed_init was not called");
+  return std::make_unique<array>(mx::distributed::all_sum(a, *group));
+}
 int32_t new_stream(bool gpu) {
   return mx::new_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)).index;
 }

@@ -98,6 +98,7 @@ Ptr put_along_axis(const array& a, const array& indices, const array& values, in
 Ptr scatter_add_axis(const array& a, const array& indices, const array& values, int32_t axis);
 Ptr concatenate(const ArrayList& arrays, int32_t axis);
 Ptr contiguous(const array& a);
+Ptr copy(const array& a);
 
 // Linear algebra and quantization.
 Ptr matmul(const array& a, const array& b);
@@ -133,6 +134,10 @@ bool default_device_is_gpu();
 bool gpu_is_available();
 size_t device_memory_size(bool gpu);
 void synchronize();
+// Distributed (mlx::core::distributed): one process-wide group, set by distributed_init.
+int32_t distributed_init(rust::Str backend);
+int32_t distributed_rank();
+Ptr all_sum(const array& a);
 int32_t new_stream(bool gpu);
 void set_default_stream(int32_t index, bool gpu);
 size_t get_active_memory();

@@ -163,6 +163,11 @@ impl Array {
         wrap(ffi::contiguous(&self.0))
     }
 
+    /// A copy with its own buffer (a slice of a large array, kept without it).
+    pub fn copy(&self) -> Result<Array> {
+        wrap(ffi::copy(&self.0))
+    }
+
     pub fn add(&self, o: &Array) -> Result<Array> {
         wrap(ffi::add(&self.0, &o.0))
     }

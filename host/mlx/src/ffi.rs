@@ -80,6 +80,7 @@ pub(crate) mod ffi {
         fn scatter_add_axis(a: &array, indices: &array, values: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<array>>;
         fn contiguous(a: &array) -> Result<UniquePtr<array>>;
+        fn copy(a: &array) -> Result<UniquePtr<array>>;
 
         fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn addmm(c: &array, a: &array, b: &array, alpha: f32, beta: f32) -> Result<UniquePtr<array>>;
@@ -137,6 +138,9 @@ pub(crate) mod ffi {
         fn gpu_is_available() -> bool;
         fn device_memory_size(gpu: bool) -> Result<usize>;
         fn synchronize() -> Result<()>;
+        fn distributed_init(backend: &str) -> Result<i32>;
+        fn distributed_rank() -> Result<i32>;
+        fn all_sum(a: &array) -> Result<UniquePtr<array>>;
         fn new_stream(gpu: bool) -> Result<i32>;
         fn set_default_stream(index: i32, gpu: bool) -> Result<()>;
         fn get_active_memory() -> usize;

@@ -6,6 +6,7 @@
 
 mod array;
 mod device;
+pub mod distributed;
 mod dtype;
 mod error;
 mod ffi;

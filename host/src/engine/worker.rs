@@ -11,7 +11,7 @@ use super::stop::StopMatcher;
 use super::{
     DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation,
 };
-use crate::generate::{load_draft, load_model, select_device, DeviceChoice};
+use crate::generate::{load_draft, load_model_split, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
 use crate::plugins::{PluginRegistry, PluginSampler, PluginScheduler, PluginTools, Selection, ToolOutput};
 use anyhow::{Context, Result};
@@ -39,6 +39,8 @@ pub struct EngineConfig {
     pub draft_model: Option<PathBuf>,
     /// The scheduling-policy plugin and its config; `None`: first come, first served.
     pub scheduler: Option<(String, serde_json::Value)>,
+    /// Ranks to split the model over (1: no tensor parallelism).
+    pub tensor_parallel: usize,
 }
 
 /// One generation request, as the server hands it to the engine.
@@ -229,7 +231,7 @@ impl Engine {
             .spawn(move || {
                 let loaded = (|| -> Result<_> {
                     let device = select_device(config.device)?;
-                    let loaded = load_model(config.model.as_deref())?;
+                    let loaded = load_model_split(config.model.as_deref(), config.tensor_parallel, config.device)?;
                     let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
                     Ok((device, loaded, draft))
                 })();

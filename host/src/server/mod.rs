@@ -144,6 +144,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             config.scheduler.clone(),
             config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
         )),
+        tensor_parallel: config.tensor_parallel,
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let runtime =

@@ -864,6 +864,7 @@ mod tests {
                     plugins: None,
                     draft_model: None,
                     scheduler: None,
+                    tensor_parallel: 1,
                 };
                 Arc::new(Engine::start(config).unwrap())
             })

@@ -17,6 +17,7 @@ pub struct Quantization {
 }
 
 /// All weights of a checkpoint by name, plus where they came from (for error messages).
+#[derive(Clone)]
 pub struct Weights {
     tensors: HashMap<String, Array>,
     path: PathBuf,
@@ -65,6 +66,23 @@ impl Weights {
 
     pub fn insert(&mut self, name: String, a: Array) {
         self.tensors.insert(name, a);
+    }
+
+    /// Keeps part `index` of `parts` equal parts of weight `name` along `axis` (a tensor-parallel
+    /// shard), as a copy, so the whole tensor is freed once the shard is read.
+    pub fn shard(&mut self, name: &str, axis: usize, parts: usize, index: usize) -> Result<()> {
+        let a = self.get(name)?;
+        let n = a.dim(axis as i32);
+        if n % parts != 0 {
+            return Err(Error::Invalid(format!(
+                "cannot split {name} ({:?}) into {parts} equal parts along axis {axis}",
+                a.shape()
+            )));
+        }
+        let len = (n / parts) as i32;
+        let part = a.slice_axis(axis as i32, len * index as i32, len * (index as i32 + 1))?.copy()?;
+        self.tensors.insert(name.to_string(), part);
+        Ok(())
     }
 
     /// Evaluates (reads, converts) every weight.

@@ -1,0 +1,296 @@
+//! Tensor parallelism over MLX's distributed API (`mlx::distributed`): `--tensor-parallel N`
+//! runs one process per rank. This process is rank 0: it launches ranks 1..N as
+//! `host tp-worker` children, joins the group with them (the `ring` backend over loopback
+//! TCP on CPUs, `nccl` on NVIDIA GPUs), loads its shard of the model and drives the others:
+//! before each forward it sends every worker the step (the input tokens, the caches it
+//! continues and where each stands, and the cache copies and frees since the last step), so
+//! each rank runs the same forward on its shard and the all-reduces inside pair up.
+//!
+//! Every rank evaluates the final hidden states of every forward (rank 0 with `async_eval`,
+//! so decoding stays pipelined): that is what makes the collectives match whatever else rank
+//! 0 evaluates later. A worker that dies brings rank 0 down with a message naming it (a
+//! monitor thread), and workers exit when rank 0's control connection closes.
+
+use crate::generate::{select_device, DeviceChoice};
+use anyhow::{bail, Context, Result};
+use mlx::distributed::Group;
+use mlx::{Array, Device};
+use models::cache::CacheOp;
+use models::{CausalLm, KvCache, Loaded};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io::{BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long rank 0 waits for every worker to join.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One forward step, as rank 0 sends it to the workers.
+#[derive(Debug, Serialize, Deserialize)]
+struct Step {
+    /// Cache copies and frees since the last step: `[0, from, to]` or `[1, id]`.
+    ops: Vec<(u8, u64, u64)>,
+    /// Per layer: the cache id and the positions it holds before this step (a smaller offset
+    /// than the worker's means rank 0 trimmed it).
+    caches: Vec<(u64, usize)>,
+    tokens: Vec<i32>,
+    shape: Vec<i32>,
+}
+
+/// The MLX backend for a device.
+fn backend(device: Device) -> &'static str {
+    if device == Device::Gpu {
+        "nccl"
+    } else {
+        "ring"
+    }
+}
+
+/// Free loopback ports, one per rank (bound, then released for MLX to listen on).
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let listeners: Vec<TcpListener> =
+        (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<std::io::Result<_>>()?;
+    Ok(listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<std::io::Result<_>>()?)
+}
+
+/// Sets the environment MLX's backends read for this rank: the ring backend's `MLX_RANK` and
+/// `MLX_HOSTFILE`, and NCCL's rank, world size and rendezvous address.
+fn rank_env(command: Option<&mut Command>, rank: usize, size: usize, hostfile: &Path, nccl: &str) {
+    let vars = [
+        ("MLX_RANK", rank.to_string()),
+        ("MLX_HOSTFILE", hostfile.display().to_string()),
+        ("MLX_WORLD_SIZE", size.to_string()),
+        ("NCCL_HOST_IP", nccl.split(':').next().unwrap_or("127.0.0.1").to_string()),
+        ("NCCL_PORT", nccl.split(':').nth(1).unwrap_or("0").to_string()),
+    ];
+    match command {
+        Some(c) => {
+            c.envs(vars);
+        }
+        None => vars.into_iter().for_each(|(k, v)| std::env::set_var(k, v)),
+    }
+}
+
+/// Loads `path` split over `n` ranks: launches the workers, joins the group and returns
+/// rank 0's model, which drives them.
+pub fn load(path: &Path, n: usize, device: DeviceChoice) -> Result<Loaded> {
+    if n < 2 {
+        bail!("--tensor-parallel needs at least 2 ranks (1 is plain serving)");
+    }
+    models::check_tensor_parallel(path, n).with_context(|| format!("splitting {}", path.display()))?;
+    let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    let ports = free_ports(n + 1)?;
+    let hosts: Vec<Vec<String>> = ports[..n].iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
+    let hostfile = run.join("hostfile.json");
+    std::fs::write(&hostfile, serde_json::to_string(&hosts)?)?;
+    let nccl = format!("127.0.0.1:{}", ports[n]);
+    let control = TcpListener::bind("127.0.0.1:0").context("binding the tensor-parallel control port")?;
+    let exe = std::env::current_exe().context("finding the host binary to launch workers")?;
+    let mut children = Vec::new();
+    for rank in 1..n {
+        let mut command = Command::new(&exe);
+        command
+            .args(["tp-worker", "--rank", &rank.to_string(), "--size", &n.to_string()])
+            .arg("--model")
+            .arg(path)
+            .args(["--device", device.as_str(), "--control", &control.local_addr()?.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        rank_env(Some(&mut command), rank, n, &hostfile, &nccl);
+        children.push((rank, command.spawn().with_context(|| format!("launching tensor-parallel rank {rank}"))?));
+    }
+    watch(children);
+    rank_env(None, 0, n, &hostfile, &nccl);
+    let device = select_device(device)?;
+    let group = mlx::distributed::init(backend(device))
+        .with_context(|| format!("joining the {}-rank tensor-parallel group ({})", n, backend(device)))?;
+    if group.size != n || group.rank != 0 {
+        bail!("the tensor-parallel group has rank {} of {}, expected 0 of {n}", group.rank, group.size);
+    }
+    let mut streams = accept(&control, n - 1)?;
+    streams.sort_by_key(|(rank, _)| *rank);
+    let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
+    let loaded = models::load_with(path, &options).with_context(|| format!("loading model from {}", path.display()))?;
+    models::cache::mirror();
+    let model = TpModel { inner: loaded.model, workers: RefCell::new(streams.into_iter().map(|(_, s)| s).collect()) };
+    tracing::info!(ranks = n, backend = backend(device), "tensor parallel");
+    Ok(Loaded { model: Box::new(model), ..loaded })
+}
+
+/// Stops this process with a clear message if a worker exits.
+fn watch(mut children: Vec<(usize, Child)>) {
+    std::thread::Builder::new()
+        .name("tp-monitor".into())
+        .spawn(move || loop {
+            for (rank, child) in children.iter_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    eprintln!(
+                        "host: tensor-parallel rank {rank} exited ({status}); the model is split across all ranks, so this server stops. Its error is above; restart to recover."
+                    );
+                    std::process::exit(1);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        })
+        .expect("spawning the tensor-parallel monitor");
+}
+
+/// The workers' control connections, each introduced by its rank.
+fn accept(listener: &TcpListener, count: usize) -> Result<Vec<(usize, TcpStream)>> {
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + JOIN_TIMEOUT;
+    let mut out = Vec::new();
+    while out.len() < count {
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                stream.set_nonblocking(false)?;
+                stream.set_nodelay(true)?;
+                let mut rank = [0u8; 4];
+                stream.read_exact(&mut rank).context("reading a worker's rank")?;
+                out.push((u32::from_le_bytes(rank) as usize, stream));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    bail!("only {} of {count} tensor-parallel workers connected within {JOIN_TIMEOUT:?}", out.len());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(out)
+}
+
+fn send(stream: &mut TcpStream, step: &Step) -> std::io::Result<()> {
+    let body = serde_json::to_vec(step).expect("a step serializes");
+    stream.write_all(&(body.len() as u32).to_le_bytes())?;
+    stream.write_all(&body)
+}
+
+fn receive(stream: &mut impl Read) -> Result<Option<Step>> {
+    let mut len = [0u8; 4];
+    match stream.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut body)?;
+    Ok(Some(serde_json::from_slice(&body)?))
+}
+
+/// Rank 0's model: its shard, plus the workers it sends each step to.
+struct TpModel {
+    inner: Box<dyn CausalLm>,
+    workers: RefCell<Vec<TcpStream>>,
+}
+
+impl CausalLm for TpModel {
+    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+        let h = self.forward_hidden(tokens, cache)?;
+        self.inner.head(&h)
+    }
+
+    fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+        let ops = models::cache::take_ops()
+            .into_iter()
+            .map(|op| match op {
+                CacheOp::Clone { from, to } => (0, from, to),
+                CacheOp::Drop(id) => (1, id, 0),
+            })
+            .collect();
+        let step = Step {
+            ops,
+            caches: cache.iter().map(|c| (c.id(), c.offset())).collect(),
+            tokens: tokens.to_vec_i32()?,
+            shape: tokens.shape().iter().map(|&d| d as i32).collect(),
+        };
+        for (i, worker) in self.workers.borrow_mut().iter_mut().enumerate() {
+            send(worker, &step)
+                .map_err(|e| models::Error::Invalid(format!("tensor-parallel rank {} is unreachable: {e}", i + 1)))?;
+        }
+        let h = self.inner.forward_hidden(tokens, cache)?;
+        mlx::async_eval(&[&h])?;
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> models::Result<Array> {
+        self.inner.head(hidden)
+    }
+
+    fn make_cache(&self) -> Vec<KvCache> {
+        self.inner.make_cache()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+}
+
+/// `host tp-worker`: one rank of a tensor-parallel group, launched by rank 0.
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub rank: usize,
+    #[arg(long)]
+    pub size: usize,
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Rank 0's control address.
+    #[arg(long)]
+    pub control: String,
+}
+
+/// Runs a worker rank until rank 0 goes away.
+pub fn worker(args: WorkerArgs) -> Result<()> {
+    let device = select_device(args.device)?;
+    let group: Group = mlx::distributed::init(backend(device))
+        .with_context(|| format!("rank {} joining the tensor-parallel group", args.rank))?;
+    if group.rank != args.rank || group.size != args.size {
+        bail!("joined as rank {} of {}, expected {} of {}", group.rank, group.size, args.rank, args.size);
+    }
+    let mut control =
+        TcpStream::connect(&args.control).with_context(|| format!("connecting to rank 0 at {}", args.control))?;
+    control.set_nodelay(true)?;
+    control.write_all(&(args.rank as u32).to_le_bytes())?;
+    let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
+    let loaded = models::load_with(&args.model, &options)
+        .with_context(|| format!("rank {} loading {}", args.rank, args.model.display()))?;
+    let model = loaded.model;
+    let mut reader = BufReader::new(control);
+    let mut caches: HashMap<u64, KvCache> = HashMap::new();
+    while let Some(step) = receive(&mut reader)? {
+        for (kind, a, b) in step.ops {
+            if kind == 0 {
+                if let Some(copy) = caches.get(&a).cloned() {
+                    caches.insert(b, copy);
+                }
+            } else {
+                caches.remove(&a);
+            }
+        }
+        let mut layers = Vec::with_capacity(step.caches.len());
+        for &(id, offset) in &step.caches {
+            let mut c = caches.remove(&id).unwrap_or_default();
+            if c.offset() < offset {
+                bail!("rank {}: cache {id} holds {} positions, rank 0 expects {offset}", args.rank, c.offset());
+            }
+            c.trim(c.offset() - offset);
+            layers.push(c);
+        }
+        let tokens = Array::from_i32(&step.tokens, &step.shape.iter().map(|&d| d as usize).collect::<Vec<_>>())?;
+        let h = model.forward_hidden(&tokens, &mut layers)?;
+        mlx::eval(&[&h])?;
+        for (&(id, _), c) in step.caches.iter().zip(layers) {
+            caches.insert(id, c);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! Tensor parallelism through `host generate --tensor-parallel N` on the CPU (MLX's ring
+//! backend over loopback, one process per rank): the greedy tokens equal one rank's on the
+//! tiny random models (2 ranks) and SmolLM2 (3 ranks: its 3 KV heads do not divide by 2);
+//! speculative decoding, whose rollbacks trim every rank's cache, stays identical too; a
+//! split the model's heads do not allow is refused with the rank counts that would work.
+//!
+//! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn models() -> Option<PathBuf> {
+    match std::env::var_os("HOST_TEST_MODELS") {
+        Some(m) => Some(PathBuf::from(m)),
+        None if std::env::var_os("CI").is_some() => panic!("HOST_TEST_MODELS missing under CI"),
+        None => {
+            eprintln!("skipped: fixtures not set up (eval \"$(scripts/test-fixtures.sh)\")");
+            None
+        }
+    }
+}
+
+fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["generate", "--json", "--device", "cpu", "--temperature", "0"])
+        .args(["--max-tokens", &max_tokens.to_string(), "--prompt", prompt, "--model"])
+        .arg(model)
+        .args(extra)
+        .output()
+        .expect("running host generate")
+}
+
+fn ids(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
+    let out = run(model, prompt, max_tokens, extra);
+    assert!(out.status.success(), "host generate {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    v["token_ids"].clone()
+}
+
+#[test]
+fn two_ranks_give_one_ranks_greedy_tokens_on_the_tiny_models() {
+    let Some(dir) = models() else { return };
+    for name in ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
+        let model = dir.join(name);
+        let one = ids(&model, "The quick brown fox", 24, &[]);
+        assert_eq!(one.as_array().unwrap().len(), 24, "{name}");
+        assert_eq!(ids(&model, "The quick brown fox", 24, &["--tensor-parallel", "2"]), one, "{name}");
+    }
+}
+
+#[test]
+fn three_ranks_give_one_ranks_greedy_tokens_on_smollm2() {
+    let Some(dir) = models() else { return };
+    let model = dir.join("smollm2-f32");
+    let prompt = "Name three planets and one fact about each.";
+    let one = ids(&model, prompt, 24, &[]);
+    assert_eq!(ids(&model, prompt, 24, &["--tensor-parallel", "3"]), one);
+}
+
+#[test]
+fn speculative_rollbacks_stay_identical_across_ranks() {
+    let Some(dir) = models() else { return };
+    let model = dir.join("tiny-qwen2");
+    // Repetitive text without a chat template around it: prompt lookup drafts its
+    // continuation, and the random model rejects most of it.
+    let prompt = "one two three four one two three four one two three four one two";
+    let one = ids(&model, prompt, 32, &["--raw"]);
+    let out = run(&model, prompt, 32, &["--raw", "--tensor-parallel", "2", "--speculative", "prompt-lookup"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let split: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(split["token_ids"], one);
+    // Drafts were rejected, so every rank trimmed its cache.
+    assert!(split["drafted_tokens"].as_u64().unwrap() > split["accepted_tokens"].as_u64().unwrap(), "{split}");
+}
+
+#[test]
+fn a_split_the_heads_do_not_allow_is_refused_before_launching() {
+    let Some(dir) = models() else { return };
+    let out = run(&dir.join("smollm2-f32"), "hi", 2, &["--tensor-parallel", "2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("needs the model's key/value heads (3) to divide by 2; this model can use 1, 3 ranks"),
+        "{err}"
+    );
+    assert!(!err.contains("rank 1"), "no worker should have started: {err}");
+}
