@@ -70,6 +70,14 @@ fn rank_env(command: Option<&mut Command>, rank: usize, size: usize, hostfile: &
     match command {
         Some(c) => {
             c.envs(vars);
+            // NCCL: one GPU per rank (the rank-th of those visible to rank 0), and NVLink
+            // multicast off as the shared machines require.
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok().filter(|v| !v.is_empty());
+            let gpu = match visible {
+                Some(list) => list.split(',').nth(rank).unwrap_or("").to_string(),
+                None => rank.to_string(),
+            };
+            c.env("CUDA_VISIBLE_DEVICES", gpu).env("NCCL_NVLS_ENABLE", "0");
         }
         None => vars.into_iter().for_each(|(k, v)| std::env::set_var(k, v)),
     }
