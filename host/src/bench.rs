@@ -67,6 +67,13 @@ pub struct Row {
     /// With --prompt-file: the first run's ids, and whether every run generated the same.
     pub token_ids: Option<Vec<u32>>,
     pub runs_identical: bool,
+    /// Per pipelined decode step (first run), on the engine's thread: building the next
+    /// step's graph, handing it to MLX, and waiting for the current token. Step time =
+    /// 1000 / decode tok/s; when the wait is near 0 the device idles on the CPU.
+    pub step_ms: f64,
+    pub build_ms: f64,
+    pub dispatch_ms: f64,
+    pub wait_ms: f64,
 }
 
 /// What one run gives back.
@@ -200,6 +207,10 @@ pub fn run(args: Args) -> Result<()> {
             tokens_per_step: first.stats.tokens_per_step(),
             token_ids: text.as_ref().map(|_| first.ids.clone()),
             runs_identical: runs.iter().all(|r| r.ids == first.ids),
+            step_ms: 1e3 / decode_tps,
+            build_ms: per_step(first.stats.build_secs, first.stats.pipelined_steps),
+            dispatch_ms: per_step(first.stats.dispatch_secs, first.stats.pipelined_steps),
+            wait_ms: per_step(first.stats.wait_secs, first.stats.pipelined_steps),
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -207,22 +218,35 @@ pub fn run(args: Args) -> Result<()> {
         rows.push(row);
     }
     if !args.json {
-        println!("| model | prompt | prefill tok/s | TTFT ms | decode tok/s | peak memory GB | weights/token GB | floor tok/s | % of floor |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("| model | prompt | prefill tok/s | TTFT ms | decode tok/s | peak memory GB | weights/token GB | floor tok/s | % of floor | step ms: build / dispatch / wait |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for r in &rows {
             let floor = r.floor_tps.map_or("-".into(), |f| format!("{f:.0}"));
             let pct = r.pct_of_floor.map_or("-".into(), |p| format!("{p:.0}%"));
             println!(
-                "| {} | {} | {:.0} | {:.1} | {:.1} | {:.3} | {:.3} | {floor} | {pct} |",
+                "| {} | {} | {:.0} | {:.1} | {:.1} | {:.3} | {:.3} | {floor} | {pct} | {:.2}: {:.2} / {:.2} / {:.2} |",
                 r.model,
                 r.prompt_tokens,
                 r.prefill_tps,
                 r.ttft_ms,
                 r.decode_tps,
                 r.peak_memory_bytes as f64 / 1e9,
-                r.weight_bytes_per_token as f64 / 1e9
+                r.weight_bytes_per_token as f64 / 1e9,
+                r.step_ms,
+                r.build_ms,
+                r.dispatch_ms,
+                r.wait_ms
             );
         }
     }
     Ok(())
+}
+
+/// Milliseconds per step of a summed duration.
+fn per_step(secs: f64, steps: usize) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        secs * 1e3 / steps as f64
+    }
 }

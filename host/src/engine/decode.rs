@@ -101,6 +101,13 @@ pub struct DecodeStats {
     /// Speculative decoding: tokens drafted and drafts accepted.
     pub drafted_tokens: usize,
     pub accepted_tokens: usize,
+    /// Where pipelined plain steps spend their time on the calling thread, summed: building
+    /// the next step's graph, handing it to MLX (`async_eval`), and waiting for the current
+    /// token (device time the CPU work did not hide).
+    pub pipelined_steps: usize,
+    pub build_secs: f64,
+    pub dispatch_secs: f64,
+    pub wait_secs: f64,
 }
 
 impl DecodeStats {
@@ -285,12 +292,22 @@ impl<'m> Generation<'m> {
         let serial = self.external.is_some()
             || self.speculation.as_ref().is_some_and(|s| s.adaptive.ready() && s.drafter.likely(&s.seq));
         let queued = !serial && n + 1 < self.options.max_tokens;
+        let t0 = Instant::now();
         if queued {
             let next = self.step(&y, self.prompt_len + n + 1)?;
+            let t1 = Instant::now();
             mlx::async_eval(&[&next.0, &next.1])?;
+            let t2 = Instant::now();
+            self.stats.build_secs += (t1 - t0).as_secs_f64();
+            self.stats.dispatch_secs += (t2 - t1).as_secs_f64();
             self.pending = Some(next);
         }
+        let t3 = Instant::now();
         let id = y.item_i32()? as u32;
+        if queued {
+            self.stats.pipelined_steps += 1;
+            self.stats.wait_secs += t3.elapsed().as_secs_f64();
+        }
         self.stats.decode_steps += 1;
         if let Some(s) = self.speculation.as_mut() {
             s.adaptive.plain_token();
