@@ -31,6 +31,9 @@ fn named_call(v: &Value) -> Result<Call, String> {
 pub struct Hermes;
 
 impl Format for Hermes {
+    fn streams_json(&self) -> bool {
+        true
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
     }
@@ -119,6 +122,9 @@ impl Format for Qwen3Coder {
 pub struct Llama3Json;
 
 impl Format for Llama3Json {
+    fn streams_json(&self) -> bool {
+        true
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<|python_tag|>", false), ("{", true)]
     }
@@ -140,6 +146,9 @@ impl Format for Llama3Json {
 pub struct Mistral;
 
 impl Format for Mistral {
+    fn streams_json(&self) -> bool {
+        true
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("[TOOL_CALLS]", false)]
     }
@@ -360,19 +369,21 @@ mod tests {
     use crate::{chunks, run};
     use serde_json::json;
 
-    /// Runs `text` whole and in 1- and 3-character pieces; all must agree.
-    fn check<F: Format>(text: &str, tools: &[Value]) -> (String, Vec<(String, String)>) {
+    /// Runs `text` whole and in 1- and 3-character pieces; all must agree. Arguments come
+    /// back parsed (streamed ones keep the model's spacing).
+    fn check<F: Format>(text: &str, tools: &[Value]) -> (String, Vec<(String, Value)>) {
         let whole = run::<F>(&[text], tools);
         for n in [1, 3] {
             let pieces = chunks(text, n);
             let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
             assert_eq!(run::<F>(&refs, tools), whole, "pieces of {n}");
         }
-        whole
+        let calls = whole.1.into_iter().map(|(n, a)| (n, serde_json::from_str(&a).unwrap_or(Value::String(a)))).collect();
+        (whole.0, calls)
     }
 
-    fn call(name: &str, args: Value) -> (String, String) {
-        (name.to_string(), args.to_string())
+    fn call(name: &str, args: Value) -> (String, Value) {
+        (name.to_string(), args)
     }
 
     #[test]
@@ -387,6 +398,41 @@ mod tests {
         // An unclosed call at the end of the output still parses.
         let (_, calls) = check::<Hermes>("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}", &[]);
         assert_eq!(calls, vec![call("f", json!({"x": 1}))]);
+    }
+
+    #[test]
+    fn json_calls_stream_their_arguments_while_they_are_written() {
+        use plugin_sdk::ToolAdapter;
+        let text = "<tool_call>\n{\"name\": \"write_file\", \"arguments\": {\"path\": \"a.txt\", \"text\": \"line one\\nline two\"}}\n</tool_call>";
+        let mut adapter = crate::Adapter::<Hermes>::default();
+        adapter.begin(r#"{"tools": []}"#, 3).unwrap();
+        let mut per_piece = Vec::new();
+        for piece in chunks(text, 4) {
+            let mut events = Vec::new();
+            adapter.feed(&piece, &mut events);
+            per_piece.push(events);
+        }
+        let mut tail = Vec::new();
+        adapter.finish(&mut tail);
+        let args: Vec<(usize, String)> = per_piece
+            .iter()
+            .enumerate()
+            .flat_map(|(i, e)| e.iter().filter_map(move |e| match e {
+                plugin_sdk::ToolEvent::Args { delta, .. } => Some((i, delta.clone())),
+                _ => None,
+            }))
+            .collect();
+        // The arguments arrive in many deltas, before the call is closed, and concatenate
+        // to the arguments as written.
+        assert!(args.len() > 5, "{args:?}");
+        assert!(args.last().unwrap().0 < per_piece.len() - 2);
+        let joined: String = args.iter().map(|(_, d)| d.as_str()).collect();
+        assert_eq!(serde_json::from_str::<Value>(&joined).unwrap(), json!({"path": "a.txt", "text": "line one\nline two"}));
+        let (_, calls) = check::<Hermes>(text, &[]);
+        assert_eq!(calls.len(), 1);
+        // Without arguments, an empty object.
+        let (_, calls) = check::<Hermes>("<tool_call>{\"name\": \"now\"}</tool_call>", &[]);
+        assert_eq!(calls, vec![call("now", json!({}))]);
     }
 
     #[test]

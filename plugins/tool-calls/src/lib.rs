@@ -6,6 +6,7 @@
 //! Each adapter crate is `Adapter<TheFormat>` plus `export_tool_adapter!`.
 
 pub mod formats;
+mod partial;
 
 use plugin_sdk::{ToolAdapter, ToolEvent};
 use serde_json::Value;
@@ -45,6 +46,12 @@ pub trait Format: Default {
     fn render(&self, _tools: &[Value]) -> Option<String> {
         None
     }
+    /// Regions hold JSON call objects (`{"name": .., "arguments": {..}}`), so calls can be
+    /// streamed while the region is still being written: the header as soon as the name is
+    /// complete, then the arguments as they come.
+    fn streams_json(&self) -> bool {
+        false
+    }
 }
 
 /// A [`Format`] as a streaming [`ToolAdapter`].
@@ -60,6 +67,8 @@ pub struct Adapter<F: Format> {
     region: Option<(String, String)>,
     /// Anchored formats: whether the output has shown non-space text yet.
     decided: bool,
+    /// Calls of the open region already streamed: (call index, argument bytes sent).
+    streamed: Vec<(usize, usize)>,
 }
 
 /// The length of the longest suffix of `text` that is a proper prefix of `marker`.
@@ -80,8 +89,48 @@ impl<F: Format> Adapter<F> {
         }
     }
 
+    /// Streams what the open region's text now shows of its calls (JSON formats).
+    fn stream(&mut self, text: &str, out: &mut Vec<ToolEvent>) {
+        if !self.format.streams_json() {
+            return;
+        }
+        for (i, call) in partial::calls(text).iter().enumerate() {
+            if i == self.streamed.len() {
+                let index = self.calls;
+                self.calls += 1;
+                out.push(ToolEvent::Call { index, id: self.call_id(index), name: call.name.clone() });
+                self.streamed.push((index, 0));
+            }
+            let (index, sent) = self.streamed[i];
+            let delta = match &call.arguments {
+                partial::Arguments::Raw(raw) => &raw[sent.min(raw.len())..],
+                partial::Arguments::Text { value: Some(v), .. } if sent == 0 => v.as_str(),
+                _ => "",
+            };
+            if !delta.is_empty() {
+                out.push(ToolEvent::Args { index, delta: delta.to_string() });
+                self.streamed[i].1 = sent + delta.len();
+            }
+        }
+    }
+
+    fn call_id(&self, index: usize) -> String {
+        format!("call_{:08x}{index}", self.seed as u32 ^ (self.seed >> 32) as u32)
+    }
+
     /// Ends a region: its calls as events, or its text back as content.
     fn close_region(&mut self, marker: &str, text: &str, closed: bool, out: &mut Vec<ToolEvent>) {
+        self.stream(text, out);
+        let streamed = std::mem::take(&mut self.streamed);
+        if !streamed.is_empty() {
+            // A call written without arguments gets an empty object.
+            for (index, sent) in streamed {
+                if sent == 0 {
+                    out.push(ToolEvent::Args { index, delta: "{}".into() });
+                }
+            }
+            return;
+        }
         let keep = self.format.open().iter().any(|(m, keep)| *m == marker && *keep);
         let parsed = self.format.parse(text, &self.tools).ok().filter(|c| !c.is_empty());
         match parsed {
@@ -89,8 +138,7 @@ impl<F: Format> Adapter<F> {
                 for call in calls {
                     let index = self.calls;
                     self.calls += 1;
-                    let id = format!("call_{:08x}{index}", self.seed as u32 ^ (self.seed >> 32) as u32);
-                    out.push(ToolEvent::Call { index, id, name: call.name });
+                    out.push(ToolEvent::Call { index, id: self.call_id(index), name: call.name });
                     out.push(ToolEvent::Args { index, delta: call.arguments });
                 }
             }
@@ -128,6 +176,7 @@ impl<F: Format> Adapter<F> {
                 if finished {
                     self.close_region(&marker, &text, false, out);
                 } else {
+                    self.stream(&text, out);
                     self.region = Some((marker, text));
                 }
                 return;
