@@ -63,6 +63,9 @@ pub struct ServeConfig {
     /// Split the model over this many processes (tensor parallel over MLX distributed: the
     /// ring backend on CPUs, NCCL on GPUs). Default: 1 (off).
     pub tensor_parallel: usize,
+    /// Generate a few tokens before serving so kernels compile at start, not in the first
+    /// requests. Default: on for GPUs, off on the CPU.
+    pub warm_up: Option<bool>,
     /// Per-model overrides, keyed by model id (the model folder's or file's name), e.g.
     /// `[models.SmolLM2-135M-Instruct] tool_adapter = "hermes"`.
     pub models: std::collections::BTreeMap<String, ModelDefaults>,
@@ -100,6 +103,7 @@ impl Default for ServeConfig {
             scheduler: "fcfs".into(),
             scheduler_config: None,
             tensor_parallel: 1,
+            warm_up: None,
             models: Default::default(),
         }
     }
@@ -190,6 +194,9 @@ pub struct ServeArgs {
     /// Split the model over this many processes (tensor parallel; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
+    /// Compile kernels before serving with a short generation (default: true on GPUs).
+    #[arg(long)]
+    pub warm_up: Option<bool>,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -257,6 +264,9 @@ impl ServeConfig {
         }
         if args.plugins.is_some() {
             config.plugins = args.plugins.clone();
+        }
+        if args.warm_up.is_some() {
+            config.warm_up = args.warm_up;
         }
         if let Some(s) = &args.scheduler {
             config.scheduler = s.clone();

@@ -41,6 +41,9 @@ pub struct EngineConfig {
     pub scheduler: Option<(String, serde_json::Value)>,
     /// Ranks to split the model over (1: no tensor parallelism).
     pub tensor_parallel: usize,
+    /// Run short generations before serving so the device compiles its kernels then, not in
+    /// the first requests (`None`: on GPUs only).
+    pub warm_up: Option<bool>,
 }
 
 /// One generation request, as the server hands it to the engine.
@@ -206,6 +209,8 @@ pub struct Engine {
     pub baseline_memory: usize,
     /// Whether a draft model is loaded (requests may ask for `draft` speculation).
     pub has_draft: bool,
+    /// How long the warm-up took, if one ran.
+    pub warmed_up: Option<Duration>,
     queue_limit: usize,
     next_seq: std::sync::atomic::AtomicU64,
 }
@@ -233,16 +238,22 @@ impl Engine {
                     let device = select_device(config.device)?;
                     let loaded = load_model_split(config.model.as_deref(), config.tensor_parallel, config.device)?;
                     let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
-                    Ok((device, loaded, draft))
+                    let mut warmed = None;
+                    if config.warm_up.unwrap_or(device == Device::Gpu) {
+                        let took = warm_up(loaded.model.as_ref(), loaded.info.vocab_size, config.prefill_step_size)?;
+                        tracing::info!(ms = took.as_millis() as u64, "warm-up done (kernels compiled)");
+                        warmed = Some(took);
+                    }
+                    Ok((device, loaded, draft, warmed))
                 })();
                 match loaded {
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                     }
-                    Ok((device, loaded, draft)) => {
+                    Ok((device, loaded, draft, warmed)) => {
                         let tokenizer = Arc::new(loaded.tokenizer);
                         let baseline = memory::active();
-                        let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline)));
+                        let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline, warmed)));
                         let policy = match (&config.scheduler, &config.plugins) {
                             (Some((name, cfg)), Some(registry)) => {
                                 Some(Box::new(PluginScheduler::new(registry.clone(), name.clone(), cfg.clone()))
@@ -266,7 +277,7 @@ impl Engine {
                 }
             })
             .context("spawning the engine thread")?;
-        let (tokenizer, info, device, baseline_memory) =
+        let (tokenizer, info, device, baseline_memory, warmed_up) =
             ready_rx.recv().context("the engine thread exited while loading the model")??;
         Ok(Engine {
             jobs: Mutex::new(Some(jobs)),
@@ -277,6 +288,7 @@ impl Engine {
             stats,
             baseline_memory,
             has_draft,
+            warmed_up,
             queue_limit,
             next_seq: Default::default(),
         })
@@ -390,6 +402,25 @@ impl Active<'_> {
             t.adapter.end();
         }
     }
+}
+
+/// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps) so
+/// the device compiles its kernels at start rather than in the first requests. Leaves no
+/// state behind: the caches are dropped and nothing reaches the prompt cache or the stats.
+fn warm_up(model: &dyn CausalLm, vocab: usize, prefill_step_size: usize) -> Result<Duration> {
+    let started = Instant::now();
+    let prompt = warm_up_prompt(vocab);
+    for temperature in [0.0, 1.0] {
+        let params = SamplingParams { temperature, seed: Some(0), ..Default::default() };
+        let options = DecodeOptions { max_tokens: 4, eos_token_ids: vec![], prefill_step_size };
+        let mut generation = Generation::start(model, &prompt, Sampler::new(params, vocab)?, options)?;
+        while generation.next_token()?.is_some() {}
+    }
+    Ok(started.elapsed())
+}
+
+fn warm_up_prompt(vocab: usize) -> Vec<u32> {
+    (0..64u32).map(|i| (i * 7919 + 13) % vocab as u32).collect()
 }
 
 /// The event for a failed job: a refused plugin config (400), a plugin fault, or an
@@ -822,4 +853,67 @@ fn logprob(tokenizer: &Tokenizer, logprobs: &Array, id: u32, k: usize) -> Result
         }
     }
     Ok(TokenLogprob { token: tokenizer.decode(&[id])?, logprob: chosen, top })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(dir: &std::path::Path, warm_up: bool) -> Engine {
+        Engine::start(EngineConfig {
+            model: Some(dir.to_path_buf()),
+            device: DeviceChoice::Cpu,
+            queue_limit: 4,
+            prompt_cache_bytes: 1 << 20,
+            prefill_step_size: 64,
+            plugins: None,
+            draft_model: None,
+            scheduler: None,
+            tensor_parallel: 1,
+            warm_up: Some(warm_up),
+        })
+        .unwrap()
+    }
+
+    fn run(engine: &Engine, prompt: Vec<u32>) -> (String, Usage) {
+        let job = JobRequest {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 8,
+            stop: vec![],
+            top_logprobs: None,
+            plugins: Selection::default(),
+            speculative: SpecConfig::default(),
+            priority: 0,
+            client: None,
+        };
+        let mut rx = engine.submit(job).unwrap();
+        let mut text = String::new();
+        while let Some(event) = rx.blocking_recv() {
+            match event {
+                Event::Started { .. } => {}
+                Event::Delta { text: t, .. } => text.push_str(&t),
+                Event::Done { usage, .. } => return (text, usage),
+                other => panic!("{other:?}"),
+            }
+        }
+        panic!("the engine dropped the job")
+    }
+
+    #[test]
+    fn the_warm_up_leaves_no_trace() {
+        let dir = std::env::temp_dir().join(format!("host-warm-up-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 5).unwrap();
+        let (warm, cold) = (engine(&dir, true), engine(&dir, false));
+        // The warm-up's own prompt: had it reached the prompt cache, this would reuse it.
+        let prompt = warm_up_prompt(warm.info.vocab_size);
+        let (a, b) = (run(&warm, prompt.clone()), run(&cold, prompt));
+        assert!(warm.warmed_up.is_some() && cold.warmed_up.is_none());
+        assert_eq!(a.0, b.0);
+        assert_eq!((a.1.cached_tokens, a.1.completion_tokens), (0, 8));
+        assert_eq!(warm.stats.generation_tokens.load(Ordering::Relaxed), 8);
+        assert_eq!(warm.stats.prompt_tokens.load(Ordering::Relaxed), 64);
+        drop((warm, cold));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

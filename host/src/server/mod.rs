@@ -145,6 +145,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
         )),
         tensor_parallel: config.tensor_parallel,
+        warm_up: config.warm_up,
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let runtime =

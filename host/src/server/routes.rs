@@ -865,6 +865,7 @@ mod tests {
                     draft_model: None,
                     scheduler: None,
                     tensor_parallel: 1,
+                    warm_up: None,
                 };
                 Arc::new(Engine::start(config).unwrap())
             })
