@@ -24,10 +24,15 @@ use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long rank 0 waits for every worker to join.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Set when rank 0 lets its workers go (its model is dropped): from then on a worker exiting
+/// is the expected end, not a failure.
+static CLOSING: AtomicBool = AtomicBool::new(false);
 
 /// One forward step, as rank 0 sends it to the workers.
 #[derive(Debug, Serialize, Deserialize)]
@@ -135,8 +140,14 @@ fn watch(mut children: Vec<(usize, Child)>) {
     std::thread::Builder::new()
         .name("tp-monitor".into())
         .spawn(move || loop {
+            if CLOSING.load(Ordering::SeqCst) {
+                return;
+            }
             for (rank, child) in children.iter_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
+                    if CLOSING.load(Ordering::SeqCst) {
+                        return;
+                    }
                     eprintln!(
                         "host: tensor-parallel rank {rank} exited ({status}); the model is split across all ranks, so this server stops. Its error is above; restart to recover."
                     );
@@ -196,6 +207,14 @@ fn receive(stream: &mut impl Read) -> Result<Option<Step>> {
 struct TpModel {
     inner: Box<dyn CausalLm>,
     workers: RefCell<Vec<TcpStream>>,
+}
+
+impl Drop for TpModel {
+    fn drop(&mut self) {
+        // Before the control connections close (fields drop after this), so the monitor
+        // does not take the workers' orderly exit for a failure.
+        CLOSING.store(true, Ordering::SeqCst);
+    }
 }
 
 impl CausalLm for TpModel {

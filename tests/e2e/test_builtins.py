@@ -276,6 +276,22 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
         s.stop()
 
 
+def test_fcfs_the_default_serves_in_arrival_order_whatever_the_priority():
+    s = Server("--prompt-cache-bytes", "0")
+    try:
+        results = {}
+        long = start_long(s, results, 60)
+        low = timed(s, results, "low", max_tokens=5, priority=0)
+        time.sleep(0.3)
+        high = timed(s, results, "high", max_tokens=5, priority=10)
+        for t in (long, low, high):
+            t.join(300)
+        assert results["long"][0] < results["low"][0] < results["high"][0]
+        assert not any("paused" in line for line in s.log)
+    finally:
+        s.stop()
+
+
 def test_latest_wins_cancels_a_clients_older_queued_requests(replay_dir):
     s = Server("--scheduler", "latest-wins", "--prompt-cache-bytes", "0")
     try:
