@@ -4,7 +4,7 @@
 //! token / bandwidth). Prompts are seeded random token ids; end of sequence is ignored.
 
 use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
-use crate::generate::{load_draft, load_model, prompt_tokens, select_device, DeviceChoice};
+use crate::generate::{load_draft, load_model_split, prompt_tokens, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -39,6 +39,9 @@ pub struct Args {
     pub prompt_file: Option<PathBuf>,
     #[command(flatten)]
     pub spec: crate::config::SpecArgs,
+    /// Split the model over this many processes (tensor parallel; 1: off).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 /// One prompt length's results.
@@ -148,7 +151,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
     };
-    let loaded = load_model(args.model.as_deref())?;
+    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let model = loaded.model.as_ref();
     let vocab = loaded.info.vocab_size;
