@@ -380,7 +380,8 @@ fn a_gguf_file_loads_as_the_same_model_as_its_folder() {
 
     let path = dir.join("tiny.gguf");
     write_tiny_gguf(&path, 21, Dtype::Float32);
-    let gguf = crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
+    let gguf =
+        crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
     assert_eq!(gguf.info.model_type, "llama");
     assert_eq!(gguf.info.eos_token_ids, vec![1]);
     assert_eq!(gguf.tokenizer.encode_chat(&messages, None, true).unwrap(), ids, "tokenizer and template from metadata");
@@ -389,7 +390,8 @@ fn a_gguf_file_loads_as_the_same_model_as_its_folder() {
 
     // F16 tensors are widened to float32 on the CPU; results agree to f16 rounding.
     write_tiny_gguf(&path, 21, Dtype::Float16);
-    let gguf16 = crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
+    let gguf16 =
+        crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
     let d = max_abs_diff(&want, &last_logits(&gguf16, &ids));
     assert!(d < 5e-2, "F16 GGUF differs by {d}");
     std::fs::remove_dir_all(dir).unwrap();

@@ -378,7 +378,8 @@ mod tests {
             let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
             assert_eq!(run::<F>(&refs, tools), whole, "pieces of {n}");
         }
-        let calls = whole.1.into_iter().map(|(n, a)| (n, serde_json::from_str(&a).unwrap_or(Value::String(a)))).collect();
+        let calls =
+            whole.1.into_iter().map(|(n, a)| (n, serde_json::from_str(&a).unwrap_or(Value::String(a)))).collect();
         (whole.0, calls)
     }
 
@@ -417,17 +418,22 @@ mod tests {
         let args: Vec<(usize, String)> = per_piece
             .iter()
             .enumerate()
-            .flat_map(|(i, e)| e.iter().filter_map(move |e| match e {
-                plugin_sdk::ToolEvent::Args { delta, .. } => Some((i, delta.clone())),
-                _ => None,
-            }))
+            .flat_map(|(i, e)| {
+                e.iter().filter_map(move |e| match e {
+                    plugin_sdk::ToolEvent::Args { delta, .. } => Some((i, delta.clone())),
+                    _ => None,
+                })
+            })
             .collect();
         // The arguments arrive in many deltas, before the call is closed, and concatenate
         // to the arguments as written.
         assert!(args.len() > 5, "{args:?}");
         assert!(args.last().unwrap().0 < per_piece.len() - 2);
         let joined: String = args.iter().map(|(_, d)| d.as_str()).collect();
-        assert_eq!(serde_json::from_str::<Value>(&joined).unwrap(), json!({"path": "a.txt", "text": "line one\nline two"}));
+        assert_eq!(
+            serde_json::from_str::<Value>(&joined).unwrap(),
+            json!({"path": "a.txt", "text": "line one\nline two"})
+        );
         let (_, calls) = check::<Hermes>(text, &[]);
         assert_eq!(calls.len(), 1);
         // Without arguments, an empty object.

@@ -190,7 +190,10 @@ mod tests {
         );
         // A brace inside a string does not end the arguments.
         let done = r#"{"name": "f", "arguments": {"s": "}{", "n": [1, {"a": 2}]}}"#;
-        assert_eq!(calls(done), vec![Partial { name: "f".into(), arguments: Arguments::Raw(r#"{"s": "}{", "n": [1, {"a": 2}]}"#) }]);
+        assert_eq!(
+            calls(done),
+            vec![Partial { name: "f".into(), arguments: Arguments::Raw(r#"{"s": "}{", "n": [1, {"a": 2}]}"#) }]
+        );
         let two = r#"[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"x": 1}}]"#;
         let got = calls(two);
         assert_eq!(got.len(), 2);
