@@ -5,40 +5,14 @@
 //!
 //! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
-use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn models() -> Option<PathBuf> {
-    match std::env::var_os("HOST_TEST_MODELS") {
-        Some(m) => Some(PathBuf::from(m)),
-        None if std::env::var_os("CI").is_some() => panic!("HOST_TEST_MODELS missing under CI"),
-        None => {
-            eprintln!("skipped: fixtures not set up (eval \"$(scripts/test-fixtures.sh)\")");
-            None
-        }
-    }
-}
+use common::{generate, models, run};
+use std::path::Path;
 
 /// The "edit this file" prompt of `bench/speculative.py`: prompt lookup has a lot to draft.
 const EDIT: &str = include_str!("../bench/edit_prompt.txt");
 const CHAT: &str = "Write a short story about a lighthouse keeper.";
-
-fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_host"))
-        .args(["generate", "--json", "--device", "cpu", "--max-tokens", &max_tokens.to_string(), "--prompt", prompt])
-        .arg("--model")
-        .arg(model)
-        .args(extra)
-        .output()
-        .expect("running host generate")
-}
-
-fn generate(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
-    let out = run(model, prompt, max_tokens, extra);
-    assert!(out.status.success(), "host generate {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
 
 /// Plain and speculative runs of the same request give the same ids; returns the
 /// speculative runs' (drafted, accepted) totals.

@@ -6,36 +6,13 @@
 //!
 //! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
+mod common;
+
+use common::{generate, models, run};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn models() -> Option<PathBuf> {
-    match std::env::var_os("HOST_TEST_MODELS") {
-        Some(m) => Some(PathBuf::from(m)),
-        None if std::env::var_os("CI").is_some() => panic!("HOST_TEST_MODELS missing under CI"),
-        None => {
-            eprintln!("skipped: fixtures not set up (eval \"$(scripts/test-fixtures.sh)\")");
-            None
-        }
-    }
-}
-
-fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_host"))
-        .args(["generate", "--json", "--device", "cpu", "--temperature", "0"])
-        .args(["--max-tokens", &max_tokens.to_string(), "--prompt", prompt, "--model"])
-        .arg(model)
-        .args(extra)
-        .output()
-        .expect("running host generate")
-}
-
-fn ids(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
-    let out = run(model, prompt, max_tokens, extra);
-    assert!(out.status.success(), "host generate {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    v["token_ids"].clone()
+fn ids(model: &std::path::Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
+    generate(model, prompt, max_tokens, extra)["token_ids"].clone()
 }
 
 #[test]

@@ -46,6 +46,25 @@ pub struct EngineConfig {
     pub warm_up: Option<bool>,
 }
 
+impl EngineConfig {
+    /// `model` on the CPU with small limits and nothing optional (plugins, draft, scheduler,
+    /// tensor parallelism, warm-up) turned on: the base that tests adjust.
+    pub fn cpu(model: PathBuf) -> EngineConfig {
+        EngineConfig {
+            model: Some(model),
+            device: DeviceChoice::Cpu,
+            queue_limit: 4,
+            prompt_cache_bytes: 1 << 20,
+            prefill_step_size: 64,
+            plugins: None,
+            draft_model: None,
+            scheduler: None,
+            tensor_parallel: 1,
+            warm_up: Some(false),
+        }
+    }
+}
+
 /// One generation request, as the server hands it to the engine.
 #[derive(Debug, Clone)]
 pub struct JobRequest {
@@ -860,19 +879,7 @@ mod tests {
     use super::*;
 
     fn engine(dir: &std::path::Path, warm_up: bool) -> Engine {
-        Engine::start(EngineConfig {
-            model: Some(dir.to_path_buf()),
-            device: DeviceChoice::Cpu,
-            queue_limit: 4,
-            prompt_cache_bytes: 1 << 20,
-            prefill_step_size: 64,
-            plugins: None,
-            draft_model: None,
-            scheduler: None,
-            tensor_parallel: 1,
-            warm_up: Some(warm_up),
-        })
-        .unwrap()
+        Engine::start(EngineConfig { warm_up: Some(warm_up), ..EngineConfig::cpu(dir.to_path_buf()) }).unwrap()
     }
 
     fn run(engine: &Engine, prompt: Vec<u32>) -> (String, Usage) {

@@ -842,7 +842,6 @@ mod tests {
     use super::*;
     use crate::config::ServeConfig;
     use crate::engine::worker::EngineConfig;
-    use crate::generate::DeviceChoice;
     use axum::body::Body;
     use http_body_util::BodyExt;
     use std::sync::OnceLock;
@@ -855,18 +854,7 @@ mod tests {
             .get_or_init(|| {
                 let dir = std::env::temp_dir().join(format!("host-routes-test-{}", std::process::id()));
                 models::testing::write_model(&dir, "llama", 3).unwrap();
-                let config = EngineConfig {
-                    model: Some(dir),
-                    device: DeviceChoice::Cpu,
-                    queue_limit: 4,
-                    prompt_cache_bytes: 1 << 20,
-                    prefill_step_size: 64,
-                    plugins: None,
-                    draft_model: None,
-                    scheduler: None,
-                    tensor_parallel: 1,
-                    warm_up: None,
-                };
+                let config = EngineConfig::cpu(dir);
                 Arc::new(Engine::start(config).unwrap())
             })
             .clone()
