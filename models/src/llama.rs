@@ -286,9 +286,9 @@ struct Tp {
 /// rank counts would.
 pub(crate) fn check_split(n_heads: usize, n_kv_heads: usize, ffn: usize, n: usize) -> Result<()> {
     for (what, value) in [("key/value heads", n_kv_heads), ("attention heads", n_heads), ("MLP width", ffn)] {
-        if value % n != 0 {
+        if !value.is_multiple_of(n) {
             let ok: Vec<String> = (1..=n_kv_heads)
-                .filter(|k| n_kv_heads % k == 0 && n_heads % k == 0 && ffn % k == 0)
+                .filter(|&k| n_kv_heads.is_multiple_of(k) && n_heads.is_multiple_of(k) && ffn.is_multiple_of(k))
                 .map(|k| k.to_string())
                 .collect();
             return Err(crate::Error::Invalid(format!(
@@ -320,7 +320,7 @@ fn shard(d: &Dims, w: &mut Weights, tp: Tp) -> Result<Dims> {
             let prefix = format!("{p}.{module}");
             if let Some(q) = w.quantization_of(&prefix)? {
                 let inputs = if module == "self_attn.o_proj" { d.n_heads * d.head_dim } else { d.ffn };
-                if !rows && (inputs / n) % q.group_size as usize != 0 {
+                if !rows && !(inputs / n).is_multiple_of(q.group_size as usize) {
                     return Err(crate::Error::Invalid(format!(
                         "tensor parallelism over {n} ranks splits {prefix}'s {inputs} inputs into parts of {}, not a multiple of its quantization group size {}",
                         inputs / n,

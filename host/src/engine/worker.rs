@@ -377,7 +377,7 @@ const POLICY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// A request in the queue: not started yet, or paused by the policy.
 enum Waiting<'m> {
-    New(Job),
+    New(Box<Job>),
     Paused(Box<Active<'m>>),
 }
 
@@ -468,13 +468,13 @@ impl Worker {
         loop {
             if running.is_none() && waiting.is_empty() {
                 match rx.recv() {
-                    Ok(job) => waiting.push(Waiting::New(job)),
+                    Ok(job) => waiting.push(Waiting::New(Box::new(job))),
                     Err(_) => break,
                 }
                 dirty = true;
             }
             while let Ok(job) = rx.try_recv() {
-                waiting.push(Waiting::New(job));
+                waiting.push(Waiting::New(Box::new(job)));
                 dirty = true;
             }
             // Requests whose client went away leave the queue.
@@ -503,7 +503,7 @@ impl Worker {
                         if job.events.is_closed() {
                             continue;
                         }
-                        match self.start(m, job) {
+                        match self.start(m, *job) {
                             Ok(active) => running = Some(active),
                             Err((job, e)) => {
                                 let _ = job.events.send(failure(e));

@@ -26,6 +26,9 @@ impl Default for Config {
     }
 }
 
+/// A sampled frame: (position, [(token, surprise in bits after truncation)]).
+type Memo = (usize, Vec<(u32, f32)>);
+
 #[derive(Default)]
 pub struct Mirostat {
     config: Config,
@@ -33,8 +36,8 @@ pub struct Mirostat {
     /// `mu` after each accepted token, prompt included (so its length is the next position
     /// and `rollback` pops); the last entry is the current bound.
     mu: Vec<f32>,
-    /// The last frame sampled: (position, [(token, surprise in bits after truncation)]).
-    memo: RefCell<Option<(usize, Vec<(u32, f32)>)>>,
+    /// The last frame sampled.
+    memo: RefCell<Option<Memo>>,
 }
 
 impl Mirostat {
