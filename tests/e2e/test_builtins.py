@@ -253,18 +253,25 @@ def start_long(server, results, max_tokens, **kw):
     return t
 
 
-def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_request(replay_dir):
+def race(server, long_tokens):
+    """A long streamed request runs; a priority-0 request queues, then a priority-10 one.
+    Returns {key: (finish time, status, body or text)} for "long", "low" and "high"."""
+    results = {}
+    long = start_long(server, results, long_tokens)
+    low = timed(server, results, "low", max_tokens=5, priority=0)
+    time.sleep(0.3)
+    high = timed(server, results, "high", max_tokens=5, priority=10)
+    for t in (long, low, high):
+        t.join(300)
+    assert all(results[k][1] == 200 for k in ("low", "high")), results
+    return results
+
+
+def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_request():
     s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0")
     try:
         alone = chat(s, messages=LONG, max_tokens=120)["choices"][0]["message"]["content"]
-        results = {}
-        long = start_long(s, results, 120)
-        low = timed(s, results, "low", max_tokens=5, priority=0)
-        time.sleep(0.3)
-        high = timed(s, results, "high", max_tokens=5, priority=10)
-        for t in (long, low, high):
-            t.join(300)
-        assert all(results[k][1] == 200 for k in ("low", "high")), results
+        results = race(s, 120)
         # The high-priority request finished first: before the one queued ahead of it, and
         # before the running one, which it paused.
         assert results["high"][0] < results["low"][0]
@@ -279,20 +286,14 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
 def test_fcfs_the_default_serves_in_arrival_order_whatever_the_priority():
     s = Server("--prompt-cache-bytes", "0")
     try:
-        results = {}
-        long = start_long(s, results, 60)
-        low = timed(s, results, "low", max_tokens=5, priority=0)
-        time.sleep(0.3)
-        high = timed(s, results, "high", max_tokens=5, priority=10)
-        for t in (long, low, high):
-            t.join(300)
+        results = race(s, 60)
         assert results["long"][0] < results["low"][0] < results["high"][0]
         assert not any("paused" in line for line in s.log)
     finally:
         s.stop()
 
 
-def test_latest_wins_cancels_a_clients_older_queued_requests(replay_dir):
+def test_latest_wins_cancels_a_clients_older_queued_requests():
     s = Server("--scheduler", "latest-wins", "--prompt-cache-bytes", "0")
     try:
         results = {}

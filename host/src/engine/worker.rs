@@ -412,17 +412,6 @@ struct Active<'m> {
     finish: Option<Finish>,
 }
 
-impl Active<'_> {
-    fn end_plugins(&mut self) {
-        for (rule, _, _) in self.stop_rules.iter_mut() {
-            rule.end();
-        }
-        if let Some(t) = self.tools.as_mut() {
-            t.adapter.end();
-        }
-    }
-}
-
 /// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps) so
 /// the device compiles its kernels at start rather than in the first requests. Leaves no
 /// state behind: the caches are dropped and nothing reaches the prompt cache or the stats.
@@ -480,13 +469,8 @@ impl Worker {
             // Requests whose client went away leave the queue.
             waiting.retain_mut(|w| {
                 let closed = w.job().events.is_closed();
-                if closed {
-                    match w {
-                        Waiting::New(_) => {
-                            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                        }
-                        Waiting::Paused(a) => a.end_plugins(),
-                    }
+                if closed && matches!(w, Waiting::New(_)) {
+                    self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
                 }
                 !closed
             });
@@ -517,7 +501,6 @@ impl Worker {
                 Ok(done) => done,
                 Err(e) => {
                     let _ = active.job.events.send(failure(e));
-                    active.end_plugins();
                     running = None;
                     true
                 }
@@ -583,9 +566,8 @@ impl Worker {
                             self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
                             let _ = job.events.send(Event::Cancelled(message));
                         }
-                        Waiting::Paused(mut a) => {
+                        Waiting::Paused(a) => {
                             let _ = a.job.events.send(Event::Cancelled(message));
-                            a.end_plugins();
                         }
                     }
                 }
@@ -726,7 +708,6 @@ impl Worker {
 
     /// Reports usage, sends `Done`, and keeps the request's KV for the prompt cache.
     fn finish(&mut self, mut a: Active<'_>) -> Result<()> {
-        a.end_plugins();
         let request = &a.job.request;
         let stats = a.generation.stats();
         let speculative = (request.speculative.method != SpecMethod::Off).then_some(SpecUsage {

@@ -331,12 +331,6 @@ impl ExternalSampler for PluginSampler {
     }
 }
 
-impl Drop for PluginSampler {
-    fn drop(&mut self) {
-        self.instance.end();
-    }
-}
-
 /// What a tool adapter reports (ABI.md §5.3), checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolOutput {
@@ -369,12 +363,6 @@ impl PluginTools {
         self.run("", "tool_finish", Instance::tool_finish)
     }
 
-    pub fn end(&mut self) {
-        if let Some(i) = self.instance.as_mut() {
-            i.end();
-        }
-    }
-
     fn run(
         &mut self,
         text: &str,
@@ -396,7 +384,6 @@ impl PluginTools {
             Ok(events) => Ok(events),
             Err(e) if self.fallback => {
                 tracing::warn!("tool adapter dropped for this request, passing text through: {e:#}");
-                self.end();
                 self.instance = None;
                 Ok(passthrough())
             }
@@ -448,9 +435,7 @@ fn parse_tool_events(
 /// Renders tool definitions with the adapter's `tool_render`, if it has one.
 pub fn render_tools(registry: &PluginRegistry, selected: &Selected, tools: &Value) -> Result<Option<String>> {
     let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
-    let text = instance.tool_render(&tools.to_string());
-    instance.end();
-    text
+    instance.tool_render(&tools.to_string())
 }
 
 /// The scheduling policy as a plugin: one long-lived instance, replaced when hot reload
@@ -520,8 +505,7 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
         PluginsCommand::Check { file } => {
             let plugin = registry.load_file(&file)?;
             // Instantiating runs the start function and host_init with an empty config.
-            let mut instance = registry.runtime().instantiate(&plugin, &serde_json::json!({}))?;
-            instance.end();
+            drop(registry.runtime().instantiate(&plugin, &serde_json::json!({}))?);
             let m = &plugin.manifest;
             let kinds: Vec<String> = m.kinds.iter().map(Kind::to_string).collect();
             println!(

@@ -262,7 +262,8 @@ impl PluginRuntime {
             tool_render: optional(&instance, &mut store, "tool_render", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
         };
-        let mut inst = Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3] };
+        let mut inst =
+            Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3], serving: false };
         let config = serde_json::to_vec(config).expect("JSON serializes");
         if let Some(init) = inst.funcs.init.clone() {
             let (ptr, len) = inst.write(Slot::Json, &config)?;
@@ -391,6 +392,16 @@ pub struct Instance {
     funcs: Funcs,
     /// Host-owned buffers in plugin memory, reused across calls: (ptr, capacity) per slot.
     buffers: [(i32, usize); 3],
+    /// Between `begin` and `end`: the request is under way, so `host_end` is owed.
+    serving: bool,
+}
+
+/// An instance that served a request gets its `host_end` however the request ended
+/// (finished, failed, cancelled, paused and dropped).
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 impl Instance {
@@ -443,6 +454,7 @@ impl Instance {
 
     /// `host_begin` with the request's params and seed.
     pub fn begin(&mut self, params: &serde_json::Value, seed: u64) -> Result<()> {
+        self.serving = true;
         let Some(begin) = self.funcs.begin.clone() else { return Ok(()) };
         let (ptr, len) = self.write(Slot::Json, &serde_json::to_vec(params).expect("JSON serializes"))?;
         let status = self.call(&begin, (ptr, len, seed as i64), SETUP_DEADLINE, "host_begin")?;
@@ -455,7 +467,11 @@ impl Instance {
         Ok(())
     }
 
+    /// `host_end`, once, if the instance began a request (dropping the instance calls it).
     pub fn end(&mut self) {
+        if !std::mem::take(&mut self.serving) {
+            return;
+        }
         if let Some(end) = self.funcs.end.clone() {
             let _ = self.call(&end, (), self.plugin.settings.deadline(), "host_end");
         }
@@ -602,6 +618,36 @@ impl Instance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_end_is_called_once_for_an_instance_that_began_a_request() {
+        let wat = r#"(module (@custom "host.plugin" "{\"abi\": 1, \"name\": \"ends\", \"kinds\": [\"stop\"]}")
+            (memory (export "memory") 1)
+            (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+            (func (export "host_begin") (param i32 i32 i64) (result i32) (i32.const 0))
+            (func (export "host_end"))
+            (func (export "stop_check") (param i32 i32 i32) (result i32) (i32.const -1)))"#;
+        let runtime = PluginRuntime::new().unwrap();
+        let wasm = wat::parse_str(wat).unwrap();
+        let plugin = Arc::new(runtime.load(&wasm, Path::new("ends.wat"), false, PluginSettings::default()).unwrap());
+        let calls = || plugin.calls.load(Ordering::Relaxed);
+        // Never began (a render or a scheduler instance): no host_end.
+        drop(runtime.instantiate(&plugin, &serde_json::json!({})).unwrap());
+        let before = calls();
+        let mut instance = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap();
+        instance.begin(&serde_json::json!({}), 1).unwrap();
+        let begun = calls();
+        assert!(begun > before);
+        // Dropped without end(): host_end still runs, exactly once.
+        drop(instance);
+        assert_eq!(calls(), begun + 1);
+        let mut instance = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap();
+        instance.begin(&serde_json::json!({}), 1).unwrap();
+        let begun = calls();
+        instance.end();
+        drop(instance);
+        assert_eq!(calls(), begun + 1);
+    }
 
     #[test]
     fn settings_files_are_strict_and_checked() {

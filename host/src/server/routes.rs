@@ -929,6 +929,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn tokenize_and_detokenize_round_trip_and_refuse_bad_input() {
+        let (status, v) = check(router(None), "POST", "/tokenize", r#"{"prompt": "hello"}"#, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["count"], 5); // byte-level tokens
+        let ids = v["tokens"].to_string();
+        let (status, d) = check(router(None), "POST", "/detokenize", &format!(r#"{{"tokens": {ids}}}"#), &[]).await;
+        assert_eq!((status, d["prompt"].as_str()), (200, Some("hello")), "{d}");
+        let chat = r#"{"messages": [{"role": "user", "content": "hello"}]}"#;
+        let (status, c) = check(router(None), "POST", "/tokenize", chat, &[]).await;
+        assert_eq!(status, 200);
+        assert_eq!(c["count"], 1 + 5 + 5 + 1 + 1 + 1 + 10, "{c}");
+        let bad = [
+            ("/tokenize", r#"{"prompt": "a", "messages": []}"#, "exactly one of"),
+            ("/tokenize", r#"{}"#, "exactly one of"),
+            ("/tokenize", r#"{"prompt": 3}"#, "invalid type"),
+            ("/tokenize", r#"{"prompt": "a", "extra": 1}"#, "unknown field"),
+            ("/detokenize", r#"{"tokens": [99999999]}"#, "outside the vocabulary"),
+            ("/detokenize", r#"{"tokens": [-1]}"#, "invalid value"),
+        ];
+        for (path, body, want) in bad {
+            let (status, v) = check(router(None), "POST", path, body, &[]).await;
+            assert_eq!(status, 400, "{path} {body}: {v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(want), "{path} {body}: {v}");
+        }
+    }
+
+    #[test]
+    fn the_tool_adapter_follows_the_chat_templates_markers() {
+        use crate::server::detect_tool_adapter as detect;
+        assert_eq!(detect(Some("{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}")), "hermes");
+        assert_eq!(detect(Some("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>")), "qwen3-coder");
+        assert_eq!(detect(Some("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]")), "mistral");
+        assert_eq!(detect(Some("<|start_header_id|>ipython<|end_header_id|>")), "llama3-json");
+        assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");
+        assert_eq!(detect(Some("<|im_start|>{{ m }}<|im_end|>")), "hermes");
+        assert_eq!(detect(None), "hermes");
+    }
+
+    #[tokio::test]
     async fn the_speculative_field_is_validated_and_reported_in_usage() {
         let chat = |spec: &str| {
             format!(
