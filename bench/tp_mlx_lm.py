@@ -31,6 +31,12 @@ def main():
     ap.add_argument("--backend", default="any")
     a = ap.parse_args()
     group = mx.distributed.init(strict=a.backend != "any", backend=a.backend)
+    if a.backend == "nccl":
+        # sharded_load (mlx-lm 0.32.2) ends with an all_sum on the CPU stream, which MLX
+        # 0.32.4's NCCL backend cannot run ("There is no Stream(gpu, 1) in current thread");
+        # that barrier runs on the default stream instead.
+        all_sum = mx.distributed.all_sum
+        mx.distributed.all_sum = lambda x, *args, stream=None, **kw: all_sum(x, *args, **kw)
     model, tokenizer = sharded_load(a.model, None, group)
     vocab = model.args.vocab_size if hasattr(model, "args") else 32000
     rng = random.Random(1)

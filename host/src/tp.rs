@@ -2,19 +2,21 @@
 //! runs one process per rank. This process is rank 0: it launches ranks 1..N as
 //! `host tp-worker` children, joins the group with them (the `ring` backend over loopback
 //! TCP on CPUs, `nccl` on NVIDIA GPUs), loads its shard of the model and drives the others:
-//! before each forward it sends every worker the step (the input tokens, the caches it
-//! continues and where each stands, and the cache copies and frees since the last step), so
-//! each rank runs the same forward on its shard and the all-reduces inside pair up.
+//! before each forward it sends every worker the step (its shape, the caches it continues and
+//! where each stands, and the cache copies and frees since the last step), so each rank runs
+//! the same forward on its shard and the all-reduces inside pair up. The input tokens travel
+//! on the device, not the socket: every forward starts with an all-reduce of them (rank 0's
+//! ids, zeros elsewhere), so rank 0 never reads a sampled token back before the next step is
+//! sent and decoding stays pipelined on every rank.
 //!
-//! Every rank evaluates the final hidden states of every forward (rank 0 with `async_eval`,
-//! so decoding stays pipelined): that is what makes the collectives match whatever else rank
-//! 0 evaluates later. A worker that dies brings rank 0 down with a message naming it (a
+//! Every rank evaluates the final hidden states of every forward (with `async_eval`): that is
+//! what makes the collectives match whatever else rank 0 evaluates later. A worker that dies brings rank 0 down with a message naming it (a
 //! monitor thread), and workers exit when rank 0's control connection closes.
 
 use crate::generate::{select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
-use mlx::{Array, Device};
+use mlx::{Array, Device, Dtype};
 use models::cache::CacheOp;
 use models::{CausalLm, KvCache, Loaded};
 use serde::{Deserialize, Serialize};
@@ -42,7 +44,7 @@ struct Step {
     /// Per layer: the cache id and the positions it holds before this step (a smaller offset
     /// than the worker's means rank 0 trimmed it).
     caches: Vec<(u64, usize)>,
-    tokens: Vec<i32>,
+    /// The input tokens' shape (the ids themselves come by [`share_tokens`]).
     shape: Vec<i32>,
 }
 
@@ -76,13 +78,17 @@ fn rank_env(command: Option<&mut Command>, rank: usize, size: usize, hostfile: &
         Some(c) => {
             c.envs(vars);
             // NCCL: one GPU per rank (the rank-th of those visible to rank 0), and NVLink
-            // multicast off as the shared machines require.
-            let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok().filter(|v| !v.is_empty());
-            let gpu = match visible {
-                Some(list) => list.split(',').nth(rank).unwrap_or("").to_string(),
-                None => rank.to_string(),
-            };
-            c.env("CUDA_VISIBLE_DEVICES", gpu).env("NCCL_NVLS_ENABLE", "0");
+            // multicast off as the shared machines require. HOST_TP_PIN_GPUS=off leaves every
+            // GPU visible to every rank (for a libmlx that picks the device by rank itself).
+            c.env("NCCL_NVLS_ENABLE", "0");
+            if std::env::var("HOST_TP_PIN_GPUS").as_deref() != Ok("off") {
+                let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok().filter(|v| !v.is_empty());
+                let gpu = match visible {
+                    Some(list) => list.split(',').nth(rank).unwrap_or("").to_string(),
+                    None => rank.to_string(),
+                };
+                c.env("CUDA_VISIBLE_DEVICES", gpu);
+            }
         }
         None => vars.into_iter().for_each(|(k, v)| std::env::set_var(k, v)),
     }
@@ -203,6 +209,13 @@ fn receive(stream: &mut impl Read) -> Result<Option<Step>> {
     Ok(Some(serde_json::from_slice(&body)?))
 }
 
+/// The step's input ids on every rank, lazily: the sum over ranks of `local`, which is the ids
+/// on rank 0 and zeros on the others. In float32 (exact for ids below 2^24), which every
+/// backend reduces.
+fn share_tokens(local: &Array) -> models::Result<Array> {
+    Ok(mlx::distributed::all_sum(&local.astype(Dtype::Float32)?)?.astype(Dtype::Int32)?)
+}
+
 /// Rank 0's model: its shard, plus the workers it sends each step to.
 struct TpModel {
     inner: Box<dyn CausalLm>,
@@ -234,14 +247,13 @@ impl CausalLm for TpModel {
         let step = Step {
             ops,
             caches: cache.iter().map(|c| (c.id(), c.offset())).collect(),
-            tokens: tokens.to_vec_i32()?,
             shape: tokens.shape().iter().map(|&d| d as i32).collect(),
         };
         for (i, worker) in self.workers.borrow_mut().iter_mut().enumerate() {
             send(worker, &step)
                 .map_err(|e| models::Error::Invalid(format!("tensor-parallel rank {} is unreachable: {e}", i + 1)))?;
         }
-        let h = self.inner.forward_hidden(tokens, cache)?;
+        let h = self.inner.forward_hidden(&share_tokens(tokens)?, cache)?;
         mlx::async_eval(&[&h])?;
         Ok(h)
     }
@@ -312,9 +324,10 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             c.trim(c.offset() - offset);
             layers.push(c);
         }
-        let tokens = Array::from_i32(&step.tokens, &step.shape.iter().map(|&d| d as usize).collect::<Vec<_>>())?;
+        let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
+        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Int32)?)?;
         let h = model.forward_hidden(&tokens, &mut layers)?;
-        mlx::eval(&[&h])?;
+        mlx::async_eval(&[&h])?;
         for (&(id, _), c) in step.caches.iter().zip(layers) {
             caches.insert(id, c);
         }
