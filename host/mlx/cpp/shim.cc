@@ -4,6 +4,9 @@
 #include "mlx/cpp/shim.h"
 
 #include <optional>
+#include <sstream>
+
+#include "mlx/graph_utils.h"
 
 #include <stdexcept>
 
@@ -77,11 +80,19 @@ Ptr from_buffer(rust::Slice<const T> data, rust::Slice<const int32_t> shape) {
   return wrap(array(data.data(), to_shape(shape), mx::TypeToDtype<T>()));
 }
 
+// Evaluates `a` and copies it out as T. `a` is evaluated first, on its own: a conversion
+// queued behind it on its (GPU) stream would wait for everything queued there since, such
+// as the next decode step dispatched while this token was computed. A dtype or layout
+// conversion then runs on the CPU, on the finished data.
 template <typename T>
 rust::Vec<T> read(const array& a) {
-  array c = mx::astype(a, mx::TypeToDtype<T>());
-  c = mx::contiguous(c);
+  array c = a;
   mx::eval(c);
+  const mx::Dtype want = mx::TypeToDtype<T>();
+  if (c.dtype() != want || !c.flags().row_contiguous) {
+    c = mx::contiguous(mx::astype(c, want, mx::Device::cpu), false, mx::Device::cpu);
+    mx::eval(c);
+  }
   rust::Vec<T> out;
   out.reserve(c.size());
   const T* p = c.data<T>();
@@ -250,6 +261,11 @@ Ptr random_uniform(rust::Slice<const int32_t> s, const array& key) {
 
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+rust::String graph_dot(const ArrayList& arrays) {
+  std::ostringstream os;
+  mx::export_to_dot(os, arrays.items);
+  return rust::String(os.str());
+}
 void set_default_device_gpu(bool gpu) {
   mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu));
 }

@@ -129,6 +129,7 @@ Ptr random_uniform(rust::Slice<const int32_t> shape, const array& key);
 // Evaluation, devices, memory.
 void eval(const ArrayList& arrays);
 void async_eval(const ArrayList& arrays);
+rust::String graph_dot(const ArrayList& arrays);
 void set_default_device_gpu(bool gpu);
 bool default_device_is_gpu();
 bool gpu_is_available();

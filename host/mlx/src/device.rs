@@ -74,6 +74,12 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::async_eval(&list(arrays))?)
 }
 
+/// The not yet evaluated graph behind `arrays`, in Graphviz dot (MLX's `export_to_dot`):
+/// one node per primitive, which is what MLX dispatches as a kernel.
+pub fn graph_dot(arrays: &[&Array]) -> String {
+    ffi::graph_dot(&list(arrays))
+}
+
 /// Waits for all work queued on the default stream.
 pub fn synchronize() -> Result<()> {
     Ok(ffi::synchronize()?)

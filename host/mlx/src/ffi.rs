@@ -133,6 +133,7 @@ pub(crate) mod ffi {
 
         fn eval(arrays: &ArrayList) -> Result<()>;
         fn async_eval(arrays: &ArrayList) -> Result<()>;
+        fn graph_dot(arrays: &ArrayList) -> String;
         fn set_default_device_gpu(gpu: bool) -> Result<()>;
         fn default_device_is_gpu() -> bool;
         fn gpu_is_available() -> bool;

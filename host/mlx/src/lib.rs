@@ -14,7 +14,7 @@ pub mod io;
 pub mod ops;
 
 pub use array::Array;
-pub use device::{async_eval, eval, memory, synchronize, version, Device, Stream};
+pub use device::{async_eval, eval, graph_dot, memory, synchronize, version, Device, Stream};
 pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use ops::{fast, random};

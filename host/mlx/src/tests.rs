@@ -174,3 +174,24 @@ fn gguf_round_trip_with_metadata() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn readback_of_a_lazy_result_converts_dtype_and_layout_after_evaluating() {
+    // The sum is evaluated on its own stream first; the int -> float conversion and the
+    // transpose's copy happen afterwards, on the CPU.
+    let i = Array::from_i32(&[1, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+    let lazy = i.add(&i).unwrap().transpose(&[1, 0]).unwrap();
+    assert_eq!(lazy.to_vec_f32().unwrap(), vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]);
+    let f = arr(&[1.5, -2.0], &[2]).multiply(&arr(&[2.0, 2.0], &[2])).unwrap();
+    assert_eq!(f.to_vec_i32().unwrap(), vec![3, -4]);
+}
+
+#[test]
+fn graph_dot_shows_the_primitives_still_to_run() {
+    let a = arr(&[1.0, 2.0], &[2]);
+    let lazy = a.add(&a).unwrap().exp().unwrap();
+    let dot = graph_dot(&[&lazy]);
+    assert!(dot.starts_with("digraph") && dot.contains("Add") && dot.contains("Exp"), "{dot}");
+    eval(&[&lazy]).unwrap();
+    assert!(!graph_dot(&[&lazy]).contains("Add"), "an evaluated array has no graph behind it");
+}

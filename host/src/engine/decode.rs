@@ -296,6 +296,13 @@ impl<'m> Generation<'m> {
         if queued {
             let next = self.step(&y, self.prompt_len + n + 1)?;
             let t1 = Instant::now();
+            if n == 3 {
+                // A debugging aid: the graph of one decode step, to compare with mlx-lm's
+                // (`mx.export_to_dot`); bench/NOTES.md shows how.
+                if let Some(path) = std::env::var_os("HOST_DEBUG_STEP_GRAPH") {
+                    let _ = std::fs::write(path, mlx::graph_dot(&[&next.0, &next.1]));
+                }
+            }
             mlx::async_eval(&[&next.0, &next.1])?;
             let t2 = Instant::now();
             self.stats.build_secs += (t1 - t0).as_secs_f64();
