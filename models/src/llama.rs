@@ -4,8 +4,7 @@
 use crate::cache::KvCache;
 use crate::layers::{Embedding, Linear, RmsNorm, Rope};
 use crate::weights::Weights;
-use crate::{CausalLm, Result};
-use mlx::distributed::Group;
+use crate::{CausalLm, LoadOptions, Result};
 use mlx::fast::{self, Mask};
 use mlx::{ops, Array};
 use serde::Deserialize;
@@ -80,10 +79,29 @@ impl Config {
     }
 }
 
+/// The q, k and v projections: three matmuls, or one over their concatenated rows
+/// (`LoadOptions::fuse_projections`) whose output is sliced into q (`q` columns), k and v
+/// (`kv` columns each).
+enum Qkv {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused { qkv: Linear, q: i32, kv: i32 },
+}
+
+impl Qkv {
+    fn forward(&self, x: &Array) -> Result<(Array, Array, Array)> {
+        Ok(match self {
+            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            Qkv::Fused { qkv, q, kv } => {
+                let y = qkv.forward(x)?;
+                let last = y.ndim() as i32 - 1;
+                (y.slice_axis(last, 0, *q)?, y.slice_axis(last, *q, q + kv)?, y.slice_axis(last, q + kv, q + 2 * kv)?)
+            }
+        })
+    }
+}
+
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: Qkv,
     o_proj: Linear,
     /// Per-head norms of q and k (Qwen3), applied before RoPE.
     q_norm: Option<RmsNorm>,
@@ -106,10 +124,19 @@ fn reduced(y: Array, reduce: bool) -> Result<Array> {
 
 impl Attention {
     fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
+        let (q, kv) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
+        let fused = format!("{p}.{FUSED_QKV}");
+        let qkv = if w.contains(&format!("{fused}.weight")) {
+            Qkv::Fused { qkv: Linear::load(w, &fused, d.hidden, q + 2 * kv, d.qkv_bias)?, q: q as i32, kv: kv as i32 }
+        } else {
+            Qkv::Separate {
+                q: Linear::load(w, &format!("{p}.q_proj"), d.hidden, q, d.qkv_bias)?,
+                k: Linear::load(w, &format!("{p}.k_proj"), d.hidden, kv, d.qkv_bias)?,
+                v: Linear::load(w, &format!("{p}.v_proj"), d.hidden, kv, d.qkv_bias)?,
+            }
+        };
         Ok(Attention {
-            q_proj: Linear::load(w, &format!("{p}.q_proj"), d.hidden, d.n_heads * d.head_dim, d.qkv_bias)?,
-            k_proj: Linear::load(w, &format!("{p}.k_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
-            v_proj: Linear::load(w, &format!("{p}.v_proj"), d.hidden, d.n_kv_heads * d.head_dim, d.qkv_bias)?,
+            qkv,
             o_proj: Linear::load(
                 w,
                 &format!("{p}.o_proj"),
@@ -135,9 +162,10 @@ impl Attention {
             }
             Ok(a.transpose(&[0, 2, 1, 3])?)
         };
-        let q = heads(self.q_proj.forward(x)?, self.n_heads, self.q_norm.as_ref())?;
-        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, self.k_norm.as_ref())?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, None)?;
+        let (q, k, v) = self.qkv.forward(x)?;
+        let q = heads(q, self.n_heads, self.q_norm.as_ref())?;
+        let k = heads(k, self.n_kv_heads, self.k_norm.as_ref())?;
+        let v = heads(v, self.n_kv_heads, None)?;
         let q = rope.forward(&q, cache.offset())?;
         let k = rope.forward(&k, cache.offset())?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
@@ -164,8 +192,8 @@ fn attention_mask(len: usize) -> Mask<'static> {
 }
 
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// `gate_proj` and `up_proj`, or one matmul over both (`ffn` columns each).
+    gate_up: GateUp,
     down_proj: Linear,
     /// Tensor parallel: this rank holds some columns; sum `down_proj`'s partial outputs.
     reduce: bool,
@@ -173,17 +201,57 @@ struct Mlp {
 
 impl Mlp {
     fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool, tp: Tp) -> Result<Self> {
+        let fused = format!("{p}.{FUSED_GATE_UP}");
+        let gate_up = if w.contains(&format!("{fused}.weight")) {
+            GateUp::Fused { gate_up: Linear::load(w, &fused, hidden, 2 * ffn, bias)?, ffn: ffn as i32 }
+        } else {
+            GateUp::Separate {
+                gate: Linear::load(w, &format!("{p}.gate_proj"), hidden, ffn, bias)?,
+                up: Linear::load(w, &format!("{p}.up_proj"), hidden, ffn, bias)?,
+            }
+        };
         Ok(Mlp {
-            gate_proj: Linear::load(w, &format!("{p}.gate_proj"), hidden, ffn, bias)?,
-            up_proj: Linear::load(w, &format!("{p}.up_proj"), hidden, ffn, bias)?,
+            gate_up,
             down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias && tp.rank == 0)?,
             reduce: tp.size > 1,
         })
     }
     fn forward(&self, x: &Array) -> Result<Array> {
-        let y = self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)?;
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused { gate_up, ffn } => {
+                let y = gate_up.forward(x)?;
+                let last = y.ndim() as i32 - 1;
+                (y.slice_axis(last, 0, *ffn)?, y.slice_axis(last, *ffn, 2 * ffn)?)
+            }
+        };
+        let y = self.down_proj.forward(&ops::swiglu(&gate, &up)?)?;
         reduced(y, self.reduce)
     }
+}
+
+enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused { gate_up: Linear, ffn: i32 },
+}
+
+/// Module names of fused projections under `self_attn` and `mlp` (never in a checkpoint;
+/// made by `fuse`).
+const FUSED_QKV: &str = "fused_qkv";
+const FUSED_GATE_UP: &str = "fused_gate_up";
+
+/// Concatenates each layer's q/k/v and gate/up weights where their formats agree.
+fn fuse(layers: usize, w: &mut Weights) -> Result<()> {
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        let parts = |names: &[&str]| names.iter().map(|n| format!("{p}.{n}")).collect::<Vec<_>>();
+        w.fuse_rows(
+            &parts(&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            &format!("{p}.self_attn.{FUSED_QKV}"),
+        )?;
+        w.fuse_rows(&parts(&["mlp.gate_proj", "mlp.up_proj"]), &format!("{p}.mlp.{FUSED_GATE_UP}"))?;
+    }
+    Ok(())
 }
 
 struct Block {
@@ -210,22 +278,26 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(config: &Config, weights: &mut Weights, group: Option<Group>) -> Result<Self> {
+    pub fn load(config: &Config, weights: &mut Weights, options: &LoadOptions) -> Result<Self> {
         let rope = Rope::new(
             config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             config.rope_theta,
             config.rope_traditional,
             config.rope_scaling.as_ref(),
         )?;
-        Self::load_dims(&config.dims(), rope, weights, group)
+        Self::load_dims(&config.dims(), rope, weights, options)
     }
 
     /// Builds the decoder; with a tensor-parallel `group`, this rank's shard of it (attention
     /// heads and MLP columns split across ranks, an all-reduce after `o_proj` and `down_proj`).
-    /// `w` is cut down to this rank's shard in place.
-    pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, group: Option<Group>) -> Result<Self> {
-        let tp = group.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size });
+    /// `w` is cut down to this rank's shard in place, and its projections fused when
+    /// `options` says so.
+    pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, options: &LoadOptions) -> Result<Self> {
+        let tp = options.tensor_parallel.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size });
         let d = &if tp.size > 1 { shard(d, w, tp)? } else { d.clone() };
+        if options.fuse_projections() {
+            fuse(d.layers, w)?;
+        }
         let w = &*w;
         let layers = (0..d.layers)
             .map(|i| {

@@ -47,6 +47,18 @@ pub struct LoadOptions {
     pub dequantize_gguf: Option<bool>,
     /// Load this rank's tensor-parallel shard (the group must be initialized).
     pub tensor_parallel: Option<mlx::distributed::Group>,
+    /// Concatenate each layer's q/k/v and gate/up weights so one matmul replaces three and
+    /// two (fewer kernels per step); `None` reads `HOST_FUSE_PROJECTIONS` (`1`/`on`), else off.
+    /// Experimental until measured on GPUs (bench/NOTES.md).
+    pub fuse_projections: Option<bool>,
+}
+
+impl LoadOptions {
+    pub fn fuse_projections(&self) -> bool {
+        self.fuse_projections.unwrap_or_else(|| {
+            std::env::var("HOST_FUSE_PROJECTIONS").is_ok_and(|v| matches!(v.as_str(), "1" | "on" | "true"))
+        })
+    }
 }
 
 pub fn load(path: &Path) -> Result<Loaded> {
@@ -151,11 +163,11 @@ impl Arch {
 
     /// Builds the model from (sanitized) weights; with a tensor-parallel group, this rank's
     /// shard (and `weights` is cut down to it).
-    pub fn model(&self, weights: &mut Weights, group: Option<mlx::distributed::Group>) -> Result<Box<dyn CausalLm>> {
+    pub fn model(&self, weights: &mut Weights, options: &LoadOptions) -> Result<Box<dyn CausalLm>> {
         Ok(match self {
-            Arch::Llama(c) => Box::new(llama::Model::load(c, weights, group)?),
-            Arch::Qwen2(c) => Box::new(qwen2::load(c, weights, group)?),
-            Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, group)?),
+            Arch::Llama(c) => Box::new(llama::Model::load(c, weights, options)?),
+            Arch::Qwen2(c) => Box::new(qwen2::load(c, weights, options)?),
+            Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, options)?),
         })
     }
 }
@@ -238,7 +250,7 @@ fn build(
     if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
         weights.remove("lm_head.weight");
     }
-    let model = arch.model(&mut weights, options.tensor_parallel)?;
+    let model = arch.model(&mut weights, options)?;
     // Materialize every weight now, as mlx-lm's `load` does: read errors surface here, and
     // the first request does not pay for reading the file.
     weights.eval()?;

@@ -33,7 +33,7 @@ fn default_true() -> bool {
 }
 
 /// Llama's decoder with Qwen2's biases and defaults.
-pub fn load(c: &Config, weights: &mut Weights, group: Option<mlx::distributed::Group>) -> Result<llama::Model> {
+pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> Result<llama::Model> {
     let head_dim = c.hidden_size / c.num_attention_heads;
     let dims = llama::Dims {
         hidden: c.hidden_size,
@@ -51,5 +51,5 @@ pub fn load(c: &Config, weights: &mut Weights, group: Option<mlx::distributed::G
         tied: c.tie_word_embeddings,
     };
     let rope = Rope::new(head_dim, c.rope_theta, c.rope_traditional, c.rope_scaling.as_ref())?;
-    llama::Model::load_dims(&dims, rope, weights, group)
+    llama::Model::load_dims(&dims, rope, weights, options)
 }

@@ -24,7 +24,7 @@ pub struct Config {
 }
 
 /// Llama's decoder with Qwen3's per-head q/k norms.
-pub fn load(c: &Config, weights: &mut Weights, group: Option<mlx::distributed::Group>) -> Result<llama::Model> {
+pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> Result<llama::Model> {
     let rope_theta = c
         .rope_theta
         .or_else(|| c.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()))
@@ -46,5 +46,5 @@ pub fn load(c: &Config, weights: &mut Weights, group: Option<mlx::distributed::G
         qk_norm: true,
         tied: c.tie_word_embeddings,
     };
-    llama::Model::load_dims(&dims, rope, weights, group)
+    llama::Model::load_dims(&dims, rope, weights, options)
 }

@@ -87,9 +87,14 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
 
 /// A tiny random model of `model_type`.
 pub fn model(model_type: &str, seed: u64) -> Result<Box<dyn CausalLm>> {
-    let path = Path::new("<tiny random>");
-    let arch = Arch::parse(&config(model_type), path)?;
-    arch.model(&mut Weights::new(weights(model_type, seed)?, path, model_type), None)
+    let mut w = Weights::new(weights(model_type, seed)?, Path::new("<tiny random>"), model_type);
+    model_from(model_type, &mut w, &Default::default())
+}
+
+/// A tiny model of `model_type` built from `weights` (changed as loading changes them: cut
+/// to a shard, projections fused) with `options`.
+pub fn model_from(model_type: &str, weights: &mut Weights, options: &crate::LoadOptions) -> Result<Box<dyn CausalLm>> {
+    Arch::parse(&config(model_type), Path::new("<tiny random>"))?.model(weights, options)
 }
 
 /// A byte-level BPE `tokenizer.json` with no merges: `<|im_start|>` (0), `<|im_end|>` (1),

@@ -411,3 +411,81 @@ fn a_damaged_gguf_file_is_a_clear_error() {
     assert!(err.contains("bad.gguf") && err.contains("GGUF"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The tiny `arch` model's weights, with every linear layer of the decoder MLX-quantized
+/// (group 32) to `bits` where given, except the modules in `dense`.
+fn tiny_weights(arch: &str, bits: Option<i32>, dense: &[&str]) -> crate::weights::Weights {
+    let mut w = testing::weights(arch, 4).unwrap();
+    let mut overrides = std::collections::HashMap::new();
+    if let Some(bits) = bits {
+        let names: Vec<String> = w.keys().filter(|n| n.contains("_proj.weight")).cloned().collect();
+        for name in names {
+            let prefix = name.trim_end_matches(".weight").to_string();
+            if dense.iter().any(|d| prefix.ends_with(d)) {
+                overrides.insert(prefix, None);
+                continue;
+            }
+            let (q, scales, biases) = mlx::ops::quantize(&w[&name], 32, bits).unwrap();
+            w.insert(name, q);
+            w.insert(format!("{prefix}.scales"), scales);
+            w.insert(format!("{prefix}.biases"), biases);
+        }
+    }
+    let q = bits.map(|bits| crate::weights::Quantization { group_size: 32, bits });
+    crate::weights::Weights::new(w, Path::new("<tiny>"), arch).with_quantization(q, overrides)
+}
+
+fn with_fusion(fuse: bool) -> crate::LoadOptions {
+    crate::LoadOptions { fuse_projections: Some(fuse), ..Default::default() }
+}
+
+#[test]
+fn fused_projections_give_the_separate_projections_logits() {
+    for arch in ARCHS {
+        for bits in [None, Some(8), Some(4)] {
+            let separate = testing::model_from(arch, &mut tiny_weights(arch, bits, &[]), &with_fusion(false)).unwrap();
+            let mut w = tiny_weights(arch, bits, &[]);
+            let fused = testing::model_from(arch, &mut w, &with_fusion(true)).unwrap();
+            for layer in 0..2 {
+                let p = format!("model.layers.{layer}");
+                assert!(w.contains(&format!("{p}.self_attn.fused_qkv.weight")), "{arch} {bits:?}");
+                assert!(
+                    w.contains(&format!("{p}.mlp.fused_gate_up.weight"))
+                        && !w.contains(&format!("{p}.mlp.up_proj.weight"))
+                );
+            }
+            let ids = prompt(20);
+            // A prefill then single steps: both matmul shapes.
+            let (a, _) = decode_in_pieces(separate.as_ref(), &ids, &[16, 1, 1, 1, 1]);
+            let (b, _) = decode_in_pieces(fused.as_ref(), &ids, &[16, 1, 1, 1, 1]);
+            let d = max_abs_diff(&a, &b);
+            assert!(d <= 1e-5, "{arch} {bits:?}: max diff {d}");
+        }
+    }
+}
+
+#[test]
+fn projections_in_different_formats_stay_separate() {
+    // k_proj dense among quantized q and v: nothing is fused for attention, and the model
+    // still computes what the unfused one does.
+    let mut w = tiny_weights("llama", Some(8), &["k_proj"]);
+    let parts: Vec<String> =
+        ["q_proj", "k_proj", "v_proj"].iter().map(|m| format!("model.layers.0.self_attn.{m}")).collect();
+    assert!(!w.fuse_rows(&parts, "model.layers.0.self_attn.fused_qkv").unwrap());
+    assert!(
+        w.contains("model.layers.0.self_attn.q_proj.scales") && w.contains("model.layers.0.self_attn.k_proj.weight")
+    );
+    let gate_up: Vec<String> = ["gate_proj", "up_proj"].iter().map(|m| format!("model.layers.0.mlp.{m}")).collect();
+    assert!(w.fuse_rows(&gate_up, "model.layers.0.mlp.fused_gate_up").unwrap());
+    assert!(!w.contains("model.layers.0.mlp.gate_proj.weight"), "fused parts are dropped");
+    assert_eq!(w.get("model.layers.0.mlp.fused_gate_up.scales").unwrap().shape(), vec![256, 2]);
+
+    let separate =
+        testing::model_from("llama", &mut tiny_weights("llama", Some(8), &["k_proj"]), &with_fusion(false)).unwrap();
+    let fused =
+        testing::model_from("llama", &mut tiny_weights("llama", Some(8), &["k_proj"]), &with_fusion(true)).unwrap();
+    let ids = prompt(8);
+    let (a, _) = decode_in_pieces(separate.as_ref(), &ids, &[8]);
+    let (b, _) = decode_in_pieces(fused.as_ref(), &ids, &[8]);
+    assert!(max_abs_diff(&a, &b) <= 1e-5);
+}

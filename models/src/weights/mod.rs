@@ -85,6 +85,46 @@ impl Weights {
         Ok(())
     }
 
+    /// Concatenates modules `parts` (one input width, one dtype, one quantization) along their
+    /// output rows into module `into`: the weight, and the scales, biases and bias where the
+    /// parts have them. The result is evaluated at once and the parts removed, so loading
+    /// holds at most one extra copy of these modules. Returns false, changing nothing, when
+    /// the parts differ in quantization, dtype or which arrays they carry.
+    pub fn fuse_rows(&mut self, parts: &[String], into: &str) -> Result<bool> {
+        const ARRAYS: [&str; 4] = ["weight", "scales", "biases", "bias"];
+        let q = self.quantization_of(&parts[0])?;
+        let has = |w: &Weights, p: &str| -> Vec<&'static str> {
+            ARRAYS.into_iter().filter(|s| w.contains(&format!("{p}.{s}"))).collect()
+        };
+        let suffixes = has(self, &parts[0]);
+        for p in &parts[1..] {
+            if self.quantization_of(p)? != q || has(self, p) != suffixes {
+                return Ok(false);
+            }
+        }
+        let mut fused = Vec::new();
+        for s in &suffixes {
+            let arrays: Vec<Array> = parts.iter().map(|p| self.get(&format!("{p}.{s}"))).collect::<Result<_>>()?;
+            if arrays.iter().any(|a| a.dtype() != arrays[0].dtype()) {
+                return Ok(false);
+            }
+            let refs: Vec<&Array> = arrays.iter().collect();
+            fused.push((format!("{into}.{s}"), mlx::ops::concatenate(&refs, 0)?));
+        }
+        let refs: Vec<&Array> = fused.iter().map(|(_, a)| a).collect();
+        mlx::eval(&refs).map_err(|e| Error::Invalid(format!("reading weights from {}: {e}", self.path.display())))?;
+        for p in parts {
+            for s in &suffixes {
+                self.tensors.remove(&format!("{p}.{s}"));
+            }
+        }
+        if q.is_some() {
+            self.overrides.insert(into.to_string(), q);
+        }
+        self.tensors.extend(fused);
+        Ok(true)
+    }
+
     /// Evaluates (reads, converts) every weight.
     pub fn eval(&self) -> Result<()> {
         let all: Vec<&Array> = self.tensors.values().collect();
