@@ -48,9 +48,12 @@ fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("a list of ids").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
 }
 
+/// One model's oracle records, computed by whichever test asks first.
+type OracleSlot = Arc<OnceLock<Arc<Vec<OracleRecord>>>>;
+
 /// mlx-lm's output for the three prompts on `model` (computed once per test binary).
 fn oracle(f: &Fixtures, model: &str, max_tokens: usize) -> Arc<Vec<OracleRecord>> {
-    static CACHE: OnceLock<Mutex<HashMap<String, Arc<OnceLock<Arc<Vec<OracleRecord>>>>>>> = OnceLock::new();
+    static CACHE: OnceLock<Mutex<HashMap<String, OracleSlot>>> = OnceLock::new();
     let slot = CACHE.get_or_init(Default::default).lock().unwrap().entry(model.to_string()).or_default().clone();
     slot.get_or_init(|| {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/oracle/mlx_lm_oracle.py");

@@ -96,7 +96,7 @@ impl KvCache {
             let new_v = Array::zeros(&[b, h, n_steps * STEP, dv], values.dtype())?;
             match (self.keys.take(), self.values.take()) {
                 (Some(mut k), Some(mut v)) => {
-                    if prev % STEP != 0 {
+                    if !prev.is_multiple_of(STEP) {
                         k = k.slice_axis(2, 0, prev as i32)?;
                         v = v.slice_axis(2, 0, prev as i32)?;
                     }

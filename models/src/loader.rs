@@ -186,7 +186,10 @@ fn parse<T: DeserializeOwned>(config: &Value, path: &Path) -> Result<T> {
 }
 
 /// `config.json`'s `quantization` (MLX) section: defaults plus per-module overrides.
-fn quantization(config: &Value, path: &Path) -> Result<(Option<Quantization>, HashMap<String, Option<Quantization>>)> {
+/// The default quantization and the per-module overrides of a `config.json`.
+type QuantizationConfig = (Option<Quantization>, HashMap<String, Option<Quantization>>);
+
+fn quantization(config: &Value, path: &Path) -> Result<QuantizationConfig> {
     let Some(section) = config.get("quantization").or_else(|| config.get("quantization_config")) else {
         return Ok((None, HashMap::new()));
     };

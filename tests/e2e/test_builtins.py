@@ -283,6 +283,41 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
         s.stop()
 
 
+def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the_memory_budget():
+    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0")
+    try:
+        t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
+        # The running request alone may reach the whole budget, so no other fits beside it.
+        long_max = t["max_model_len"] - t["count"]
+        stop = threading.Event()
+        first = threading.Event()
+
+        def long():
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=300, json={
+                    "messages": LONG, "temperature": 0, "max_tokens": long_max, "stream": True}) as r:
+                for line in r.iter_lines():
+                    first.set()
+                    if stop.is_set():
+                        break  # closing the stream cancels the request
+        runner = threading.Thread(target=long)
+        runner.start()
+        assert first.wait(60)
+        results = {}
+        high = timed(s, results, "high", max_tokens=5, priority=10)
+        deadline = time.time() + 30
+        while not any("not paused" in line for line in s.log) and time.time() < deadline:
+            time.sleep(0.1)
+        assert "high" not in results, "the high-priority request ran beside the long one"
+        stop.set()
+        runner.join(60)
+        high.join(120)
+        assert results["high"][1] == 200
+        assert any("not paused" in line and "memory budget" in line for line in s.log)
+        assert not any("paused for a waiting request" in line for line in s.log)
+    finally:
+        s.stop()
+
+
 def test_fcfs_the_default_serves_in_arrival_order_whatever_the_priority():
     s = Server("--prompt-cache-bytes", "0")
     try:

@@ -232,6 +232,9 @@ pub struct Engine {
     pub warmed_up: Option<Duration>,
     queue_limit: usize,
     next_seq: std::sync::atomic::AtomicU64,
+    /// The sequence tokens whose KV fits the server's memory budget (0: not set, no limit):
+    /// a request is paused only if it, the other paused ones and the one it yields to fit.
+    kv_budget_tokens: Arc<AtomicUsize>,
 }
 
 /// Why a job was not accepted.
@@ -250,6 +253,8 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let thread_stats = stats.clone();
         let has_draft = config.draft_model.is_some();
+        let kv_budget_tokens = Arc::new(AtomicUsize::new(0));
+        let thread_budget = kv_budget_tokens.clone();
         let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -287,6 +292,8 @@ impl Engine {
                             stats: thread_stats,
                             prefill_step_size: config.prefill_step_size,
                             policy,
+                            kv_budget_tokens: thread_budget,
+                            not_paused: None,
                         };
                         let draft = draft.map(|d| d.model);
                         let models =
@@ -310,7 +317,13 @@ impl Engine {
             warmed_up,
             queue_limit,
             next_seq: Default::default(),
+            kv_budget_tokens,
         })
+    }
+
+    /// Sets how many sequence tokens of KV the memory budget holds (see `kv_budget_tokens`).
+    pub fn set_kv_budget_tokens(&self, tokens: usize) {
+        self.kv_budget_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// Queues a job; its events arrive on the returned receiver. Dropping the receiver
@@ -360,6 +373,14 @@ struct Worker {
     prefill_step_size: usize,
     /// The queue policy; `None`: first come, first served.
     policy: Option<Box<dyn Policy>>,
+    kv_budget_tokens: Arc<AtomicUsize>,
+    /// The running request a pause was last refused for (logged once per request).
+    not_paused: Option<String>,
+}
+
+/// The KV a request may come to hold: its whole prompt plus every token it may generate.
+fn kv_reserved(job: &Job) -> usize {
+    job.request.prompt.len() + job.request.max_tokens
 }
 
 /// What generation borrows for as long as the engine thread runs.
@@ -576,7 +597,26 @@ impl Worker {
         waiting.extend(order.into_iter().filter_map(|i| slots[i].take()));
         let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).count();
         let preempt = running.as_ref().is_some_and(|a| decision.preempt.contains(&a.job.key()));
-        if preempt && !waiting.is_empty() && paused < MAX_PAUSED {
+        // Pausing keeps the running request's KV while the next one grows its own: only when
+        // every paused request, the running one and the next could all reach their maximum
+        // length within the memory budget.
+        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
+        let held: usize = running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
+            + waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).map(|w| kv_reserved(w.job())).sum::<usize>()
+            + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()));
+        if preempt && budget > 0 && held > budget {
+            let key = running.as_ref().map(|a| a.job.key());
+            if let Some(a) = running.as_ref().filter(|_| self.not_paused != key) {
+                tracing::info!(
+                    request = a.job.key(),
+                    policy = name,
+                    reserved_tokens = held,
+                    budget_tokens = budget,
+                    "not paused: the paused, running and next requests together could outgrow the memory budget"
+                );
+            }
+            self.not_paused = key;
+        } else if preempt && !waiting.is_empty() && paused < MAX_PAUSED {
             let active = running.take().expect("checked above");
             tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
             waiting.insert(1, Waiting::Paused(Box::new(active)));

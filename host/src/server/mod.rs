@@ -51,6 +51,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
     let max_sequence_tokens = (free / per_token) as usize;
     tracing::info!(budget, max_sequence_tokens, model = model_id, "memory budget");
+    engine.set_kv_budget_tokens(max_sequence_tokens);
     Arc::new(AppState {
         engine,
         metrics: Default::default(),
