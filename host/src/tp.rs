@@ -136,6 +136,12 @@ pub fn load(path: &Path, n: usize, device: DeviceChoice) -> Result<Loaded> {
     let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
     let loaded = models::load_with(path, &options).with_context(|| format!("loading model from {}", path.display()))?;
     models::cache::mirror();
+    if loaded.info.vocab_size > 1 << 24 {
+        bail!(
+            "tensor parallelism shares token ids as float32, exact below 2^24; this model's vocabulary has {} tokens",
+            loaded.info.vocab_size
+        );
+    }
     let model = TpModel { inner: loaded.model, workers: RefCell::new(streams.into_iter().map(|(_, s)| s).collect()) };
     tracing::info!(ranks = n, backend = backend(device), "tensor parallel");
     Ok(Loaded { model: Box::new(model), ..loaded })
