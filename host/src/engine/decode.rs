@@ -385,25 +385,46 @@ impl<'m> Generation<'m> {
         let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?.squeeze(&[0])?;
         let mut logprobs = Vec::with_capacity(k + 1);
         let mut processed = Vec::with_capacity(k + 1);
-        for i in 0..=k {
-            let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
-            let history = match &self.history {
-                Some(h) => Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?),
-                None => None,
-            };
-            let row = self.sampler.process(&row, history.as_ref())?;
-            logprobs.push(row.subtract(&row.logsumexp(&[-1], true)?)?);
-            processed.push(row);
-        }
+        // Without history-dependent penalties the logits processors act row by row, so all
+        // K+1 rows go through them (and the normalization) at once: a handful of device
+        // operations per verify step instead of a handful per row.
+        let batched = match &self.history {
+            None => {
+                let rows = self.sampler.process(&logits, None)?;
+                let lp = rows.subtract(&rows.logsumexp(&[-1], true)?)?;
+                for i in 0..=k as i32 {
+                    processed.push(rows.slice_axis(0, i, i + 1)?);
+                    logprobs.push(lp.slice_axis(0, i, i + 1)?);
+                }
+                Some(lp)
+            }
+            Some(h) => {
+                for i in 0..=k {
+                    let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
+                    let history = mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?;
+                    let row = self.sampler.process(&row, Some(&history))?;
+                    logprobs.push(row.subtract(&row.logsumexp(&[-1], true)?)?);
+                    processed.push(row);
+                }
+                None
+            }
+        };
+        let greedy = self.sampler.params().temperature == 0.0;
         let emitted = if self.external.is_some() {
             self.verify_external(&drafts.tokens, &processed, &logprobs, position)?
         } else if lossless {
             self.verify_lossless(&drafts, &logprobs, position)?
         } else {
-            let picks: Vec<Array> =
-                (0..=k).map(|i| self.sampler.sample(&logprobs[i], position + i)).collect::<Result<_>>()?;
-            let refs: Vec<&Array> = picks.iter().collect();
-            let picks = mlx::ops::concatenate(&refs, 0)?.to_vec_i32()?;
+            let picks = match batched.filter(|_| greedy) {
+                Some(lp) => self.sampler.sample(&lp, position)?,
+                None => {
+                    let picks: Vec<Array> =
+                        (0..=k).map(|i| self.sampler.sample(&logprobs[i], position + i)).collect::<Result<_>>()?;
+                    let refs: Vec<&Array> = picks.iter().collect();
+                    mlx::ops::concatenate(&refs, 0)?
+                }
+            };
+            let picks = picks.to_vec_i32()?;
             let n = drafts.tokens.iter().zip(&picks).take_while(|(d, p)| **d as i32 == **p).count();
             picks[..=n].iter().map(|&t| t as u32).collect()
         };
