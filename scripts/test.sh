@@ -5,6 +5,9 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-eval "$(scripts/test-fixtures.sh)"
+# (An assignment, so a failing fixture script stops here instead of leaving the tests to
+# fail one by one on missing fixtures.)
+fixtures=$(scripts/test-fixtures.sh)
+eval "$fixtures"
 cargo test --workspace --locked "$@"
 HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q tests/e2e
