@@ -10,8 +10,9 @@
 //! sent and decoding stays pipelined on every rank.
 //!
 //! Every rank evaluates the final hidden states of every forward (with `async_eval`): that is
-//! what makes the collectives match whatever else rank 0 evaluates later. A worker that dies brings rank 0 down with a message naming it (a
-//! monitor thread), and workers exit when rank 0's control connection closes.
+//! what makes the collectives match whatever else rank 0 evaluates later. A worker that dies
+//! brings rank 0 down with a message naming it (a monitor thread), and workers exit when rank
+//! 0's control connection closes.
 
 use crate::generate::{select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
@@ -331,7 +332,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             layers.push(c);
         }
         let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
-        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Int32)?)?;
+        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?;
         let h = model.forward_hidden(&tokens, &mut layers)?;
         mlx::async_eval(&[&h])?;
         for (&(id, _), c) in step.caches.iter().zip(layers) {

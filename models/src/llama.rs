@@ -79,29 +79,76 @@ impl Config {
     }
 }
 
-/// The q, k and v projections: three matmuls, or one over their concatenated rows
-/// (`LoadOptions::fuse_projections`) whose output is sliced into q (`q` columns), k and v
-/// (`kv` columns each).
-enum Qkv {
-    Separate { q: Linear, k: Linear, v: Linear },
-    Fused { qkv: Linear, q: i32, kv: i32 },
+/// Linear layers that read the same input (q/k/v, gate/up): a matmul each, or one matmul
+/// over their concatenated rows (`LoadOptions::fuse_projections`, made by `fuse`) whose
+/// output is sliced back into the parts' widths.
+enum Projections {
+    Separate(Vec<Linear>),
+    Fused { linear: Linear, widths: Vec<i32> },
 }
 
-impl Qkv {
-    fn forward(&self, x: &Array) -> Result<(Array, Array, Array)> {
-        Ok(match self {
-            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
-            Qkv::Fused { qkv, q, kv } => {
-                let y = qkv.forward(x)?;
+impl Projections {
+    /// Modules `names` under `p` with output widths `widths`, or their fusion `p.fused`.
+    fn load(
+        w: &Weights,
+        p: &str,
+        names: &[&str],
+        widths: &[usize],
+        fused: &str,
+        inputs: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let fused = format!("{p}.{fused}");
+        if w.contains(&format!("{fused}.weight")) {
+            let linear = Linear::load(w, &fused, inputs, widths.iter().sum(), bias)?;
+            return Ok(Projections::Fused { linear, widths: widths.iter().map(|&n| n as i32).collect() });
+        }
+        let parts = names.iter().zip(widths).map(|(name, &n)| Linear::load(w, &format!("{p}.{name}"), inputs, n, bias));
+        Ok(Projections::Separate(parts.collect::<Result<_>>()?))
+    }
+
+    /// Each part's output, in order.
+    fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x)?;
                 let last = y.ndim() as i32 - 1;
-                (y.slice_axis(last, 0, *q)?, y.slice_axis(last, *q, q + kv)?, y.slice_axis(last, q + kv, q + 2 * kv)?)
+                let mut start = 0;
+                widths
+                    .iter()
+                    .map(|&n| {
+                        start += n;
+                        Ok(y.slice_axis(last, start - n, start)?)
+                    })
+                    .collect()
             }
-        })
+        }
     }
 }
 
+/// Module names of the projections that `fuse` concatenates, and of their fusions (never in
+/// a checkpoint).
+const QKV: [&str; 3] = ["q_proj", "k_proj", "v_proj"];
+const FUSED_QKV: &str = "fused_qkv";
+const GATE_UP: [&str; 2] = ["gate_proj", "up_proj"];
+const FUSED_GATE_UP: &str = "fused_gate_up";
+
+/// Concatenates each layer's q/k/v and gate/up weights where their formats agree.
+fn fuse(layers: usize, w: &mut Weights) -> Result<()> {
+    for i in 0..layers {
+        for (module, names, fused) in [("self_attn", &QKV[..], FUSED_QKV), ("mlp", &GATE_UP[..], FUSED_GATE_UP)] {
+            let p = format!("model.layers.{i}.{module}");
+            let parts: Vec<String> = names.iter().map(|n| format!("{p}.{n}")).collect();
+            w.fuse_rows(&parts, &format!("{p}.{fused}"))?;
+        }
+    }
+    Ok(())
+}
+
 struct Attention {
-    qkv: Qkv,
+    /// q, k, v.
+    qkv: Projections,
     o_proj: Linear,
     /// Per-head norms of q and k (Qwen3), applied before RoPE.
     q_norm: Option<RmsNorm>,
@@ -125,18 +172,8 @@ fn reduced(y: Array, reduce: bool) -> Result<Array> {
 impl Attention {
     fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
         let (q, kv) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
-        let fused = format!("{p}.{FUSED_QKV}");
-        let qkv = if w.contains(&format!("{fused}.weight")) {
-            Qkv::Fused { qkv: Linear::load(w, &fused, d.hidden, q + 2 * kv, d.qkv_bias)?, q: q as i32, kv: kv as i32 }
-        } else {
-            Qkv::Separate {
-                q: Linear::load(w, &format!("{p}.q_proj"), d.hidden, q, d.qkv_bias)?,
-                k: Linear::load(w, &format!("{p}.k_proj"), d.hidden, kv, d.qkv_bias)?,
-                v: Linear::load(w, &format!("{p}.v_proj"), d.hidden, kv, d.qkv_bias)?,
-            }
-        };
         Ok(Attention {
-            qkv,
+            qkv: Projections::load(w, p, &QKV, &[q, kv, kv], FUSED_QKV, d.hidden, d.qkv_bias)?,
             o_proj: Linear::load(
                 w,
                 &format!("{p}.o_proj"),
@@ -155,17 +192,17 @@ impl Attention {
 
     fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut KvCache, rope: &Rope) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
-        let heads = |a: Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
+        let heads = |a: &Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
             let mut a = a.reshape(&[b, l, n, -1])?;
             if let Some(norm) = norm {
                 a = norm.forward(&a)?;
             }
             Ok(a.transpose(&[0, 2, 1, 3])?)
         };
-        let (q, k, v) = self.qkv.forward(x)?;
-        let q = heads(q, self.n_heads, self.q_norm.as_ref())?;
-        let k = heads(k, self.n_kv_heads, self.k_norm.as_ref())?;
-        let v = heads(v, self.n_kv_heads, None)?;
+        let qkv = self.qkv.forward(x)?;
+        let q = heads(&qkv[0], self.n_heads, self.q_norm.as_ref())?;
+        let k = heads(&qkv[1], self.n_kv_heads, self.k_norm.as_ref())?;
+        let v = heads(&qkv[2], self.n_kv_heads, None)?;
         let q = rope.forward(&q, cache.offset())?;
         let k = rope.forward(&k, cache.offset())?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
@@ -192,8 +229,8 @@ fn attention_mask(len: usize) -> Mask<'static> {
 }
 
 struct Mlp {
-    /// `gate_proj` and `up_proj`, or one matmul over both (`ffn` columns each).
-    gate_up: GateUp,
+    /// gate, up.
+    gate_up: Projections,
     down_proj: Linear,
     /// Tensor parallel: this rank holds some columns; sum `down_proj`'s partial outputs.
     reduce: bool,
@@ -201,57 +238,17 @@ struct Mlp {
 
 impl Mlp {
     fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool, tp: Tp) -> Result<Self> {
-        let fused = format!("{p}.{FUSED_GATE_UP}");
-        let gate_up = if w.contains(&format!("{fused}.weight")) {
-            GateUp::Fused { gate_up: Linear::load(w, &fused, hidden, 2 * ffn, bias)?, ffn: ffn as i32 }
-        } else {
-            GateUp::Separate {
-                gate: Linear::load(w, &format!("{p}.gate_proj"), hidden, ffn, bias)?,
-                up: Linear::load(w, &format!("{p}.up_proj"), hidden, ffn, bias)?,
-            }
-        };
         Ok(Mlp {
-            gate_up,
+            gate_up: Projections::load(w, p, &GATE_UP, &[ffn, ffn], FUSED_GATE_UP, hidden, bias)?,
             down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias && tp.rank == 0)?,
             reduce: tp.size > 1,
         })
     }
     fn forward(&self, x: &Array) -> Result<Array> {
-        let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
-            GateUp::Fused { gate_up, ffn } => {
-                let y = gate_up.forward(x)?;
-                let last = y.ndim() as i32 - 1;
-                (y.slice_axis(last, 0, *ffn)?, y.slice_axis(last, *ffn, 2 * ffn)?)
-            }
-        };
-        let y = self.down_proj.forward(&ops::swiglu(&gate, &up)?)?;
+        let gate_up = self.gate_up.forward(x)?;
+        let y = self.down_proj.forward(&ops::swiglu(&gate_up[0], &gate_up[1])?)?;
         reduced(y, self.reduce)
     }
-}
-
-enum GateUp {
-    Separate { gate: Linear, up: Linear },
-    Fused { gate_up: Linear, ffn: i32 },
-}
-
-/// Module names of fused projections under `self_attn` and `mlp` (never in a checkpoint;
-/// made by `fuse`).
-const FUSED_QKV: &str = "fused_qkv";
-const FUSED_GATE_UP: &str = "fused_gate_up";
-
-/// Concatenates each layer's q/k/v and gate/up weights where their formats agree.
-fn fuse(layers: usize, w: &mut Weights) -> Result<()> {
-    for i in 0..layers {
-        let p = format!("model.layers.{i}");
-        let parts = |names: &[&str]| names.iter().map(|n| format!("{p}.{n}")).collect::<Vec<_>>();
-        w.fuse_rows(
-            &parts(&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-            &format!("{p}.self_attn.{FUSED_QKV}"),
-        )?;
-        w.fuse_rows(&parts(&["mlp.gate_proj", "mlp.up_proj"]), &format!("{p}.mlp.{FUSED_GATE_UP}"))?;
-    }
-    Ok(())
 }
 
 struct Block {

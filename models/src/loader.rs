@@ -185,10 +185,10 @@ fn parse<T: DeserializeOwned>(config: &Value, path: &Path) -> Result<T> {
     })
 }
 
-/// `config.json`'s `quantization` (MLX) section: defaults plus per-module overrides.
-/// The default quantization and the per-module overrides of a `config.json`.
+/// The default quantization and the per-module overrides.
 type QuantizationConfig = (Option<Quantization>, HashMap<String, Option<Quantization>>);
 
+/// `config.json`'s `quantization` (MLX) section: defaults plus per-module overrides.
 fn quantization(config: &Value, path: &Path) -> Result<QuantizationConfig> {
     let Some(section) = config.get("quantization").or_else(|| config.get("quantization_config")) else {
         return Ok((None, HashMap::new()));

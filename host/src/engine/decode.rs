@@ -5,7 +5,7 @@
 //! This file reads as prefill, step, yield; stop strings and output formatting live with
 //! their callers.
 
-use super::sampling::Sampler;
+use super::sampling::{log_softmax, Sampler};
 use super::speculative::{Speculation, Verify};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
@@ -257,7 +257,7 @@ impl<'m> Generation<'m> {
             self.history = Some(mlx::ops::concatenate(&[h, input], 0)?);
         }
         let logits = self.sampler.process(&logits, self.history.as_ref())?;
-        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+        let logprobs = log_softmax(&logits)?;
         let token = match self.external_pick(&logits, position)? {
             Some(token) => token,
             None => self.sampler.sample(&logprobs, position)?,
@@ -391,7 +391,7 @@ impl<'m> Generation<'m> {
         let batched = match &self.history {
             None => {
                 let rows = self.sampler.process(&logits, None)?;
-                let lp = rows.subtract(&rows.logsumexp(&[-1], true)?)?;
+                let lp = log_softmax(&rows)?;
                 for i in 0..=k as i32 {
                     processed.push(rows.slice_axis(0, i, i + 1)?);
                     logprobs.push(lp.slice_axis(0, i, i + 1)?);
@@ -403,7 +403,7 @@ impl<'m> Generation<'m> {
                     let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
                     let history = mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?;
                     let row = self.sampler.process(&row, Some(&history))?;
-                    logprobs.push(row.subtract(&row.logsumexp(&[-1], true)?)?);
+                    logprobs.push(log_softmax(&row)?);
                     processed.push(row);
                 }
                 None
@@ -606,7 +606,7 @@ fn pick_external(
     let logits = logits.astype(mlx::Dtype::Float32)?;
     let native = |values: &[f32]| -> Result<usize> {
         let row = Array::from_f32(values, &[1, values.len()])?;
-        let lp = row.subtract(&row.logsumexp(&[-1], true)?)?;
+        let lp = log_softmax(&row)?;
         Ok(sampler.sample(&lp, position)?.item_i32()? as usize)
     };
     let id = match external.candidates() {
@@ -943,6 +943,11 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams { repetition_penalty: Some(1.2), frequency_penalty: Some(0.3), ..Default::default() },
+            // No history: verification processes all rows as one batch (greedy: one argmax).
+            SamplingParams {
+                logit_bias: std::collections::BTreeMap::from([(5, 4.0), (7, -100.0)]),
+                ..Default::default()
+            },
         ];
         let mut looked_up = 0;
         for params in cases {

@@ -120,6 +120,12 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Log-probabilities of `logits` along the last axis (`logits - logsumexp`), as mlx-lm
+/// normalizes before sampling.
+pub fn log_softmax(logits: &Array) -> Result<Array> {
+    Ok(logits.subtract(&logits.logsumexp(&[-1], true)?)?)
+}
+
 fn scalar(v: f32) -> Result<Array> {
     Ok(Array::scalar(v, Dtype::Float32)?)
 }
@@ -264,13 +270,9 @@ mod tests {
         Array::from_f32(values, &[1, values.len()]).unwrap()
     }
 
-    fn normalize(l: &Array) -> Array {
-        l.subtract(&l.logsumexp(&[-1], true).unwrap()).unwrap()
-    }
-
     fn draw(params: SamplingParams, l: &[f32], positions: std::ops::Range<usize>) -> Vec<i32> {
         let s = Sampler::new(params, l.len()).unwrap();
-        let lp = normalize(&logits(l));
+        let lp = log_softmax(&logits(l)).unwrap();
         positions.map(|p| s.sample(&lp, p).unwrap().item_i32().unwrap()).collect()
     }
 

@@ -193,7 +193,7 @@ impl Drafter for DraftModel<'_> {
             let logits = self.model.forward(&input, &mut self.cache)?;
             let len = logits.dim(1) as i32;
             let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
-            let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+            let logprobs = super::sampling::log_softmax(&logits)?;
             let token = sampler.sample(&logprobs, seq.len() + i)?;
             if lossless {
                 dists.push(sampler.distribution(&logprobs)?);

@@ -601,16 +601,22 @@ impl Worker {
         // every paused request, the running one and the next could all reach their maximum
         // length within the memory budget.
         let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
-        let held: usize = running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
-            + waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).map(|w| kv_reserved(w.job())).sum::<usize>()
-            + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()));
-        if preempt && budget > 0 && held > budget {
+        let held = || -> usize {
+            running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
+                + waiting
+                    .iter()
+                    .filter(|w| matches!(w, Waiting::Paused(_)))
+                    .map(|w| kv_reserved(w.job()))
+                    .sum::<usize>()
+                + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()))
+        };
+        if preempt && budget > 0 && held() > budget {
             let key = running.as_ref().map(|a| a.job.key());
             if let Some(a) = running.as_ref().filter(|_| self.not_paused != key) {
                 tracing::info!(
                     request = a.job.key(),
                     policy = name,
-                    reserved_tokens = held,
+                    reserved_tokens = held(),
                     budget_tokens = budget,
                     "not paused: the paused, running and next requests together could outgrow the memory budget"
                 );

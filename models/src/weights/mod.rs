@@ -97,6 +97,9 @@ impl Weights {
             ARRAYS.into_iter().filter(|s| w.contains(&format!("{p}.{s}"))).collect()
         };
         let suffixes = has(self, &parts[0]);
+        if !suffixes.contains(&"weight") {
+            return Ok(false); // missing: loading the parts names the weight
+        }
         for p in &parts[1..] {
             if self.quantization_of(p)? != q || has(self, p) != suffixes {
                 return Ok(false);
