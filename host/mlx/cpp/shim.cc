@@ -9,6 +9,8 @@
 #include "mlx/graph_utils.h"
 
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
 
 namespace mx = mlx::core;
 
@@ -80,23 +82,71 @@ Ptr from_buffer(rust::Slice<const T> data, rust::Slice<const int32_t> shape) {
   return wrap(array(data.data(), to_shape(shape), mx::TypeToDtype<T>()));
 }
 
-// Evaluates `a` and copies it out as T. `a` is evaluated first, on its own: a conversion
-// queued behind it on its (GPU) stream would wait for everything queued there since, such
-// as the next decode step dispatched while this token was computed. A dtype or layout
-// conversion then runs on the CPU, on the finished data.
+// One element of S as T (half types convert through float).
+template <typename T, typename S>
+T element(S v) {
+  if constexpr (std::is_same_v<S, mx::float16_t> || std::is_same_v<S, mx::bfloat16_t>) {
+    return static_cast<T>(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// Copies the evaluated `c` (stored as S, any strides) out as T, in row-major order.
+template <typename T, typename S>
+void copy_out(const array& c, rust::Vec<T>& out) {
+  const S* p = c.data<S>();
+  const size_t n = c.size();
+  out.reserve(n);
+  if (c.flags().row_contiguous) {
+    for (size_t i = 0; i < n; ++i) out.push_back(element<T>(p[i]));
+    return;
+  }
+  const auto& shape = c.shape();
+  const auto& strides = c.strides();
+  const int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> idx(nd, 0);
+  int64_t off = 0;
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(element<T>(p[off]));
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        off += strides[d];
+        break;
+      }
+      off -= strides[d] * (shape[d] - 1);
+      idx[d] = 0;
+    }
+  }
+}
+
+// Evaluates `a` and copies it out as T. `a` is evaluated on its own and converted here, on
+// the CPU, element by element: no MLX operation runs after it. A conversion queued on `a`'s
+// (GPU) stream would wait for everything queued there since, such as the next decode step
+// dispatched while this token was computed; one on the CPU stream would make MLX synchronize
+// the two devices with its slow atomic events (an `event_signal_kernel` per read, measured
+// in bench/NOTES.md).
 template <typename T>
 rust::Vec<T> read(const array& a) {
   array c = a;
   mx::eval(c);
-  const mx::Dtype want = mx::TypeToDtype<T>();
-  if (c.dtype() != want || !c.flags().row_contiguous) {
-    c = mx::contiguous(mx::astype(c, want, mx::Device::cpu), false, mx::Device::cpu);
-    mx::eval(c);
-  }
   rust::Vec<T> out;
-  out.reserve(c.size());
-  const T* p = c.data<T>();
-  for (size_t i = 0; i < c.size(); ++i) out.push_back(p[i]);
+  switch (c.dtype()) {
+    case mx::bool_: copy_out<T, bool>(c, out); break;
+    case mx::uint8: copy_out<T, uint8_t>(c, out); break;
+    case mx::uint16: copy_out<T, uint16_t>(c, out); break;
+    case mx::uint32: copy_out<T, uint32_t>(c, out); break;
+    case mx::uint64: copy_out<T, uint64_t>(c, out); break;
+    case mx::int8: copy_out<T, int8_t>(c, out); break;
+    case mx::int16: copy_out<T, int16_t>(c, out); break;
+    case mx::int32: copy_out<T, int32_t>(c, out); break;
+    case mx::int64: copy_out<T, int64_t>(c, out); break;
+    case mx::float16: copy_out<T, mx::float16_t>(c, out); break;
+    case mx::bfloat16: copy_out<T, mx::bfloat16_t>(c, out); break;
+    case mx::float32: copy_out<T, float>(c, out); break;
+    case mx::float64: copy_out<T, double>(c, out); break;
+    default: throw std::invalid_argument("cannot read an array of this dtype (complex) as numbers");
+  }
   return out;
 }
 

@@ -178,12 +178,33 @@ fn gguf_round_trip_with_metadata() {
 #[test]
 fn readback_of_a_lazy_result_converts_dtype_and_layout_after_evaluating() {
     // The sum is evaluated on its own stream first; the int -> float conversion and the
-    // transpose's copy happen afterwards, on the CPU.
+    // transpose's reordering happen afterwards, on the host.
     let i = Array::from_i32(&[1, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
     let lazy = i.add(&i).unwrap().transpose(&[1, 0]).unwrap();
     assert_eq!(lazy.to_vec_f32().unwrap(), vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]);
     let f = arr(&[1.5, -2.0], &[2]).multiply(&arr(&[2.0, 2.0], &[2])).unwrap();
     assert_eq!(f.to_vec_i32().unwrap(), vec![3, -4]);
+}
+
+#[test]
+fn readback_converts_every_stored_dtype_and_any_strides_on_the_host() {
+    // Half types, unsigned argmax results, strides of 0 (broadcast), negative offsets into a
+    // buffer (slices) and 0-d arrays all come out in row-major order as the asked type.
+    let x = arr(&[1.5, -2.25, 3.0, 256.0], &[4]);
+    for dt in [Dtype::Bfloat16, Dtype::Float16] {
+        let h = x.astype(dt).unwrap();
+        assert_eq!(h.to_vec_f32().unwrap(), vec![1.5, -2.25, 3.0, 256.0], "{dt:?}");
+        assert_eq!(h.to_vec_i32().unwrap(), vec![1, -2, 3, 256], "{dt:?}");
+    }
+    let m = arr(&[0.0, 5.0, 1.0, 9.0, 2.0, 3.0], &[2, 3]);
+    let am = m.argmax(1, false).unwrap();
+    assert_eq!(am.dtype(), Dtype::Uint32);
+    assert_eq!(am.to_vec_i32().unwrap(), vec![1, 0]);
+    let b = arr(&[1.0, 2.0], &[2, 1]).broadcast_to(&[2, 3]).unwrap();
+    assert_eq!(b.to_vec_f32().unwrap(), vec![1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
+    let s = m.transpose(&[1, 0]).unwrap().slice_axis(0, 1, 3).unwrap();
+    assert_eq!(s.to_vec_f32().unwrap(), vec![5.0, 2.0, 1.0, 3.0]);
+    assert_eq!(Array::scalar(7.0, Dtype::Bfloat16).unwrap().item_i32().unwrap(), 7);
 }
 
 #[test]
