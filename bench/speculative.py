@@ -7,7 +7,8 @@
 Two workloads: "edit" (bench/edit_prompt.txt: a source file and a request to rewrite it
 with a small change — the text the model writes is mostly in the prompt) and "chat" (a
 free-form story: little to look up). For each, `host generate --json` runs plain, with
-`--speculative prompt-lookup` and (with --draft-model) `--draft-model` (each `host bench
+`--speculative prompt-lookup` (on the GPU also with `--draft-candidates 8`) and (with
+--draft-model) `--draft-model` (each `host bench
 --prompt-file`: one process, a warm-up generation, then --runs timed ones); mlx-lm runs plain
 and with its own draft-model speculation, also warmed up in-process. All greedy, chat
 template; decode tok/s = (tokens - 1) / (first-to-last token time), median of --runs.
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="host: the most drafted per step")
     ap.add_argument("--mlx-draft-tokens", type=int, default=3, help="mlx-lm: drafted per step (fixed)")
+    ap.add_argument("--skip-mlx-draft", action="store_true", help="leave out mlx-lm's draft-model speculation")
     a = ap.parse_args()
     chat_file = os.path.join(tempfile.mkdtemp(), "chat.txt")
     open(chat_file, "w").write(CHAT)
@@ -92,10 +94,14 @@ def main():
         prompt = open(prompt_file).read()
         rows = [("host plain", run_host(a, prompt_file, []))]
         rows.append(("host prompt-lookup", run_host(a, prompt_file, ["--speculative", "prompt-lookup", *k])))
+        if a.device == "gpu":
+            # Eight candidate continuations verified per step as one batch (the default is one).
+            rows.append(("host prompt-lookup, 8 candidates",
+                         run_host(a, prompt_file, ["--speculative", "prompt-lookup", "--draft-candidates", "8", *k])))
         if a.draft_model:
             rows.append(("host draft", run_host(a, prompt_file, ["--draft-model", a.draft_model, *k])))
         rows.append(("mlx-lm plain", run_mlx_lm(a, prompt, None)))
-        if a.draft_model:
+        if a.draft_model and not a.skip_mlx_draft:
             rows.append((f"mlx-lm draft (k={a.mlx_draft_tokens})", run_mlx_lm(a, prompt, a.draft_model)))
         tps = {label: statistics.median(r["decode_tps"] for r in runs) for label, runs in rows}
         plain_ids = rows[0][1][0]["token_ids"]

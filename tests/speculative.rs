@@ -15,7 +15,8 @@ const EDIT: &str = include_str!("../bench/edit_prompt.txt");
 const CHAT: &str = "Write a short story about a lighthouse keeper.";
 
 /// Plain and speculative runs of the same request give the same ids; returns the
-/// speculative runs' (drafted, accepted) totals.
+/// speculative runs' (drafted, accepted) totals: prompt lookup, draft model, prompt lookup
+/// with four candidates.
 fn check_identical(
     model: &Path,
     draft: &Path,
@@ -24,10 +25,17 @@ fn check_identical(
     sampling: &[&str],
 ) -> Vec<(u64, u64)> {
     let draft = draft.to_str().unwrap();
-    let mut totals = vec![(0, 0); 2];
+    let mut totals = vec![(0, 0); 3];
     for prompt in prompts {
         let plain = generate(model, prompt, max_tokens, sampling);
-        let spec_args: [&[&str]; 2] = [&["--speculative", "prompt-lookup"], &["--draft-model", draft]];
+        // Prompt lookup with one candidate (the CPU's default), a draft model, and prompt
+        // lookup verifying four candidates per step as one batch (greedy only; otherwise
+        // it falls back to one).
+        let spec_args: [&[&str]; 3] = [
+            &["--speculative", "prompt-lookup"],
+            &["--draft-model", draft],
+            &["--speculative", "prompt-lookup", "--draft-candidates", "4"],
+        ];
         for (i, spec) in spec_args.iter().enumerate() {
             let args: Vec<&str> = sampling.iter().chain(spec.iter()).copied().collect();
             let v = generate(model, prompt, max_tokens, &args);
@@ -44,7 +52,7 @@ fn check_identical(
 fn smollm2_speculative_greedy_output_is_the_plain_output() {
     let Some(m) = models() else { return };
     let totals = check_identical(&m.join("smollm2-f32"), &m.join("smollm2-draft8"), &[EDIT, CHAT], 64, &[]);
-    for (method, (drafted, accepted)) in ["prompt-lookup", "draft"].iter().zip(totals) {
+    for (method, (drafted, accepted)) in ["prompt-lookup", "draft", "prompt-lookup x4"].iter().zip(totals) {
         assert!(drafted > 0, "{method}: nothing drafted");
         eprintln!("{method}: {accepted}/{drafted} accepted");
     }

@@ -7,7 +7,7 @@
 # CUPTI_DIR holds libcupti_trace.so (built here, see cupti_trace.c) and libcupti.so.13 (from
 # the nvidia-cuda-cupti wheel). Each engine: prompt 512, 128 tokens, one measured run after
 # its warm-up; the last 100 decode steps of the trace are analysed (bench/device/gpu_trace.py).
-# AB_FUSE=1 adds a host run with fused projections (HOST_FUSE_PROJECTIONS=1).
+# AB_FUSE=1 adds a host run with the projections unfused (HOST_FUSE_PROJECTIONS=0).
 set -uo pipefail
 HOST=$1 CUPTI=$2 MODEL=$3 OUTDIR=$4
 T=${TRACE_DIR:-/tmp/traces}
@@ -18,7 +18,7 @@ trace() {  # label, command...
 }
 trace host "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
 trace mlx-lm python3 bench/step_split_mlx_lm.py "$MODEL" --prompt 512 --gen 128 --runs 1
-[ -n "${AB_FUSE:-}" ] && HOST_FUSE_PROJECTIONS=1 trace host-fused "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
+[ -n "${AB_FUSE:-}" ] && HOST_FUSE_PROJECTIONS=0 trace host-unfused "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
 args=(host=$T/host.tsv mlx-lm=$T/mlx-lm.tsv)
-[ -n "${AB_FUSE:-}" ] && args+=(host-fused=$T/host-fused.tsv)
+[ -n "${AB_FUSE:-}" ] && args+=(host-unfused=$T/host-unfused.tsv)
 python3 bench/device/gpu_trace.py --top 30 "${args[@]}" | tee "$OUTDIR/kernel-trace-$(basename "$MODEL").md"

@@ -2,8 +2,8 @@
 # On the H200, after `. /tmp/site/env.sh`: the decode step split per term, host vs mlx-lm's
 # own loop (bench/step_split_mlx_lm.py, on a stream of its own as stream_generate runs),
 # interleaved: the Llama-3.1-8B shape in ROUNDS rounds (default 2), then the Llama-3.2-1B and
-# Qwen2.5-0.5B shapes once. One JSON line per run. AB_FUSE=1 adds a host run with fused
-# projections after each plain one.
+# Qwen2.5-0.5B shapes once. One JSON line per run. AB_FUSE=1 adds a host run with the
+# projections unfused (HOST_FUSE_PROJECTIONS=0; fused is the default) after each default one.
 #   bash bench/device/step-split.sh HOST OUTDIR
 set -uo pipefail
 HOST=$1 OUTDIR=$2
@@ -16,9 +16,9 @@ host() {  # model, fused (0/1)
 }
 one() {  # model
   timeout 150 python3 bench/step_split_mlx_lm.py /tmp/$1 --prompt 512 --gen 128 --runs 3 | tail -1
-  host $1 0
-  # AB_FUSE=1: the host again with q/k/v and gate/up fused (HOST_FUSE_PROJECTIONS).
-  [ -n "${AB_FUSE:-}" ] && host $1 1
+  host $1 1
+  # AB_FUSE=1: the host again with q/k/v and gate/up as separate matmuls.
+  [ -n "${AB_FUSE:-}" ] && host $1 0
 }
 {
   for _ in $(seq "${ROUNDS:-2}"); do one llama-8b; done

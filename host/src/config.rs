@@ -52,6 +52,9 @@ pub struct ServeConfig {
     pub num_draft_tokens: Option<usize>,
     /// exact (token-identical to plain decoding) or lossless (rejection sampling). Default: exact.
     pub speculative_verify: Option<Verify>,
+    /// Prompt lookup with greedy decoding: continuations verified per step as one batch.
+    /// Default: 1.
+    pub draft_candidates: Option<usize>,
     /// The tool-call adapter plugin for requests with tools (e.g. "hermes"); "none" turns
     /// parsing off. Default: chosen from the model's chat template.
     pub tool_adapter: Option<String>,
@@ -99,6 +102,7 @@ impl Default for ServeConfig {
             speculative: None,
             num_draft_tokens: None,
             speculative_verify: None,
+            draft_candidates: None,
             tool_adapter: None,
             scheduler: "fcfs".into(),
             scheduler_config: None,
@@ -218,6 +222,10 @@ pub struct SpecArgs {
     /// sampling (same distribution, more accepted drafts; native samplers only).
     #[arg(long, value_enum)]
     pub speculative_verify: Option<Verify>,
+    /// Prompt lookup with greedy decoding: how many different continuations to verify per
+    /// step, as rows of one batch (default 1; more raise acceptance, each step costs more).
+    #[arg(long)]
+    pub draft_candidates: Option<usize>,
 }
 
 /// The speculative settings from optional pieces, with the defaults filled in.
@@ -226,6 +234,7 @@ pub fn spec_config(
     method: Option<SpecMethod>,
     num_draft_tokens: Option<usize>,
     verify: Option<Verify>,
+    candidates: Option<usize>,
 ) -> Result<SpecConfig> {
     let defaults = SpecConfig::default();
     let method = method.unwrap_or(if draft_model { SpecMethod::Draft } else { SpecMethod::Off });
@@ -236,6 +245,7 @@ pub fn spec_config(
         method,
         num_draft_tokens: num_draft_tokens.unwrap_or(defaults.num_draft_tokens),
         verify: verify.unwrap_or_default(),
+        candidates,
         ..defaults
     };
     config.validate()?;
@@ -244,7 +254,13 @@ pub fn spec_config(
 
 impl SpecArgs {
     pub fn config(&self) -> Result<SpecConfig> {
-        spec_config(self.draft_model.is_some(), self.speculative, self.num_draft_tokens, self.speculative_verify)
+        spec_config(
+            self.draft_model.is_some(),
+            self.speculative,
+            self.num_draft_tokens,
+            self.speculative_verify,
+            self.draft_candidates,
+        )
     }
 }
 
@@ -292,6 +308,9 @@ impl ServeConfig {
         if args.spec.speculative_verify.is_some() {
             config.speculative_verify = args.spec.speculative_verify;
         }
+        if args.spec.draft_candidates.is_some() {
+            config.draft_candidates = args.spec.draft_candidates;
+        }
         if config.api_key.as_deref() == Some("") {
             config.api_key = None;
         }
@@ -314,7 +333,13 @@ impl ServeConfig {
 
     /// The server's default speculative settings.
     pub fn spec(&self) -> Result<SpecConfig> {
-        spec_config(self.draft_model.is_some(), self.speculative, self.num_draft_tokens, self.speculative_verify)
+        spec_config(
+            self.draft_model.is_some(),
+            self.speculative,
+            self.num_draft_tokens,
+            self.speculative_verify,
+            self.draft_candidates,
+        )
     }
 
     pub fn from_file(path: &Path) -> Result<ServeConfig> {
@@ -416,10 +441,14 @@ mod tests {
         std::fs::write(&path, "speculative = \"fast\"\n").unwrap();
         let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
         assert!(format!("{err:#}").contains("unknown variant `fast`"), "{err:#}");
-        assert!(spec_config(false, Some(SpecMethod::PromptLookup), Some(0), None)
+        assert!(spec_config(false, Some(SpecMethod::PromptLookup), Some(0), None, None)
             .unwrap_err()
             .to_string()
             .contains("between 1 and 64"));
+        assert!(spec_config(false, Some(SpecMethod::PromptLookup), None, None, Some(33))
+            .unwrap_err()
+            .to_string()
+            .contains("`candidates` must be between 1 and 32"));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

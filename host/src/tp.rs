@@ -276,6 +276,10 @@ impl CausalLm for TpModel {
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
+
+    fn takes_cache_forks(&self) -> bool {
+        false
+    }
 }
 
 /// `host tp-worker`: one rank of a tensor-parallel group, launched by rank 0.

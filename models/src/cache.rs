@@ -3,7 +3,7 @@
 //! `slice_update`, read as `[..., :offset, :]`. `trim(n)` drops the last `n` positions, which
 //! is how speculative decoding rolls back rejected drafts.
 
-use crate::Result;
+use crate::{Error, Result};
 use mlx::Array;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -123,6 +123,47 @@ impl KvCache {
         self.keys = Some(k);
         self.values = Some(v);
         Ok(fetched)
+    }
+
+    /// A cache for scoring `batch` continuations of this one at once: every row starts as a
+    /// copy of this cache's positions (the copy is made when the fork is first appended to).
+    /// This cache is unchanged; [`adopt_row`](Self::adopt_row) takes one row's new positions
+    /// back. Not mirrored to tensor-parallel peers: single-process models only.
+    pub fn fork_batch(&self, batch: usize) -> Result<KvCache> {
+        let mut fork = KvCache::default();
+        fork.offset = self.offset;
+        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+            let held = |a: &Array| -> Result<Array> {
+                let a = a.slice_axis(2, 0, self.offset as i32)?;
+                let mut shape: Vec<i32> = a.shape().iter().map(|&d| d as i32).collect();
+                shape[0] = batch as i32;
+                Ok(a.broadcast_to(&shape)?)
+            };
+            fork.keys = Some(held(k)?);
+            fork.values = Some(held(v)?);
+        }
+        Ok(fork)
+    }
+
+    /// Appends to this cache the positions `self.offset()..self.offset() + n` of row `row` of
+    /// `fork` (a [`fork_batch`](Self::fork_batch) of this cache that has been appended to).
+    pub fn adopt_row(&mut self, fork: &KvCache, row: usize, n: usize) -> Result<()> {
+        let (Some(k), Some(v)) = (&fork.keys, &fork.values) else {
+            return Err(Error::Invalid("adopt_row: the fork holds nothing".into()));
+        };
+        let (start, stop) = (self.offset as i32, (self.offset + n) as i32);
+        if fork.offset < self.offset + n || row >= k.dim(0) {
+            return Err(Error::Invalid(format!(
+                "adopt_row: row {row}, positions {start}..{stop} are not in a fork of {} rows holding {}",
+                k.dim(0),
+                fork.offset
+            )));
+        }
+        let take = |a: &Array| -> Result<Array> {
+            Ok(a.slice_axis(0, row as i32, row as i32 + 1)?.slice_axis(2, start, stop)?)
+        };
+        self.update_and_fetch(&take(k)?, &take(v)?)?;
+        Ok(())
     }
 
     /// Drops the last `n` positions (at most all of them); returns how many were dropped.

@@ -37,6 +37,11 @@ pub trait CausalLm {
     /// A fresh cache, one entry per layer.
     fn make_cache(&self) -> Vec<KvCache>;
     fn vocab_size(&self) -> usize;
+    /// Whether `forward` may be given caches made by `KvCache::fork_batch` (not where caches
+    /// are mirrored by id on other processes, as under tensor parallelism).
+    fn takes_cache_forks(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -134,13 +134,18 @@ const FUSED_QKV: &str = "fused_qkv";
 const GATE_UP: [&str; 2] = ["gate_proj", "up_proj"];
 const FUSED_GATE_UP: &str = "fused_gate_up";
 
-/// Concatenates each layer's q/k/v and gate/up weights where their formats agree.
-fn fuse(layers: usize, w: &mut Weights) -> Result<()> {
-    for i in 0..layers {
-        for (module, names, fused) in [("self_attn", &QKV[..], FUSED_QKV), ("mlp", &GATE_UP[..], FUSED_GATE_UP)] {
+/// Concatenates each layer's q/k/v and gate/up weights where their formats and shapes agree
+/// with `d` (a misfit part stays separate, and loading it names it).
+fn fuse(d: &Dims, w: &mut Weights) -> Result<()> {
+    let (q, kv) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
+    for i in 0..d.layers {
+        for (module, names, widths, fused) in [
+            ("self_attn", &QKV[..], &[q, kv, kv][..], FUSED_QKV),
+            ("mlp", &GATE_UP[..], &[d.ffn, d.ffn][..], FUSED_GATE_UP),
+        ] {
             let p = format!("model.layers.{i}.{module}");
             let parts: Vec<String> = names.iter().map(|n| format!("{p}.{n}")).collect();
-            w.fuse_rows(&parts, &format!("{p}.{fused}"))?;
+            w.fuse_rows(&parts, widths, &format!("{p}.{fused}"))?;
         }
     }
     Ok(())
@@ -293,7 +298,7 @@ impl Model {
         let tp = options.tensor_parallel.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size });
         let d = &if tp.size > 1 { shard(d, w, tp)? } else { d.clone() };
         if options.fuse_projections() {
-            fuse(d.layers, w)?;
+            fuse(d, w)?;
         }
         let w = &*w;
         let layers = (0..d.layers)

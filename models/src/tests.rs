@@ -84,6 +84,46 @@ fn trim_then_redecode_equals_the_untrimmed_run() {
 }
 
 #[test]
+fn a_forked_batch_scores_rows_over_the_prefix_and_an_adopted_row_continues_the_cache() {
+    // 250 cached positions, then three 8-token continuations as one batch over a fork: each
+    // row's logits are the single-row forward's; adopting row 1 (crossing the 256-position
+    // allocation step) leaves the cache as if row 1 had been decoded directly, and the
+    // original cache is untouched by the fork.
+    for arch in ARCHS {
+        let model = testing::model(arch, 4).unwrap();
+        let ids = prompt(250);
+        let rows: Vec<Vec<i32>> =
+            (0..3).map(|r| (0..8).map(|i| ((r * 31 + i * 7 + 3) % 100) as i32).collect()).collect();
+        let mut cache = model.make_cache();
+        model.forward(&tokens(&ids), &mut cache).unwrap();
+        let mut forks: Vec<KvCache> = cache.iter().map(|c| c.fork_batch(3).unwrap()).collect();
+        let flat: Vec<i32> = rows.concat();
+        let batch = model.forward(&Array::from_i32(&flat, &[3, 8]).unwrap(), &mut forks).unwrap();
+        assert_eq!(cache[0].offset(), 250, "the fork leaves the cache alone");
+        for (r, row) in rows.iter().enumerate() {
+            let whole: Vec<i32> = ids.iter().chain(row).copied().collect();
+            let (direct, _) = decode_in_pieces(model.as_ref(), &whole, &[250, 8]);
+            let d = max_abs_diff(
+                &direct.slice_axis(1, 250, 258).unwrap(),
+                &batch.slice_axis(0, r as i32, r as i32 + 1).unwrap(),
+            );
+            assert!(d < 1e-4, "{arch} row {r}: max diff {d}");
+        }
+        for (c, f) in cache.iter_mut().zip(&forks) {
+            c.adopt_row(f, 1, 8).unwrap();
+        }
+        assert_eq!(cache[0].offset(), 258);
+        let next = model.forward(&tokens(&[42]), &mut cache).unwrap();
+        let whole: Vec<i32> = ids.iter().chain(&rows[1]).chain(&[42]).copied().collect();
+        let (direct, _) = decode_in_pieces(model.as_ref(), &whole, &[258, 1]);
+        let d = max_abs_diff(&direct.slice_axis(1, 258, 259).unwrap(), &next);
+        assert!(d < 1e-4, "{arch}: after adopting row 1, max diff {d}");
+        let err = cache[0].adopt_row(&forks[0], 3, 1).unwrap_err().to_string();
+        assert!(err.contains("row 3"), "{err}");
+    }
+}
+
+#[test]
 fn trim_never_goes_below_zero() {
     let mut c = KvCache::default();
     assert_eq!(c.trim(3), 0);
@@ -487,12 +527,21 @@ fn projections_in_different_formats_stay_separate() {
     let mut w = tiny_weights("llama", Dtype::Float32, Some(8), &["k_proj"]);
     let parts: Vec<String> =
         ["q_proj", "k_proj", "v_proj"].iter().map(|m| format!("model.layers.0.self_attn.{m}")).collect();
-    assert!(!w.fuse_rows(&parts, "model.layers.0.self_attn.fused_qkv").unwrap());
+    let rows = |w: &crate::weights::Weights, parts: &[String]| -> Vec<usize> {
+        parts.iter().map(|p| w.get(&format!("{p}.weight")).unwrap().dim(0)).collect()
+    };
+    assert!(!w.fuse_rows(&parts, &rows(&w, &parts), "model.layers.0.self_attn.fused_qkv").unwrap());
     assert!(
         w.contains("model.layers.0.self_attn.q_proj.scales") && w.contains("model.layers.0.self_attn.k_proj.weight")
     );
     let gate_up: Vec<String> = ["gate_proj", "up_proj"].iter().map(|m| format!("model.layers.0.mlp.{m}")).collect();
-    assert!(w.fuse_rows(&gate_up, "model.layers.0.mlp.fused_gate_up").unwrap());
+    let mut wrong = rows(&w, &gate_up);
+    wrong[1] += 1;
+    assert!(
+        !w.fuse_rows(&gate_up, &wrong, "model.layers.0.mlp.fused_gate_up").unwrap(),
+        "a misfit part stays separate"
+    );
+    assert!(w.fuse_rows(&gate_up, &rows(&w, &gate_up), "model.layers.0.mlp.fused_gate_up").unwrap());
     assert!(!w.contains("model.layers.0.mlp.gate_proj.weight"), "fused parts are dropped");
     assert_eq!(w.get("model.layers.0.mlp.fused_gate_up.scales").unwrap().shape(), vec![256, 2]);
 

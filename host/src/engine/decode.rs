@@ -6,7 +6,7 @@
 //! their callers.
 
 use super::sampling::{log_softmax, Sampler};
-use super::speculative::{Speculation, Verify};
+use super::speculative::{Drafts, Speculation, Verify};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
 use models::{CausalLm, KvCache};
@@ -98,9 +98,11 @@ pub struct DecodeStats {
     pub peak_memory_bytes: usize,
     /// Target-model forwards after prefill (plain steps and speculative verifications).
     pub decode_steps: usize,
-    /// Speculative decoding: tokens drafted and drafts accepted.
+    /// Speculative decoding: tokens drafted and drafts accepted (of the candidate kept, when
+    /// several were scored), and batch rows scored by steps that verified several candidates.
     pub drafted_tokens: usize,
     pub accepted_tokens: usize,
+    pub candidate_rows: usize,
     /// Where pipelined plain steps spend their time on the calling thread, summed: building
     /// the next step's graph, handing it to MLX (`async_eval`), and waiting for the current
     /// token (device time the CPU work did not hide).
@@ -160,6 +162,10 @@ pub struct Generation<'m> {
     first_token_at: Option<Instant>,
     stats: DecodeStats,
 }
+
+/// The most bytes of cache copies that scoring several speculative candidates may make (one
+/// copy of the cache per row).
+const CANDIDATE_CACHE_BYTES: usize = 256 << 20;
 
 fn tokens_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
@@ -275,6 +281,10 @@ impl<'m> Generation<'m> {
 
     /// Commits at least one token to `ready`, unless generation has finished.
     fn advance(&mut self) -> Result<()> {
+        let entered = Instant::now();
+        // A step already in flight, with nothing to build first: this call is one pipelined
+        // plain step, the cost speculation is weighed against.
+        let in_flight = self.pending.is_some() && self.next_input.is_none();
         if self.next_input.is_some()
             && self.speculation.as_ref().is_some_and(|s| s.adaptive.ready())
             && self.speculate()?
@@ -318,6 +328,9 @@ impl<'m> Generation<'m> {
         self.stats.decode_steps += 1;
         if let Some(s) = self.speculation.as_mut() {
             s.adaptive.plain_token();
+            if queued && in_flight {
+                s.adaptive.plain_step(entered.elapsed().as_secs_f64());
+            }
         }
         self.external_accept(id)?;
         let finished = self.commit(id, logprobs);
@@ -362,6 +375,7 @@ impl<'m> Generation<'m> {
     /// cache. Returns false (having changed nothing) when the drafter proposes nothing.
     fn speculate(&mut self) -> Result<bool> {
         let remaining = self.options.max_tokens - self.generated;
+        let started = Instant::now();
         let spec = self.speculation.as_mut().expect("speculate needs speculation");
         let k = spec.adaptive.k.min(remaining.saturating_sub(1));
         if k == 0 {
@@ -370,15 +384,35 @@ impl<'m> Generation<'m> {
         let lossless = spec.config.verify == Verify::Lossless
             && self.sampler.params().temperature > 0.0
             && self.external.is_none();
-        let drafts = spec.drafter.draft(&spec.seq, k, &self.sampler, lossless)?;
+        let greedy = self.sampler.params().temperature == 0.0;
+        let candidates =
+            if greedy && self.external.is_none() && self.history.is_none() && self.model.takes_cache_forks() {
+                // Each row copies the cache: keep the copies within CANDIDATE_CACHE_BYTES.
+                let held: usize = self.cache.iter().map(|c| c.nbytes()).sum();
+                spec.config.candidates().min((CANDIDATE_CACHE_BYTES / held.max(1)).max(1))
+            } else {
+                1
+            };
+        let drafts = if candidates > 1 {
+            let mut c = spec.drafter.candidates(&spec.seq, k, candidates, &self.sampler)?;
+            if c.len() > 1 {
+                return self.verify_candidates(c, started).map(|()| true);
+            }
+            Drafts { tokens: c.pop().unwrap_or_default(), distributions: None }
+        } else {
+            spec.drafter.draft(&spec.seq, k, &self.sampler, lossless)?
+        };
         let k = drafts.tokens.len();
         if k == 0 {
             return Ok(false);
         }
         let last = *spec.seq.last().expect("the sequence holds the prompt");
+        // With fixed shapes every verification has one shape (drafts padded to the most
+        // allowed), so a GPU compiles nothing new mid-generation.
+        let width = if spec.fixed_shapes { spec.config.num_draft_tokens.max(k) + 1 } else { k + 1 };
         self.next_input = None;
         let mut ids = vec![last];
-        ids.extend(&drafts.tokens);
+        ids.extend(drafts.tokens.iter().chain(std::iter::repeat(&last)).take(width - 1));
         let input = tokens_array(&ids)?;
         let position = self.prompt_len + self.generated; // of the first drafted token
         self.stats.decode_steps += 1;
@@ -430,28 +464,83 @@ impl<'m> Generation<'m> {
         };
         let accepted = emitted.len() - 1;
         for c in &mut self.cache {
-            c.trim(k - accepted);
+            c.trim(width - 1 - accepted);
         }
         if let Some(h) = &self.history {
             self.history = Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, accepted as i32 + 1)?], 0)?);
         }
-        let spec = self.speculation.as_mut().expect("checked above");
+        self.settle(&emitted, &logprobs, k, started)?;
+        Ok(true)
+    }
+
+    /// Greedy verification of several candidate continuations as the rows of one batch, over
+    /// forks of the cache; the row the model agrees with longest is committed and only its
+    /// positions enter the cache.
+    fn verify_candidates(&mut self, candidates: Vec<Vec<u32>>, started: Instant) -> Result<()> {
+        let spec = self.speculation.as_mut().expect("speculation is on");
+        let last = *spec.seq.last().expect("the sequence holds the prompt");
+        let longest = candidates.iter().map(Vec::len).max().unwrap_or(0);
+        // With fixed shapes, as in `speculate`: as many rows as allowed, each as long.
+        let (rows, width) = if spec.fixed_shapes {
+            (spec.config.candidates().max(candidates.len()), spec.config.num_draft_tokens.max(longest) + 1)
+        } else {
+            (candidates.len(), longest + 1)
+        };
+        let mut ids = Vec::with_capacity(rows * width);
+        let padding = std::iter::repeat(&candidates[candidates.len() - 1]).take(rows - candidates.len());
+        for c in candidates.iter().chain(padding) {
+            // Shorter rows are padded; nothing past a candidate's own length is accepted.
+            ids.push(last as i32);
+            ids.extend(c.iter().chain(std::iter::repeat(&last)).take(width - 1).map(|&t| t as i32));
+        }
+        let input = Array::from_i32(&ids, &[rows, width])?;
+        let position = self.prompt_len + self.generated;
+        self.next_input = None;
+        self.stats.decode_steps += 1;
+        let mut forks: Vec<KvCache> = self.cache.iter().map(|c| c.fork_batch(rows)).collect::<models::Result<_>>()?;
+        let logits = self.model.forward(&input, &mut forks)?;
+        let vocab = logits.dim(2) as i32;
+        let lp = log_softmax(&self.sampler.process(&logits.reshape(&[(rows * width) as i32, vocab])?, None)?)?;
+        let picks = self.sampler.sample(&lp, position)?.to_vec_i32()?;
+        let agreed = |row: usize| {
+            let c = &candidates[row];
+            c.iter().zip(&picks[row * width..]).take_while(|(d, p)| **d as i32 == **p).count()
+        };
+        // The longest agreement; among equals the first (most promising) row.
+        let (row, accepted) =
+            (0..candidates.len()).map(|r| (r, agreed(r))).fold((0, 0), |b, x| if x.1 > b.1 { x } else { b });
+        for (c, fork) in self.cache.iter_mut().zip(&forks) {
+            c.adopt_row(fork, row, accepted + 1)?;
+        }
+        drop(forks);
+        let first = (row * width) as i32;
+        let emitted: Vec<u32> = picks[row * width..=row * width + accepted].iter().map(|&t| t as u32).collect();
+        let logprobs: Vec<Array> =
+            (0..=accepted as i32).map(|i| lp.slice_axis(0, first + i, first + i + 1)).collect::<mlx::Result<_>>()?;
+        self.stats.candidate_rows += rows;
+        self.settle(&emitted, &logprobs, candidates[row].len(), started)
+    }
+
+    /// After a verification that began at `started`: tells the drafter and the adaptive
+    /// length what was accepted of `drafted` tokens, commits `emitted` (the accepted drafts
+    /// and the model's own next token; `logprobs[i]` is `[1, V]` for `emitted[i]`) and makes
+    /// the last one the next input.
+    fn settle(&mut self, emitted: &[u32], logprobs: &[Array], drafted: usize, started: Instant) -> Result<()> {
+        let accepted = emitted.len() - 1;
+        let spec = self.speculation.as_mut().expect("speculation is on");
         spec.drafter.commit(accepted)?;
-        spec.adaptive.update(k, accepted);
-        self.stats.drafted_tokens += k;
+        spec.adaptive.verify_step(started.elapsed().as_secs_f64(), emitted.len());
+        spec.adaptive.update(drafted, accepted);
+        self.stats.drafted_tokens += drafted;
         self.stats.accepted_tokens += accepted;
-        let mut finished = false;
-        for (i, &id) in emitted.iter().enumerate() {
-            finished = self.commit(id, logprobs[i].squeeze(&[0])?);
-            if finished {
-                break;
+        for (&id, lp) in emitted.iter().zip(logprobs) {
+            if self.commit(id, lp.squeeze(&[0])?) {
+                return Ok(());
             }
         }
-        if !finished {
-            let last = *emitted.last().expect("at least one token");
-            self.next_input = Some(Array::from_i32(&[last as i32], &[1])?);
-        }
-        Ok(true)
+        let last = *emitted.last().expect("at least one token");
+        self.next_input = Some(Array::from_i32(&[last as i32], &[1])?);
+        Ok(())
     }
 
     /// Sample and match with the external sampler, row by row: it sees (and accepts) only
@@ -852,8 +941,19 @@ mod tests {
         config: SpecConfig,
         external: Option<Box<dyn ExternalSampler>>,
     ) -> (Vec<u32>, DecodeStats) {
-        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
         let speculation = Speculation::new(config, prompt, draft, options.prefill_step_size).unwrap();
+        run_speculation(model, prompt, params, options, speculation, external)
+    }
+
+    fn run_speculation(
+        model: &dyn CausalLm,
+        prompt: &[u32],
+        params: SamplingParams,
+        options: DecodeOptions,
+        speculation: Speculation,
+        external: Option<Box<dyn ExternalSampler>>,
+    ) -> (Vec<u32>, DecodeStats) {
+        let sampler = Sampler::new(params, model.vocab_size()).unwrap();
         let hooks = Hooks { external, speculation: Some(speculation) };
         let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks).unwrap();
         let mut ids = Vec::new();
@@ -895,6 +995,68 @@ mod tests {
                     assert!(stats.drafted_tokens > 0, "{arch} {method:?} k={k}: nothing was drafted");
                     assert_eq!(stats.generated_tokens, 40);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_decoding_with_several_prompt_lookup_candidates_is_token_identical() {
+        // Candidates are scored as rows of one batch over forks of the cache; the output must
+        // not change, whether the winning row is the first or another one, across the cache's
+        // 256-position chunk boundary too (a prompt of 250 tokens, 40 generated; there the
+        // tiny models tend to loop with one continuation: `models` tests fork and adopt across
+        // the boundary directly).
+        // The repetitive prompt after 226 pseudo-random tokens.
+        let long: Vec<u32> = (0..226u64)
+            .scan(7u64, |x, _| {
+                *x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                Some((*x >> 40) as u32 % 128)
+            })
+            .chain(repetitive_prompt())
+            .collect();
+        let mut rows = 0;
+        for arch in ["llama", "qwen2", "qwen3"] {
+            let model = testing::model(arch, 21).unwrap();
+            for prompt in [repetitive_prompt(), long.clone()] {
+                let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(40));
+                for (k, n) in [(1, 2), (3, 4), (8, 8)] {
+                    let config = SpecConfig { candidates: Some(n), ..spec(SpecMethod::PromptLookup, k) };
+                    let (ids, stats) =
+                        run_spec(model.as_ref(), None, &prompt, SamplingParams::default(), opts(40), config, None);
+                    let what = format!("{arch} prompt {} k={k} candidates={n}", prompt.len());
+                    assert_eq!(ids, plain, "{what}");
+                    rows += stats.candidate_rows;
+                    assert_eq!(stats.generated_tokens, 40);
+                }
+            }
+        }
+        assert!(rows > 0, "no step verified several candidates");
+    }
+
+    #[test]
+    fn verifications_padded_to_one_shape_give_the_same_tokens() {
+        // HOST_SPEC_FIXED_SHAPES: every verification padded to num_draft_tokens + 1 positions
+        // (and, with candidates, to that many rows); the padding is scored and thrown away.
+        let prompt = repetitive_prompt();
+        for arch in ["llama", "qwen2", "qwen3"] {
+            let model = testing::model(arch, 21).unwrap();
+            let draft = testing::model(arch, 22).unwrap();
+            let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(40));
+            let seeded = SamplingParams { temperature: 0.9, seed: Some(5), ..Default::default() };
+            let (plain_seeded, _) = run(model.as_ref(), &prompt, seeded.clone(), opts(40));
+            for (method, n, params, want) in [
+                (SpecMethod::PromptLookup, 1, SamplingParams::default(), &plain),
+                (SpecMethod::PromptLookup, 4, SamplingParams::default(), &plain),
+                (SpecMethod::Draft, 1, SamplingParams::default(), &plain),
+                (SpecMethod::PromptLookup, 1, seeded.clone(), &plain_seeded),
+            ] {
+                let config = SpecConfig { candidates: Some(n), ..spec(method, 6) };
+                let d = (method == SpecMethod::Draft).then_some(draft.as_ref() as &dyn CausalLm);
+                let mut speculation = Speculation::new(config, &prompt, d, 5).unwrap();
+                speculation.fixed_shapes = true;
+                let (ids, stats) = run_speculation(model.as_ref(), &prompt, params, opts(40), speculation, None);
+                assert_eq!(&ids, want, "{arch} {method:?} candidates={n}");
+                assert!(stats.drafted_tokens > 0, "{arch} {method:?}: nothing drafted");
             }
         }
     }

@@ -10,6 +10,15 @@
 //! seeded native sampling and plugin samplers alike. `Verify::Lossless` instead accepts a
 //! draft with probability min(1, p/q) and resamples from the residual on rejection: the same
 //! output distribution with higher acceptance, not the same tokens.
+//!
+//! Several candidates: with greedy decoding, prompt lookup can propose up to
+//! `SpecConfig::candidates` different continuations (the most recent matches of the longest
+//! n-grams first, then shorter ones down to one token), scored together as a batch of rows
+//! over a copy of the cache (`KvCache::fork_batch`); the row the target agrees with longest
+//! wins and only its positions enter the cache (`KvCache::adopt_row`). It raises tokens per
+//! step (SmolLM2 on the edit workload: 1.69 -> 2.34 on the H200) but each step costs more
+//! (the cache copies, more rows), and on the H200 it has not paid yet (bench/NOTES.md), so
+//! the default is one candidate.
 
 use super::sampling::Sampler;
 use anyhow::{bail, Result};
@@ -59,11 +68,21 @@ pub struct SpecConfig {
     pub ngram_max: usize,
     pub ngram_min: usize,
     pub verify: Verify,
+    /// Prompt lookup, greedy: how many different continuations to verify per step, as rows of
+    /// one batch; `None`: 1.
+    pub candidates: Option<usize>,
 }
 
 impl Default for SpecConfig {
     fn default() -> Self {
-        SpecConfig { method: SpecMethod::Off, num_draft_tokens: 8, ngram_max: 4, ngram_min: 2, verify: Verify::Exact }
+        SpecConfig {
+            method: SpecMethod::Off,
+            num_draft_tokens: 8,
+            ngram_max: 4,
+            ngram_min: 2,
+            verify: Verify::Exact,
+            candidates: None,
+        }
     }
 }
 
@@ -79,7 +98,15 @@ impl SpecConfig {
                 self.ngram_max
             );
         }
+        if let Some(n) = self.candidates.filter(|n| !(1..=32).contains(n)) {
+            bail!("`candidates` must be between 1 and 32, got {n}");
+        }
         Ok(())
+    }
+
+    /// Candidates per step (see `candidates`).
+    pub fn candidates(&self) -> usize {
+        self.candidates.unwrap_or(1)
     }
 }
 
@@ -101,13 +128,25 @@ pub trait Drafter {
     /// A cheap guess whether `draft` would propose anything for `seq` (lets the decode loop
     /// stay pipelined while there is nothing to draft).
     fn likely(&self, seq: &[u32]) -> bool;
+    /// Up to `n` different continuations of `seq`, each of at most `k` tokens and none a
+    /// prefix of another, most promising first; greedy decoding verifies them as one batch.
+    /// Drafters that cannot propose alternatives give `draft`'s one.
+    fn candidates(&mut self, seq: &[u32], k: usize, n: usize, sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
+        let _ = n;
+        let d = self.draft(seq, k, sampler, false)?;
+        Ok(if d.tokens.is_empty() { Vec::new() } else { vec![d.tokens] })
+    }
 }
 
 /// Prompt lookup decoding: find the most recent earlier occurrence of the sequence's last n
-/// tokens (n from `ngram_max` down to `ngram_min`) and propose what followed it.
+/// tokens (n from `ngram_max` down to `ngram_min`) and propose what followed it. Candidates
+/// (`Drafter::candidates`) continue the next most recent matches, then shorter ones, down
+/// to `fill_min` tokens.
 pub struct PromptLookup {
     pub ngram_max: usize,
     pub ngram_min: usize,
+    /// The shortest match that fills the candidate slots left (1 with several candidates).
+    pub fill_min: usize,
 }
 
 impl PromptLookup {
@@ -142,6 +181,34 @@ impl Drafter for PromptLookup {
 
     fn likely(&self, seq: &[u32]) -> bool {
         self.find(seq).is_some()
+            || (self.fill_min < self.ngram_min && seq.len() > 1 && seq[..seq.len() - 1].contains(&seq[seq.len() - 1]))
+    }
+
+    fn candidates(&mut self, seq: &[u32], k: usize, n: usize, _sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
+        let mut out: Vec<Vec<u32>> = Vec::new();
+        for m in (self.fill_min.min(self.ngram_min)..=self.ngram_max).rev() {
+            if seq.len() <= m {
+                continue;
+            }
+            let suffix = &seq[seq.len() - m..];
+            for i in (0..seq.len() - m).rev() {
+                if &seq[i..i + m] != suffix {
+                    continue;
+                }
+                let c = &seq[i + m..(i + m + k).min(seq.len())];
+                if out.iter().any(|o| o.starts_with(c)) {
+                    continue;
+                }
+                match out.iter_mut().find(|o| c.starts_with(o)) {
+                    Some(shorter) => *shorter = c.to_vec(),
+                    None => out.push(c.to_vec()),
+                }
+                if out.len() == n {
+                    return Ok(out);
+                }
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -267,22 +334,46 @@ pub fn check_draft(target: &models::Loaded, draft: &models::Loaded) -> Result<()
     Ok(())
 }
 
-/// The draft length, adapted to acceptance: grows by 2 after a fully accepted step, shrinks
-/// by 1 after a partial one. From the second consecutive step that accepts nothing, plain
-/// decoding takes over for 2, 4, 8, then 16 tokens, so speculation on text that does not
-/// repeat costs a few failed steps, not a slowdown. (Backing off from the first miss cost
-/// 0.24 tokens/step on the edit workload; see bench/RESULTS.md.)
+/// When to speculate and how much: the draft length grows by 2 after a fully accepted step
+/// and shrinks by 1 after a partial one. A step is a miss when it accepts nothing or, once
+/// the decode loop has timed both kinds of step, when speculating does not pay: tokens per
+/// verification per second below plain decoding's tokens per second (a verification runs
+/// serially, a plain step overlaps the next one's dispatch with the device, so on a GPU a
+/// verification costs well over one plain step). From the second consecutive miss, plain
+/// decoding takes over for 2, 4, 8, 16, then 32 tokens before the next try, so speculation
+/// on text that does not repeat costs a few steps, not a slowdown. (Backing off from the
+/// first miss cost 0.24 tokens/step on the edit workload; see bench/RESULTS.md.)
 #[derive(Debug, Clone)]
 pub struct AdaptiveK {
     pub k: usize,
     max: usize,
     misses: u32,
     cooldown: usize,
+    /// Moving averages: seconds per pipelined plain step, seconds per verification, tokens
+    /// committed per verification.
+    plain_secs: Option<f64>,
+    verify_secs: Option<f64>,
+    verify_tokens: Option<f64>,
+}
+
+/// Weight of the newest sample in the moving averages.
+const EWMA: f64 = 0.3;
+
+fn ewma(avg: &mut Option<f64>, x: f64) {
+    *avg = Some(avg.map_or(x, |a| a + EWMA * (x - a)));
 }
 
 impl AdaptiveK {
     pub fn new(max: usize) -> Self {
-        AdaptiveK { k: max.clamp(1, 4), max: max.max(1), misses: 0, cooldown: 0 }
+        AdaptiveK {
+            k: max.clamp(1, 4),
+            max: max.max(1),
+            misses: 0,
+            cooldown: 0,
+            plain_secs: None,
+            verify_secs: None,
+            verify_tokens: None,
+        }
     }
 
     /// Whether to try speculating now.
@@ -295,6 +386,25 @@ impl AdaptiveK {
         self.cooldown = self.cooldown.saturating_sub(1);
     }
 
+    /// A pipelined plain step took `secs`.
+    pub fn plain_step(&mut self, secs: f64) {
+        ewma(&mut self.plain_secs, secs);
+    }
+
+    /// A verification took `secs` and committed `tokens` tokens (before `update`).
+    pub fn verify_step(&mut self, secs: f64, tokens: usize) {
+        ewma(&mut self.verify_secs, secs);
+        ewma(&mut self.verify_tokens, tokens as f64);
+    }
+
+    /// Whether speculating pays, by the timings so far (true until both kinds are timed).
+    pub fn pays(&self) -> bool {
+        match (self.plain_secs, self.verify_secs, self.verify_tokens) {
+            (Some(p), Some(v), Some(g)) => g / v >= 1.0 / p,
+            _ => true,
+        }
+    }
+
     pub fn update(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
             return;
@@ -304,9 +414,9 @@ impl AdaptiveK {
         } else {
             self.k = self.k.saturating_sub(1).max(1);
         }
-        if accepted == 0 {
+        if accepted == 0 || !self.pays() {
             self.misses += 1;
-            self.cooldown = if self.misses < 2 { 0 } else { 1usize << (self.misses - 1).min(4) };
+            self.cooldown = if self.misses < 2 { 0 } else { 1usize << (self.misses - 1).min(5) };
         } else {
             self.misses = 0;
         }
@@ -321,6 +431,10 @@ pub struct Speculation<'m> {
     /// The prompt (whole, including any prefix reused from the prompt cache) and every
     /// committed token.
     pub seq: Vec<u32>,
+    /// Pad every verification to one shape (as many positions, and rows, as allowed), so a
+    /// GPU compiles no kernels for new shapes mid-generation. Experimental, off unless
+    /// `HOST_SPEC_FIXED_SHAPES=1`: its one H200 run was slower (bench/NOTES.md).
+    pub fixed_shapes: bool,
 }
 
 impl<'m> Speculation<'m> {
@@ -335,14 +449,21 @@ impl<'m> Speculation<'m> {
         let drafter: Box<dyn Drafter + 'm> = match config.method {
             SpecMethod::Off => bail!("speculation is off"),
             SpecMethod::PromptLookup => {
-                Box::new(PromptLookup { ngram_max: config.ngram_max, ngram_min: config.ngram_min })
+                let fill_min = if config.candidates() > 1 { 1 } else { config.ngram_min };
+                Box::new(PromptLookup { ngram_max: config.ngram_max, ngram_min: config.ngram_min, fill_min })
             }
             SpecMethod::Draft => match draft_model {
                 Some(m) => Box::new(DraftModel::new(m, prefill_step_size)),
                 None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
             },
         };
-        Ok(Speculation { drafter, adaptive: AdaptiveK::new(config.num_draft_tokens), config, seq: prompt.to_vec() })
+        Ok(Speculation {
+            drafter,
+            adaptive: AdaptiveK::new(config.num_draft_tokens),
+            config,
+            seq: prompt.to_vec(),
+            fixed_shapes: std::env::var("HOST_SPEC_FIXED_SHAPES").as_deref() == Ok("1"),
+        })
     }
 }
 
@@ -352,14 +473,33 @@ mod tests {
 
     #[test]
     fn prompt_lookup_continues_the_longest_most_recent_match() {
-        let pl = PromptLookup { ngram_max: 3, ngram_min: 1 };
+        let pl = PromptLookup { ngram_max: 3, ngram_min: 1, fill_min: 1 };
         // "1 2 3" occurs at 0 and 5; the most recent earlier one (5) wins.
         let seq = [1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 1, 2, 3];
         assert_eq!(pl.find(&seq), Some(8));
         // A longer match beats a more recent shorter one: "5 6" at 0, "6" alone at 4.
         let seq = [5, 6, 10, 11, 6, 12, 5, 6];
         assert_eq!(pl.find(&seq), Some(2));
-        assert_eq!(PromptLookup { ngram_max: 2, ngram_min: 2 }.find(&[1, 2, 3, 4]), None);
+        assert_eq!(PromptLookup { ngram_max: 2, ngram_min: 2, fill_min: 2 }.find(&[1, 2, 3, 4]), None);
+    }
+
+    #[test]
+    fn prompt_lookup_candidates_rank_longer_then_more_recent_matches_without_duplicates() {
+        let sampler = Sampler::new(Default::default(), 16).unwrap();
+        let mut pl = PromptLookup { ngram_max: 2, ngram_min: 2, fill_min: 1 };
+        // Ends in "... 1 2". "1 2" is followed by 5 (at 6) and 3 (at 0); "2" alone also by 9
+        // (at 3), and by 3 again (a duplicate of the second).
+        let seq = [1, 2, 3, 2, 9, 1, 2, 5, 4, 1, 2];
+        let c = pl.candidates(&seq, 2, 8, &sampler).unwrap();
+        assert_eq!(c, vec![vec![5, 4], vec![3, 2], vec![9, 1]]);
+        assert_eq!(c[0], pl.draft(&seq, 2, &sampler, false).unwrap().tokens, "the first is the single draft");
+        assert_eq!(pl.candidates(&seq, 2, 2, &sampler).unwrap().len(), 2, "at most n");
+        // A candidate that extends an earlier, shorter one (cut by the sequence's end) replaces it.
+        assert_eq!(pl.candidates(&[7, 8, 7, 8, 7, 8], 3, 8, &sampler).unwrap(), vec![vec![7, 8, 7]]);
+        // Without fill_min below ngram_min, no one-token matches.
+        let mut strict = PromptLookup { ngram_max: 2, ngram_min: 2, fill_min: 2 };
+        assert_eq!(strict.candidates(&[1, 2, 3, 2, 9, 4, 2], 2, 8, &sampler).unwrap(), Vec::<Vec<u32>>::new());
+        assert!(pl.likely(&[1, 2, 3, 2, 9, 4, 2]) && !strict.likely(&[1, 2, 3, 2, 9, 4, 2]));
     }
 
     #[test]
@@ -387,5 +527,31 @@ mod tests {
         a.update(2, 1);
         a.update(2, 0);
         assert!(a.ready(), "an accepting step resets the count");
+    }
+
+    #[test]
+    fn adaptive_k_backs_off_when_verifications_cost_more_than_they_commit() {
+        // Plain steps take 1 ms; a verification 3 ms. Committing 2 tokens per verification
+        // does not pay (0.67 tokens/ms < 1), 4 does.
+        let mut a = AdaptiveK::new(8);
+        a.plain_step(0.001);
+        for _ in 0..2 {
+            a.verify_step(0.003, 2);
+            a.update(4, 1);
+        }
+        assert!(!a.pays() && !a.ready(), "two verifications that do not pay: back off");
+        let mut b = AdaptiveK::new(8);
+        b.plain_step(0.001);
+        for _ in 0..4 {
+            b.verify_step(0.003, 4);
+            b.update(4, 3);
+        }
+        assert!(b.pays() && b.ready());
+        // Until plain steps are timed, only acceptance counts.
+        let mut c = AdaptiveK::new(8);
+        c.verify_step(0.003, 2);
+        c.update(4, 1);
+        c.update(4, 1);
+        assert!(c.pays() && c.ready());
     }
 }

@@ -395,7 +395,8 @@ pub fn speculative_json(s: &SpecUsage, completion_tokens: usize) -> Value {
 
 /// The `speculative` extension field (both APIs), over the server's defaults: `"off"`,
 /// `"prompt-lookup"`, `"draft"`, or `{"method": ..., "num_draft_tokens": 1-64, "verify":
-/// "exact"|"lossless", "ngram_max": n, "ngram_min": n}` (absent keys keep the defaults).
+/// "exact"|"lossless", "ngram_max": n, "ngram_min": n, "candidates": 1-32}` (absent keys keep
+/// the defaults).
 pub fn speculative(field: Option<Value>, defaults: &SpecConfig, has_draft: bool) -> Result<SpecConfig, String> {
     let mut config = defaults.clone();
     let method = |v: &Value| -> Result<SpecMethod, String> {
@@ -419,6 +420,7 @@ pub fn speculative(field: Option<Value>, defaults: &SpecConfig, has_draft: bool)
                     "num_draft_tokens" => config.num_draft_tokens = count(key, v)?,
                     "ngram_max" => config.ngram_max = count(key, v)?,
                     "ngram_min" => config.ngram_min = count(key, v)?,
+                    "candidates" => config.candidates = Some(count(key, v)?),
                     "verify" => {
                         config.verify = match v.as_str() {
                             Some("exact") => Verify::Exact,
@@ -428,7 +430,7 @@ pub fn speculative(field: Option<Value>, defaults: &SpecConfig, has_draft: bool)
                     }
                     other => {
                         return Err(format!(
-                            "unknown key `speculative.{other}`; known: method, num_draft_tokens, verify, ngram_max, ngram_min"
+                            "unknown key `speculative.{other}`; known: method, num_draft_tokens, verify, ngram_max, ngram_min, candidates"
                         ))
                     }
                 }

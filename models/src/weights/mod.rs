@@ -90,7 +90,7 @@ impl Weights {
     /// parts have them. The result is evaluated at once and the parts removed, so loading
     /// holds at most one extra copy of these modules. Returns false, changing nothing, when
     /// the parts differ in quantization, dtype or which arrays they carry.
-    pub fn fuse_rows(&mut self, parts: &[String], into: &str) -> Result<bool> {
+    pub fn fuse_rows(&mut self, parts: &[String], rows: &[usize], into: &str) -> Result<bool> {
         const ARRAYS: [&str; 4] = ["weight", "scales", "biases", "bias"];
         let q = self.quantization_of(&parts[0])?;
         let has = |w: &Weights, p: &str| -> Vec<&'static str> {
@@ -100,8 +100,11 @@ impl Weights {
         if !suffixes.contains(&"weight") {
             return Ok(false); // missing: loading the parts names the weight
         }
-        for p in &parts[1..] {
-            if self.quantization_of(p)? != q || has(self, p) != suffixes {
+        for (p, &n) in parts.iter().zip(rows) {
+            if self.quantization_of(p)? != q
+                || has(self, p) != suffixes
+                || self.get(&format!("{p}.weight"))?.dim(0) != n
+            {
                 return Ok(false);
             }
         }
