@@ -986,6 +986,10 @@ mod tests {
         assert_eq!(spec["tokens_per_step"].as_f64().unwrap(), (per_step * 1000.0).round() / 1000.0, "{v}");
         let (_, plain) = check(router(None), "POST", "/v1/chat/completions", &chat("\"off\""), &[]).await;
         assert_eq!(plain["choices"][0]["message"]["content"], v["choices"][0]["message"]["content"]);
+        let several = chat(r#"{"method": "prompt-lookup", "candidates": 4}"#);
+        let (status, c) = check(router(None), "POST", "/v1/chat/completions", &several, &[]).await;
+        assert_eq!(status, 200, "{c}");
+        assert_eq!(plain["choices"][0]["message"]["content"], c["choices"][0]["message"]["content"]);
         assert!(plain["usage"].get("speculative").is_none(), "{plain}");
         let bad = [
             ("\"draft\"", "needs a draft model"),
@@ -994,6 +998,7 @@ mod tests {
             (r#"{"num_draft_tokens": "many"}"#, "positive integer"),
             (r#"{"verify": "maybe"}"#, r#""exact" or "lossless""#),
             (r#"{"ngram_min": 5, "ngram_max": 2}"#, "n-gram sizes"),
+            (r#"{"candidates": 0}"#, "`candidates` must be between 1 and 32"),
             (r#"{"k": 4}"#, "unknown key `speculative.k`"),
             ("[1]", "method name or an object"),
         ];
