@@ -354,6 +354,8 @@ pub struct AdaptiveK {
     plain_secs: Option<f64>,
     verify_secs: Option<f64>,
     verify_tokens: Option<f64>,
+    /// Whether the timings count (`HOST_SPEC_COST_BACKOFF=0` turns them off, for A/B runs).
+    pub cost_aware: bool,
 }
 
 /// Weight of the newest sample in the moving averages.
@@ -373,6 +375,7 @@ impl AdaptiveK {
             plain_secs: None,
             verify_secs: None,
             verify_tokens: None,
+            cost_aware: true,
         }
     }
 
@@ -400,7 +403,7 @@ impl AdaptiveK {
     /// Whether speculating pays, by the timings so far (true until both kinds are timed).
     pub fn pays(&self) -> bool {
         match (self.plain_secs, self.verify_secs, self.verify_tokens) {
-            (Some(p), Some(v), Some(g)) => g / v >= 1.0 / p,
+            (Some(p), Some(v), Some(g)) if self.cost_aware => g / v >= 1.0 / p,
             _ => true,
         }
     }
@@ -457,9 +460,11 @@ impl<'m> Speculation<'m> {
                 None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
             },
         };
+        let mut adaptive = AdaptiveK::new(config.num_draft_tokens);
+        adaptive.cost_aware = std::env::var("HOST_SPEC_COST_BACKOFF").as_deref() != Ok("0");
         Ok(Speculation {
             drafter,
-            adaptive: AdaptiveK::new(config.num_draft_tokens),
+            adaptive,
             config,
             seq: prompt.to_vec(),
             fixed_shapes: std::env::var("HOST_SPEC_FIXED_SHAPES").as_deref() == Ok("1"),
@@ -540,6 +545,8 @@ mod tests {
             a.update(4, 1);
         }
         assert!(!a.pays() && !a.ready(), "two verifications that do not pay: back off");
+        a.cost_aware = false;
+        assert!(a.pays(), "timings ignored");
         let mut b = AdaptiveK::new(8);
         b.plain_step(0.001);
         for _ in 0..4 {

@@ -264,7 +264,12 @@ impl Engine {
                     let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
                     let mut warmed = None;
                     if config.warm_up.unwrap_or(device == Device::Gpu) {
-                        let took = warm_up(loaded.model.as_ref(), loaded.info.vocab_size, config.prefill_step_size)?;
+                        let took = warm_up(
+                            loaded.model.as_ref(),
+                            draft.as_ref().map(|d| d.model.as_ref()),
+                            loaded.info.vocab_size,
+                            config.prefill_step_size,
+                        )?;
                         tracing::info!(ms = took.as_millis() as u64, "warm-up done (kernels compiled)");
                         warmed = Some(took);
                     }
@@ -433,17 +438,39 @@ struct Active<'m> {
     finish: Option<Finish>,
 }
 
-/// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps) so
-/// the device compiles its kernels at start rather than in the first requests. Leaves no
-/// state behind: the caches are dropped and nothing reaches the prompt cache or the stats.
-fn warm_up(model: &dyn CausalLm, vocab: usize, prefill_step_size: usize) -> Result<Duration> {
+/// Draft lengths whose verification shapes the warm-up compiles (the default
+/// `num_draft_tokens`; longer drafts asked for per request compile on first use).
+const WARM_UP_DRAFTS: usize = 8;
+
+/// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps), the
+/// forwards a speculative verification of 1..=WARM_UP_DRAFTS drafts runs (with its greedy
+/// pick over all rows), and a short generation of the draft model, so the device compiles
+/// its kernels at start rather than in the first requests. Leaves no state behind: the
+/// caches are dropped and nothing reaches the prompt cache or the stats.
+fn warm_up(
+    model: &dyn CausalLm,
+    draft: Option<&dyn CausalLm>,
+    vocab: usize,
+    prefill_step_size: usize,
+) -> Result<Duration> {
     let started = Instant::now();
     let prompt = warm_up_prompt(vocab);
-    for temperature in [0.0, 1.0] {
+    for (model, temperature) in [(Some(model), 0.0), (Some(model), 1.0), (draft, 0.0)] {
+        let Some(model) = model else { continue };
         let params = SamplingParams { temperature, seed: Some(0), ..Default::default() };
         let options = DecodeOptions { max_tokens: 4, eos_token_ids: vec![], prefill_step_size };
         let mut generation = Generation::start(model, &prompt, Sampler::new(params, vocab)?, options)?;
         while generation.next_token()?.is_some() {}
+    }
+    let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+    let mut cache = model.make_cache();
+    mlx::eval(&[&model.forward(&Array::from_i32(&ids, &[1, ids.len()])?, &mut cache)?])?;
+    for width in 2..=WARM_UP_DRAFTS + 1 {
+        let logits = model.forward(&Array::from_i32(&ids[..width], &[1, width])?, &mut cache)?.squeeze(&[0])?;
+        mlx::eval(&[&super::sampling::log_softmax(&logits)?.argmax(-1, false)?])?;
+        for c in &mut cache {
+            c.trim(width);
+        }
     }
     Ok(started.elapsed())
 }
@@ -938,7 +965,14 @@ mod tests {
     fn the_warm_up_leaves_no_trace() {
         let dir = std::env::temp_dir().join(format!("host-warm-up-{}", std::process::id()));
         models::testing::write_model(&dir, "llama", 5).unwrap();
-        let (warm, cold) = (engine(&dir, true), engine(&dir, false));
+        // Warmed up with a draft model too (the model itself: same vocabulary).
+        let warm = Engine::start(EngineConfig {
+            warm_up: Some(true),
+            draft_model: Some(dir.clone()),
+            ..EngineConfig::cpu(dir.clone())
+        })
+        .unwrap();
+        let cold = engine(&dir, false);
         // The warm-up's own prompt: had it reached the prompt cache, this would reuse it.
         let prompt = warm_up_prompt(warm.info.vocab_size);
         let (a, b) = (run(&warm, prompt.clone()), run(&cold, prompt));

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On the H200 (after `. /tmp/site/env.sh`, data bundle in /tmp/data): the speculation settings
+# A/B'd in interleaved rounds on SmolLM2 bf16, edit and chat prompts, each `host bench
+# --prompt-file ... --gen 256 --runs 3` (median of 3 after a warm-up): plain; prompt lookup
+# (one candidate, the defaults); the same with every verification padded to one shape
+# (HOST_SPEC_FIXED_SHAPES=1); without the cost-aware back-off (HOST_SPEC_COST_BACKOFF=0); 8
+# candidates. This device varies by tens of percent between processes, so only ratios
+# within a round, over several rounds, mean anything (bench/NOTES.md, session 5).
+#   bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
+set -uo pipefail
+HOST=$1 OUTDIR=$2 ROUNDS=${3:-3}
+. bench/device/smollm2-models.sh
+CHAT=$(mktemp)
+echo "Write a short story about a lighthouse keeper who finds a message in a bottle." > "$CHAT"
+run() {  # round, label, environment ("" or VAR=value), host bench options...
+  local round=$1 label=$2 environment=$3
+  shift 3
+  for w in edit chat; do
+    local f=bench/edit_prompt.txt
+    [ $w = chat ] && f=$CHAT
+    env $environment timeout 120 "$HOST" bench --json --device gpu --model $M/smollm2-bfloat16 --prompt-file "$f" \
+      --gen 256 --runs 3 "$@" \
+      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2)}))"
+  done
+}
+for r in $(seq "$ROUNDS"); do
+  run $r plain ""
+  run $r prompt-lookup "" --speculative prompt-lookup
+  run $r fixed-shapes HOST_SPEC_FIXED_SHAPES=1 --speculative prompt-lookup
+  run $r no-cost-backoff HOST_SPEC_COST_BACKOFF=0 --speculative prompt-lookup
+  run $r 8-candidates "" --speculative prompt-lookup --draft-candidates 8
+done | tee "$OUTDIR/spec-ab.jsonl"
+python3 - "$OUTDIR/spec-ab.jsonl" <<'PY' | tee "$OUTDIR/spec-ab.md"
+import collections, json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+plain = {(r["round"], r["workload"]): r["tps"] for r in rows if r["label"] == "plain"}
+by = collections.defaultdict(list)
+for r in rows:
+    if (r["round"], r["workload"]) in plain:
+        by[(r["workload"], r["label"])].append((r["tps"] / plain[(r["round"], r["workload"])], r["tps"], r["tokens_per_step"]))
+print("| workload | setting | vs plain, per round | median vs plain | median tok/s | tokens/step |")
+print("|---|---|---|---|---|---|")
+for (w, label), v in by.items():
+    ratios = ", ".join(f"{x[0]:.2f}x" for x in v)
+    print(f"| {w} | {label} | {ratios} | {statistics.median(x[0] for x in v):.2f}x | "
+          f"{statistics.median(x[1] for x in v):.1f} | {statistics.median(x[2] for x in v):.2f} |")
+PY
