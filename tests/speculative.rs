@@ -15,17 +15,17 @@ const EDIT: &str = include_str!("../bench/edit_prompt.txt");
 const CHAT: &str = "Write a short story about a lighthouse keeper.";
 
 /// Plain and speculative runs of the same request give the same ids; returns the
-/// speculative runs' (drafted, accepted) totals: prompt lookup, draft model, prompt lookup
-/// with four candidates.
+/// speculative runs' (drafted, accepted, candidate rows) totals: prompt lookup, draft model,
+/// prompt lookup with four candidates.
 fn check_identical(
     model: &Path,
     draft: &Path,
     prompts: &[&str],
     max_tokens: usize,
     sampling: &[&str],
-) -> Vec<(u64, u64)> {
+) -> Vec<(u64, u64, u64)> {
     let draft = draft.to_str().unwrap();
-    let mut totals = vec![(0, 0); 3];
+    let mut totals = vec![(0, 0, 0); 3];
     for prompt in prompts {
         let plain = generate(model, prompt, max_tokens, sampling);
         // Prompt lookup with one candidate (the CPU's default), a draft model, and prompt
@@ -43,6 +43,7 @@ fn check_identical(
             assert_eq!(v["text"], plain["text"]);
             totals[i].0 += v["drafted_tokens"].as_u64().unwrap();
             totals[i].1 += v["accepted_tokens"].as_u64().unwrap();
+            totals[i].2 += v["candidate_rows"].as_u64().unwrap();
         }
     }
     totals
@@ -52,10 +53,12 @@ fn check_identical(
 fn smollm2_speculative_greedy_output_is_the_plain_output() {
     let Some(m) = models() else { return };
     let totals = check_identical(&m.join("smollm2-f32"), &m.join("smollm2-draft8"), &[EDIT, CHAT], 64, &[]);
-    for (method, (drafted, accepted)) in ["prompt-lookup", "draft", "prompt-lookup x4"].iter().zip(totals) {
-        assert!(drafted > 0, "{method}: nothing drafted");
+    for (method, (drafted, accepted, _)) in ["prompt-lookup", "draft", "prompt-lookup x4"].iter().zip(&totals) {
+        assert!(*drafted > 0, "{method}: nothing drafted");
         eprintln!("{method}: {accepted}/{drafted} accepted");
     }
+    assert_eq!((totals[0].2, totals[1].2), (0, 0), "one candidate unless asked for more");
+    assert!(totals[2].2 > 0, "--draft-candidates 4 verified several candidates as one batch");
     assert!(totals_accepted(&m), "prompt lookup accepts drafts on the edit workload");
 }
 

@@ -67,6 +67,8 @@ pub struct Row {
     pub drafted_tokens: usize,
     pub accepted_tokens: usize,
     pub tokens_per_step: f64,
+    /// Batch rows scored by verifications of several candidates (`--draft-candidates`).
+    pub candidate_rows: usize,
     /// With --prompt-file: the first run's ids, and whether every run generated the same.
     pub token_ids: Option<Vec<u32>>,
     pub runs_identical: bool,
@@ -208,6 +210,7 @@ pub fn run(args: Args) -> Result<()> {
             drafted_tokens: first.stats.drafted_tokens,
             accepted_tokens: first.stats.accepted_tokens,
             tokens_per_step: first.stats.tokens_per_step(),
+            candidate_rows: first.stats.candidate_rows,
             token_ids: text.as_ref().map(|_| first.ids.clone()),
             runs_identical: runs.iter().all(|r| r.ids == first.ids),
             step_ms: 1e3 / decode_tps,

@@ -206,6 +206,8 @@ pub struct JsonOutput {
     pub acceptance_rate: f64,
     /// Generated tokens per target forward.
     pub tokens_per_step: f64,
+    /// Batch rows scored by verifications of several candidates (`--draft-candidates`).
+    pub candidate_rows: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -277,6 +279,7 @@ pub fn run(args: Args) -> Result<()> {
             accepted_tokens: stats.accepted_tokens,
             acceptance_rate: stats.acceptance_rate(),
             tokens_per_step: stats.tokens_per_step(),
+            candidate_rows: stats.candidate_rows,
         };
         serde_json::to_writer(&mut stdout, &out)?;
         writeln!(stdout)?;
