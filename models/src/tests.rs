@@ -92,8 +92,7 @@ fn a_forked_batch_scores_rows_over_the_prefix_and_an_adopted_row_continues_the_c
     for arch in ARCHS {
         let model = testing::model(arch, 4).unwrap();
         let ids = prompt(250);
-        let rows: Vec<Vec<i32>> =
-            (0..3).map(|r| (0..8).map(|i| ((r * 31 + i * 7 + 3) % 100) as i32).collect()).collect();
+        let rows: Vec<Vec<i32>> = (0..3).map(|r| (0..8).map(|i| (r * 31 + i * 7 + 3) % 100).collect()).collect();
         let mut cache = model.make_cache();
         model.forward(&tokens(&ids), &mut cache).unwrap();
         let mut forks: Vec<KvCache> = cache.iter().map(|c| c.fork_batch(3).unwrap()).collect();

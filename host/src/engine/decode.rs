@@ -487,7 +487,7 @@ impl<'m> Generation<'m> {
             (candidates.len(), longest + 1)
         };
         let mut ids = Vec::with_capacity(rows * width);
-        let padding = std::iter::repeat(&candidates[candidates.len() - 1]).take(rows - candidates.len());
+        let padding = std::iter::repeat_n(&candidates[candidates.len() - 1], rows - candidates.len());
         for c in candidates.iter().chain(padding) {
             // Shorter rows are padded; nothing past a candidate's own length is accepted.
             ids.push(last as i32);
