@@ -228,39 +228,24 @@ pub struct SpecArgs {
     pub draft_candidates: Option<usize>,
 }
 
-/// The speculative settings from optional pieces, with the defaults filled in.
-pub fn spec_config(
-    draft_model: bool,
-    method: Option<SpecMethod>,
-    num_draft_tokens: Option<usize>,
-    verify: Option<Verify>,
-    candidates: Option<usize>,
-) -> Result<SpecConfig> {
-    let defaults = SpecConfig::default();
-    let method = method.unwrap_or(if draft_model { SpecMethod::Draft } else { SpecMethod::Off });
-    if method == SpecMethod::Draft && !draft_model {
-        bail!("--speculative draft needs --draft-model PATH (a model sharing the tokenizer), or use prompt-lookup");
-    }
-    let config = SpecConfig {
-        method,
-        num_draft_tokens: num_draft_tokens.unwrap_or(defaults.num_draft_tokens),
-        verify: verify.unwrap_or_default(),
-        candidates,
-        ..defaults
-    };
-    config.validate()?;
-    Ok(config)
-}
-
 impl SpecArgs {
+    /// The speculative settings, with the defaults filled in.
     pub fn config(&self) -> Result<SpecConfig> {
-        spec_config(
-            self.draft_model.is_some(),
-            self.speculative,
-            self.num_draft_tokens,
-            self.speculative_verify,
-            self.draft_candidates,
-        )
+        let defaults = SpecConfig::default();
+        let has_draft = self.draft_model.is_some();
+        let method = self.speculative.unwrap_or(if has_draft { SpecMethod::Draft } else { SpecMethod::Off });
+        if method == SpecMethod::Draft && !has_draft {
+            bail!("--speculative draft needs --draft-model PATH (a model sharing the tokenizer), or use prompt-lookup");
+        }
+        let config = SpecConfig {
+            method,
+            num_draft_tokens: self.num_draft_tokens.unwrap_or(defaults.num_draft_tokens),
+            verify: self.speculative_verify.unwrap_or_default(),
+            candidates: self.draft_candidates,
+            ..defaults
+        };
+        config.validate()?;
+        Ok(config)
     }
 }
 
@@ -333,13 +318,14 @@ impl ServeConfig {
 
     /// The server's default speculative settings.
     pub fn spec(&self) -> Result<SpecConfig> {
-        spec_config(
-            self.draft_model.is_some(),
-            self.speculative,
-            self.num_draft_tokens,
-            self.speculative_verify,
-            self.draft_candidates,
-        )
+        SpecArgs {
+            draft_model: self.draft_model.clone(),
+            speculative: self.speculative,
+            num_draft_tokens: self.num_draft_tokens,
+            speculative_verify: self.speculative_verify,
+            draft_candidates: self.draft_candidates,
+        }
+        .config()
     }
 
     pub fn from_file(path: &Path) -> Result<ServeConfig> {
@@ -441,14 +427,11 @@ mod tests {
         std::fs::write(&path, "speculative = \"fast\"\n").unwrap();
         let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
         assert!(format!("{err:#}").contains("unknown variant `fast`"), "{err:#}");
-        assert!(spec_config(false, Some(SpecMethod::PromptLookup), Some(0), None, None)
-            .unwrap_err()
-            .to_string()
-            .contains("between 1 and 64"));
-        assert!(spec_config(false, Some(SpecMethod::PromptLookup), None, None, Some(33))
-            .unwrap_err()
-            .to_string()
-            .contains("`candidates` must be between 1 and 32"));
+        let lookup = SpecArgs { speculative: Some(SpecMethod::PromptLookup), ..Default::default() };
+        let zero = SpecArgs { num_draft_tokens: Some(0), ..lookup.clone() };
+        assert!(zero.config().unwrap_err().to_string().contains("between 1 and 64"));
+        let many = SpecArgs { draft_candidates: Some(33), ..lookup };
+        assert!(many.config().unwrap_err().to_string().contains("`candidates` must be between 1 and 32"));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -59,6 +59,14 @@ pub(crate) struct Dims {
     pub tied: bool,
 }
 
+impl Dims {
+    /// Output widths of q, k and v.
+    fn qkv_widths(&self) -> [usize; 3] {
+        let kv = self.n_kv_heads * self.head_dim;
+        [self.n_heads * self.head_dim, kv, kv]
+    }
+}
+
 impl Config {
     pub(crate) fn dims(&self) -> Dims {
         Dims {
@@ -137,10 +145,9 @@ const FUSED_GATE_UP: &str = "fused_gate_up";
 /// Concatenates each layer's q/k/v and gate/up weights where their formats and shapes agree
 /// with `d` (a misfit part stays separate, and loading it names it).
 fn fuse(d: &Dims, w: &mut Weights) -> Result<()> {
-    let (q, kv) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
     for i in 0..d.layers {
         for (module, names, widths, fused) in [
-            ("self_attn", &QKV[..], &[q, kv, kv][..], FUSED_QKV),
+            ("self_attn", &QKV[..], &d.qkv_widths()[..], FUSED_QKV),
             ("mlp", &GATE_UP[..], &[d.ffn, d.ffn][..], FUSED_GATE_UP),
         ] {
             let p = format!("model.layers.{i}.{module}");
@@ -176,9 +183,8 @@ fn reduced(y: Array, reduce: bool) -> Result<Array> {
 
 impl Attention {
     fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
-        let (q, kv) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
         Ok(Attention {
-            qkv: Projections::load(w, p, &QKV, &[q, kv, kv], FUSED_QKV, d.hidden, d.qkv_bias)?,
+            qkv: Projections::load(w, p, &QKV, &d.qkv_widths(), FUSED_QKV, d.hidden, d.qkv_bias)?,
             o_proj: Linear::load(
                 w,
                 &format!("{p}.o_proj"),

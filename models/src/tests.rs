@@ -215,20 +215,30 @@ fn a_truncated_safetensors_file_is_refused_at_load() {
 
 #[test]
 fn a_wrongly_shaped_weight_names_the_weight_and_the_expected_shape() {
-    let dir = write_model("bad-shape", "llama");
-    let mut weights = testing_weights_with_vocab("llama");
-    for (name, a) in weights.iter_mut() {
-        if name == "model.layers.1.mlp.up_proj.weight" {
-            *a = Array::zeros(&[64, 64], Dtype::Float32).unwrap();
+    // Wrong output rows (up_proj) and a wrong input width (k_proj): both parts of projections
+    // that loading fuses; the error still names the checkpoint's own weight.
+    for (bad, cols) in
+        [("model.layers.1.mlp.up_proj.weight", None), ("model.layers.0.self_attn.k_proj.weight", Some(32))]
+    {
+        let dir = write_model("bad-shape", "llama");
+        let mut weights = testing_weights_with_vocab("llama");
+        let mut want = String::new();
+        for (name, a) in weights.iter_mut() {
+            if name == bad {
+                let rows = a.dim(0);
+                let shape = match cols {
+                    None => [64, 64],
+                    Some(c) => [rows, c],
+                };
+                want = format!("{:?}, expected [{}, 64]", shape, if cols.is_none() { 128 } else { rows });
+                *a = Array::zeros(&shape, Dtype::Float32).unwrap();
+            }
         }
+        let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+        let err = load_err(&dir);
+        assert!(err.contains(&format!("\"{bad}\"")) && err.contains(&want), "{err}");
     }
-    let refs: Vec<(&str, &Array)> = weights.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    mlx::io::save_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
-    let err = load_err(&dir);
-    assert!(
-        err.contains("\"model.layers.1.mlp.up_proj.weight\"") && err.contains("[64, 64], expected [128, 64]"),
-        "{err}"
-    );
 }
 
 #[test]

@@ -163,6 +163,11 @@ pub struct Generation<'m> {
     stats: DecodeStats,
 }
 
+/// How many of `drafts` the model's `picks` (at the same positions) agree with, from the first.
+fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
+    drafts.iter().zip(picks).take_while(|(d, p)| **d as i32 == **p).count()
+}
+
 /// The most bytes of cache copies that scoring several speculative candidates may make (one
 /// copy of the cache per row).
 const CANDIDATE_CACHE_BYTES: usize = 256 << 20;
@@ -427,7 +432,9 @@ impl<'m> Generation<'m> {
                 let rows = self.sampler.process(&logits, None)?;
                 let lp = log_softmax(&rows)?;
                 for i in 0..=k as i32 {
-                    processed.push(rows.slice_axis(0, i, i + 1)?);
+                    if self.external.is_some() {
+                        processed.push(rows.slice_axis(0, i, i + 1)?);
+                    }
                     logprobs.push(lp.slice_axis(0, i, i + 1)?);
                 }
                 Some(lp)
@@ -443,7 +450,6 @@ impl<'m> Generation<'m> {
                 None
             }
         };
-        let greedy = self.sampler.params().temperature == 0.0;
         let emitted = if self.external.is_some() {
             self.verify_external(&drafts.tokens, &processed, &logprobs, position)?
         } else if lossless {
@@ -459,8 +465,7 @@ impl<'m> Generation<'m> {
                 }
             };
             let picks = picks.to_vec_i32()?;
-            let n = drafts.tokens.iter().zip(&picks).take_while(|(d, p)| **d as i32 == **p).count();
-            picks[..=n].iter().map(|&t| t as u32).collect()
+            picks[..=agreement(&drafts.tokens, &picks)].iter().map(|&t| t as u32).collect()
         };
         let accepted = emitted.len() - 1;
         for c in &mut self.cache {
@@ -502,13 +507,10 @@ impl<'m> Generation<'m> {
         let vocab = logits.dim(2) as i32;
         let lp = log_softmax(&self.sampler.process(&logits.reshape(&[(rows * width) as i32, vocab])?, None)?)?;
         let picks = self.sampler.sample(&lp, position)?.to_vec_i32()?;
-        let agreed = |row: usize| {
-            let c = &candidates[row];
-            c.iter().zip(&picks[row * width..]).take_while(|(d, p)| **d as i32 == **p).count()
-        };
         // The longest agreement; among equals the first (most promising) row.
-        let (row, accepted) =
-            (0..candidates.len()).map(|r| (r, agreed(r))).fold((0, 0), |b, x| if x.1 > b.1 { x } else { b });
+        let (row, accepted) = (0..candidates.len())
+            .map(|r| (r, agreement(&candidates[r], &picks[r * width..])))
+            .fold((0, 0), |b, x| if x.1 > b.1 { x } else { b });
         for (c, fork) in self.cache.iter_mut().zip(&forks) {
             c.adopt_row(fork, row, accepted + 1)?;
         }
@@ -1027,10 +1029,43 @@ mod tests {
                     assert_eq!(ids, plain, "{what}");
                     rows += stats.candidate_rows;
                     assert_eq!(stats.generated_tokens, 40);
+                    if stats.candidate_rows > 0 {
+                        // A model whose caches cannot be forked (tensor parallelism) verifies
+                        // one candidate at a time, with the same result.
+                        let config = SpecConfig { candidates: Some(n), ..spec(SpecMethod::PromptLookup, k) };
+                        let no_forks = NoForks(model.as_ref());
+                        let (ids, stats) =
+                            run_spec(&no_forks, None, &prompt, SamplingParams::default(), opts(40), config, None);
+                        assert_eq!((ids, stats.candidate_rows), (plain.clone(), 0), "{what}, no forks");
+                    }
                 }
             }
         }
         assert!(rows > 0, "no step verified several candidates");
+    }
+
+    /// A model whose caches may not be forked, as under tensor parallelism.
+    struct NoForks<'a>(&'a dyn CausalLm);
+
+    impl CausalLm for NoForks<'_> {
+        fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+            self.0.forward(tokens, cache)
+        }
+        fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+            self.0.forward_hidden(tokens, cache)
+        }
+        fn head(&self, hidden: &Array) -> models::Result<Array> {
+            self.0.head(hidden)
+        }
+        fn make_cache(&self) -> Vec<KvCache> {
+            self.0.make_cache()
+        }
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn takes_cache_forks(&self) -> bool {
+            false
+        }
     }
 
     #[test]

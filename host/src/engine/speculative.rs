@@ -131,8 +131,7 @@ pub trait Drafter {
     /// Up to `n` different continuations of `seq`, each of at most `k` tokens and none a
     /// prefix of another, most promising first; greedy decoding verifies them as one batch.
     /// Drafters that cannot propose alternatives give `draft`'s one.
-    fn candidates(&mut self, seq: &[u32], k: usize, n: usize, sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
-        let _ = n;
+    fn candidates(&mut self, seq: &[u32], k: usize, _n: usize, sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
         let d = self.draft(seq, k, sampler, false)?;
         Ok(if d.tokens.is_empty() { Vec::new() } else { vec![d.tokens] })
     }
@@ -150,19 +149,19 @@ pub struct PromptLookup {
 }
 
 impl PromptLookup {
+    /// Where the continuations of earlier occurrences of the sequence's last n tokens start,
+    /// for n from `ngram_max` down to `min`: longest matches first, then most recent first
+    /// (a match must end before the suffix itself does).
+    fn matches<'s>(&self, seq: &'s [u32], min: usize) -> impl Iterator<Item = usize> + 's {
+        (min..=self.ngram_max).rev().filter(move |&n| seq.len() > n).flat_map(move |n| {
+            let suffix = &seq[seq.len() - n..];
+            (0..seq.len() - n).rev().filter(move |&i| &seq[i..i + n] == suffix).map(move |i| i + n)
+        })
+    }
+
     /// The start of the continuation of the longest, most recent match, if any.
     fn find(&self, seq: &[u32]) -> Option<usize> {
-        for n in (self.ngram_min..=self.ngram_max).rev() {
-            if seq.len() <= n {
-                continue;
-            }
-            let suffix = &seq[seq.len() - n..];
-            // Most recent first; the match must end before the suffix itself does.
-            if let Some(start) = (0..seq.len() - n).rev().find(|&i| &seq[i..i + n] == suffix) {
-                return Some(start + n);
-            }
-        }
-        None
+        self.matches(seq, self.ngram_min).next()
     }
 }
 
@@ -180,32 +179,22 @@ impl Drafter for PromptLookup {
     }
 
     fn likely(&self, seq: &[u32]) -> bool {
-        self.find(seq).is_some()
-            || (self.fill_min < self.ngram_min && seq.len() > 1 && seq[..seq.len() - 1].contains(&seq[seq.len() - 1]))
+        self.matches(seq, self.fill_min.min(self.ngram_min)).next().is_some()
     }
 
     fn candidates(&mut self, seq: &[u32], k: usize, n: usize, _sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
         let mut out: Vec<Vec<u32>> = Vec::new();
-        for m in (self.fill_min.min(self.ngram_min)..=self.ngram_max).rev() {
-            if seq.len() <= m {
+        for from in self.matches(seq, self.fill_min.min(self.ngram_min)) {
+            let c = &seq[from..(from + k).min(seq.len())];
+            if out.iter().any(|o| o.starts_with(c)) {
                 continue;
             }
-            let suffix = &seq[seq.len() - m..];
-            for i in (0..seq.len() - m).rev() {
-                if &seq[i..i + m] != suffix {
-                    continue;
-                }
-                let c = &seq[i + m..(i + m + k).min(seq.len())];
-                if out.iter().any(|o| o.starts_with(c)) {
-                    continue;
-                }
-                match out.iter_mut().find(|o| c.starts_with(o)) {
-                    Some(shorter) => *shorter = c.to_vec(),
-                    None => out.push(c.to_vec()),
-                }
-                if out.len() == n {
-                    return Ok(out);
-                }
+            match out.iter_mut().find(|o| c.starts_with(o)) {
+                Some(shorter) => *shorter = c.to_vec(),
+                None => out.push(c.to_vec()),
+            }
+            if out.len() == n {
+                break;
             }
         }
         Ok(out)

@@ -89,7 +89,9 @@ impl Weights {
     /// output rows into module `into`: the weight, and the scales, biases and bias where the
     /// parts have them. The result is evaluated at once and the parts removed, so loading
     /// holds at most one extra copy of these modules. Returns false, changing nothing, when
-    /// the parts differ in quantization, dtype or which arrays they carry.
+    /// the parts differ in quantization, dtype, input width or which arrays they carry, or a
+    /// part's weight does not have its expected `rows`: loading the parts separately then
+    /// names the misfit.
     pub fn fuse_rows(&mut self, parts: &[String], rows: &[usize], into: &str) -> Result<bool> {
         const ARRAYS: [&str; 4] = ["weight", "scales", "biases", "bias"];
         let q = self.quantization_of(&parts[0])?;
@@ -100,11 +102,10 @@ impl Weights {
         if !suffixes.contains(&"weight") {
             return Ok(false); // missing: loading the parts names the weight
         }
+        let cols = self.get(&format!("{}.weight", parts[0]))?.dim(1);
         for (p, &n) in parts.iter().zip(rows) {
-            if self.quantization_of(p)? != q
-                || has(self, p) != suffixes
-                || self.get(&format!("{p}.weight"))?.dim(0) != n
-            {
+            let shape = self.get(&format!("{p}.weight"))?.shape();
+            if self.quantization_of(p)? != q || has(self, p) != suffixes || shape != [n, cols] {
                 return Ok(false);
             }
         }
