@@ -105,6 +105,13 @@ Ptr matmul(const array& a, const array& b);
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta);
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                      bool transpose, int32_t group_size, int32_t bits);
+// MLX's own kernel, whatever the shape (quantized_matmul uses the host's 4-bit matrix-vector
+// kernel where it applies); tests and benchmarks compare the two.
+Ptr quantized_matmul_mlx(const array& x, const array& w, const array& scales, const array& biases,
+                         bool transpose, int32_t group_size, int32_t bits);
+bool quantized_matvec_kernel_applies(const array& x, const array& w, const array& scales,
+                                     const array& biases, bool transpose, int32_t group_size,
+                                     int32_t bits);
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                int32_t bits, uint8_t dtype);
 std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits);

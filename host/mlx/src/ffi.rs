@@ -93,6 +93,24 @@ pub(crate) mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<array>>;
+        fn quantized_matmul_mlx(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<array>>;
+        fn quantized_matvec_kernel_applies(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+        ) -> bool;
         fn dequantize(
             w: &array,
             scales: &array,

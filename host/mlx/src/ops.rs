@@ -22,7 +22,10 @@ pub fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<A
     wrap(ffi::addmm(&c.0, &a.0, &b.0, alpha, beta))
 }
 
-/// `x @ dequantize(w).T` (with `transpose`) for MLX affine-quantized `w`.
+/// `x @ dequantize(w).T` (with `transpose`) for MLX affine-quantized `w`. On a CUDA GPU, one
+/// row of bf16/f16 activations times 4-bit weights (decoding) runs the host's own
+/// matrix-vector kernel (`shim.cc`, qmv4; MLX's is ~5x slower there); everything else, and
+/// every shape with `HOST_QGEMV=0`, runs MLX's.
 pub fn quantized_matmul(
     x: &Array,
     w: &Array,
@@ -33,6 +36,32 @@ pub fn quantized_matmul(
     bits: i32,
 ) -> Result<Array> {
     wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
+}
+
+/// `quantized_matmul` through MLX's own kernel, always (the reference for the host's kernel).
+pub fn quantized_matmul_mlx(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    wrap(ffi::quantized_matmul_mlx(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
+}
+
+/// Whether `quantized_matmul` with these arguments runs the host's matrix-vector kernel.
+pub fn quantized_matvec_kernel_applies(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+) -> bool {
+    ffi::quantized_matvec_kernel_applies(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits)
 }
 
 pub fn dequantize(

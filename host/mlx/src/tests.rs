@@ -216,3 +216,61 @@ fn graph_dot_shows_the_primitives_still_to_run() {
     eval(&[&lazy]).unwrap();
     assert!(!graph_dot(&[&lazy]).contains("Add"), "an evaluated array has no graph behind it");
 }
+
+/// Deterministic values in [-1, 1) (a 64-bit LCG; no test depends on MLX's random streams).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// The host's 4-bit matrix-vector kernel (`shim.cc`, qmv4) against MLX's quantized matmul on
+/// random inputs. On a CUDA GPU (run there through the device kit) every one-row bf16/f16 case
+/// must take the kernel and agree with MLX within a bound per dtype, relative to the largest
+/// output: both accumulate in float32, so the difference is summation order plus the final
+/// rounding to 16 bits (bf16 keeps 8 significant bits: 1e-2; f16 11: 2e-3). Cases the kernel
+/// does not serve (several rows, float32, 8 bits) must fall back to MLX's kernel and give its
+/// result exactly; on the CPU every case does.
+#[test]
+fn quantized_matvec_kernel_matches_mlx() {
+    let cuda = Device::default_device() == Device::Gpu && !cfg!(target_os = "macos");
+    // (rows, input width, group size, bits, activation rows)
+    let cases = [
+        (64, 256, 64, 4, 1),
+        (301, 512, 32, 4, 1),
+        (1024, 4096, 64, 4, 1),
+        (257, 2048, 128, 4, 1),
+        (96, 4096, 64, 4, 3),
+        (64, 512, 64, 8, 1),
+    ];
+    for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+        for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
+            let w = arr(&noise(rows * input, i as u64), &[rows, input]).astype(dtype).unwrap();
+            let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+            let x = arr(&noise(xrows * input, 100 + i as u64), &[1, xrows, input]).astype(dtype).unwrap();
+            let serves = xrows == 1 && bits == 4 && dtype != Dtype::Float32;
+            let applies = ops::quantized_matvec_kernel_applies(&x, &q, &scales, &biases, true, group, bits);
+            assert_eq!(applies, cuda && serves, "{dtype:?} case {i}: kernel applies");
+            let got = ops::quantized_matmul(&x, &q, &scales, &biases, true, group, bits).unwrap();
+            let want = ops::quantized_matmul_mlx(&x, &q, &scales, &biases, true, group, bits).unwrap();
+            assert_eq!(got.shape(), vec![1, xrows, rows]);
+            assert_eq!(got.dtype(), dtype);
+            let (got, want) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            let bound = match (applies, dtype) {
+                (false, _) => 0.0,
+                (true, Dtype::Bfloat16) => 1e-2,
+                (true, _) => 2e-3,
+            };
+            assert!(err <= bound, "{dtype:?} case {i} {:?}: max error {err:e} > {bound:e}", cases[i]);
+            if applies {
+                eprintln!("qmv4 {dtype:?} rows {rows} in {input} group {group}: max rel. error {err:.2e}");
+            }
+        }
+    }
+}
