@@ -6,6 +6,7 @@
 //   C start end stream bytes kind  (memcpy; kind: CUpti_ActivityMemcpyKind)
 //   S start end stream bytes       (memset)
 //   U start end counter value      (Unified Memory: 1 HtoD bytes, 2 DtoH bytes, 4 GPU fault...)
+//   A start end thread name        (CUDA driver API call on the CPU; CUPTI_TRACE_API=1 only)
 // Lines are written when CUPTI hands a buffer back and at exit. bench/device/gpu_trace.py
 // reads them. Built and used by bench/device/kernel-trace.sh:
 //   cc -shared -fPIC -O2 -I CUPTI/include -I CUDA/include cupti_trace.c -L CUPTI/lib -lcupti
@@ -51,6 +52,14 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, 
                 (int)u->counterKind, (unsigned long long)u->value);
         break;
       }
+      case CUPTI_ACTIVITY_KIND_DRIVER: {
+        CUpti_ActivityAPI *a = (CUpti_ActivityAPI *)r;
+        const char *name = "?";
+        cuptiGetCallbackName(CUPTI_CB_DOMAIN_DRIVER_API, a->cbid, &name);
+        fprintf(out, "A\t%llu\t%llu\t%u\t%s\n", (unsigned long long)a->start, (unsigned long long)a->end,
+                a->threadId, name);
+        break;
+      }
       default:
         break;
     }
@@ -85,6 +94,10 @@ int InitializeInjection(void) {
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "kernels");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "copies");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "memsets");
+  // Driver API calls show where the CPU side of a step goes (graph node adds, launches,
+  // event records); each record costs a little time, so it is opt-in.
+  const char *api = getenv("CUPTI_TRACE_API");
+  if (api && api[0] == '1') check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER), "driver API");
   CUpti_ActivityUnifiedMemoryCounterConfig um[3] = {
       {CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_SCOPE_PROCESS_SINGLE_DEVICE,
        CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_HTOD, 0, 1},

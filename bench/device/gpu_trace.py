@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Reads GPU activity traces written by bench/device/cupti_trace.c and prints, per engine, what
 one decode step costs on the GPU: kernels per step by name, GPU busy time against the step's
-wall time (the difference is idle GPU), and Unified Memory traffic (pages migrating between
-host and device memory while decoding).
+wall time (the difference is idle GPU), Unified Memory traffic (pages migrating between
+host and device memory while decoding) and, when the trace has them (CUPTI_TRACE_API=1),
+the CUDA driver calls the CPU made per step on its busiest thread, by name.
 
     gpu_trace.py [--steps 100] [--marker REGEX] LABEL=TRACE.tsv...
 
@@ -20,7 +21,7 @@ import subprocess
 
 
 def load(path):
-    kernels, um = [], []
+    kernels, um, api = [], [], []
     with open(path, errors="replace") as f:
         for line in f:
             p = line.rstrip("\n").split("\t")
@@ -30,8 +31,10 @@ def load(path):
                 kernels.append((int(p[1]), int(p[2]), "[memcpy]" if p[0] == "C" else "[memset]"))
             elif p[0] == "U":
                 um.append((int(p[1]), int(p[3]), int(p[4])))
+            elif p[0] == "A":
+                api.append((int(p[1]), int(p[2]), int(p[3]), p[4]))
     kernels.sort()
-    return kernels, um
+    return kernels, um, api
 
 
 def demangle(names):
@@ -48,7 +51,7 @@ def short(name, width=70):
 
 
 def analyse(path, steps, marker):
-    kernels, um = load(path)
+    kernels, um, api = load(path)
     rx = re.compile(marker, re.I)
     ends = [e for s, e, n in kernels if rx.search(n)]
     if len(ends) < 3:
@@ -85,7 +88,20 @@ def analyse(path, steps, marker):
         um_all[kind] += value
         if t0 <= t <= t1:
             um_window[kind] += value
+    # Driver calls inside the window, on the thread that spent the most time in them.
+    calls = [a for a in api if t0 <= a[0] and a[1] <= t1]
+    by_thread = collections.Counter()
+    for s, e, th, _ in calls:
+        by_thread[th] += e - s
+    main_thread = by_thread.most_common(1)[0][0] if by_thread else None
+    api_per = collections.defaultdict(lambda: [0, 0])
+    for s, e, th, name in calls:
+        if th == main_thread:
+            api_per[name][0] += 1
+            api_per[name][1] += e - s
     return {
+        "api_us": sum(d for _, d in api_per.values()) / n / 1e3,
+        "api_per": {k: (c / n, d / n / 1e3) for k, (c, d) in api_per.items()},
         "steps": n,
         "step_us": (t1 - t0) / n / 1e3,
         "busy_us": busy / n / 1e3,
@@ -118,19 +134,27 @@ def main():
     for kind, what in um_kinds.items():
         print(f"| {what}, decode window / whole trace | "
               + " | ".join(f"{runs[l]['um_window'][kind]} / {runs[l]['um_all'][kind]}" for l in labels) + " |")
+    if any(runs[l]["api_per"] for l in labels):
+        print("| CPU us in driver calls (busiest thread) | " + " | ".join(f"{runs[l]['api_us']:.1f}" for l in labels) + " |")
+        table(runs, labels, "api_per", "driver call", a.top)
     names = set().union(*(r["per"] for r in runs.values()))
-    pretty = demangle(sorted(names))
-    cost = lambda n: max(runs[l]["per"].get(n, (0, 0))[1] for l in labels)
+    table(runs, labels, "per", "kernel", a.top, demangle(sorted(names)))
+
+
+def table(runs, labels, key, what, top, pretty=None):
+    """Per-name counts and times per step, costliest first (by the engine it costs most)."""
+    names = set().union(*(r[key] for r in runs.values()))
+    cost = lambda n: max(runs[l][key].get(n, (0, 0))[1] for l in labels)
     print()
-    print("| kernel | " + " | ".join(f"{l} n/step | {l} us/step" for l in labels) + " |")
+    print(f"| {what} | " + " | ".join(f"{l} n/step | {l} us/step" for l in labels) + " |")
     print("|---|" + "---|---|" * len(labels))
-    for name in sorted(names, key=cost, reverse=True)[: a.top]:
+    for name in sorted(names, key=cost, reverse=True)[:top]:
         cells = []
         for l in labels:
-            c, d = runs[l]["per"].get(name, (0, 0))
+            c, d = runs[l][key].get(name, (0, 0))
             cells.append(f"{c:.1f} | {d:.1f}")
-        print(f"| `{short(pretty[name])}` | " + " | ".join(cells) + " |")
-
+        label = short(pretty[name]) if pretty else name
+        print(f"| `{label}` | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -7,8 +7,12 @@
 # CUPTI_DIR holds libcupti_trace.so (built here, see cupti_trace.c) and libcupti.so.13 (from
 # the nvidia-cuda-cupti wheel). Each engine: prompt 512, 128 tokens, one measured run after
 # its warm-up; the last 100 decode steps of the trace are analysed (bench/device/gpu_trace.py).
-# AB_FUSE=1 adds a host run with the projections unfused (HOST_FUSE_PROJECTIONS=0).
+# AB=VAR=value adds a host run with that environment (labelled host-ab; AB_FUSE=1 is
+# AB=HOST_FUSE_PROJECTIONS=0). CUPTI_TRACE_API=1 also records the CUDA driver calls each
+# engine's CPU makes per step (slows both a little).
 set -uo pipefail
+AB=${AB:-}
+[ -n "${AB_FUSE:-}" ] && AB=HOST_FUSE_PROJECTIONS=0
 HOST=$1 CUPTI=$2 MODEL=$3 OUTDIR=$4
 T=${TRACE_DIR:-/tmp/traces}
 mkdir -p "$T"
@@ -18,7 +22,8 @@ trace() {  # label, command...
 }
 trace host "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
 trace mlx-lm python3 bench/step_split_mlx_lm.py "$MODEL" --prompt 512 --gen 128 --runs 1
-[ -n "${AB_FUSE:-}" ] && HOST_FUSE_PROJECTIONS=0 trace host-unfused "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
+[ -n "$AB" ] && env $AB CUDA_INJECTION64_PATH=$CUPTI/libcupti_trace.so CUPTI_TRACE_OUT=$T/host-ab.tsv \
+  timeout 200 "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1 2>&1 | tail -2
 args=(host=$T/host.tsv mlx-lm=$T/mlx-lm.tsv)
-[ -n "${AB_FUSE:-}" ] && args+=(host-unfused=$T/host-unfused.tsv)
+[ -n "$AB" ] && args+=(host-ab=$T/host-ab.tsv)
 python3 bench/device/gpu_trace.py --top 30 "${args[@]}" | tee "$OUTDIR/kernel-trace-$(basename "$MODEL").md"

@@ -6,7 +6,8 @@
 # (HOST_SPEC_FIXED_SHAPES=1); without the cost-aware back-off (HOST_SPEC_COST_BACKOFF=0); 8
 # candidates. This device varies by tens of percent between processes, so only ratios
 # within a round, over several rounds, mean anything (bench/NOTES.md, session 5).
-#   bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
+#   [SETTINGS="plain prompt-lookup ..."] bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
+# SETTINGS picks some of the labels below (plain always runs: the ratios are to it).
 set -uo pipefail
 HOST=$1 OUTDIR=$2 ROUNDS=${3:-3}
 . bench/device/smollm2-models.sh
@@ -15,6 +16,7 @@ echo "Write a short story about a lighthouse keeper who finds a message in a bot
 run() {  # round, label, environment ("" or VAR=value), host bench options...
   local round=$1 label=$2 environment=$3
   shift 3
+  [ -z "${SETTINGS:-}" ] || [ "$label" = plain ] || [[ " $SETTINGS " == *" $label "* ]] || return 0
   for w in edit chat; do
     local f=bench/edit_prompt.txt
     [ $w = chat ] && f=$CHAT

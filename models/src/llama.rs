@@ -2,10 +2,10 @@
 //! Reference: mlx-lm `models/llama.py`; every op mirrors it so outputs are bit-identical.
 
 use crate::cache::KvCache;
-use crate::layers::{Embedding, Linear, RmsNorm, Rope};
+use crate::layers::{attention, Embedding, Linear, RmsNorm, Rope};
 use crate::weights::Weights;
 use crate::{CausalLm, LoadOptions, Result};
-use mlx::fast::{self, Mask};
+use mlx::fast::Mask;
 use mlx::{ops, Array};
 use serde::Deserialize;
 
@@ -217,7 +217,7 @@ impl Attention {
         let q = rope.forward(&q, cache.offset())?;
         let k = rope.forward(&k, cache.offset())?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let o = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask_ref(mask))?;
+        let o = attention(&q, &k, &v, self.scale, mask_ref(mask))?;
         reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
     }
 }

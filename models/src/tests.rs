@@ -571,3 +571,36 @@ fn projections_in_different_formats_stay_separate() {
     let (b, _) = decode_in_pieces(fused.as_ref(), &ids, &[8]);
     assert!(max_abs_diff(&a, &b) <= 1e-5);
 }
+
+/// Short causal queries (speculative verification) attend through the unfused graph; on the
+/// CPU, where the fused op runs MLX's own fallback, both must agree bit for bit, with and
+/// without grouped heads, in float32 and bfloat16, from 2 to `SHORT_QUERY` queries.
+#[test]
+fn short_causal_queries_attend_exactly_as_the_fused_op() {
+    use crate::layers::{attention, attention_unfused, SHORT_QUERY};
+    use mlx::fast::{self, Mask};
+    let values = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 500.0) - 1.0).collect()
+    };
+    for (heads, kv_heads) in [(4, 4), (8, 2)] {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for (l, s) in [(2, 2), (5, 9), (SHORT_QUERY, SHORT_QUERY + 7)] {
+                let d = 16;
+                let make = |h: usize, n: usize, seed| {
+                    Array::from_f32(&values(h * n * d, seed), &[1, h, n, d]).unwrap().astype(dtype).unwrap()
+                };
+                let (q, k, v) = (make(heads, l, 1), make(kv_heads, s, 2), make(kv_heads, s, 3));
+                let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
+                let unfused = attention_unfused(&q, &k, &v, 0.25).unwrap();
+                let routed = attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
+                assert_eq!(unfused.shape(), fused.shape());
+                assert_eq!(
+                    unfused.to_vec_f32().unwrap(),
+                    fused.to_vec_f32().unwrap(),
+                    "{heads}/{kv_heads} {dtype:?} {l}x{s}"
+                );
+                assert_eq!(routed.to_vec_f32().unwrap(), fused.to_vec_f32().unwrap());
+            }
+        }
+    }
+}

@@ -335,6 +335,8 @@ impl<'m> Generation<'m> {
             s.adaptive.plain_token();
             if queued && in_flight {
                 s.adaptive.plain_step(entered.elapsed().as_secs_f64());
+            } else if serial && self.external.is_none() {
+                s.adaptive.serial_step(entered.elapsed().as_secs_f64());
             }
         }
         self.external_accept(id)?;

@@ -332,6 +332,11 @@ pub fn check_draft(target: &models::Loaded, draft: &models::Loaded) -> Result<()
 /// decoding takes over for 2, 4, 8, 16, then 32 tokens before the next try, so speculation
 /// on text that does not repeat costs a few steps, not a slowdown. (Backing off from the
 /// first miss cost 0.24 tokens/step on the edit workload; see bench/RESULTS.md.)
+///
+/// A verification that follows plain decoding also costs the plain step before it: that
+/// step runs serially (its token is needed to draft), so it takes longer than a pipelined
+/// one, and the difference is charged to the verification, so a switch from plain decoding
+/// to speculation is judged at what it really costs (bench/NOTES.md, session 6).
 #[derive(Debug, Clone)]
 pub struct AdaptiveK {
     pub k: usize,
@@ -343,6 +348,8 @@ pub struct AdaptiveK {
     plain_secs: Option<f64>,
     verify_secs: Option<f64>,
     verify_tokens: Option<f64>,
+    /// Seconds of the serial plain step before the next verification (0 when none).
+    serial_secs: f64,
     /// Whether the timings count (`HOST_SPEC_COST_BACKOFF=0` turns them off, for A/B runs).
     pub cost_aware: bool,
 }
@@ -364,6 +371,7 @@ impl AdaptiveK {
             plain_secs: None,
             verify_secs: None,
             verify_tokens: None,
+            serial_secs: 0.0,
             cost_aware: true,
         }
     }
@@ -381,11 +389,20 @@ impl AdaptiveK {
     /// A pipelined plain step took `secs`.
     pub fn plain_step(&mut self, secs: f64) {
         ewma(&mut self.plain_secs, secs);
+        self.serial_secs = 0.0;
     }
 
-    /// A verification took `secs` and committed `tokens` tokens (before `update`).
+    /// A plain step took `secs` run serially, because a verification is to follow.
+    pub fn serial_step(&mut self, secs: f64) {
+        self.serial_secs = secs;
+    }
+
+    /// A verification took `secs` and committed `tokens` tokens (before `update`); what the
+    /// serial step before it took beyond a pipelined step counts as part of its cost.
     pub fn verify_step(&mut self, secs: f64, tokens: usize) {
-        ewma(&mut self.verify_secs, secs);
+        let extra = (self.serial_secs - self.plain_secs.unwrap_or(self.serial_secs)).max(0.0);
+        self.serial_secs = 0.0;
+        ewma(&mut self.verify_secs, secs + extra);
         ewma(&mut self.verify_tokens, tokens as f64);
     }
 
@@ -549,5 +566,33 @@ mod tests {
         c.update(4, 1);
         c.update(4, 1);
         assert!(c.pays() && c.ready());
+    }
+
+    #[test]
+    fn the_serial_step_before_a_verification_counts_toward_its_cost() {
+        // Plain steps take 1 ms pipelined; a verification 1.5 ms for 2 tokens pays (1.33
+        // tokens/ms) when it follows another verification ...
+        let mut a = AdaptiveK::new(8);
+        a.plain_step(0.001);
+        a.verify_step(0.0015, 2);
+        assert!(a.pays());
+        // ... but not after plain decoding, when the step before it ran serially in 2 ms:
+        // 2 tokens for 1.5 + (2 - 1) ms.
+        let mut b = AdaptiveK::new(8);
+        b.plain_step(0.001);
+        b.serial_step(0.002);
+        b.verify_step(0.0015, 2);
+        assert!(!b.pays());
+        // The charge is paid once, and a pipelined step in between cancels it.
+        b.verify_step(0.0015, 2);
+        b.verify_step(0.0015, 2);
+        b.verify_step(0.0015, 2);
+        assert!(b.pays(), "verifications back to back pay again");
+        let mut c = AdaptiveK::new(8);
+        c.plain_step(0.001);
+        c.serial_step(0.002);
+        c.plain_step(0.001);
+        c.verify_step(0.0015, 2);
+        assert!(c.pays());
     }
 }
