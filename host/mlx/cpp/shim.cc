@@ -78,6 +78,8 @@ uint8_t from_dtype(mx::Dtype d) {
 // accumulation, a warp-shuffle reduction, one rounding to T at the end. G is a multiple of
 // 32, so a chunk never straddles two groups. bench/device/qgemv.py reads this source (between
 // the BEGIN/END lines) to check and time it against MLX's kernel on the 8B's shapes.
+// Measured (bench/RESULTS.md, session 6): 1.8 TB/s over an 8B decode step against MLX's 0.74;
+// about 3 instructions per weight make it issue-bound (bench/NOTES.md has the next steps).
 // BEGIN qmv4
 constexpr const char* kQmv4Header = R"CUDA(
 __device__ __forceinline__ float host_nibble(uint32_t bytes, int k) {

@@ -24,8 +24,8 @@ pub fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<A
 
 /// `x @ dequantize(w).T` (with `transpose`) for MLX affine-quantized `w`. On a CUDA GPU, one
 /// row of bf16/f16 activations times 4-bit weights (decoding) runs the host's own
-/// matrix-vector kernel (`shim.cc`, qmv4; MLX's is ~5x slower there); everything else, and
-/// every shape with `HOST_QGEMV=0`, runs MLX's.
+/// matrix-vector kernel (`shim.cc`, qmv4: 1.6-2.2x MLX's on an H200's large shapes,
+/// bench/RESULTS.md); everything else, and every shape with `HOST_QGEMV=0`, runs MLX's.
 pub fn quantized_matmul(
     x: &Array,
     w: &Array,
