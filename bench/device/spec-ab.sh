@@ -2,9 +2,8 @@
 # On the H200 (after `. /tmp/site/env.sh`, data bundle in /tmp/data): the speculation settings
 # A/B'd in interleaved rounds on SmolLM2 bf16, edit and chat prompts, each `host bench
 # --prompt-file ... --gen 256 --runs 3` (median of 3 after a warm-up): plain; prompt lookup
-# (one candidate, the defaults); the same with every verification padded to one shape
-# (HOST_SPEC_FIXED_SHAPES=1); without the cost-aware back-off (HOST_SPEC_COST_BACKOFF=0); 8
-# candidates. This device varies by tens of percent between processes, so only ratios
+# (one candidate, the defaults); without the cost-aware back-off (HOST_SPEC_COST_BACKOFF=0);
+# 8 candidates. (Session 6 also had "fixed-shapes", HOST_SPEC_FIXED_SHAPES=1, since removed.) This device varies by tens of percent between processes, so only ratios
 # within a round, over several rounds, mean anything (bench/NOTES.md, session 5).
 #   [SETTINGS="plain prompt-lookup ..."] bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
 # SETTINGS picks some of the labels below (plain always runs: the ratios are to it).
@@ -28,7 +27,6 @@ run() {  # round, label, environment ("" or VAR=value), host bench options...
 for r in $(seq "$ROUNDS"); do
   run $r plain ""
   run $r prompt-lookup "" --speculative prompt-lookup
-  run $r fixed-shapes HOST_SPEC_FIXED_SHAPES=1 --speculative prompt-lookup
   run $r no-cost-backoff HOST_SPEC_COST_BACKOFF=0 --speculative prompt-lookup
   run $r 8-candidates "" --speculative prompt-lookup --draft-candidates 8
 done | tee "$OUTDIR/spec-ab.jsonl"

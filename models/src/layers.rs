@@ -105,50 +105,59 @@ impl Embedding {
 /// Causal queries of 2 to this many positions attend through [`attention_unfused`].
 pub const SHORT_QUERY: usize = 32;
 
-/// `fast::scaled_dot_product_attention`, except for causal queries of 2..=[`SHORT_QUERY`]
-/// positions (a speculative verification, a short prompt or prompt tail) outside Metal.
-/// MLX's CUDA backend sends those to cuDNN, which builds an execution plan for every new
-/// (query length, key length): ~45 ms each on an H200, i.e. for nearly every verification of
-/// a live request, where a plain step takes ~3 ms (bench/NOTES.md, session 6; one-token
-/// decoding has a plan that serves every length, and long prompts amortize theirs). Those
-/// queries go through the matmul-softmax-matmul graph that MLX's fallback for the fused op
-/// builds (what the CPU runs for it), which needs no plan. Metal serves them with its vector
-/// kernel, so it keeps the fused op.
+/// Whether a forward of `len` new positions attends through [`attention_unfused`], with a
+/// [`causal_mask`] made once per forward: 2..=[`SHORT_QUERY`] positions (a speculative
+/// verification, a short prompt or prompt tail), outside Metal. MLX's CUDA backend sends
+/// those to cuDNN, which builds an execution plan for every new (query length, key length):
+/// ~45 ms each on an H200, i.e. for nearly every verification of a live request, where a plain
+/// step takes ~3 ms (bench/NOTES.md, session 6; one-token decoding has a plan that serves
+/// every length, and long prompts amortize theirs). The unfused graph, what MLX's fallback
+/// for the fused op builds (and the CPU runs for it), needs no plan. Metal serves short
+/// queries with its vector kernel, so it keeps the fused op.
+pub fn short_query(len: usize) -> bool {
+    (2..=SHORT_QUERY).contains(&len) && !cfg!(target_os = "macos")
+}
+
+/// `[len, offset + len]` booleans: query i (at position offset + i) sees keys 0..=offset + i.
+pub fn causal_mask(len: usize, offset: usize) -> Result<Array> {
+    let (offset, len) = (offset as f64, len as f64);
+    let rows = Array::arange(offset, offset + len, 1.0, Dtype::Int32)?.expand_dims(&[1])?;
+    let cols = Array::arange(0.0, offset + len, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+    Ok(rows.greater_equal(&cols)?)
+}
+
+/// `fast::scaled_dot_product_attention`, except that a boolean mask over a short query
+/// ([`short_query`]) runs [`attention_unfused`].
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
-    let l = q.dim(2);
-    if matches!(mask, Mask::Causal) && (2..=SHORT_QUERY).contains(&l) && !cfg!(target_os = "macos") {
-        attention_unfused(q, k, v, scale)
-    } else {
-        Ok(fast::scaled_dot_product_attention(q, k, v, scale, mask)?)
+    match mask {
+        Mask::Array(m) if short_query(q.dim(2)) && m.dtype() == Dtype::Bool => attention_unfused(q, k, v, scale, m),
+        mask => Ok(fast::scaled_dot_product_attention(q, k, v, scale, mask)?),
     }
 }
 
-/// Causal attention of `q` `[B, H, L, D]` over `k`, `v` `[B, KVH, S, D]` (the last L keys
-/// are the queries' own positions), op for op as MLX's fallback for the fused op computes
-/// it: so on the CPU the result is the fused op's, bit for bit.
-pub fn attention_unfused(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
-    let (b, h, l, d) = (q.dim(0) as i32, q.dim(1) as i32, q.dim(2), q.dim(3) as i32);
-    let (kv_heads, s) = (k.dim(1) as i32, k.dim(2));
+/// Attention of `q` `[B, H, L, D]` over `k`, `v` `[B, KVH, S, D]` with a boolean `mask`
+/// broadcastable to `[L, S]`, op for op as MLX's fallback for the fused op computes it: on the
+/// CPU the result is the fused op's, bit for bit (with [`causal_mask`], the causal one's).
+pub fn attention_unfused(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<Array> {
+    let (b, h, l, d) = (q.dim(0) as i32, q.dim(1) as i32, q.dim(2) as i32, q.dim(3) as i32);
+    let kv_heads = k.dim(1) as i32;
     let dtype = q.dtype();
     let mut q = Array::scalar(scale, dtype)?.multiply(q)?;
     let repeats = h / kv_heads;
     let (k, v) = if repeats > 1 {
-        q = q.reshape(&[b, kv_heads, repeats, l as i32, d])?;
+        q = q.reshape(&[b, kv_heads, repeats, l, d])?;
         (k.expand_dims(&[2])?, v.expand_dims(&[2])?)
     } else {
         (k.clone(), v.clone())
     };
-    let last = k.ndim() as i32;
-    let mut axes: Vec<i32> = (0..last).collect();
-    axes.swap(last as usize - 1, last as usize - 2);
+    let last = k.ndim();
+    let mut axes: Vec<i32> = (0..last as i32).collect();
+    axes.swap(last - 1, last - 2);
     let scores = ops::matmul(&q, &k.transpose(&axes)?)?;
-    let offset = s.saturating_sub(l) as f64;
-    let rows = Array::arange(offset, offset + l as f64, 1.0, Dtype::Int32)?.expand_dims(&[1])?;
-    let cols = Array::arange(0.0, s as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
     let lowest = Array::scalar(lowest_finite(dtype), dtype)?;
-    let scores = ops::where_(&rows.greater_equal(&cols)?, &scores, &lowest)?.softmax(&[-1], true)?;
+    let scores = ops::where_(mask, &scores, &lowest)?.softmax(&[-1], true)?;
     let out = ops::matmul(&scores, &v)?;
-    Ok(if repeats > 1 { out.reshape(&[b, h, l as i32, d])? } else { out })
+    Ok(if repeats > 1 { out.reshape(&[b, h, l, d])? } else { out })
 }
 
 /// The most negative finite value of a float dtype (`mx.finfo(dtype).min`).

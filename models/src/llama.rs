@@ -2,7 +2,7 @@
 //! Reference: mlx-lm `models/llama.py`; every op mirrors it so outputs are bit-identical.
 
 use crate::cache::KvCache;
-use crate::layers::{attention, Embedding, Linear, RmsNorm, Rope};
+use crate::layers::{attention, causal_mask, short_query, Embedding, Linear, RmsNorm, Rope};
 use crate::weights::Weights;
 use crate::{CausalLm, LoadOptions, Result};
 use mlx::fast::Mask;
@@ -230,7 +230,8 @@ fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
     }
 }
 
-/// mlx-lm's mask choice: none for one new token, "causal" for several.
+/// mlx-lm's mask choice: none for one new token, "causal" for several (but a short query
+/// outside Metal gets an explicit causal mask: `layers::short_query`).
 fn attention_mask(len: usize) -> Mask<'static> {
     if len > 1 {
         Mask::Causal
@@ -339,7 +340,14 @@ impl Model {
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let mut h = self.embed_tokens.forward(tokens)?;
-        let mask = attention_mask(tokens.dim(-1));
+        let len = tokens.dim(-1);
+        let short;
+        let mask = if short_query(len) {
+            short = causal_mask(len, cache.first().map_or(0, KvCache::offset))?;
+            Mask::Array(&short)
+        } else {
+            attention_mask(len)
+        };
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
             h = layer.forward(&h, &mask, c, &self.rope)?;
         }

@@ -572,12 +572,13 @@ fn projections_in_different_formats_stay_separate() {
     assert!(max_abs_diff(&a, &b) <= 1e-5);
 }
 
-/// Short causal queries (speculative verification) attend through the unfused graph; on the
-/// CPU, where the fused op runs MLX's own fallback, both must agree bit for bit, with and
-/// without grouped heads, in float32 and bfloat16, from 2 to `SHORT_QUERY` queries.
+/// Short causal queries (speculative verification) attend through the unfused graph with an
+/// explicit causal mask; on the CPU, where the fused op runs MLX's own fallback, both must
+/// agree bit for bit with the fused causal op, with and without grouped heads, in float32 and
+/// bfloat16, from 2 to `SHORT_QUERY` queries.
 #[test]
 fn short_causal_queries_attend_exactly_as_the_fused_op() {
-    use crate::layers::{attention, attention_unfused, SHORT_QUERY};
+    use crate::layers::{attention, attention_unfused, causal_mask, SHORT_QUERY};
     use mlx::fast::{self, Mask};
     let values = |n: usize, seed: usize| -> Vec<f32> {
         (0..n).map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 500.0) - 1.0).collect()
@@ -591,8 +592,9 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
                 };
                 let (q, k, v) = (make(heads, l, 1), make(kv_heads, s, 2), make(kv_heads, s, 3));
                 let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
-                let unfused = attention_unfused(&q, &k, &v, 0.25).unwrap();
-                let routed = attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
+                let mask = causal_mask(l, s - l).unwrap();
+                let unfused = attention_unfused(&q, &k, &v, 0.25, &mask).unwrap();
+                let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask)).unwrap();
                 assert_eq!(unfused.shape(), fused.shape());
                 assert_eq!(
                     unfused.to_vec_f32().unwrap(),

@@ -152,7 +152,9 @@ bool qmv4_enabled() {
 
 // The kernel serves one activation row (decoding), bf16/f16 activations with scales and
 // biases of the same dtype, 4 bits, a group size that is a multiple of 32, an input width
-// that is a multiple of 32 (whole 16-byte chunks per row), on a CUDA stream.
+// that is a multiple of 32 (whole 16-byte chunks per row), on a CUDA stream. The kernel reads
+// x as 16-byte vectors: a one-row x is a whole array or a whole row of one (offset a multiple
+// of the width, so of 32 elements); nothing in the host slices inside a row.
 bool qmv4_applies(const array& x, const array& w, const array& scales, const array& biases,
                   bool transpose, int group_size, int bits) {
   if (!transpose || bits != 4 || group_size <= 0 || group_size % 32 != 0 || !qmv4_enabled()) return false;
@@ -395,14 +397,10 @@ Ptr addmm(const array& c, const array& a, const array& b, float alpha, float bet
   return wrap(mx::addmm(c, a, b, alpha, beta));
 }
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
-                     bool transpose, int32_t group_size, int32_t bits) {
-  if (qmv4_applies(x, w, scales, biases, transpose, group_size, bits)) {
+                     bool transpose, int32_t group_size, int32_t bits, bool host_kernels) {
+  if (host_kernels && qmv4_applies(x, w, scales, biases, transpose, group_size, bits)) {
     return wrap(qmv4(x, w, scales, biases, group_size));
   }
-  return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
-}
-Ptr quantized_matmul_mlx(const array& x, const array& w, const array& scales, const array& biases,
-                         bool transpose, int32_t group_size, int32_t bits) {
   return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
 }
 bool quantized_matvec_kernel_applies(const array& x, const array& w, const array& scales,

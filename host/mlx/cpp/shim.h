@@ -103,12 +103,10 @@ Ptr copy(const array& a);
 // Linear algebra and quantization.
 Ptr matmul(const array& a, const array& b);
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta);
+// With host_kernels, the host's 4-bit matrix-vector kernel where it applies (see
+// quantized_matvec_kernel_applies); MLX's own kernel otherwise.
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
-                     bool transpose, int32_t group_size, int32_t bits);
-// MLX's own kernel, whatever the shape (quantized_matmul uses the host's 4-bit matrix-vector
-// kernel where it applies); tests and benchmarks compare the two.
-Ptr quantized_matmul_mlx(const array& x, const array& w, const array& scales, const array& biases,
-                         bool transpose, int32_t group_size, int32_t bits);
+                     bool transpose, int32_t group_size, int32_t bits, bool host_kernels);
 bool quantized_matvec_kernel_applies(const array& x, const array& w, const array& scales,
                                      const array& biases, bool transpose, int32_t group_size,
                                      int32_t bits);

@@ -2,6 +2,8 @@
 //! sibling modules. Every function that can reach MLX returns `Result`, which is what
 //! makes cxx catch the C++ exception instead of aborting.
 
+// The bridge mirrors MLX's signatures (quantized_matmul takes eight arguments).
+#[allow(clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "mlx_shim")]
 pub(crate) mod ffi {
     unsafe extern "C++" {
@@ -92,15 +94,7 @@ pub(crate) mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
-        ) -> Result<UniquePtr<array>>;
-        fn quantized_matmul_mlx(
-            x: &array,
-            w: &array,
-            scales: &array,
-            biases: &array,
-            transpose: bool,
-            group_size: i32,
-            bits: i32,
+            host_kernels: bool,
         ) -> Result<UniquePtr<array>>;
         fn quantized_matvec_kernel_applies(
             x: &array,

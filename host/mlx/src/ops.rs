@@ -35,11 +35,12 @@ pub fn quantized_matmul(
     group_size: i32,
     bits: i32,
 ) -> Result<Array> {
-    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
+    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits, true))
 }
 
 /// `quantized_matmul` through MLX's own kernel, always (the reference for the host's kernel).
-pub fn quantized_matmul_mlx(
+#[cfg(test)]
+pub(crate) fn quantized_matmul_mlx(
     x: &Array,
     w: &Array,
     scales: &Array,
@@ -48,7 +49,7 @@ pub fn quantized_matmul_mlx(
     group_size: i32,
     bits: i32,
 ) -> Result<Array> {
-    wrap(ffi::quantized_matmul_mlx(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits))
+    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits, false))
 }
 
 /// Whether `quantized_matmul` with these arguments runs the host's matrix-vector kernel.

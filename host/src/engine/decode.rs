@@ -414,12 +414,9 @@ impl<'m> Generation<'m> {
             return Ok(false);
         }
         let last = *spec.seq.last().expect("the sequence holds the prompt");
-        // With fixed shapes every verification has one shape (drafts padded to the most
-        // allowed), so a GPU compiles nothing new mid-generation.
-        let width = if spec.fixed_shapes { spec.config.num_draft_tokens.max(k) + 1 } else { k + 1 };
         self.next_input = None;
         let mut ids = vec![last];
-        ids.extend(drafts.tokens.iter().chain(std::iter::repeat(&last)).take(width - 1));
+        ids.extend(&drafts.tokens);
         let input = tokens_array(&ids)?;
         let position = self.prompt_len + self.generated; // of the first drafted token
         self.stats.decode_steps += 1;
@@ -471,7 +468,7 @@ impl<'m> Generation<'m> {
         };
         let accepted = emitted.len() - 1;
         for c in &mut self.cache {
-            c.trim(width - 1 - accepted);
+            c.trim(k - accepted);
         }
         if let Some(h) = &self.history {
             self.history = Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, accepted as i32 + 1)?], 0)?);
@@ -486,16 +483,10 @@ impl<'m> Generation<'m> {
     fn verify_candidates(&mut self, candidates: Vec<Vec<u32>>, started: Instant) -> Result<()> {
         let spec = self.speculation.as_mut().expect("speculation is on");
         let last = *spec.seq.last().expect("the sequence holds the prompt");
-        let longest = candidates.iter().map(Vec::len).max().unwrap_or(0);
-        // With fixed shapes, as in `speculate`: as many rows as allowed, each as long.
-        let (rows, width) = if spec.fixed_shapes {
-            (spec.config.candidates().max(candidates.len()), spec.config.num_draft_tokens.max(longest) + 1)
-        } else {
-            (candidates.len(), longest + 1)
-        };
+        let rows = candidates.len();
+        let width = candidates.iter().map(Vec::len).max().unwrap_or(0) + 1;
         let mut ids = Vec::with_capacity(rows * width);
-        let padding = std::iter::repeat_n(&candidates[candidates.len() - 1], rows - candidates.len());
-        for c in candidates.iter().chain(padding) {
+        for c in &candidates {
             // Shorter rows are padded; nothing past a candidate's own length is accepted.
             ids.push(last as i32);
             ids.extend(c.iter().chain(std::iter::repeat(&last)).take(width - 1).map(|&t| t as i32));
@@ -510,7 +501,7 @@ impl<'m> Generation<'m> {
         let lp = log_softmax(&self.sampler.process(&logits.reshape(&[(rows * width) as i32, vocab])?, None)?)?;
         let picks = self.sampler.sample(&lp, position)?.to_vec_i32()?;
         // The longest agreement; among equals the first (most promising) row.
-        let (row, accepted) = (0..candidates.len())
+        let (row, accepted) = (0..rows)
             .map(|r| (r, agreement(&candidates[r], &picks[r * width..])))
             .fold((0, 0), |b, x| if x.1 > b.1 { x } else { b });
         for (c, fork) in self.cache.iter_mut().zip(&forks) {
@@ -946,17 +937,6 @@ mod tests {
         external: Option<Box<dyn ExternalSampler>>,
     ) -> (Vec<u32>, DecodeStats) {
         let speculation = Speculation::new(config, prompt, draft, options.prefill_step_size).unwrap();
-        run_speculation(model, prompt, params, options, speculation, external)
-    }
-
-    fn run_speculation(
-        model: &dyn CausalLm,
-        prompt: &[u32],
-        params: SamplingParams,
-        options: DecodeOptions,
-        speculation: Speculation,
-        external: Option<Box<dyn ExternalSampler>>,
-    ) -> (Vec<u32>, DecodeStats) {
         let sampler = Sampler::new(params, model.vocab_size()).unwrap();
         let hooks = Hooks { external, speculation: Some(speculation) };
         let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks).unwrap();
@@ -1067,34 +1047,6 @@ mod tests {
         }
         fn takes_cache_forks(&self) -> bool {
             false
-        }
-    }
-
-    #[test]
-    fn verifications_padded_to_one_shape_give_the_same_tokens() {
-        // HOST_SPEC_FIXED_SHAPES: every verification padded to num_draft_tokens + 1 positions
-        // (and, with candidates, to that many rows); the padding is scored and thrown away.
-        let prompt = repetitive_prompt();
-        for arch in ["llama", "qwen2", "qwen3"] {
-            let model = testing::model(arch, 21).unwrap();
-            let draft = testing::model(arch, 22).unwrap();
-            let (plain, _) = run(model.as_ref(), &prompt, SamplingParams::default(), opts(40));
-            let seeded = SamplingParams { temperature: 0.9, seed: Some(5), ..Default::default() };
-            let (plain_seeded, _) = run(model.as_ref(), &prompt, seeded.clone(), opts(40));
-            for (method, n, params, want) in [
-                (SpecMethod::PromptLookup, 1, SamplingParams::default(), &plain),
-                (SpecMethod::PromptLookup, 4, SamplingParams::default(), &plain),
-                (SpecMethod::Draft, 1, SamplingParams::default(), &plain),
-                (SpecMethod::PromptLookup, 1, seeded.clone(), &plain_seeded),
-            ] {
-                let config = SpecConfig { candidates: Some(n), ..spec(method, 6) };
-                let d = (method == SpecMethod::Draft).then_some(draft.as_ref() as &dyn CausalLm);
-                let mut speculation = Speculation::new(config, &prompt, d, 5).unwrap();
-                speculation.fixed_shapes = true;
-                let (ids, stats) = run_speculation(model.as_ref(), &prompt, params, opts(40), speculation, None);
-                assert_eq!(&ids, want, "{arch} {method:?} candidates={n}");
-                assert!(stats.drafted_tokens > 0, "{arch} {method:?}: nothing drafted");
-            }
         }
     }
 

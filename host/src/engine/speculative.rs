@@ -440,10 +440,6 @@ pub struct Speculation<'m> {
     /// The prompt (whole, including any prefix reused from the prompt cache) and every
     /// committed token.
     pub seq: Vec<u32>,
-    /// Pad every verification to one shape (as many positions, and rows, as allowed), so a
-    /// GPU compiles no kernels for new shapes mid-generation. Experimental, off unless
-    /// `HOST_SPEC_FIXED_SHAPES=1`: its one H200 run was slower (bench/NOTES.md).
-    pub fixed_shapes: bool,
 }
 
 impl<'m> Speculation<'m> {
@@ -468,13 +464,7 @@ impl<'m> Speculation<'m> {
         };
         let mut adaptive = AdaptiveK::new(config.num_draft_tokens);
         adaptive.cost_aware = std::env::var("HOST_SPEC_COST_BACKOFF").as_deref() != Ok("0");
-        Ok(Speculation {
-            drafter,
-            adaptive,
-            config,
-            seq: prompt.to_vec(),
-            fixed_shapes: std::env::var("HOST_SPEC_FIXED_SHAPES").as_deref() == Ok("1"),
-        })
+        Ok(Speculation { drafter, adaptive, config, seq: prompt.to_vec() })
     }
 }
 
