@@ -169,6 +169,9 @@ fn bench_measures_a_prompt_file_with_speculation() {
     assert_eq!(row["gen_tokens"].as_u64().unwrap() as usize, ids.len());
     assert!(!ids.is_empty() && ids.len() <= 12);
     assert_eq!(row["runs_identical"], true);
+    assert!(row["first_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
+    // The file repeats itself, so the first step already finds something to verify.
+    assert!(row["verifications"].as_u64().unwrap() > 0 && row["verify_ms"].as_f64().unwrap() > 0.0, "{row}");
     // The same ids as `host generate` on the same prompt.
     let plain = json_of(&generate(&["--prompt", "abcabcabcabcabcabc", "--max-tokens", "12", "--json"]));
     assert_eq!(plain["token_ids"].as_array().unwrap(), ids);

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On the H200 (after `. /tmp/site/env.sh`, data bundle in /tmp/data): the speculation settings
 # A/B'd in interleaved rounds on SmolLM2 bf16, edit and chat prompts, each `host bench
-# --prompt-file ... --gen 256 --runs 3` (median of 3 after a warm-up): plain; prompt lookup
-# (one candidate, the defaults); without the cost-aware back-off (HOST_SPEC_COST_BACKOFF=0);
-# 8 candidates. (Session 6 also had "fixed-shapes", HOST_SPEC_FIXED_SHAPES=1, since removed.) This device varies by tens of percent between processes, so only ratios
-# within a round, over several rounds, mean anything (bench/NOTES.md, session 5).
+# --prompt-file ... --gen 256 --runs 3` (median of 3 after a warm-up on random tokens, and the
+# first of the 3, which meets the prompt's verification shapes unseen): plain; prompt lookup
+# (one candidate, the defaults); 8 candidates; with the verification count and mean time.
+# (Sessions 6-7 also had "fixed-shapes", HOST_SPEC_FIXED_SHAPES=1, and "no-cost-backoff",
+# HOST_SPEC_COST_BACKOFF=0, since removed.) This device varies by tens of percent between
+# processes, so only ratios within a round, over several rounds, mean anything
+# (bench/NOTES.md, session 5).
 #   [SETTINGS="plain prompt-lookup ..."] bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
 # SETTINGS picks some of the labels below (plain always runs: the ratios are to it).
 set -uo pipefail
@@ -21,13 +24,12 @@ run() {  # round, label, environment ("" or VAR=value), host bench options...
     [ $w = chat ] && f=$CHAT
     env $environment timeout 120 "$HOST" bench --json --device gpu --model $M/smollm2-bfloat16 --prompt-file "$f" \
       --gen 256 --runs 3 "$@" \
-      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2)}))"
+      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'first':round(r['first_decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2),'gen':r['gen_tokens'],'drafted':r['drafted_tokens'],'accepted':r['accepted_tokens'],'verifications':r['verifications'],'verify_ms':round(r['verify_ms'],2),'pipelined_ms':round(r['build_ms']+r['dispatch_ms']+r['wait_ms'],2)}))"
   done
 }
 for r in $(seq "$ROUNDS"); do
   run $r plain ""
   run $r prompt-lookup "" --speculative prompt-lookup
-  run $r no-cost-backoff HOST_SPEC_COST_BACKOFF=0 --speculative prompt-lookup
   run $r 8-candidates "" --speculative prompt-lookup --draft-candidates 8
 done | tee "$OUTDIR/spec-ab.jsonl"
 python3 - "$OUTDIR/spec-ab.jsonl" <<'PY' | tee "$OUTDIR/spec-ab.md"
@@ -37,11 +39,12 @@ plain = {(r["round"], r["workload"]): r["tps"] for r in rows if r["label"] == "p
 by = collections.defaultdict(list)
 for r in rows:
     if (r["round"], r["workload"]) in plain:
-        by[(r["workload"], r["label"])].append((r["tps"] / plain[(r["round"], r["workload"])], r["tps"], r["tokens_per_step"]))
-print("| workload | setting | vs plain, per round | median vs plain | median tok/s | tokens/step |")
-print("|---|---|---|---|---|---|")
+        by[(r["workload"], r["label"])].append((r["tps"] / plain[(r["round"], r["workload"])], r["tps"], r["tokens_per_step"], r["first"]))
+print("| workload | setting | vs plain, per round | median vs plain | median tok/s | first-run tok/s | tokens/step |")
+print("|---|---|---|---|---|---|---|")
 for (w, label), v in by.items():
     ratios = ", ".join(f"{x[0]:.2f}x" for x in v)
     print(f"| {w} | {label} | {ratios} | {statistics.median(x[0] for x in v):.2f}x | "
-          f"{statistics.median(x[1] for x in v):.1f} | {statistics.median(x[2] for x in v):.2f} |")
+          f"{statistics.median(x[1] for x in v):.1f} | {statistics.median(x[3] for x in v):.1f} | "
+          f"{statistics.median(x[2] for x in v):.2f} |")
 PY

@@ -110,6 +110,9 @@ pub struct DecodeStats {
     pub build_secs: f64,
     pub dispatch_secs: f64,
     pub wait_secs: f64,
+    /// Speculative verifications and their time, summed (draft, forward, accept, commit).
+    pub verifications: usize,
+    pub verify_secs: f64,
 }
 
 impl DecodeStats {
@@ -291,7 +294,7 @@ impl<'m> Generation<'m> {
         // plain step, the cost speculation is weighed against.
         let in_flight = self.pending.is_some() && self.next_input.is_none();
         if self.next_input.is_some()
-            && self.speculation.as_ref().is_some_and(|s| s.adaptive.ready())
+            && self.speculation.as_ref().is_some_and(|s| s.wants_to_try())
             && self.speculate()?
         {
             return Ok(());
@@ -304,8 +307,7 @@ impl<'m> Generation<'m> {
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative.
-        let serial = self.external.is_some()
-            || self.speculation.as_ref().is_some_and(|s| s.adaptive.ready() && s.drafter.likely(&s.seq));
+        let serial = self.external.is_some() || self.speculation.as_ref().is_some_and(|s| s.wants_to_try());
         let queued = !serial && n + 1 < self.options.max_tokens;
         let t0 = Instant::now();
         if queued {
@@ -335,8 +337,6 @@ impl<'m> Generation<'m> {
             s.adaptive.plain_token();
             if queued && in_flight {
                 s.adaptive.plain_step(entered.elapsed().as_secs_f64());
-            } else if serial && self.external.is_none() {
-                s.adaptive.serial_step(entered.elapsed().as_secs_f64());
             }
         }
         self.external_accept(id)?;
@@ -524,7 +524,10 @@ impl<'m> Generation<'m> {
         let accepted = emitted.len() - 1;
         let spec = self.speculation.as_mut().expect("speculation is on");
         spec.drafter.commit(accepted)?;
-        spec.adaptive.verify_step(started.elapsed().as_secs_f64(), emitted.len());
+        let secs = started.elapsed().as_secs_f64();
+        spec.adaptive.verify_step(secs, emitted.len());
+        self.stats.verifications += 1;
+        self.stats.verify_secs += secs;
         spec.adaptive.update(drafted, accepted);
         self.stats.drafted_tokens += drafted;
         self.stats.accepted_tokens += accepted;

@@ -128,6 +128,11 @@ pub trait Drafter {
     /// A cheap guess whether `draft` would propose anything for `seq` (lets the decode loop
     /// stay pipelined while there is nothing to draft).
     fn likely(&self, seq: &[u32]) -> bool;
+    /// A stricter `likely`, for when drafts have been missing: whether a proposal for `seq`
+    /// would very likely be accepted. Drafters without a cheap signal say `likely`.
+    fn sure(&self, seq: &[u32]) -> bool {
+        self.likely(seq)
+    }
     /// Up to `n` different continuations of `seq`, each of at most `k` tokens and none a
     /// prefix of another, most promising first; greedy decoding verifies them as one batch.
     /// Drafters that cannot propose alternatives give `draft`'s one.
@@ -180,6 +185,12 @@ impl Drafter for PromptLookup {
 
     fn likely(&self, seq: &[u32]) -> bool {
         self.matches(seq, self.fill_min.min(self.ngram_min)).next().is_some()
+    }
+
+    /// A match of the longest n-gram size: in prose, two-token matches ("of the") recur
+    /// everywhere and rarely continue the same way; a text being copied matches at length.
+    fn sure(&self, seq: &[u32]) -> bool {
+        self.matches(seq, self.ngram_max).next().is_some()
     }
 
     fn candidates(&mut self, seq: &[u32], k: usize, n: usize, _sampler: &Sampler) -> Result<Vec<Vec<u32>>> {
@@ -328,15 +339,12 @@ pub fn check_draft(target: &models::Loaded, draft: &models::Loaded) -> Result<()
 /// the decode loop has timed both kinds of step, when speculating does not pay: tokens per
 /// verification per second below plain decoding's tokens per second (a verification runs
 /// serially, a plain step overlaps the next one's dispatch with the device, so on a GPU a
-/// verification costs well over one plain step). From the second consecutive miss, plain
-/// decoding takes over for 2, 4, 8, 16, then 32 tokens before the next try, so speculation
-/// on text that does not repeat costs a few steps, not a slowdown. (Backing off from the
-/// first miss cost 0.24 tokens/step on the edit workload; see bench/RESULTS.md.)
-///
-/// A verification that follows plain decoding also costs the plain step before it: that
-/// step runs serially (its token is needed to draft), so it takes longer than a pipelined
-/// one, and the difference is charged to the verification, so a switch from plain decoding
-/// to speculation is judged at what it really costs (bench/NOTES.md, session 6).
+/// verification costs well over one plain step: ~8-12 ms against ~3 ms on SmolLM2 on an
+/// H200, bench/RESULTS.md). From the second consecutive miss, plain decoding takes over for
+/// 2, 4, 8, 16, then 32 tokens before the next try, and while it is backing off the decode
+/// loop tries only where the drafter is sure ([`Drafter::sure`]), so speculation on text that
+/// does not repeat costs a few steps, not a slowdown. (Backing off from the first miss cost
+/// 0.24 tokens/step on the edit workload; see bench/RESULTS.md.)
 #[derive(Debug, Clone)]
 pub struct AdaptiveK {
     pub k: usize,
@@ -348,10 +356,6 @@ pub struct AdaptiveK {
     plain_secs: Option<f64>,
     verify_secs: Option<f64>,
     verify_tokens: Option<f64>,
-    /// Seconds of the serial plain step before the next verification (0 when none).
-    serial_secs: f64,
-    /// Whether the timings count (`HOST_SPEC_COST_BACKOFF=0` turns them off, for A/B runs).
-    pub cost_aware: bool,
 }
 
 /// Weight of the newest sample in the moving averages.
@@ -371,8 +375,6 @@ impl AdaptiveK {
             plain_secs: None,
             verify_secs: None,
             verify_tokens: None,
-            serial_secs: 0.0,
-            cost_aware: true,
         }
     }
 
@@ -389,27 +391,23 @@ impl AdaptiveK {
     /// A pipelined plain step took `secs`.
     pub fn plain_step(&mut self, secs: f64) {
         ewma(&mut self.plain_secs, secs);
-        self.serial_secs = 0.0;
     }
 
-    /// A plain step took `secs` run serially, because a verification is to follow.
-    pub fn serial_step(&mut self, secs: f64) {
-        self.serial_secs = secs;
-    }
-
-    /// A verification took `secs` and committed `tokens` tokens (before `update`); what the
-    /// serial step before it took beyond a pipelined step counts as part of its cost.
+    /// A verification took `secs` and committed `tokens` tokens (before `update`).
     pub fn verify_step(&mut self, secs: f64, tokens: usize) {
-        let extra = (self.serial_secs - self.plain_secs.unwrap_or(self.serial_secs)).max(0.0);
-        self.serial_secs = 0.0;
-        ewma(&mut self.verify_secs, secs + extra);
+        ewma(&mut self.verify_secs, secs);
         ewma(&mut self.verify_tokens, tokens as f64);
+    }
+
+    /// Whether the last two or more verifications missed: plain decoding is taking over.
+    pub fn backing_off(&self) -> bool {
+        self.misses >= 2
     }
 
     /// Whether speculating pays, by the timings so far (true until both kinds are timed).
     pub fn pays(&self) -> bool {
         match (self.plain_secs, self.verify_secs, self.verify_tokens) {
-            (Some(p), Some(v), Some(g)) if self.cost_aware => g / v >= 1.0 / p,
+            (Some(p), Some(v), Some(g)) => g / v >= 1.0 / p,
             _ => true,
         }
     }
@@ -462,9 +460,16 @@ impl<'m> Speculation<'m> {
                 None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
             },
         };
-        let mut adaptive = AdaptiveK::new(config.num_draft_tokens);
-        adaptive.cost_aware = std::env::var("HOST_SPEC_COST_BACKOFF").as_deref() != Ok("0");
+        let adaptive = AdaptiveK::new(config.num_draft_tokens);
         Ok(Speculation { drafter, adaptive, config, seq: prompt.to_vec() })
+    }
+
+    /// Whether to try a speculative step now: the back-off allows it and the drafter likely
+    /// proposes something; while backing off, only where it is sure. (The step before runs
+    /// serially, so a try that finds nothing still costs.)
+    pub fn wants_to_try(&self) -> bool {
+        self.adaptive.ready()
+            && if self.adaptive.backing_off() { self.drafter.sure(&self.seq) } else { self.drafter.likely(&self.seq) }
     }
 }
 
@@ -541,8 +546,6 @@ mod tests {
             a.update(4, 1);
         }
         assert!(!a.pays() && !a.ready(), "two verifications that do not pay: back off");
-        a.cost_aware = false;
-        assert!(a.pays(), "timings ignored");
         let mut b = AdaptiveK::new(8);
         b.plain_step(0.001);
         for _ in 0..4 {
@@ -559,30 +562,25 @@ mod tests {
     }
 
     #[test]
-    fn the_serial_step_before_a_verification_counts_toward_its_cost() {
-        // Plain steps take 1 ms pipelined; a verification 1.5 ms for 2 tokens pays (1.33
-        // tokens/ms) when it follows another verification ...
-        let mut a = AdaptiveK::new(8);
-        a.plain_step(0.001);
-        a.verify_step(0.0015, 2);
-        assert!(a.pays());
-        // ... but not after plain decoding, when the step before it ran serially in 2 ms:
-        // 2 tokens for 1.5 + (2 - 1) ms.
-        let mut b = AdaptiveK::new(8);
-        b.plain_step(0.001);
-        b.serial_step(0.002);
-        b.verify_step(0.0015, 2);
-        assert!(!b.pays());
-        // The charge is paid once, and a pipelined step in between cancels it.
-        b.verify_step(0.0015, 2);
-        b.verify_step(0.0015, 2);
-        b.verify_step(0.0015, 2);
-        assert!(b.pays(), "verifications back to back pay again");
-        let mut c = AdaptiveK::new(8);
-        c.plain_step(0.001);
-        c.serial_step(0.002);
-        c.plain_step(0.001);
-        c.verify_step(0.0015, 2);
-        assert!(c.pays());
+    fn while_backing_off_only_sure_matches_are_tried() {
+        let config = SpecConfig { method: SpecMethod::PromptLookup, ngram_max: 4, ngram_min: 2, ..Default::default() };
+        // Ends in "7 8": a two-token match (at 2) but no four-token one.
+        let bigram = [7, 8, 9, 1, 2, 3, 7, 8];
+        // Ends in "1 2 3 4", which occurred before: a four-token match.
+        let copied = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4];
+        let mut s = Speculation::new(config.clone(), &bigram, None, 512).unwrap();
+        assert!(s.wants_to_try(), "not backing off: a two-token match is enough");
+        s.adaptive.update(4, 0);
+        s.adaptive.update(4, 0);
+        for _ in 0..2 {
+            s.adaptive.plain_token();
+        }
+        assert!(s.adaptive.ready() && s.adaptive.backing_off());
+        assert!(!s.wants_to_try(), "backing off: a two-token match is not tried");
+        s.seq = copied.to_vec();
+        assert!(s.wants_to_try(), "backing off: a four-token match is");
+        s.adaptive.update(4, 3);
+        s.seq = bigram.to_vec();
+        assert!(s.wants_to_try(), "a verification that pays ends the back-off");
     }
 }
