@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 
 /// Everything handlers share.
 pub struct AppState {
@@ -51,7 +52,6 @@ pub struct AppState {
 type Shared = Arc<AppState>;
 
 pub fn app(state: Shared) -> Router {
-    let limit = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -64,10 +64,69 @@ pub fn app(state: Shared) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), bounded_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        // `bounded_body` enforces the limit (and reads what is over it); the extractors'
+        // own limit (2 MB by default) would cut below it.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)
+}
+
+/// How much of a body over the limit is still read (and dropped) before the 413 goes out.
+/// A server that answers while the client is still sending, then closes, makes the client's
+/// kernel receive a reset, which can discard the answer before the client reads it: the
+/// client sees "server disconnected without sending a response" instead of the 413 (the e2e
+/// hostile-request test did, once, for a 10 MB body against the 4 MB limit). Read to the end,
+/// the 413 arrives and the connection stays usable. Bodies declared larger than the limit plus
+/// this are refused at once.
+const DRAIN_OVER_LIMIT: u64 = 64 << 20;
+
+/// Reads the request body, at most `max_body_bytes` of it kept: a larger one gets a 413 in
+/// its API's error shape once it has been read (up to [`DRAIN_OVER_LIMIT`] more).
+async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let limit = state.max_body_bytes;
+    let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is larger than the server's limit of {limit} bytes"),
+        )
+        .flavor(flavor)
+        .into_response()
+    };
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let drain_to = limit.saturating_add(DRAIN_OVER_LIMIT);
+    if declared.is_some_and(|n| n > drain_to) {
+        return too_large();
+    }
+    let keep = declared.is_none_or(|n| n <= limit);
+    let (parts, body) = req.into_parts();
+    let mut stream = body.into_data_stream();
+    let (mut kept, mut total) = (Vec::new(), 0u64);
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                let e = ApiError::bad_request(format!("could not read the request body: {e}"));
+                return e.flavor(flavor).into_response();
+            }
+        };
+        total += chunk.len() as u64;
+        if keep && total <= limit {
+            kept.extend_from_slice(&chunk);
+        } else if total > drain_to {
+            break;
+        }
+    }
+    if total > limit {
+        return too_large();
+    }
+    next.run(Request::from_parts(parts, axum::body::Body::from(kept))).await
 }
 
 fn now() -> u64 {
@@ -903,6 +962,48 @@ mod tests {
         let big = format!("{{\"messages\": \"{}\"}}", "a".repeat(1 << 17));
         let (status, v) = check(router(None), "POST", "/v1/chat/completions", &big, &[]).await;
         assert_eq!(status, 413, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("limit of 65536 bytes"), "{v}");
+        let (status, v) = check(router(None), "POST", "/v1/messages", &big, &[]).await;
+        assert_eq!((status, v["error"]["type"].as_str()), (413, Some("request_too_large")), "{v}");
+    }
+
+    /// A body over the limit is read to its end before the 413 (so the answer reaches a client
+    /// still sending; `bounded_body`), streamed without a length or declared by one; a body
+    /// at the limit passes whole.
+    #[tokio::test]
+    async fn an_oversized_body_is_read_to_its_end_before_the_413() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let read = Arc::new(AtomicUsize::new(0));
+        let chunks = |n: usize, read: Arc<AtomicUsize>| {
+            tokio_stream::iter((0..n).map(move |_| {
+                read.fetch_add(1 << 14, Ordering::SeqCst);
+                Ok::<_, Infallible>(Bytes::from(vec![b' '; 1 << 14]))
+            }))
+        };
+        // 40 chunks of 16 KiB: 640 KiB against the 64 KiB limit.
+        for declared in [None, Some(40 << 14)] {
+            read.store(0, Ordering::SeqCst);
+            let mut req = Request::builder().method("POST").uri("/v1/chat/completions");
+            if let Some(n) = declared {
+                req = req.header("content-length", n.to_string());
+            }
+            let body = Body::from_stream(chunks(40, read.clone()));
+            let response = router(None).oneshot(req.body(body).unwrap()).await.unwrap();
+            assert_eq!(response.status().as_u16(), 413);
+            assert_eq!(read.load(Ordering::SeqCst), 40 << 14, "declared {declared:?}: the whole body was read");
+        }
+        // Declared beyond what is worth reading: refused before reading.
+        read.store(0, Ordering::SeqCst);
+        let req = Request::builder().method("POST").uri("/v1/chat/completions").header("content-length", "1000000000");
+        let response =
+            router(None).oneshot(req.body(Body::from_stream(chunks(4, read.clone()))).unwrap()).await.unwrap();
+        assert_eq!(response.status().as_u16(), 413);
+        assert_eq!(read.load(Ordering::SeqCst), 0);
+        // Exactly at the limit (4 chunks = 64 KiB of spaces): read whole and parsed (as JSON,
+        // which spaces alone are not: a 400, not a 413).
+        let body = Body::from_stream(chunks(4, read.clone()));
+        let response = router(None).oneshot(Request::post("/v1/chat/completions").body(body).unwrap()).await.unwrap();
+        assert_eq!(response.status().as_u16(), 400);
     }
 
     #[tokio::test]
