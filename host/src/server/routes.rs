@@ -77,9 +77,9 @@ pub fn app(state: Shared) -> Router {
 /// A server that answers while the client is still sending, then closes, makes the client's
 /// kernel receive a reset, which can discard the answer before the client reads it: the
 /// client sees "server disconnected without sending a response" instead of the 413 (the e2e
-/// hostile-request test did once; its only bodies over the 4 MB limit are two of 10 MB). Read to the end,
-/// the 413 arrives and the connection stays usable. Bodies declared larger than the limit plus
-/// this are refused at once.
+/// hostile-request test did once; its only bodies over the 4 MB limit are two of 10 MB). Read
+/// to the end, the 413 arrives and the connection stays usable. Bodies declared larger than
+/// the limit plus this are refused at once.
 const DRAIN_OVER_LIMIT: u64 = 64 << 20;
 
 /// Reads the request body, at most `max_body_bytes` of it kept: a larger one gets a 413 in
