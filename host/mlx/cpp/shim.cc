@@ -403,11 +403,6 @@ Ptr quantized_matmul(const array& x, const array& w, const array& scales, const 
   }
   return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
 }
-bool quantized_matvec_kernel_applies(const array& x, const array& w, const array& scales,
-                                     const array& biases, bool transpose, int32_t group_size,
-                                     int32_t bits) {
-  return qmv4_applies(x, w, scales, biases, transpose, group_size, bits);
-}
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                int32_t bits, uint8_t dt) {
   return wrap(mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, to_dtype(dt)));

@@ -103,13 +103,10 @@ Ptr copy(const array& a);
 // Linear algebra and quantization.
 Ptr matmul(const array& a, const array& b);
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta);
-// With host_kernels, the host's 4-bit matrix-vector kernel where it applies (see
-// quantized_matvec_kernel_applies); MLX's own kernel otherwise.
+// With host_kernels, the host's 4-bit matrix-vector kernel where it applies (qmv4_applies in
+// shim.cc); MLX's own kernel otherwise.
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                      bool transpose, int32_t group_size, int32_t bits, bool host_kernels);
-bool quantized_matvec_kernel_applies(const array& x, const array& w, const array& scales,
-                                     const array& biases, bool transpose, int32_t group_size,
-                                     int32_t bits);
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                int32_t bits, uint8_t dtype);
 std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits);

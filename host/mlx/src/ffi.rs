@@ -96,15 +96,6 @@ pub(crate) mod ffi {
             bits: i32,
             host_kernels: bool,
         ) -> Result<UniquePtr<array>>;
-        fn quantized_matvec_kernel_applies(
-            x: &array,
-            w: &array,
-            scales: &array,
-            biases: &array,
-            transpose: bool,
-            group_size: i32,
-            bits: i32,
-        ) -> bool;
         fn dequantize(
             w: &array,
             scales: &array,

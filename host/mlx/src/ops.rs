@@ -38,33 +38,6 @@ pub fn quantized_matmul(
     wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits, true))
 }
 
-/// `quantized_matmul` through MLX's own kernel, always (the reference for the host's kernel).
-#[cfg(test)]
-pub(crate) fn quantized_matmul_mlx(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    transpose: bool,
-    group_size: i32,
-    bits: i32,
-) -> Result<Array> {
-    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits, false))
-}
-
-/// Whether `quantized_matmul` with these arguments runs the host's matrix-vector kernel.
-pub fn quantized_matvec_kernel_applies(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    transpose: bool,
-    group_size: i32,
-    bits: i32,
-) -> bool {
-    ffi::quantized_matvec_kernel_applies(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits)
-}
-
 pub fn dequantize(
     w: &Array,
     scales: &Array,

@@ -90,21 +90,10 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Parses a JSON body, turning every failure into a 4xx that says what was wrong.
-pub fn parse_body<T: DeserializeOwned>(
-    body: Result<axum::body::Bytes, BytesRejection>,
-    limit: u64,
-) -> Result<T, ApiError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is larger than the server's limit of {limit} bytes"),
-            )
-        } else {
-            ApiError::new(e.status(), format!("could not read the request body: {e}"))
-        }
-    })?;
+/// Parses a JSON body, turning every failure into a 4xx that says what was wrong. (The size
+/// limit is enforced before, by the `bounded_body` middleware in routes.rs.)
+pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), format!("could not read the request body: {e}")))?;
     if body.is_empty() {
         return Err(ApiError::bad_request("the request body is empty; send a JSON object"));
     }

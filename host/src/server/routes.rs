@@ -104,7 +104,6 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
     if declared.is_some_and(|n| n > drain_to) {
         return too_large();
     }
-    let keep = declared.is_none_or(|n| n <= limit);
     let (parts, body) = req.into_parts();
     let mut stream = body.into_data_stream();
     let (mut kept, mut total) = (Vec::new(), 0u64);
@@ -117,7 +116,7 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
             }
         };
         total += chunk.len() as u64;
-        if keep && total <= limit {
+        if total <= limit {
             kept.extend_from_slice(&chunk);
         } else if total > drain_to {
             break;
@@ -524,7 +523,7 @@ async fn chat_completions(
     State(state): State<Shared>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse_body(body, state.max_body_bytes)?;
+    let req: ChatRequest = parse_body(body)?;
     openai::check_n(req.n)?;
     req.check_unsupported()?;
     let sampling = req.sampling.to_params(1.0)?;
@@ -628,7 +627,7 @@ async fn chat_completions(
 }
 
 async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(body, state.max_body_bytes)?;
+    let req: CompletionRequest = parse_body(body)?;
     openai::check_n(req.n)?;
     let sampling = req.sampling.to_params(1.0)?;
     let max = openai::max_tokens(req.max_tokens, "max_tokens", 16)?;
@@ -720,7 +719,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
 
 async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let a = Flavor::Anthropic;
-    let req: anthropic::MessagesRequest = parse_body(body, state.max_body_bytes).map_err(|e| e.flavor(a))?;
+    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
     let max = anthropic::max_tokens(&req)?;
     let sampling = anthropic::sampling(&req)?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
@@ -851,7 +850,7 @@ async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         #[serde(default)]
         add_special_tokens: bool,
     }
-    let req: Req = parse_body(body, state.max_body_bytes)?;
+    let req: Req = parse_body(body)?;
     let _ = req.model;
     let tokens = match (req.prompt, req.messages) {
         (Some(text), None) => {
@@ -871,7 +870,7 @@ async fn detokenize(State(state): State<Shared>, body: Result<Bytes, BytesReject
         model: Option<String>,
         tokens: Vec<u32>,
     }
-    let req: Req = parse_body(body, state.max_body_bytes)?;
+    let req: Req = parse_body(body)?;
     let _ = req.model;
     let vocab = state.engine.info.vocab_size;
     if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -886,7 +885,7 @@ async fn count_tokens(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let a = Flavor::Anthropic;
-    let req: anthropic::CountTokensRequest = parse_body(body, state.max_body_bytes).map_err(|e| e.flavor(a))?;
+    let req: anthropic::CountTokensRequest = parse_body(body).map_err(|e| e.flavor(a))?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
     // The same prompt `messages` would build, tool descriptions included.
     let tools = anthropic::tools(req.tools.as_ref())?;
