@@ -1,6 +1,9 @@
 //! `host generate` as a user runs it: the real binary on a tiny model folder written by the
 //! test (no network, no fixtures): output shapes, determinism, and clear errors on bad input.
 
+mod common;
+
+use common::{OutputWithin, HANG};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -18,7 +21,7 @@ fn model_dir() -> &'static PathBuf {
 }
 
 fn host(args: &[&OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_host")).arg("generate").args(args).output().expect("running host")
+    Command::new(env!("CARGO_BIN_EXE_host")).arg("generate").args(args).output_within(HANG)
 }
 
 fn generate(extra: &[&str]) -> Output {
@@ -117,8 +120,7 @@ fn bench_prints_one_json_row_per_prompt_length() {
         .args(["bench", "--device", "cpu", "--json", "--prompt-lengths", "8,24", "--gen", "6", "--runs", "2"])
         .args(["--bandwidth", "10", "--model"])
         .arg(model_dir())
-        .output()
-        .unwrap();
+        .output_within(HANG);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
@@ -144,8 +146,7 @@ fn bench_prints_one_json_row_per_prompt_length() {
     let err = Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["bench", "--gen", "1", "--model"])
         .arg(model_dir())
-        .output()
-        .unwrap();
+        .output_within(HANG);
     assert!(String::from_utf8_lossy(&err.stderr).contains("--gen must be at least 2"));
 }
 
@@ -165,7 +166,7 @@ fn the_step_graph_dump_shows_what_the_fusion_switch_changes() {
         if let Some(v) = fuse {
             cmd.env("HOST_FUSE_PROJECTIONS", v);
         }
-        let out = cmd.output().unwrap();
+        let out = cmd.output_within(HANG);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let dot = std::fs::read_to_string(&path).expect("the step graph was written");
         std::fs::remove_file(&path).ok();
@@ -188,8 +189,7 @@ fn bench_measures_a_prompt_file_with_speculation() {
         .arg(&file)
         .arg("--model")
         .arg(model_dir())
-        .output()
-        .unwrap();
+        .output_within(HANG);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let row: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(row["speculative"], "prompt-lookup");
@@ -207,8 +207,15 @@ fn bench_measures_a_prompt_file_with_speculation() {
     let missing = Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["bench", "--prompt-file", "/nonexistent/prompt.txt", "--model"])
         .arg(model_dir())
-        .output()
-        .unwrap();
+        .output_within(HANG);
     assert!(String::from_utf8_lossy(&missing.stderr).contains("reading /nonexistent/prompt.txt"));
     std::fs::remove_file(file).ok();
+}
+
+/// The deadline every run of the binary here has: a child that hangs fails its test, with its
+/// stderr, instead of holding the suite until CI's time limit (a hang at exit did, once).
+#[test]
+#[should_panic(expected = "did not finish within 1 s and was killed (a hang); its stderr:\nstarted")]
+fn a_hanging_child_fails_the_test_with_its_stderr() {
+    Command::new("sh").args(["-c", "echo started >&2; sleep 30"]).output_within(std::time::Duration::from_secs(1));
 }

@@ -7,6 +7,9 @@
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
 //! missing fixture is a failure, elsewhere the tests say they were skipped.
 
+mod common;
+
+use common::{OutputWithin, HANG};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -64,13 +67,8 @@ fn oracle(f: &Fixtures, model: &str, max_tokens: usize) -> Arc<Vec<OracleRecord>
         if !blas.is_empty() {
             oracle.env("LD_PRELOAD", blas);
         }
-        let out = oracle
-            .arg(&script)
-            .arg(f.models.join(model))
-            .arg(max_tokens.to_string())
-            .args(PROMPTS)
-            .output()
-            .expect("running the mlx-lm oracle");
+        let out =
+            oracle.arg(&script).arg(f.models.join(model)).arg(max_tokens.to_string()).args(PROMPTS).output_within(HANG);
         assert!(out.status.success(), "oracle failed: {}", String::from_utf8_lossy(&out.stderr));
         let records = String::from_utf8(out.stdout)
             .unwrap()
@@ -110,8 +108,7 @@ fn host_generate(model: &PathBuf, prompt: &str, max_tokens: usize) -> Value {
             "--model",
         ])
         .arg(model)
-        .output()
-        .expect("running host generate");
+        .output_within(HANG);
     assert!(out.status.success(), "host generate failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("host generate --json prints one JSON object")
 }

@@ -343,5 +343,8 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             caches.insert(id, c);
         }
     }
+    // The last forward may still be running: exiting under it races the BLAS library's exit
+    // handler (see `Generation`'s `Drop`).
+    mlx::synchronize()?;
     Ok(())
 }

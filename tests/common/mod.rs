@@ -4,8 +4,70 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long one run of the binary may take before a test calls it a hang (the slowest, a
+/// debug build decoding SmolLM2 on a loaded 2-core machine, takes seconds).
+pub const HANG: Duration = Duration::from_secs(300);
+
+/// `Command::output` with a deadline: a child that hangs is killed and the test fails with
+/// its stderr, instead of the whole suite waiting for CI's time limit.
+pub trait OutputWithin {
+    fn output_within(&mut self, limit: Duration) -> Output;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> Output {
+        let mut child = self
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {self:?}: {e}"));
+        // Each pipe is read on its own thread (a full pipe would block the child) into a
+        // shared buffer, so a killed child's pipe held open by a grandchild cannot block the
+        // test, and what it wrote before the kill is still there to show.
+        let drain = |mut pipe: Box<dyn Read + Send>| {
+            let bytes = Arc::new(Mutex::new(Vec::new()));
+            let sink = bytes.clone();
+            let reader = std::thread::spawn(move || {
+                let mut chunk = [0u8; 8192];
+                while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                    sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+                }
+            });
+            (bytes, reader)
+        };
+        let (stdout, stdout_reader) = drain(Box::new(child.stdout.take().unwrap()));
+        let (stderr, stderr_reader) = drain(Box::new(child.stderr.take().unwrap()));
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("waiting for the child") {
+                break status;
+            }
+            if started.elapsed() > limit {
+                child.kill().ok();
+                child.wait().ok();
+                std::thread::sleep(Duration::from_millis(100));
+                let err = stderr.lock().unwrap().clone();
+                panic!(
+                    "{self:?} did not finish within {} s and was killed (a hang); its stderr:\n{}",
+                    limit.as_secs(),
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        stdout_reader.join().unwrap();
+        stderr_reader.join().unwrap();
+        let take = |bytes: Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *bytes.lock().unwrap());
+        Output { status, stdout: take(stdout), stderr: take(stderr) }
+    }
+}
 
 /// The fixture models folder; `None` (the test is skipped) when fixtures are not set up,
 /// a failure under CI.
@@ -27,8 +89,7 @@ pub fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Out
         .arg("--model")
         .arg(model)
         .args(extra)
-        .output()
-        .expect("running host generate")
+        .output_within(HANG)
 }
 
 /// As `run`, which must succeed; its JSON output.

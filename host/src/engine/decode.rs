@@ -180,6 +180,20 @@ fn tokens_array(ids: &[u32]) -> Result<Array> {
     Ok(Array::from_i32(&ids, &[ids.len()])?)
 }
 
+/// A generation ends with no MLX work of its own still running. Generation stops on an
+/// end-of-sequence token with the next step already queued (pipelining), and dropping its
+/// arrays does not stop MLX's stream thread computing it. A process that then exits runs the
+/// BLAS library's exit handler while that thread is inside a matrix product: `host generate`
+/// hung there (OpenBLAS joining its worker in `blas_thread_shutdown_`) or aborted with a
+/// corrupted heap, about one run in a hundred on a 2-core machine.
+impl Drop for Generation<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = mlx::synchronize() {
+            tracing::warn!("waiting for the last decode step: {e:#}");
+        }
+    }
+}
+
 impl<'m> Generation<'m> {
     /// Prefills `prompt` and queues the first step.
     pub fn start(model: &'m dyn CausalLm, prompt: &[u32], sampler: Sampler, options: DecodeOptions) -> Result<Self> {
@@ -647,7 +661,7 @@ impl<'m> Generation<'m> {
         for c in &mut self.cache {
             c.trim(unread);
         }
-        self.cache
+        std::mem::take(&mut self.cache)
     }
 
     /// The external sampler's pick at `position` from processed logits `[1, V]`; `None` when
