@@ -152,31 +152,40 @@ fn bench_prints_one_json_row_per_prompt_length() {
 
 /// The two A/B aids that only the environment reaches: `HOST_DEBUG_STEP_GRAPH=FILE` writes a
 /// decode step's graph (Graphviz), and in it `HOST_FUSE_PROJECTIONS=0` shows the separate
-/// projections: 3 more matrix products per layer (q, k, v and gate, up as 5 instead of 2).
+/// projections: 3 more matrix products per layer (q, k, v and gate, up as 5 instead of 2),
+/// and, on a model without q/k norms (Llama), q and k rotated apart: a RoPE more per layer
+/// (on the CPU MLX's RoPE is a graph of plain ops with one `Sin` each).
 #[test]
 fn the_step_graph_dump_shows_what_the_fusion_switch_changes() {
-    let matmuls = |fuse: Option<&str>| {
-        let path = std::env::temp_dir().join(format!("host-step-graph-{}-{fuse:?}.dot", std::process::id()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_host"));
-        cmd.args(["bench", "--device", "cpu", "--json", "--prompt-lengths", "8", "--gen", "12", "--runs", "1"])
-            .arg("--model")
-            .arg(model_dir())
-            .env("HOST_DEBUG_STEP_GRAPH", &path)
-            .env_remove("HOST_FUSE_PROJECTIONS");
-        if let Some(v) = fuse {
-            cmd.env("HOST_FUSE_PROJECTIONS", v);
-        }
-        let out = cmd.output_within(HANG);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let dot = std::fs::read_to_string(&path).expect("the step graph was written");
-        std::fs::remove_file(&path).ok();
-        assert!(dot.starts_with("digraph"), "{}", &dot[..dot.len().min(200)]);
-        dot.matches("label =\"Matmul").count()
-    };
-    let (fused, separate) = (matmuls(None), matmuls(Some("0")));
-    let config: Value = serde_json::from_slice(&std::fs::read(model_dir().join("config.json")).unwrap()).unwrap();
-    let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
-    assert_eq!(separate, fused + 3 * layers, "fused {fused}, separate {separate}");
+    let llama = std::env::temp_dir().join(format!("host-cli-test-llama-{}", std::process::id()));
+    models::testing::write_model(&llama, "llama", 5).unwrap();
+    for (dir, joint_rope) in [(model_dir(), false), (&llama, true)] {
+        let count = |fuse: Option<&str>| {
+            let path = std::env::temp_dir().join(format!("host-step-graph-{}-{fuse:?}.dot", std::process::id()));
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_host"));
+            cmd.args(["bench", "--device", "cpu", "--json", "--prompt-lengths", "8", "--gen", "12", "--runs", "1"])
+                .arg("--model")
+                .arg(dir)
+                .env("HOST_DEBUG_STEP_GRAPH", &path)
+                .env_remove("HOST_FUSE_PROJECTIONS");
+            if let Some(v) = fuse {
+                cmd.env("HOST_FUSE_PROJECTIONS", v);
+            }
+            let out = cmd.output_within(HANG);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let dot = std::fs::read_to_string(&path).expect("the step graph was written");
+            std::fs::remove_file(&path).ok();
+            assert!(dot.starts_with("digraph"), "{}", &dot[..dot.len().min(200)]);
+            (dot.matches("label =\"Matmul").count(), dot.matches("label =\"Sin").count())
+        };
+        let (fused, separate) = (count(None), count(Some("0")));
+        let config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
+        assert_eq!(separate.0, fused.0 + 3 * layers, "{}: fused {fused:?}, separate {separate:?}", dir.display());
+        let ropes = if joint_rope { layers } else { 0 };
+        assert_eq!(separate.1, fused.1 + ropes, "{}: fused {fused:?}, separate {separate:?}", dir.display());
+    }
+    std::fs::remove_dir_all(llama).ok();
 }
 
 #[test]

@@ -119,20 +119,30 @@ impl Projections {
     fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
             Projections::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
-            Projections::Fused { linear, widths } => {
-                let y = linear.forward(x)?;
-                let last = y.ndim() as i32 - 1;
-                let mut start = 0;
-                widths
-                    .iter()
-                    .map(|&n| {
-                        start += n;
-                        Ok(y.slice_axis(last, start - n, start)?)
-                    })
-                    .collect()
-            }
+            Projections::Fused { linear, widths } => split_last(&linear.forward(x)?, widths),
         }
     }
+
+    /// As `forward`, with the first `n` parts' outputs as one array (one slice of the fused
+    /// output); `None` when the parts are separate matmuls.
+    fn forward_first_joined(&self, x: &Array, n: usize) -> Result<Option<Vec<Array>>> {
+        let Projections::Fused { linear, widths } = self else { return Ok(None) };
+        let joined: Vec<i32> = std::iter::once(widths[..n].iter().sum()).chain(widths[n..].iter().copied()).collect();
+        Ok(Some(split_last(&linear.forward(x)?, &joined)?))
+    }
+}
+
+/// `y` cut along its last axis into consecutive slices of `widths`.
+fn split_last(y: &Array, widths: &[i32]) -> Result<Vec<Array>> {
+    let last = y.ndim() as i32 - 1;
+    let mut start = 0;
+    widths
+        .iter()
+        .map(|&n| {
+            start += n;
+            Ok(y.slice_axis(last, start - n, start)?)
+        })
+        .collect()
 }
 
 /// Module names of the projections that `fuse` concatenates, and of their fusions (never in
@@ -210,12 +220,27 @@ impl Attention {
             }
             Ok(a.transpose(&[0, 2, 1, 3])?)
         };
-        let qkv = self.qkv.forward(x)?;
-        let q = heads(&qkv[0], self.n_heads, self.q_norm.as_ref())?;
-        let k = heads(&qkv[1], self.n_kv_heads, self.k_norm.as_ref())?;
-        let v = heads(&qkv[2], self.n_kv_heads, None)?;
-        let q = rope.forward(&q, cache.offset())?;
-        let k = rope.forward(&k, cache.offset())?;
+        let offset = cache.offset();
+        // Without per-head norms, q and k heads get the same rotation: with fused projections
+        // they are one slice of the product, and one RoPE over all their heads is one kernel
+        // (per layer and step) fewer than two.
+        let joined = match self.q_norm {
+            None => self.qkv.forward_first_joined(x, 2)?,
+            Some(_) => None,
+        };
+        let (q, k, v) = match joined {
+            Some(qk_v) => {
+                let (nq, nk) = (self.n_heads, self.n_kv_heads);
+                let qk = rope.forward(&heads(&qk_v[0], nq + nk, None)?, offset)?;
+                (qk.slice_axis(1, 0, nq)?, qk.slice_axis(1, nq, nq + nk)?, heads(&qk_v[1], nk, None)?)
+            }
+            None => {
+                let qkv = self.qkv.forward(x)?;
+                let q = heads(&qkv[0], self.n_heads, self.q_norm.as_ref())?;
+                let k = heads(&qkv[1], self.n_kv_heads, self.k_norm.as_ref())?;
+                (rope.forward(&q, offset)?, rope.forward(&k, offset)?, heads(&qkv[2], self.n_kv_heads, None)?)
+            }
+        };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let o = attention(&q, &k, &v, self.scale, mask_ref(mask))?;
         reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)

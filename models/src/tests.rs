@@ -501,7 +501,8 @@ fn fused_projections_give_the_separate_projections_logits() {
     // Bounds per weight dtype, relative to the largest logit: one matmul over the
     // concatenated rows computes each output from the same products as three, so only the
     // accumulation order of a differently shaped kernel may differ (on the CPU nothing does:
-    // every case is bit-identical; the bounds are for GPU kernels).
+    // every case is bit-identical; the bounds are for GPU kernels). Fused, the models without
+    // q/k norms (llama, qwen2) also rotate q and k heads in one RoPE, elementwise per head.
     for (dtype, bound) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 2e-2), (Dtype::Float16, 2e-3)] {
         for arch in ARCHS {
             for bits in [None, Some(8), Some(4)] {
