@@ -179,3 +179,36 @@ def test_sigterm_lets_an_in_flight_stream_finish(fresh):
         lines.extend(it)
     assert [l for l in lines if l.startswith("data: ")][-1] == "data: [DONE]"
     assert s.proc.wait(timeout=30) == 0
+
+
+def test_requests_still_running_after_the_grace_period_are_stopped_with_a_clear_error(fresh, tmp_path):
+    # With a generation still running when the grace period ends, the server used to exit
+    # under it: the stream stopped without an error, and the exit could hang (OpenBLAS) or
+    # fail the step with bad_alloc. Now the engine stops the request, the client gets why,
+    # and the process exits 0 by itself.
+    config = tmp_path / "grace.toml"
+    config.write_text("shutdown_grace_secs = 1\n")
+    s = fresh("--config", str(config))
+    # End-of-sequence (id 2) banned: the generation outlasts the grace period.
+    body = {"messages": Q, "max_tokens": 4000, "temperature": 0, "stream": True, "logit_bias": {"2": -100}}
+    lines = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with httpx.Client(base_url=s.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            # A second request waits in the queue behind the running one.
+            waiting = pool.submit(httpx.post, s.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            time.sleep(0.3)
+            s.proc.terminate()
+            lines.extend(it)
+        queued = waiting.result()
+    data = [l[len("data: "):] for l in lines if l.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert "shutting down" in error["message"] and "grace period" in error["message"], error
+    assert queued.status_code == 503 and queued.json()["error"]["code"] == "server_shutting_down", queued.text
+    assert s.proc.wait(timeout=30) == 0
+    deadline = time.time() + 5
+    while not any("stopping the requests still running" in l for l in s.log) and time.time() < deadline:
+        time.sleep(0.05)
+    assert any("stopping the requests still running" in l for l in s.log), "".join(s.log)

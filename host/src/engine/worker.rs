@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use mlx::{memory, Array, Device};
 use models::{CausalLm, Detokenizer, ModelInfo, Tokenizer};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -179,8 +179,17 @@ pub enum Event {
     Refused(String),
     /// A plugin failed while serving this request; the message names it.
     PluginFault(String),
-    /// The scheduling policy cancelled this request; the message says why.
-    Cancelled(String),
+    /// The request was stopped before it finished: by the scheduling policy or because the
+    /// server is shutting down.
+    Cancelled(Cancel),
+}
+
+/// Why a request was stopped, in words for the client.
+#[derive(Debug, Clone)]
+pub struct Cancel {
+    pub message: String,
+    /// Stopped by the server's shutdown (after its grace period), not by the policy.
+    pub shutdown: bool,
 }
 
 struct Job {
@@ -235,6 +244,8 @@ pub struct Engine {
     /// The sequence tokens whose KV fits the server's memory budget (0: not set, no limit):
     /// a request is paused only if it, the other paused ones and the one it yields to fit.
     kv_budget_tokens: Arc<AtomicUsize>,
+    /// Set by `stop_now`: the engine thread ends every request and exits after its step.
+    abort: Arc<AtomicBool>,
 }
 
 /// Why a job was not accepted.
@@ -255,6 +266,8 @@ impl Engine {
         let has_draft = config.draft_model.is_some();
         let kv_budget_tokens = Arc::new(AtomicUsize::new(0));
         let thread_budget = kv_budget_tokens.clone();
+        let abort = Arc::new(AtomicBool::new(false));
+        let thread_abort = abort.clone();
         let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -299,6 +312,7 @@ impl Engine {
                             policy,
                             kv_budget_tokens: thread_budget,
                             not_paused: None,
+                            abort: thread_abort,
                         };
                         let draft = draft.map(|d| d.model);
                         let models =
@@ -323,6 +337,7 @@ impl Engine {
             queue_limit,
             next_seq: Default::default(),
             kv_budget_tokens,
+            abort,
         })
     }
 
@@ -358,6 +373,28 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Stops the engine now (the server's grace period is over): requests still running or
+    /// waiting end with a `Cancel { shutdown: true }`, and the engine thread exits after its
+    /// current step, so no MLX work outlives it when the process exits (MLX's allocator and
+    /// the BLAS library's threads go at exit: a step running then failed with `bad_alloc`
+    /// or hung the exit). Waits up to `wait`; returns whether the thread has stopped.
+    pub fn stop_now(&self, wait: Duration) -> bool {
+        self.jobs.lock().map(|mut j| j.take()).ok();
+        self.abort.store(true, Ordering::SeqCst);
+        let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) else { return true };
+        let deadline = Instant::now() + wait;
+        while !thread.is_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = thread.join();
+        true
+    }
+}
+
 /// Stops the engine thread and waits for it: the model's MLX arrays are freed on that thread
 /// before the process goes on to exit (MLX's static state must outlive them; a process that
 /// exits while the thread still frees arrays can abort).
@@ -381,6 +418,7 @@ struct Worker {
     kv_budget_tokens: Arc<AtomicUsize>,
     /// The running request a pause was last refused for (logged once per request).
     not_paused: Option<String>,
+    abort: Arc<AtomicBool>,
 }
 
 /// The KV a request may come to hold: its whole prompt plus every token it may generate.
@@ -503,6 +541,16 @@ impl Worker {
         let mut dirty = false;
         let mut decided = Instant::now();
         loop {
+            if self.abort.load(Ordering::SeqCst) {
+                let cancel = Event::Cancelled(Cancel {
+                    message: "the server is shutting down: this request was stopped after the shutdown grace period; retry it on a running server".into(),
+                    shutdown: true,
+                });
+                for job in running.iter().map(|a| &a.job).chain(waiting.iter().map(Waiting::job)) {
+                    let _ = job.events.send(cancel.clone());
+                }
+                break;
+            }
             if running.is_none() && waiting.is_empty() {
                 match rx.recv() {
                     Ok(job) => waiting.push(Waiting::New(Box::new(job))),
@@ -612,10 +660,10 @@ impl Worker {
                     match w {
                         Waiting::New(job) => {
                             self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                            let _ = job.events.send(Event::Cancelled(message));
+                            let _ = job.events.send(Event::Cancelled(Cancel { message, shutdown: false }));
                         }
                         Waiting::Paused(a) => {
-                            let _ = a.job.events.send(Event::Cancelled(message));
+                            let _ = a.job.events.send(Event::Cancelled(Cancel { message, shutdown: false }));
                         }
                     }
                 }

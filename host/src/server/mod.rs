@@ -149,6 +149,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         warm_up: config.warm_up,
     })?);
     let state = state(&config, engine.clone(), Some(registry));
+    let stopping = engine.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     runtime.block_on(async move {
@@ -163,7 +164,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 eprintln!("host: shutting down; in-flight requests get {}s to finish", grace.as_secs());
                 tokio::spawn(async move {
                     tokio::time::sleep(grace).await;
-                    eprintln!("host: grace period over; exiting");
+                    eprintln!("host: grace period over; stopping the requests still running");
+                    // The engine thread must be out of MLX before the process exits.
+                    let stopped =
+                        tokio::task::spawn_blocking(move || stopping.stop_now(std::time::Duration::from_secs(10)))
+                            .await
+                            .unwrap_or(false);
+                    if !stopped {
+                        eprintln!("host: the engine did not stop within 10 s; exiting anyway");
+                    }
+                    // Time for the stopped requests' errors to reach their clients, after
+                    // which the server ends by itself; if a connection lingers, exit.
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                    eprintln!("host: exiting");
                     std::process::exit(0);
                 });
             })

@@ -7,7 +7,7 @@ use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
 use super::metrics::Metrics;
 use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
-use crate::engine::worker::{Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
+use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::{PluginRegistry, Selected, Selection};
@@ -407,9 +407,14 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
     Err(ApiError::internal("the engine dropped the request").flavor(flavor))
 }
 
-/// The scheduling policy cancelled this request before it started: a 409.
-fn cancelled(message: String, flavor: Flavor) -> ApiError {
-    ApiError::new(StatusCode::CONFLICT, message).with_code("cancelled_by_scheduler").flavor(flavor)
+/// The request was stopped before it finished: a 409 when the scheduling policy cancelled
+/// it, a 503 when the server's shutdown did.
+fn cancelled(cancel: Cancel, flavor: Flavor) -> ApiError {
+    if cancel.shutdown {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, cancel.message).with_code("server_shutting_down").flavor(flavor)
+    } else {
+        ApiError::new(StatusCode::CONFLICT, cancel.message).with_code("cancelled_by_scheduler").flavor(flavor)
+    }
 }
 
 /// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
@@ -508,7 +513,8 @@ fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
             tracing::error!("generation failed mid-stream: {m}");
             "internal error; see the server log".to_string()
         }
-        Event::Refused(m) | Event::PluginFault(m) | Event::Cancelled(m) => m.clone(),
+        Event::Refused(m) | Event::PluginFault(m) => m.clone(),
+        Event::Cancelled(c) => c.message.clone(),
         _ => String::new(),
     };
     match flavor {
