@@ -12,7 +12,7 @@
 //! Every rank evaluates the final hidden states of every forward (with `async_eval`): that is
 //! what makes the collectives match whatever else rank 0 evaluates later. A worker that dies
 //! brings rank 0 down with a message naming it (a monitor thread), and workers exit when rank
-//! 0's control connection closes.
+//! 0's control connection closes (or, before they have joined, when rank 0 is gone).
 
 use crate::generate::{select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
@@ -28,6 +28,7 @@ use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long rank 0 waits for every worker to join.
@@ -58,12 +59,43 @@ fn backend(device: Device) -> &'static str {
     }
 }
 
-/// Free loopback ports, one per rank (bound, then released for MLX to listen on).
+/// Free loopback ports, one per rank (bound, then released for MLX to listen on), below the
+/// kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
+/// taken, between its release and MLX's bind, as the source port of one of the connections
+/// the ranks are opening to each other; rank 0 then failed to join with `Couldn't bind
+/// socket (error: 98)` (seen once in CI). Where the range leaves no room below it, port 0.
 fn free_ports(n: usize) -> Result<Vec<u16>> {
-    let listeners: Vec<TcpListener> =
-        (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<std::io::Result<_>>()?;
+    let ephemeral_low = ephemeral_low().unwrap_or(32768);
+    let mut listeners = Vec::with_capacity(n);
+    if ephemeral_low > LOWEST + 1000 {
+        // Start somewhere different per process, so concurrent launches rarely meet.
+        let span = u32::from(ephemeral_low - LOWEST);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let mut port = LOWEST as u32 + (std::process::id().wrapping_mul(7919) ^ nanos) % span;
+        for _ in 0..span {
+            if listeners.len() == n {
+                break;
+            }
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+                listeners.push(l);
+            }
+            port = LOWEST as u32 + (port - LOWEST as u32 + 1) % span;
+        }
+    }
+    while listeners.len() < n {
+        listeners.push(TcpListener::bind("127.0.0.1:0")?);
+    }
     Ok(listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<std::io::Result<_>>()?)
 }
+
+/// The lowest port the kernel hands out for outgoing connections (Linux).
+fn ephemeral_low() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
+}
+
+/// The lowest port `free_ports` picks.
+const LOWEST: u16 = 10000;
 
 /// Sets the environment MLX's backends read for this rank: the ring backend's `MLX_RANK` and
 /// `MLX_HOSTFILE`, and NCCL's rank, world size and rendezvous address.
@@ -170,6 +202,30 @@ fn watch(mut children: Vec<(usize, Child)>) {
             std::thread::sleep(Duration::from_millis(100));
         })
         .expect("spawning the tensor-parallel monitor");
+}
+
+/// Ends this worker if rank 0, its parent, goes away before the worker has joined: a rank 0
+/// that died while the group was forming left its workers waiting for peers forever (seen in
+/// CI: an orphaned rank kept the test's stderr pipe open and the test waited on it). Set the
+/// returned flag once joined: from then on the closed control connection ends the worker,
+/// after its last step (exiting under a running step can hang the exit, see `Generation`).
+fn exit_with_parent(rank: usize) -> Arc<AtomicBool> {
+    let joined = Arc::new(AtomicBool::new(false));
+    #[cfg(unix)]
+    {
+        let parent = std::os::unix::process::parent_id();
+        let joined = joined.clone();
+        let _ = std::thread::Builder::new().name("tp-parent".into()).spawn(move || {
+            while !joined.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(200));
+                if std::os::unix::process::parent_id() != parent && !joined.load(Ordering::SeqCst) {
+                    eprintln!("host tp-worker rank {rank}: rank 0 (process {parent}) is gone; exiting");
+                    std::process::exit(1);
+                }
+            }
+        });
+    }
+    joined
 }
 
 /// The workers' control connections, each introduced by its rank.
@@ -300,6 +356,7 @@ pub struct WorkerArgs {
 
 /// Runs a worker rank until rank 0 goes away.
 pub fn worker(args: WorkerArgs) -> Result<()> {
+    let joined = exit_with_parent(args.rank);
     let device = select_device(args.device)?;
     let group: Group = mlx::distributed::init(backend(device))
         .with_context(|| format!("rank {} joining the tensor-parallel group", args.rank))?;
@@ -314,6 +371,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     let loaded = models::load_with(&args.model, &options)
         .with_context(|| format!("rank {} loading {}", args.rank, args.model.display()))?;
     let model = loaded.model;
+    joined.store(true, Ordering::SeqCst);
     let mut reader = BufReader::new(control);
     let mut caches: HashMap<u64, KvCache> = HashMap::new();
     while let Some(step) = receive(&mut reader)? {
@@ -347,4 +405,25 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     // handler (see `Generation`'s `Drop`).
     mlx::synchronize()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_ports_are_free_distinct_and_below_the_ephemeral_range() {
+        let ports = free_ports(4).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4, "{ports:?}");
+        if let Some(low) = ephemeral_low().filter(|&low| low > LOWEST + 1000) {
+            assert!(ports.iter().all(|&p| (LOWEST..low).contains(&p)), "{ports:?} (ephemeral from {low})");
+        }
+        // Released, so a rank can bind them.
+        for p in ports {
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+    }
 }

@@ -5,6 +5,7 @@ Environment: HOST_BIN (default target/debug/host), HOST_TEST_MODELS (set by
 `eval "$(scripts/test-fixtures.sh)"`).
 """
 import os
+import queue
 import re
 import subprocess
 import threading
@@ -26,25 +27,33 @@ class Server:
         cmd = [binary, "serve", "--model", self.model, "--port", "0", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.log = []
+        # The log is read on a thread of its own from the start: waiting on the pipe itself
+        # for the address line would block past any deadline, and past the server's exit
+        # when a child of it (a tensor-parallel rank) still holds the pipe open.
+        lines = queue.Queue()
+        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
         deadline = time.time() + 120
         self.url = None
-        while time.time() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                raise RuntimeError("host serve exited:\n" + "".join(self.log))
-            self.log.append(line)
+        while self.url is None:
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    time.sleep(0.2)  # what it wrote last
+                    raise RuntimeError(f"host serve exited ({self.proc.returncode}):\n" + "".join(self.log))
+                if time.time() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError("host serve did not start within 120 s:\n" + "".join(self.log))
+                continue
             m = re.search(r"on (http://[0-9.:]+)", line)
             if m:
                 self.url = m.group(1)
-                break
-        if not self.url:
-            raise RuntimeError("host serve did not start:\n" + "".join(self.log))
-        # Keep draining the log so the server never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
 
-    def _drain(self):
+    def _drain(self, lines):
+        # Keeps draining the log so the server never blocks on a full pipe.
         for line in self.proc.stderr:
             self.log.append(line)
+            lines.put(line)
 
     def rss_bytes(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
