@@ -371,9 +371,7 @@ impl Engine {
             }
         }
     }
-}
 
-impl Engine {
     /// Stops the engine now (the server's grace period is over): requests still running or
     /// waiting end with a `Cancel { shutdown: true }`, and the engine thread exits after its
     /// current step, so no MLX work outlives it when the process exits (MLX's allocator and
@@ -547,6 +545,9 @@ impl Worker {
                     shutdown: true,
                 });
                 for job in running.iter().map(|a| &a.job).chain(waiting.iter().map(Waiting::job)) {
+                    let _ = job.events.send(cancel.clone());
+                }
+                while let Ok(job) = rx.try_recv() {
                     let _ = job.events.send(cancel.clone());
                 }
                 break;
