@@ -63,3 +63,43 @@ fn a_split_the_heads_do_not_allow_is_refused_before_launching() {
     );
     assert!(!err.contains("rank 1"), "no worker should have started: {err}");
 }
+
+/// A worker whose rank 0 is gone before the group formed exits instead of waiting for its
+/// peers forever (an orphaned rank once held a test's stderr pipe open and hung it). The
+/// worker is started by a shell that exits at once (likely before the worker first looks at
+/// its parent), as a rank 0 that died would; the group's other ranks never come.
+#[test]
+fn a_worker_whose_rank_0_is_gone_before_joining_exits() {
+    let dir = std::env::temp_dir().join(format!("host-tp-orphan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hostfile = dir.join("hostfile.json");
+    std::fs::write(&hostfile, r#"[["127.0.0.1:9"],["127.0.0.1:23452"],["127.0.0.1:23453"]]"#).unwrap();
+    let err = dir.join("stderr");
+    let launch = format!(
+        "'{}' tp-worker --rank 1 --size 3 --model /nonexistent --device cpu --control 127.0.0.1:9 --parent $$ >/dev/null 2>'{}' & echo $!",
+        env!("CARGO_BIN_EXE_host"),
+        err.display()
+    );
+    let out = std::process::Command::new("sh")
+        .args(["-c", &launch])
+        .env("MLX_RANK", "1")
+        .env("MLX_HOSTFILE", &hostfile)
+        .output()
+        .unwrap();
+    let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("the worker's pid");
+    // Gone, or a zombie nobody reaps (a container's pid 1 may not).
+    let exited = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !exited() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    if !exited() {
+        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(stderr.contains("rank 0 (process") && stderr.contains("is gone; exiting"), "worker {pid}: {stderr}");
+}

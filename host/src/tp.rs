@@ -71,16 +71,9 @@ fn free_ports(n: usize) -> Result<Vec<u16>> {
         // Start somewhere different per process, so concurrent launches rarely meet.
         let span = u32::from(ephemeral_low - LOWEST);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let mut port = LOWEST as u32 + (std::process::id().wrapping_mul(7919) ^ nanos) % span;
-        for _ in 0..span {
-            if listeners.len() == n {
-                break;
-            }
-            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
-                listeners.push(l);
-            }
-            port = LOWEST as u32 + (port - LOWEST as u32 + 1) % span;
-        }
+        let start = std::process::id().wrapping_mul(7919) ^ nanos;
+        let ports = (0..span).map(|i| LOWEST + ((start % span + i) % span) as u16);
+        listeners.extend(ports.filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()).take(n));
     }
     while listeners.len() < n {
         listeners.push(TcpListener::bind("127.0.0.1:0")?);
@@ -151,6 +144,7 @@ pub fn load(path: &Path, n: usize, device: DeviceChoice) -> Result<Loaded> {
             .arg("--model")
             .arg(path)
             .args(["--device", device.as_str(), "--control", &control.local_addr()?.to_string()])
+            .args(["--parent", &std::process::id().to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         rank_env(Some(&mut command), rank, n, &hostfile, &nccl);
@@ -204,16 +198,15 @@ fn watch(mut children: Vec<(usize, Child)>) {
         .expect("spawning the tensor-parallel monitor");
 }
 
-/// Ends this worker if rank 0, its parent, goes away before the worker has joined: a rank 0
-/// that died while the group was forming left its workers waiting for peers forever (seen in
-/// CI: an orphaned rank kept the test's stderr pipe open and the test waited on it). Set the
+/// Ends this worker if rank 0 (`parent`, given by rank 0 itself: it may be gone before this
+/// process first looks) stops being its parent before the worker has joined: a rank 0 that
+/// died while the group was forming left its workers waiting for peers forever (seen in CI:
+/// an orphaned rank kept the test's stderr pipe open and the test waited on it). Set the
 /// returned flag once joined: from then on the closed control connection ends the worker,
 /// after its last step (exiting under a running step can hang the exit, see `Generation`).
-fn exit_with_parent(rank: usize) -> Arc<AtomicBool> {
+fn exit_with_parent(rank: usize, parent: u32) -> Arc<AtomicBool> {
     let joined = Arc::new(AtomicBool::new(false));
-    #[cfg(unix)]
     {
-        let parent = std::os::unix::process::parent_id();
         let joined = joined.clone();
         let _ = std::thread::Builder::new().name("tp-parent".into()).spawn(move || {
             while !joined.load(Ordering::SeqCst) {
@@ -352,11 +345,15 @@ pub struct WorkerArgs {
     /// Rank 0's control address.
     #[arg(long)]
     pub control: String,
+    /// Rank 0's process id (default: this process's parent when it starts).
+    #[arg(long)]
+    pub parent: Option<u32>,
 }
 
 /// Runs a worker rank until rank 0 goes away.
 pub fn worker(args: WorkerArgs) -> Result<()> {
-    let joined = exit_with_parent(args.rank);
+    let parent = args.parent.unwrap_or_else(std::os::unix::process::parent_id);
+    let joined = exit_with_parent(args.rank, parent);
     let device = select_device(args.device)?;
     let group: Group = mlx::distributed::init(backend(device))
         .with_context(|| format!("rank {} joining the tensor-parallel group", args.rank))?;

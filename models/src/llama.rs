@@ -224,10 +224,7 @@ impl Attention {
         // Without per-head norms, q and k heads get the same rotation: with fused projections
         // they are one slice of the product, and one RoPE over all their heads is one kernel
         // (per layer and step) fewer than two.
-        let joined = match self.q_norm {
-            None => self.qkv.forward_first_joined(x, 2)?,
-            Some(_) => None,
-        };
+        let joined = if self.q_norm.is_none() { self.qkv.forward_first_joined(x, 2)? } else { None };
         let (q, k, v) = match joined {
             Some(qk_v) => {
                 let (nq, nk) = (self.n_heads, self.n_kv_heads);

@@ -159,6 +159,8 @@ pub struct Generation<'m> {
     history: Option<Array>,
     /// The step whose token is read next: (token `[1]`, logprobs `[V]`).
     pending: Option<(Array, Array)>,
+    /// Generation finished with a step still queued behind the last token (see `Drop`).
+    abandoned_step: bool,
     prompt_len: usize,
     generated: usize,
     started: Instant,
@@ -181,15 +183,18 @@ fn tokens_array(ids: &[u32]) -> Result<Array> {
 }
 
 /// A generation ends with no MLX work of its own still running. Generation stops on an
-/// end-of-sequence token with the next step already queued (pipelining), and dropping its
-/// arrays does not stop MLX's stream thread computing it. A process that then exits runs the
-/// BLAS library's exit handler while that thread is inside a matrix product: `host generate`
-/// hung there (OpenBLAS joining its worker in `blas_thread_shutdown_`) or aborted with a
-/// corrupted heap, about one run in a hundred on a 2-core machine.
+/// end-of-sequence token with the next step already queued (pipelining), or is dropped
+/// mid-way with one queued, and dropping its arrays does not stop MLX's stream thread
+/// computing it. A process that then exits runs the BLAS library's exit handler while that
+/// thread is inside a matrix product: `host generate` hung there (OpenBLAS joining its worker
+/// in `blas_thread_shutdown_`) or aborted with a corrupted heap, about one run in a hundred
+/// on a 2-core machine. (Nothing else a generation queues outlives the call that queued it.)
 impl Drop for Generation<'_> {
     fn drop(&mut self) {
-        if let Err(e) = mlx::synchronize() {
-            tracing::warn!("waiting for the last decode step: {e:#}");
+        if self.pending.is_some() || self.abandoned_step {
+            if let Err(e) = mlx::synchronize() {
+                tracing::warn!("waiting for the last decode step: {e:#}");
+            }
         }
     }
 }
@@ -250,6 +255,7 @@ impl<'m> Generation<'m> {
             options,
             history: None,
             pending: None,
+            abandoned_step: false,
             prompt_len: cached + prompt.len(),
             generated: 0,
             started,
@@ -356,7 +362,7 @@ impl<'m> Generation<'m> {
         self.external_accept(id)?;
         let finished = self.commit(id, logprobs);
         if finished {
-            self.pending = None;
+            self.abandoned_step = self.pending.take().is_some();
         } else if !queued {
             self.next_input = Some(y);
         }
