@@ -4,6 +4,7 @@
 //! the shape Hugging Face chat templates take.
 
 use super::error::{ApiError, Flavor};
+use super::openai::ToolChoice;
 use crate::engine::worker::{Finish, Usage};
 use crate::engine::SamplingParams;
 use serde::Deserialize;
@@ -147,6 +148,31 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
+}
+
+/// Anthropic's `tool_choice`: `{"type": "auto" | "any" | "none"}` or `{"type": "tool", "name":
+/// ...}`, against `tools` already converted to OpenAI's shape.
+pub fn tool_choice(choice: Option<&Value>, tools: Option<&Vec<Value>>) -> Result<ToolChoice, ApiError> {
+    let Some(choice) = choice.filter(|c| !c.is_null()) else { return Ok(ToolChoice::Auto) };
+    let choice = match (choice.get("type").and_then(Value::as_str), choice.get("name").and_then(Value::as_str)) {
+        (Some("auto"), _) => ToolChoice::Auto,
+        (Some("none"), _) => ToolChoice::None,
+        (Some("any"), _) => ToolChoice::Required,
+        (Some("tool"), Some(name)) => ToolChoice::Named(name.to_string()),
+        (Some("tool"), None) => {
+            return Err(invalid("tool_choice", "a `tool_choice` of type \"tool\" needs the tool's `name`"))
+        }
+        (other, _) => {
+            return Err(invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` needs a `type` of \"auto\", \"any\", \"tool\" or \"none\", got {}",
+                    other.map_or("none".into(), |t| format!("{t:?}"))
+                ),
+            ))
+        }
+    };
+    choice.check(tools).map_err(|m| invalid("tool_choice", m))
 }
 
 pub fn sampling(r: &MessagesRequest) -> Result<SamplingParams, ApiError> {

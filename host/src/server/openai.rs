@@ -308,7 +308,14 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
                 ))
             }
         };
-        let content = content_text(obj.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
+        let content = obj.get("content").unwrap_or(&Value::Null);
+        if content.is_null() && role != "assistant" {
+            return Err(ApiError::invalid(
+                &format!("{param}.content"),
+                format!("{param} ({role}) needs a `content`: a string or an array of text parts"),
+            ));
+        }
+        let content = content_text(content, &format!("{param}.content"))?;
         let mut msg = json!({"role": role, "content": content});
         if let Some(calls) = obj.get("tool_calls").and_then(Value::as_array) {
             let calls: Vec<Value> = calls
@@ -333,6 +340,113 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
         out.push(msg);
     }
     Ok(out)
+}
+
+/// What a request's `tool_choice` asks for (both APIs), checked against its tools. `Required`
+/// and `Named` are accepted, not enforced: nothing constrains decoding yet, so the model sees
+/// the tools and the adapter parses whatever calls it makes (README, "Tools").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    Auto,
+    None,
+    Required,
+    Named(String),
+}
+
+impl ToolChoice {
+    /// The tools the prompt and the adapter see: none when the choice is `None`.
+    pub fn tools(&self, tools: Option<Vec<Value>>) -> Option<Vec<Value>> {
+        if *self == ToolChoice::None {
+            None
+        } else {
+            tools
+        }
+    }
+
+    /// A choice that needs tools has some, and a named one is among them (`tools` in
+    /// OpenAI's shape, as both APIs hold them by now).
+    pub(super) fn check(self, tools: Option<&Vec<Value>>) -> Result<ToolChoice, String> {
+        let names: Vec<&str> =
+            tools.into_iter().flatten().filter_map(|t| t.pointer("/function/name").and_then(Value::as_str)).collect();
+        match &self {
+            ToolChoice::Required | ToolChoice::Named(_) if names.is_empty() => {
+                Err("`tool_choice` asks for a tool call, but the request has no `tools`".into())
+            }
+            ToolChoice::Named(name) if !names.contains(&name.as_str()) => Err(format!(
+                "`tool_choice` names the function {name:?}, which is not among the request's tools ({})",
+                names.join(", ")
+            )),
+            _ => Ok(self),
+        }
+    }
+}
+
+/// Checks `tools` (OpenAI shape): a list of `{"type": "function", "function": {"name",
+/// "description"?, "parameters"?}}`, names unique.
+pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, t) in tools.into_iter().flatten().enumerate() {
+        let param = format!("tools[{i}]");
+        let kind = t.get("type").and_then(Value::as_str);
+        if kind != Some("function") {
+            return Err(ApiError::invalid(
+                &param,
+                format!("{param} has type {kind:?}; this server takes tools of type \"function\""),
+            ));
+        }
+        let f = t
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or_else(|| ApiError::invalid(&param, format!("{param} needs a `function` object with a `name`")))?;
+        let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()).ok_or_else(|| {
+            ApiError::invalid(
+                &format!("{param}.function.name"),
+                format!("{param}.function needs a non-empty string `name`"),
+            )
+        })?;
+        if !seen.insert(name) {
+            return Err(ApiError::invalid(&param, format!("two tools are named {name:?}; tool names must be unique")));
+        }
+        if f.get("parameters").is_some_and(|p| !p.is_object()) {
+            return Err(ApiError::invalid(
+                &format!("{param}.function.parameters"),
+                "`parameters` must be a JSON Schema object",
+            ));
+        }
+        if f.get("description").is_some_and(|d| !d.is_string()) {
+            return Err(ApiError::invalid(&format!("{param}.function.description"), "`description` must be a string"));
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI's `tool_choice`: `"auto"` (the default), `"none"`, `"required"` or `{"type":
+/// "function", "function": {"name": ...}}`.
+pub fn tool_choice(choice: Option<&Value>, tools: Option<&Vec<Value>>) -> Result<ToolChoice, ApiError> {
+    let choice = match choice {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("unknown `tool_choice` {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                ))
+            }
+        },
+        Some(v) => match (v.get("type").and_then(Value::as_str), v.pointer("/function/name").and_then(Value::as_str)) {
+            (Some("function"), Some(name)) => ToolChoice::Named(name.to_string()),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "an object `tool_choice` must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+    };
+    choice.check(tools).map_err(|m| ApiError::invalid("tool_choice", m))
 }
 
 /// OpenAI's chat `logprobs.content` entries.

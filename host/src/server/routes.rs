@@ -546,10 +546,8 @@ async fn chat_completions(
         }
     };
     let messages = openai::template_messages(&req.messages)?;
-    let tools = match req.tool_choice.as_ref().and_then(Value::as_str) {
-        Some("none") => None,
-        _ => req.tools.clone(),
-    };
+    openai::check_tools(req.tools.as_ref())?;
+    let tools = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?.tools(req.tools.clone());
     let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
     let priority = openai::priority(req.priority)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
@@ -729,10 +727,8 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let max = anthropic::max_tokens(&req)?;
     let sampling = anthropic::sampling(&req)?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
-    let tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
-        Some("none") => None,
-        _ => anthropic::tools(req.tools.as_ref())?,
-    };
+    let tools = anthropic::tools(req.tools.as_ref())?;
+    let tools = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?.tools(tools);
     state.check_sampling(&sampling, a)?;
     let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
     let plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
@@ -1071,6 +1067,89 @@ mod tests {
         assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");
         assert_eq!(detect(Some("<|im_start|>{{ m }}<|im_end|>")), "hermes");
         assert_eq!(detect(None), "hermes");
+    }
+
+    #[tokio::test]
+    async fn tools_and_tool_choice_are_checked_in_both_apis() {
+        let tool = |name: &str| {
+            format!(r#"{{"type": "function", "function": {{"name": "{name}", "parameters": {{"type": "object"}}}}}}"#)
+        };
+        let chat = |tools: &str, choice: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 1, "tools": {tools}, "tool_choice": {choice}}}"#
+            )
+        };
+        let one = format!("[{}]", tool("get_weather"));
+        for choice in [
+            "\"auto\"",
+            "\"none\"",
+            "\"required\"",
+            r#"{"type": "function", "function": {"name": "get_weather"}}"#,
+            "null",
+        ] {
+            let (status, v) = check(router(None), "POST", "/v1/chat/completions", &chat(&one, choice), &[]).await;
+            assert_eq!(status, 200, "{choice}: {v}");
+        }
+        let bad = [
+            (
+                one.clone(),
+                r#"{"type": "function", "function": {"name": "get_time"}}"#,
+                "tool_choice",
+                "\"get_time\", which is not among the request's tools (get_weather)",
+            ),
+            ("null".into(), "\"required\"", "tool_choice", "the request has no `tools`"),
+            (one.clone(), "\"always\"", "tool_choice", "unknown `tool_choice` \"always\""),
+            (one.clone(), r#"{"type": "function"}"#, "tool_choice", "must be {\"type\": \"function\""),
+            (r#"[{"type": "function"}]"#.into(), "\"auto\"", "tools[0]", "needs a `function` object"),
+            (
+                r#"[{"type": "function", "function": {"name": ""}}]"#.into(),
+                "\"auto\"",
+                "tools[0].function.name",
+                "non-empty string `name`",
+            ),
+            (r#"[{"type": "code_interpreter"}]"#.into(), "\"auto\"", "tools[0]", "tools of type \"function\""),
+            (format!("[{}, {}]", tool("a"), tool("a")), "\"auto\"", "tools[1]", "two tools are named \"a\""),
+            (
+                r#"[{"type": "function", "function": {"name": "f", "parameters": "x"}}]"#.into(),
+                "\"auto\"",
+                "tools[0].function.parameters",
+                "JSON Schema object",
+            ),
+        ];
+        for (tools, choice, param, want) in bad {
+            let (status, v) = check(router(None), "POST", "/v1/chat/completions", &chat(&tools, choice), &[]).await;
+            assert_eq!(status, 400, "{tools} {choice}: {v}");
+            assert_eq!(v["error"]["param"], param, "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(want), "{v}");
+        }
+        let no_content = r#"{"messages": [{"role": "user"}], "max_tokens": 1}"#;
+        let (status, v) = check(router(None), "POST", "/v1/chat/completions", no_content, &[]).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].content")), "{v}");
+
+        let messages = |choice: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 1, "tools": [{{"name": "get_weather", "input_schema": {{"type": "object"}}}}], "tool_choice": {choice}}}"#
+            )
+        };
+        for choice in [
+            r#"{"type": "auto"}"#,
+            r#"{"type": "any"}"#,
+            r#"{"type": "none"}"#,
+            r#"{"type": "tool", "name": "get_weather"}"#,
+        ] {
+            let (status, v) = check(router(None), "POST", "/v1/messages", &messages(choice), &[]).await;
+            assert_eq!(status, 200, "{choice}: {v}");
+        }
+        for (choice, want) in [
+            (r#"{"type": "tool", "name": "get_time"}"#, "\"get_time\", which is not among"),
+            (r#"{"type": "tool"}"#, "needs the tool's `name`"),
+            (r#"{"name": "get_weather"}"#, "needs a `type`"),
+        ] {
+            let (status, v) = check(router(None), "POST", "/v1/messages", &messages(choice), &[]).await;
+            assert_eq!(status, 400, "{choice}: {v}");
+            assert_eq!(v["type"], "error", "Anthropic's error shape: {v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(want), "{v}");
+        }
     }
 
     #[tokio::test]
