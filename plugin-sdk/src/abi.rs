@@ -197,6 +197,11 @@ macro_rules! export_tool_adapter {
                 let rendered = $crate::ToolAdapter::render(state(), text(ptr, len)).unwrap_or_default();
                 $crate::abi::packed(out(), rendered.into_bytes())
             }
+            #[no_mangle]
+            extern "C" fn tool_force(ptr: i32, len: i32) -> i64 {
+                let opener = $crate::ToolAdapter::force(state(), text(ptr, len)).unwrap_or_default();
+                $crate::abi::packed(out(), opener.into_bytes())
+            }
         };
     };
 }

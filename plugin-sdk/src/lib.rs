@@ -116,6 +116,13 @@ pub trait ToolAdapter: Default {
     fn render(&mut self, _tools: &str) -> Option<String> {
         None
     }
+    /// The text that opens a call in this adapter's format, for a request that forces one
+    /// (`tool_choice`): a call to `name`, or to any tool when `name` is empty. The host puts
+    /// it at the start of the model's reply and feeds it to the adapter before the output.
+    /// `None`: this adapter cannot force calls.
+    fn force(&mut self, _name: &str) -> Option<String> {
+        None
+    }
 }
 
 /// A scheduling policy: one long-lived instance orders the server's queue.

@@ -137,6 +137,67 @@ def test_each_tool_adapter_gives_tool_calls_in_both_apis_streamed_and_not(srv, a
         assert uses[0].id.startswith("toolu_")
 
 
+# What a model writes after each adapter's forced opening of a call to get_weather.
+FORCED_REST = {
+    "hermes": '{"city": "Paris", "days": 3}}\n</tool_call>',
+    "qwen3-coder": "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "llama3-json": '{"city": "Paris", "days": 3}}',
+    "mistral": '{"city": "Paris", "days": 3}}]',
+    "gemma": 'city="Paris", days=3)\n```',
+}
+
+
+@pytest.mark.parametrize("adapter", list(FORMATS))
+def test_a_forced_tool_choice_opens_the_reply_with_the_call_in_both_apis(srv, adapter):
+    # The adapter's opening of the call sits at the end of the prompt; the (scripted) model
+    # writes only the rest, and the client gets the call, not the text, in both APIs.
+    sampler, max_tokens = script(srv, FORCED_REST[adapter])
+    plugins = {"sampler": sampler, "tool": {"name": adapter}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    auto = chat(srv, plugins, tools=TOOLS, max_tokens=max_tokens)
+    r = chat(srv, plugins, tools=TOOLS, max_tokens=max_tokens, tool_choice=named)
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", r
+    assert choice["message"]["content"] is None, r
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGS
+    assert r["usage"]["prompt_tokens"] > auto["usage"]["prompt_tokens"], "the opener is part of the prompt"
+    assert r["usage"]["completion_tokens"] == auto["usage"]["completion_tokens"]
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x")
+    message = an.messages.create(model="m", max_tokens=max_tokens, messages=Q, tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"plugins": plugins})
+    assert message.stop_reason == "tool_use", message
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", ARGS)]
+
+
+def test_tool_choice_required_lets_the_model_name_the_function_and_streams_the_call(srv):
+    # Among several tools the model writes the name; with one, "required" calls that one.
+    sampler, max_tokens = script(srv, 'get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>')
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    stream = oa.chat.completions.create(model="m", messages=Q, tools=TOOLS + [clock], tool_choice="required", stream=True,
+                                        max_tokens=max_tokens, temperature=0, extra_body={"plugins": {"sampler": sampler}})
+    chunks = list(stream)
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == ARGS
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    sampler, max_tokens = script(srv, FORCED_REST["hermes"])
+    r = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens, tool_choice="required")
+    [call] = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGS
+
+
+def test_the_real_model_completes_a_forced_call(srv):
+    # SmolLM2 itself, greedy: forced to call get_weather, it writes the arguments.
+    r = chat(srv, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+             max_tokens=40, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"]), dict), call
+
+
 def test_the_adapter_is_chosen_from_the_chat_template_and_tool_choice_none_turns_it_off(srv):
     # SmolLM2's template ignores tools, so the server describes them in the Hermes format and
     # parses that format back.

@@ -469,6 +469,9 @@ struct Active<'m> {
     hold: usize,
     held: String,
     tools: Option<Tools>,
+    /// The reply's forced opening (`Selection::reply_prefix`), until the first text goes out:
+    /// through the tool adapter, or as content when the adapter is off.
+    reply_prefix: Option<String>,
     generated: Vec<u32>,
     reused: usize,
     finish: Option<Finish>,
@@ -743,6 +746,7 @@ impl Worker {
         let _ = job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused });
         let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
         let stop = StopMatcher::new(&request.stop);
+        let reply_prefix = request.plugins.reply_prefix.clone();
         Ok(Active {
             job,
             generation,
@@ -752,6 +756,7 @@ impl Worker {
             hold,
             held: String::new(),
             tools: tools.map(|adapter| Tools { adapter, calls: 0 }),
+            reply_prefix,
             generated: Vec::new(),
             reused,
             finish: None,
@@ -932,7 +937,10 @@ impl Worker {
 /// at the end of output) and its logprobs. `Ok(false)` when the client has gone.
 fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: bool) -> Result<bool> {
     let mut events = Vec::new();
-    let mut content = text;
+    let mut content = match a.reply_prefix.take() {
+        Some(prefix) => prefix + &text,
+        None => text,
+    };
     if let Some(tools) = a.tools.as_mut() {
         let mut out = if content.is_empty() { Vec::new() } else { tools.adapter.feed(&content)? };
         if last {

@@ -39,6 +39,9 @@ pub struct Selection {
     pub stops: Vec<Selected>,
     /// The tool-call adapter over the output (its params carry the request's tools).
     pub tool: Option<Selected>,
+    /// Text that opens the reply: a call the request forces (`tool_choice`), already at the
+    /// end of the prompt; fed to the tool adapter ahead of the output.
+    pub reply_prefix: Option<String>,
 }
 
 impl Selection {
@@ -436,6 +439,13 @@ fn parse_tool_events(
 pub fn render_tools(registry: &PluginRegistry, selected: &Selected, tools: &Value) -> Result<Option<String>> {
     let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
     instance.tool_render(&tools.to_string())
+}
+
+/// The adapter's opener for a forced call (`tool_force`), if it has one: to `name`, or to any
+/// function when `name` is empty.
+pub fn force_tool(registry: &PluginRegistry, selected: &Selected, name: &str) -> Result<Option<String>> {
+    let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
+    instance.tool_force(name)
 }
 
 /// The scheduling policy as a plugin: one long-lived instance, replaced when hot reload

@@ -260,6 +260,7 @@ impl PluginRuntime {
             tool_feed: optional(&instance, &mut store, "tool_feed", &name)?,
             tool_finish: optional(&instance, &mut store, "tool_finish", &name)?,
             tool_render: optional(&instance, &mut store, "tool_render", &name)?,
+            tool_force: optional(&instance, &mut store, "tool_force", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
         };
         let mut inst =
@@ -380,6 +381,7 @@ struct Funcs {
     tool_feed: Option<TypedFunc<(i32, i32), i64>>,
     tool_finish: Option<TypedFunc<(), i64>>,
     tool_render: Option<TypedFunc<(i32, i32), i64>>,
+    tool_force: Option<TypedFunc<(i32, i32), i64>>,
     schedule: Option<TypedFunc<(i32, i32), i64>>,
 }
 
@@ -604,6 +606,16 @@ impl Instance {
         Ok(Some(text).filter(|t| !t.is_empty()))
     }
 
+    /// `tool_force`, if exported: the text that opens a call to `name` (any function when
+    /// empty) in the adapter's format; `None` when the plugin lacks it or returns nothing.
+    pub fn tool_force(&mut self, name: &str) -> Result<Option<String>> {
+        if self.funcs.tool_force.is_none() {
+            return Ok(None);
+        }
+        let text = self.tool_call(self.funcs.tool_force.clone(), name.as_bytes(), "tool_force")?;
+        Ok(Some(text).filter(|t| !t.is_empty()))
+    }
+
     /// `schedule`: the policy's decision (JSON) for a queue description.
     pub fn schedule(&mut self, queue: &str) -> Result<String> {
         self.tool_call(self.funcs.schedule.clone(), queue.as_bytes(), "schedule")
@@ -647,6 +659,38 @@ mod tests {
         instance.end();
         drop(instance);
         assert_eq!(calls(), begun + 1);
+    }
+
+    /// `tool_force` is optional: an adapter without it cannot force calls (`None`); one with it
+    /// gets the requested name and its opener comes back as text (an empty one is `None`).
+    #[test]
+    fn tool_force_is_optional_and_gets_the_name() {
+        let adapter = |force: &str| {
+            format!(
+                r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"t\", \"kinds\": [\"tool\"]}}")
+                (memory (export "memory") 1)
+                (data (i32.const 16) "<call name=")
+                (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+                (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0))
+                (func (export "tool_finish") (result i64) (i64.const 0))
+                {force})"#
+            )
+        };
+        // Returns "<call name=" followed by the name, copied after it (at 27).
+        let opener = r#"(func (export "tool_force") (param $p i32) (param $n i32) (result i64)
+                (memory.copy (i32.const 27) (local.get $p) (local.get $n))
+                (i64.or (i64.shl (i64.const 16) (i64.const 32)) (i64.extend_i32_u (i32.add (i32.const 11) (local.get $n)))))"#;
+        let empty = r#"(func (export "tool_force") (param i32 i32) (result i64) (i64.const 0))"#;
+        let runtime = PluginRuntime::new().unwrap();
+        let force = |wat: String, name: &str| {
+            let wasm = wat::parse_str(&wat).unwrap();
+            let plugin = Arc::new(runtime.load(&wasm, Path::new("t.wat"), false, PluginSettings::default()).unwrap());
+            runtime.instantiate(&plugin, &serde_json::json!({})).unwrap().tool_force(name).unwrap()
+        };
+        assert_eq!(force(adapter(""), "f"), None);
+        assert_eq!(force(adapter(empty), "f"), None);
+        assert_eq!(force(adapter(opener), "get_weather"), Some("<call name=get_weather".into()));
+        assert_eq!(force(adapter(opener), ""), Some("<call name=".into()));
     }
 
     #[test]

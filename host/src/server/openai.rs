@@ -343,8 +343,8 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
 }
 
 /// What a request's `tool_choice` asks for (both APIs), checked against its tools. `Required`
-/// and `Named` are accepted, not enforced: nothing constrains decoding yet, so the model sees
-/// the tools and the adapter parses whatever calls it makes (README, "Tools").
+/// and `Named` force a call through the tool adapter's `tool_force` opener, when it has one
+/// (`AppState::force_tool`; ABI.md §5.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolChoice {
     Auto,

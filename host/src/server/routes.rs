@@ -6,7 +6,7 @@
 use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
 use super::metrics::Metrics;
-use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
+use super::openai::{self, ChatRequest, CompletionRequest, Prompt, ToolChoice};
 use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
 use crate::plugins::abi_v1::Kind;
@@ -221,15 +221,44 @@ impl AppState {
             .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
     }
 
+    /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`);
+    /// `None` when nothing is forced or the adapter cannot force calls (then `tool_choice` is
+    /// only a hint). A required call among one tool is a call to that tool. Runs the plugin
+    /// off the async runtime.
+    async fn force_tool(
+        &self,
+        adapter: Option<&Selected>,
+        choice: &ToolChoice,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<String>, ApiError> {
+        let only = match tools.map(Vec::as_slice) {
+            Some([tool]) => tool.pointer("/function/name").and_then(Value::as_str),
+            _ => None,
+        };
+        let name = match choice {
+            ToolChoice::Required => only.unwrap_or_default().to_string(),
+            ToolChoice::Named(name) => name.clone(),
+            ToolChoice::Auto | ToolChoice::None => return Ok(None),
+        };
+        let (Some(adapter), Some(registry)) = (adapter, self.plugins.clone()) else { return Ok(None) };
+        let adapter = adapter.clone();
+        tokio::task::spawn_blocking(move || crate::plugins::force_tool(&registry, &adapter, &name))
+            .await
+            .map_err(ApiError::internal)?
+            .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+    }
+
     /// Renders chat messages (and tools) through the model's template and tokenizes them.
     /// A template that ignores `tools` gets them described in the system message: `rendered`
-    /// (the tool adapter's text) or the Hermes convention.
+    /// (the tool adapter's text) or the Hermes convention. `reply_prefix` (a forced tool
+    /// call's opening) follows the template's start of the assistant's turn.
     fn chat_prompt(
         &self,
         mut messages: Vec<Value>,
         tools: Option<Vec<Value>>,
         kwargs: Option<&Value>,
         rendered: Option<String>,
+        reply_prefix: Option<&str>,
     ) -> Result<Vec<u32>, ApiError> {
         let tokenizer = &self.engine.tokenizer;
         let template_takes_tools = self.template_takes_tools();
@@ -238,9 +267,10 @@ impl AppState {
             inject_tools(&mut messages, tools, rendered);
         }
         let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
-        let text = tokenizer
+        let mut text = tokenizer
             .apply_chat_template(&Value::Array(messages), tools_value.as_ref(), true, kwargs)
             .map_err(|e| ApiError::bad_request(format!("{e}")))?;
+        text.push_str(reply_prefix.unwrap_or_default());
         tokenizer.encode(&text, false).map_err(ApiError::internal)
     }
 
@@ -308,6 +338,7 @@ impl AppState {
             sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
             tool,
+            reply_prefix: None,
         })
     }
 
@@ -547,13 +578,15 @@ async fn chat_completions(
     };
     let messages = openai::template_messages(&req.messages)?;
     openai::check_tools(req.tools.as_ref())?;
-    let tools = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?.tools(req.tools.clone());
+    let choice = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?;
+    let tools = choice.tools(req.tools.clone());
     let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
     let priority = openai::priority(req.priority)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
+    let mut plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
     let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
-    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref(), rendered)?;
+    plugins.reply_prefix = state.force_tool(plugins.tool.as_ref(), &choice, tools.as_ref()).await?;
+    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref(), rendered, plugins.reply_prefix.as_deref())?;
     let max_tokens = state.admit(prompt.len(), max)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
     let stop = openai::stops(req.stop)?;
@@ -728,12 +761,16 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let sampling = anthropic::sampling(&req)?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
     let tools = anthropic::tools(req.tools.as_ref())?;
-    let tools = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?.tools(tools);
+    let choice = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?;
+    let tools = choice.tools(tools);
     state.check_sampling(&sampling, a)?;
     let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
-    let plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
+    let mut plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
     let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prompt = state.chat_prompt(messages, tools, None, rendered).map_err(|e| e.flavor(a))?;
+    plugins.reply_prefix =
+        state.force_tool(plugins.tool.as_ref(), &choice, tools.as_ref()).await.map_err(|e| e.flavor(a))?;
+    let prompt =
+        state.chat_prompt(messages, tools, None, rendered, plugins.reply_prefix.as_deref()).map_err(|e| e.flavor(a))?;
     let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
     let stop = openai::stops(req.stop_sequences.clone().map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
     let speculative = state.speculative(req.speculative.clone(), a)?;
@@ -858,7 +895,7 @@ async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         (Some(text), None) => {
             state.engine.tokenizer.encode(&text, req.add_special_tokens).map_err(ApiError::internal)?
         }
-        (None, Some(messages)) => state.chat_prompt(openai::template_messages(&messages)?, None, None, None)?,
+        (None, Some(messages)) => state.chat_prompt(openai::template_messages(&messages)?, None, None, None, None)?,
         _ => return Err(ApiError::invalid("prompt", "give exactly one of `prompt` (text) or `messages`")),
     };
     Ok(Json(json!({"count": tokens.len(), "max_model_len": state.max_sequence_tokens, "tokens": tokens})))
@@ -893,7 +930,7 @@ async fn count_tokens(
     let tools = anthropic::tools(req.tools.as_ref())?;
     let tool = state.plugins(None, tools.as_ref(), a)?.tool;
     let rendered = state.render_tools(tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prompt = state.chat_prompt(messages, tools, None, rendered).map_err(|e| e.flavor(a))?;
+    let prompt = state.chat_prompt(messages, tools, None, rendered, None).map_err(|e| e.flavor(a))?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 

@@ -26,6 +26,15 @@ fn named_call(v: &Value) -> Result<Call, String> {
     Ok(Call::new(name, args))
 }
 
+/// `head`, then the quoted name and `tail` (a call to `name`), or just the opening quote of
+/// the name (a call to any function: the model writes the name).
+fn json_opener(head: &str, name: Option<&str>, tail: &str) -> String {
+    match name {
+        Some(name) => format!("{head}{}{tail}", Value::String(name.to_string())),
+        None => format!("{head}\""),
+    }
+}
+
 /// Hermes / Qwen2.5: `<tool_call>\n{"name": "f", "arguments": {..}}\n</tool_call>`.
 #[derive(Default)]
 pub struct Hermes;
@@ -33,6 +42,9 @@ pub struct Hermes;
 impl Format for Hermes {
     fn streams_json(&self) -> bool {
         true
+    }
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(json_opener("<tool_call>\n{\"name\": ", name, ", \"arguments\": "))
     }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
@@ -90,6 +102,12 @@ fn tagged<'a>(text: &'a str, tag: &str) -> Result<Vec<(&'a str, &'a str)>, Strin
 }
 
 impl Format for Qwen3Coder {
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(match name {
+            Some(name) => format!("<tool_call>\n<function={name}>\n"),
+            None => "<tool_call>\n<function=".into(),
+        })
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
     }
@@ -125,6 +143,9 @@ impl Format for Llama3Json {
     fn streams_json(&self) -> bool {
         true
     }
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(json_opener("{\"name\": ", name, ", \"parameters\": "))
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<|python_tag|>", false), ("{", true)]
     }
@@ -148,6 +169,9 @@ pub struct Mistral;
 impl Format for Mistral {
     fn streams_json(&self) -> bool {
         true
+    }
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(json_opener("[TOOL_CALLS][{\"name\": ", name, ", \"arguments\": "))
     }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("[TOOL_CALLS]", false)]
@@ -185,6 +209,9 @@ impl Format for Mistral {
 pub struct Gemma;
 
 impl Format for Gemma {
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(format!("```tool_code\n{}", name.map(|n| format!("{n}(")).unwrap_or_default()))
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("```tool_code", false)]
     }
@@ -385,6 +412,62 @@ mod tests {
 
     fn call(name: &str, args: Value) -> (String, Value) {
         (name.to_string(), args)
+    }
+
+    /// A forced call: the opener the host puts at the start of the reply, then what a model
+    /// writes after it, parse as one call to the named function (or to the function the model
+    /// names when any will do), with nothing left over as content.
+    #[test]
+    fn a_forced_opener_and_the_rest_of_the_call_parse_as_that_call() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
+        ];
+        fn forced<F: Format>(name: Option<&str>, rest: &str, tools: &[Value]) -> (String, Vec<(String, Value)>) {
+            let opener = F::default().force(name).expect("every built-in format can force a call");
+            check::<F>(&format!("{opener}{rest}"), tools)
+        }
+        let want = vec![call("get_weather", json!({"city": "Paris"}))];
+        let cases: [(&str, (String, Vec<(String, Value)>), (String, Vec<(String, Value)>)); 5] = [
+            (
+                "hermes",
+                forced::<Hermes>(Some("get_weather"), "{\"city\": \"Paris\"}}\n</tool_call>", &tools),
+                forced::<Hermes>(None, "get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>", &tools),
+            ),
+            (
+                "qwen3-coder",
+                forced::<Qwen3Coder>(
+                    Some("get_weather"),
+                    "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+                    &tools,
+                ),
+                forced::<Qwen3Coder>(
+                    None,
+                    "get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+                    &tools,
+                ),
+            ),
+            (
+                "llama3-json",
+                forced::<Llama3Json>(Some("get_weather"), "{\"city\": \"Paris\"}}", &tools),
+                forced::<Llama3Json>(None, "get_weather\", \"parameters\": {\"city\": \"Paris\"}}", &tools),
+            ),
+            (
+                "mistral",
+                forced::<Mistral>(Some("get_weather"), "{\"city\": \"Paris\"}}]", &tools),
+                forced::<Mistral>(None, "get_weather\", \"arguments\": {\"city\": \"Paris\"}}]", &tools),
+            ),
+            (
+                "gemma",
+                forced::<Gemma>(Some("get_weather"), "city=\"Paris\")\n```", &tools),
+                forced::<Gemma>(None, "get_weather(city=\"Paris\")\n```", &tools),
+            ),
+        ];
+        for (format, named, any) in cases {
+            assert_eq!(named, (String::new(), want.clone()), "{format}, named");
+            assert_eq!(any, (String::new(), want.clone()), "{format}, any");
+        }
+        // A name that needs escaping stays one JSON string.
+        assert_eq!(Hermes.force(Some("a\"b")).unwrap(), "<tool_call>\n{\"name\": \"a\\\"b\", \"arguments\": ");
     }
 
     #[test]

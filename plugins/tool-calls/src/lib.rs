@@ -52,6 +52,11 @@ pub trait Format: Default {
     fn streams_json(&self) -> bool {
         false
     }
+    /// The start of a call to `name` (any function when `None`) as the model would write it:
+    /// what the host puts at the start of the reply when the request forces a call.
+    fn force(&self, _name: Option<&str>) -> Option<String> {
+        None
+    }
 }
 
 /// A [`Format`] as a streaming [`ToolAdapter`].
@@ -251,6 +256,9 @@ impl<F: Format> ToolAdapter for Adapter<F> {
     fn render(&mut self, tools: &str) -> Option<String> {
         let tools: Vec<Value> = serde_json::from_str(tools).ok()?;
         self.format.render(&tools)
+    }
+    fn force(&mut self, name: &str) -> Option<String> {
+        self.format.force(Some(name).filter(|n| !n.is_empty()))
     }
 }
 
