@@ -40,6 +40,7 @@ pub struct CountTokensRequest {
     pub messages: Vec<Value>,
     pub system: Option<Value>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {

@@ -926,11 +926,14 @@ async fn count_tokens(
     let a = Flavor::Anthropic;
     let req: anthropic::CountTokensRequest = parse_body(body).map_err(|e| e.flavor(a))?;
     let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
-    // The same prompt `messages` would build, tool descriptions included.
+    // The same prompt `messages` would build: tool descriptions and a forced call's opener.
     let tools = anthropic::tools(req.tools.as_ref())?;
+    let choice = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?;
+    let tools = choice.tools(tools);
     let tool = state.plugins(None, tools.as_ref(), a)?.tool;
     let rendered = state.render_tools(tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prompt = state.chat_prompt(messages, tools, None, rendered, None).map_err(|e| e.flavor(a))?;
+    let prefix = state.force_tool(tool.as_ref(), &choice, tools.as_ref()).await.map_err(|e| e.flavor(a))?;
+    let prompt = state.chat_prompt(messages, tools, None, rendered, prefix.as_deref()).map_err(|e| e.flavor(a))?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 
