@@ -248,6 +248,22 @@ impl AppState {
             .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
     }
 
+    /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
+    /// the template, or by the adapter when the template ignores them) and a forced call's
+    /// opener at the start of the reply, which goes into `plugins` for the engine too.
+    async fn tool_chat_prompt(
+        &self,
+        messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+        choice: &ToolChoice,
+        kwargs: Option<&Value>,
+        plugins: &mut Selection,
+    ) -> Result<Vec<u32>, ApiError> {
+        let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
+        plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        self.chat_prompt(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())
+    }
+
     /// Renders chat messages (and tools) through the model's template and tokenizes them.
     /// A template that ignores `tools` gets them described in the system message: `rendered`
     /// (the tool adapter's text) or the Hermes convention. `reply_prefix` (a forced tool
@@ -584,9 +600,7 @@ async fn chat_completions(
     let priority = openai::priority(req.priority)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let mut plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
-    let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
-    plugins.reply_prefix = state.force_tool(plugins.tool.as_ref(), &choice, tools.as_ref()).await?;
-    let prompt = state.chat_prompt(messages, tools, kwargs.as_ref(), rendered, plugins.reply_prefix.as_deref())?;
+    let prompt = state.tool_chat_prompt(messages, tools, &choice, kwargs.as_ref(), &mut plugins).await?;
     let max_tokens = state.admit(prompt.len(), max)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
     let stop = openai::stops(req.stop)?;
@@ -766,11 +780,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     state.check_sampling(&sampling, a)?;
     let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
     let mut plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
-    let rendered = state.render_tools(plugins.tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    plugins.reply_prefix =
-        state.force_tool(plugins.tool.as_ref(), &choice, tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prompt =
-        state.chat_prompt(messages, tools, None, rendered, plugins.reply_prefix.as_deref()).map_err(|e| e.flavor(a))?;
+    let prompt = state.tool_chat_prompt(messages, tools, &choice, None, &mut plugins).await.map_err(|e| e.flavor(a))?;
     let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
     let stop = openai::stops(req.stop_sequences.clone().map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
     let speculative = state.speculative(req.speculative.clone(), a)?;
@@ -930,10 +940,8 @@ async fn count_tokens(
     let tools = anthropic::tools(req.tools.as_ref())?;
     let choice = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?;
     let tools = choice.tools(tools);
-    let tool = state.plugins(None, tools.as_ref(), a)?.tool;
-    let rendered = state.render_tools(tool.as_ref(), tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prefix = state.force_tool(tool.as_ref(), &choice, tools.as_ref()).await.map_err(|e| e.flavor(a))?;
-    let prompt = state.chat_prompt(messages, tools, None, rendered, prefix.as_deref()).map_err(|e| e.flavor(a))?;
+    let mut plugins = state.plugins(None, tools.as_ref(), a)?;
+    let prompt = state.tool_chat_prompt(messages, tools, &choice, None, &mut plugins).await.map_err(|e| e.flavor(a))?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 
