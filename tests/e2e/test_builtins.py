@@ -194,6 +194,23 @@ def test_tool_choice_required_lets_the_model_name_the_function_and_streams_the_c
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGS
 
 
+def test_parallel_tool_calls_false_ends_the_reply_before_a_second_call(srv):
+    two = FORMATS["hermes"][1] + "\n" + FORMATS["hermes"][1].replace("Paris", "Rome")
+    sampler, max_tokens = script(srv, two)
+    both = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in both["choices"][0]["message"]["tool_calls"]] == ["Paris", "Rome"]
+    one = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens, parallel_tool_calls=False)
+    [call] = one["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == ARGS and one["choices"][0]["finish_reason"] == "tool_calls"
+    assert one["usage"]["completion_tokens"] < both["usage"]["completion_tokens"], "generation stopped early"
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x")
+    akw = dict(model="m", max_tokens=max_tokens, messages=Q, tools=ANTHROPIC_TOOLS, extra_body={"plugins": {"sampler": sampler}})
+    message = an.messages.create(tool_choice={"type": "auto", "disable_parallel_tool_use": True}, **akw)
+    assert [b.input["city"] for b in message.content if b.type == "tool_use"] == ["Paris"]
+    assert message.stop_reason == "tool_use"
+    assert len([b for b in an.messages.create(**akw).content if b.type == "tool_use"]) == 2
+
+
 def test_the_real_model_completes_a_forced_call(srv):
     # SmolLM2 itself, greedy: forced to call get_weather, it writes the arguments.
     r = chat(srv, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,

@@ -934,13 +934,17 @@ impl Worker {
 }
 
 /// Sends a token's text (through the tool adapter, when the request has one; flushing it
-/// at the end of output) and its logprobs. `Ok(false)` when the client has gone.
+/// at the end of output) and its logprobs. `Ok(false)` when the client has gone. When the
+/// request allows one tool call, the adapter's report of a second ends the reply before it
+/// (`finish` becomes `ToolCalls`).
 fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: bool) -> Result<bool> {
     let mut events = Vec::new();
     let mut content = match a.reply_prefix.take() {
         Some(prefix) => prefix + &text,
         None => text,
     };
+    let one_call = a.job.request.plugins.one_tool_call;
+    let mut cut = false;
     if let Some(tools) = a.tools.as_mut() {
         let mut out = if content.is_empty() { Vec::new() } else { tools.adapter.feed(&content)? };
         if last {
@@ -950,6 +954,11 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
         for o in out {
             match o {
                 ToolOutput::Content(c) => content.push_str(&c),
+                // A second call where one was asked for: the reply ends before it.
+                ToolOutput::Call { .. } if one_call && tools.calls > 0 => {
+                    cut = true;
+                    break;
+                }
                 ToolOutput::Call { index, id, name } => {
                     if !content.is_empty() {
                         events.push(Event::Delta { text: std::mem::take(&mut content), logprobs: vec![] });
@@ -960,6 +969,9 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
                 ToolOutput::Args { index, delta } => events.push(Event::ToolArgs { index, delta }),
             }
         }
+    }
+    if cut {
+        a.finish = Some(Finish::ToolCalls);
     }
     if !content.is_empty() || !logprobs.is_empty() {
         events.push(Event::Delta { text: content, logprobs });

@@ -42,6 +42,9 @@ pub struct Selection {
     /// Text that opens the reply: a call the request forces (`tool_choice`), already at the
     /// end of the prompt; fed to the tool adapter ahead of the output.
     pub reply_prefix: Option<String>,
+    /// At most one tool call (OpenAI `parallel_tool_calls: false`, Anthropic
+    /// `disable_parallel_tool_use`): generation ends when the adapter reports a second.
+    pub one_tool_call: bool,
 }
 
 impl Selection {

@@ -176,6 +176,15 @@ pub fn tool_choice(choice: Option<&Value>, tools: Option<&Vec<Value>>) -> Result
     choice.check(tools).map_err(|m| invalid("tool_choice", m))
 }
 
+/// `tool_choice.disable_parallel_tool_use`: at most one tool call in the reply.
+pub fn one_tool_call(choice: Option<&Value>) -> Result<bool, ApiError> {
+    match choice.and_then(|c| c.get("disable_parallel_tool_use")) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid("tool_choice", "`tool_choice.disable_parallel_tool_use` must be a boolean")),
+    }
+}
+
 pub fn sampling(r: &MessagesRequest) -> Result<SamplingParams, ApiError> {
     let temperature = r.temperature.unwrap_or(1.0);
     if !(0.0..=1.0).contains(&temperature) {

@@ -156,6 +156,8 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `false`: at most one tool call in the reply.
+    pub parallel_tool_calls: Option<bool>,
     pub n: Option<i64>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<Value>,

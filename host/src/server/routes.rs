@@ -355,6 +355,7 @@ impl AppState {
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
             tool,
             reply_prefix: None,
+            one_tool_call: false,
         })
     }
 
@@ -600,6 +601,7 @@ async fn chat_completions(
     let priority = openai::priority(req.priority)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let mut plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
+    plugins.one_tool_call = req.parallel_tool_calls == Some(false);
     let prompt = state.tool_chat_prompt(messages, tools, &choice, kwargs.as_ref(), &mut plugins).await?;
     let max_tokens = state.admit(prompt.len(), max)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
@@ -780,6 +782,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     state.check_sampling(&sampling, a)?;
     let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
     let mut plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
+    plugins.one_tool_call = anthropic::one_tool_call(req.tool_choice.as_ref())?;
     let prompt = state.tool_chat_prompt(messages, tools, &choice, None, &mut plugins).await.map_err(|e| e.flavor(a))?;
     let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
     let stop = openai::stops(req.stop_sequences.clone().map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
@@ -1192,6 +1195,7 @@ mod tests {
             (r#"{"type": "tool", "name": "get_time"}"#, "\"get_time\", which is not among"),
             (r#"{"type": "tool"}"#, "needs the tool's `name`"),
             (r#"{"name": "get_weather"}"#, "needs a `type`"),
+            (r#"{"type": "auto", "disable_parallel_tool_use": "yes"}"#, "must be a boolean"),
         ] {
             let (status, v) = check(router(None), "POST", "/v1/messages", &messages(choice), &[]).await;
             assert_eq!(status, 400, "{choice}: {v}");
