@@ -34,7 +34,7 @@ def test_streaming_events_arrive_in_order(anthropic_client, http):
     start = json.loads(next(l[6:] for l in lines if l.startswith("data: ")))
     usage = start["message"]["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == 37
-    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
     assert set(events[3:-3]) == {"content_block_delta"}
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 

@@ -168,6 +168,11 @@ def test_a_forced_tool_choice_opens_the_reply_with_the_call_in_both_apis(srv, ad
                                  tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"plugins": plugins})
     assert message.stop_reason == "tool_use", message
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", ARGS)]
+    # Streamed, the call is block 0 too (no empty text block before it).
+    with an.messages.stream(model="m", max_tokens=max_tokens, messages=Q, tools=ANTHROPIC_TOOLS,
+                            tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"plugins": plugins}) as st:
+        final = st.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", ARGS)]
     if adapter == "hermes":  # count_tokens builds the prompt with the server's adapter, this one
         counted = an.messages.count_tokens(model="m", messages=Q, tools=ANTHROPIC_TOOLS,
                                            tool_choice={"type": "tool", "name": "get_weather"})
@@ -192,6 +197,16 @@ def test_tool_choice_required_lets_the_model_name_the_function_and_streams_the_c
     r = chat(srv, {"sampler": sampler}, tools=TOOLS, max_tokens=max_tokens, tool_choice="required")
     [call] = r["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGS
+
+
+def test_an_empty_streamed_anthropic_reply_is_one_empty_text_block(srv):
+    sampler, max_tokens = script(srv, "")
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x")
+    with an.messages.stream(model="m", max_tokens=max_tokens, messages=Q, extra_body={"plugins": {"sampler": sampler}}) as st:
+        final = st.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", "")]
+    plain = an.messages.create(model="m", max_tokens=max_tokens, messages=Q, extra_body={"plugins": {"sampler": sampler}})
+    assert [(b.type, b.text) for b in plain.content] == [("text", "")]
 
 
 def test_parallel_tool_calls_false_ends_the_reply_before_a_second_call(srv):

@@ -808,10 +808,10 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         }))
         .into_response());
     }
-    // Content blocks in order: text at index 0, then a block per tool call (and a new text
-    // block if text follows a call). `current` is the open block; `open_text` its kind.
-    let mut open_text = true;
-    let mut current = 0usize;
+    // Content blocks in order, each opened by what first needs it: a text block for text, a
+    // block per tool call, a new text block if text follows a call (as in the non-streamed
+    // reply, a call at the very start is block 0). `open` is the open block: (index, is text).
+    let mut open: Option<(usize, bool)> = None;
     stream(
         state.clone(),
         rx,
@@ -824,46 +824,48 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
                     "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens, "output_tokens": 0}}}),
                 ),
-                named(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                ),
                 named("ping", json!({"type": "ping"})),
             ],
             Event::Delta { text, .. } if text.is_empty() => vec![],
             Event::Delta { text, .. } => {
                 let mut out = vec![];
-                if !open_text {
-                    out = next_block(&mut current, json!({"type": "text", "text": ""}));
-                    open_text = true;
+                if !matches!(open, Some((_, true))) {
+                    out = open_block(&mut open, true, json!({"type": "text", "text": ""}));
                 }
+                let index = open.map_or(0, |(i, _)| i);
                 out.push(named(
                     "content_block_delta",
-                    json!({"type": "content_block_delta", "index": current, "delta": {"type": "text_delta", "text": text}}),
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}),
                 ));
                 out
             }
             Event::ToolCall { id, name, .. } => {
-                open_text = false;
                 let call = openai::ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() };
                 let mut start = anthropic::tool_use_block(&call);
                 start["input"] = json!({});
-                next_block(&mut current, start)
+                open_block(&mut open, false, start)
             }
             Event::ToolArgs { delta, .. } => vec![named(
                 "content_block_delta",
-                json!({"type": "content_block_delta", "index": current, "delta": {"type": "input_json_delta", "partial_json": delta}}),
+                json!({"type": "content_block_delta", "index": open.map_or(0, |(i, _)| i), "delta": {"type": "input_json_delta", "partial_json": delta}}),
             )],
             Event::Done { finish, usage } => {
                 let (reason, sequence) = anthropic::stop_reason(finish);
-                vec![
-                    named("content_block_stop", json!({"type": "content_block_stop", "index": current})),
+                // An empty reply is one empty text block, as the non-streamed one.
+                let mut out = match open {
+                    Some(_) => vec![],
+                    None => open_block(&mut open, true, json!({"type": "text", "text": ""})),
+                };
+                let index = open.map_or(0, |(i, _)| i);
+                out.extend([
+                    named("content_block_stop", json!({"type": "content_block_stop", "index": index})),
                     named(
                         "message_delta",
                         json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": anthropic::usage_json(usage)}),
                     ),
                     named("message_stop", json!({"type": "message_stop"})),
-                ]
+                ]);
+                out
             }
             e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
                 vec![stream_error(e, Flavor::Anthropic)]
@@ -880,14 +882,22 @@ fn named(name: &str, v: Value) -> SseEvent {
     SseEvent::default().event(name).data(v.to_string())
 }
 
-/// Closes content block `current` and opens the next with `start`.
-fn next_block(current: &mut usize, start: Value) -> Vec<SseEvent> {
-    let stop = named("content_block_stop", json!({"type": "content_block_stop", "index": *current}));
-    *current += 1;
-    vec![
-        stop,
-        named("content_block_start", json!({"type": "content_block_start", "index": *current, "content_block": start})),
-    ]
+/// Closes the open content block, if any, and opens the next with `start`.
+fn open_block(open: &mut Option<(usize, bool)>, text: bool, start: Value) -> Vec<SseEvent> {
+    let mut out = vec![];
+    let index = match *open {
+        Some((i, _)) => {
+            out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+            i + 1
+        }
+        None => 0,
+    };
+    *open = Some((index, text));
+    out.push(named(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": index, "content_block": start}),
+    ));
+    out
 }
 
 /// `POST /tokenize` (as vLLM's): `{"prompt": "text", "add_special_tokens": false}` or
