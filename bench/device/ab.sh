@@ -5,18 +5,13 @@
 # the per-round ratios to A (the device drifts 1.5x between rounds; a ratio within a round is
 # steadier). A "binary" may be a wrapper script, e.g. one that sets HOST_FUSE_PROJECTIONS=0.
 #   [MODELS="qwen-0.5b llama-8b-q4"] [ROUNDS=6] [PROMPT=512] bash bench/device/ab.sh OUTDIR A B [C]
-# NAME-q4 is NAME quantized to 4 bits (group 64), made under /tmp once like step-split.sh.
+# Models: bench/device/kit-models.sh (NAME-q4 is NAME quantized to 4 bits, group 64).
 set -uo pipefail
 OUTDIR=$1
 shift
 BINS=("$@")
 MODELS=(${MODELS:-qwen-0.5b llama-8b-q4})
-for m in "${MODELS[@]}"; do
-  shape=${m%-q4}
-  quantize=()
-  [ "$shape" != "$m" ] && quantize=(--quantize 4)
-  [ -f /tmp/$m/config.json ] || python3 .device/kit/make-model.py $shape /tmp/$shape "${quantize[@]}" > /dev/null
-done
+bash bench/device/kit-models.sh "${MODELS[@]}"
 for m in "${MODELS[@]}"; do
   for round in $(seq "${ROUNDS:-6}"); do
     for b in "${BINS[@]}"; do

@@ -4,7 +4,7 @@
 # interleaved: the first model in ROUNDS rounds (default 2), the others once. One JSON line
 # per run.
 #   [MODELS="llama-8b llama-1b qwen-0.5b"] [ROUNDS=2] [AB=VAR=value] [B_HOST=PATH] bash bench/device/step-split.sh HOST OUTDIR
-# MODELS are the kit's shapes (make-model.py), made under /tmp once; NAME-q4 is NAME quantized
+# MODELS are the kit's shapes, made under /tmp once (kit-models.sh); NAME-q4 is NAME quantized
 # to 4 bits (group 64). AB=VAR=value adds a host run with that environment after each default
 # one (e.g. AB=HOST_QGEMV=0: MLX's 4-bit kernel; AB_FUSE=1 is AB=HOST_FUSE_PROJECTIONS=0);
 # B_HOST=PATH adds a run of another host binary (the build before a change) after each.
@@ -13,12 +13,7 @@ HOST=$1 OUTDIR=$2
 MODELS=(${MODELS:-llama-8b llama-1b qwen-0.5b})
 AB=${AB:-}
 [ -n "${AB_FUSE:-}" ] && AB=HOST_FUSE_PROJECTIONS=0
-for m in "${MODELS[@]}"; do
-  shape=${m%-q4}
-  quantize=()
-  [ "$shape" != "$m" ] && quantize=(--quantize 4)
-  [ -f /tmp/$m/config.json ] || python3 .device/kit/make-model.py $shape /tmp/$shape "${quantize[@]}" > /dev/null
-done
+bash bench/device/kit-models.sh "${MODELS[@]}"
 host() {  # model, environment ("" or VAR=value)[, binary]
   env $2 timeout 150 "${3:-$HOST}" bench --model /tmp/$1 --device gpu --prompt-lengths 512 --gen 128 --runs 3 --json \
     | python3 -c "import json,sys; r=json.loads(sys.stdin.readlines()[-1]); print(json.dumps({'bench':'host','model':'$1','env':'$2','binary':'${3:-$HOST}','decode_tps':round(r['decode_tps'],1),'step_ms':round(r['step_ms'],2),'build_ms':round(r['build_ms'],2),'dispatch_ms':round(r['dispatch_ms'],2),'wait_ms':round(r['wait_ms'],2)}))"

@@ -438,17 +438,10 @@ fn parse_tool_events(
     Ok((out, calls))
 }
 
-/// Renders tool definitions with the adapter's `tool_render`, if it has one.
-pub fn render_tools(registry: &PluginRegistry, selected: &Selected, tools: &Value) -> Result<Option<String>> {
-    let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
-    instance.tool_render(&tools.to_string())
-}
-
-/// The adapter's opener for a forced call (`tool_force`), if it has one: to `name`, or to any
-/// function when `name` is empty.
-pub fn force_tool(registry: &PluginRegistry, selected: &Selected, name: &str) -> Result<Option<String>> {
-    let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
-    instance.tool_force(name)
+/// A short-lived instance of a tool adapter (`host_init` only, no `host_begin`), for what it
+/// contributes while the prompt is built: `tool_render`, `tool_force` (ABI.md §5.3).
+pub fn prompt_instance(registry: &PluginRegistry, selected: &Selected) -> Result<runtime::Instance> {
+    registry.runtime.instantiate(&selected.plugin, &selected.config)
 }
 
 /// The scheduling policy as a plugin: one long-lived instance, replaced when hot reload

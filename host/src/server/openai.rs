@@ -344,6 +344,11 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
     Ok(out)
 }
 
+/// The function name of a tool in OpenAI's shape.
+pub fn tool_name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name").and_then(Value::as_str)
+}
+
 /// What a request's `tool_choice` asks for (both APIs), checked against its tools. `Required`
 /// and `Named` force a call through the tool adapter's `tool_force` opener, when it has one
 /// (`AppState::force_tool`; ABI.md §5.3).
@@ -368,8 +373,7 @@ impl ToolChoice {
     /// A choice that needs tools has some, and a named one is among them (`tools` in
     /// OpenAI's shape, as both APIs hold them by now).
     pub(super) fn check(self, tools: Option<&Vec<Value>>) -> Result<ToolChoice, String> {
-        let names: Vec<&str> =
-            tools.into_iter().flatten().filter_map(|t| t.pointer("/function/name").and_then(Value::as_str)).collect();
+        let names: Vec<&str> = tools.into_iter().flatten().filter_map(tool_name).collect();
         match &self {
             ToolChoice::Required | ToolChoice::Named(_) if names.is_empty() => {
                 Err("`tool_choice` asks for a tool call, but the request has no `tools`".into())

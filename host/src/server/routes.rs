@@ -10,6 +10,7 @@ use super::openai::{self, ChatRequest, CompletionRequest, Prompt, ToolChoice};
 use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
 use crate::plugins::abi_v1::Kind;
+use crate::plugins::runtime::Instance;
 use crate::plugins::{PluginRegistry, Selected, Selection};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -201,51 +202,55 @@ impl AppState {
         self.engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
     }
 
-    /// For templates that ignore `tools`: the tool adapter's own description of them
-    /// (`tool_render`), when it has one. Runs the plugin off the async runtime.
-    async fn render_tools(
+    /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
+    /// fault is the adapter's (a 502 naming it).
+    async fn on_adapter(
         &self,
-        adapter: Option<&Selected>,
-        tools: Option<&Vec<Value>>,
+        adapter: &Selected,
+        call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<String>> + Send + 'static,
     ) -> Result<Option<String>, ApiError> {
-        let (Some(adapter), Some(tools), Some(registry)) = (adapter, tools, self.plugins.clone()) else {
-            return Ok(None);
-        };
-        if self.template_takes_tools() || tools.is_empty() {
-            return Ok(None);
-        }
-        let (adapter, tools) = (adapter.clone(), Value::Array(tools.clone()));
-        tokio::task::spawn_blocking(move || crate::plugins::render_tools(&registry, &adapter, &tools))
+        let Some(registry) = self.plugins.clone() else { return Ok(None) };
+        let adapter = adapter.clone();
+        tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
             .await
             .map_err(ApiError::internal)?
             .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
     }
 
+    /// For templates that ignore `tools`: the tool adapter's own description of them
+    /// (`tool_render`), when it has one.
+    async fn render_tools(
+        &self,
+        adapter: Option<&Selected>,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<String>, ApiError> {
+        let (Some(adapter), Some(tools)) = (adapter, tools) else { return Ok(None) };
+        if self.template_takes_tools() || tools.is_empty() {
+            return Ok(None);
+        }
+        let tools = Value::Array(tools.clone()).to_string();
+        self.on_adapter(adapter, move |i| i.tool_render(&tools)).await
+    }
+
     /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`);
     /// `None` when nothing is forced or the adapter cannot force calls (then `tool_choice` is
-    /// only a hint). A required call among one tool is a call to that tool. Runs the plugin
-    /// off the async runtime.
+    /// only a hint). A required call among one tool is a call to that tool.
     async fn force_tool(
         &self,
         adapter: Option<&Selected>,
         choice: &ToolChoice,
         tools: Option<&Vec<Value>>,
     ) -> Result<Option<String>, ApiError> {
-        let only = match tools.map(Vec::as_slice) {
-            Some([tool]) => tool.pointer("/function/name").and_then(Value::as_str),
-            _ => None,
-        };
         let name = match choice {
-            ToolChoice::Required => only.unwrap_or_default().to_string(),
+            ToolChoice::Required => match tools.map(Vec::as_slice) {
+                Some([only]) => openai::tool_name(only).unwrap_or_default().to_string(),
+                _ => String::new(),
+            },
             ToolChoice::Named(name) => name.clone(),
             ToolChoice::Auto | ToolChoice::None => return Ok(None),
         };
-        let (Some(adapter), Some(registry)) = (adapter, self.plugins.clone()) else { return Ok(None) };
-        let adapter = adapter.clone();
-        tokio::task::spawn_blocking(move || crate::plugins::force_tool(&registry, &adapter, &name))
-            .await
-            .map_err(ApiError::internal)?
-            .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+        let Some(adapter) = adapter else { return Ok(None) };
+        self.on_adapter(adapter, move |i| i.tool_force(&name)).await
     }
 
     /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
@@ -1175,6 +1180,12 @@ mod tests {
                 "\"auto\"",
                 "tools[0].function.parameters",
                 "JSON Schema object",
+            ),
+            (
+                r#"[{"type": "function", "function": {"name": "f", "description": 3}}]"#.into(),
+                "\"auto\"",
+                "tools[0].function.description",
+                "`description` must be a string",
             ),
         ];
         for (tools, choice, param, want) in bad {
