@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Reads GPU activity traces written by bench/device/cupti_trace.c and prints, per engine, what
-one decode step costs on the GPU: kernels per step by name, GPU busy time against the step's
+one decode step (or, with --prefill, the last run's prefill) costs on the GPU: kernels per step by name, GPU busy time against the step's
 wall time (the difference is idle GPU), Unified Memory traffic (pages migrating between
 host and device memory while decoding) and, when the trace has them (CUPTI_TRACE_API=1),
 the CUDA driver calls the CPU made per step on its busiest thread, by name.
 
-    gpu_trace.py [--steps 100] [--marker REGEX] LABEL=TRACE.tsv...
+    gpu_trace.py [--steps 100] [--marker REGEX] [--prefill] LABEL=TRACE.tsv...
 
 Decode steps are found from a marker kernel that runs once per step (the greedy argmax,
 default regex `arg_?reduce`): consecutive markers closer than 3x the median gap are one step
 apart; the last `--steps` such steps of the trace are analysed (the final measured run).
+With --prefill the window is instead that run's prefill: from the first kernel after the
+marker before the run's long gap (the previous run's last token) to the run's first marker
+(its first token), one "step".
 """
 import argparse
 import bisect
@@ -50,7 +53,7 @@ def short(name, width=70):
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def analyse(path, steps, marker):
+def analyse(path, steps, marker, prefill=False):
     kernels, um, api = load(path)
     rx = re.compile(marker, re.I)
     ends = [e for s, e, n in kernels if rx.search(n)]
@@ -69,6 +72,14 @@ def analyse(path, steps, marker):
     n = last - first + 1
     t0, t1 = ends[first], ends[last + 1]
     starts = [k[0] for k in kernels]
+    if prefill:
+        while i >= 0 and gaps[i] < limit:
+            i -= 1
+        if i < 0:
+            raise SystemExit(f"{path}: no run before the last one, so no prefill gap to analyse")
+        # Kernels after the previous run's last marker, up to this run's first token.
+        n, t1 = 1, ends[i + 1]
+        t0 = kernels[bisect.bisect_right(starts, ends[i])][0]
     window = [k for k in kernels[bisect.bisect_left(starts, t0) : bisect.bisect_left(starts, t1)] if k[1] <= t1]
     busy, cur_s, cur_e = 0, None, None
     for s, e, _ in window:
@@ -117,22 +128,23 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--marker", default=r"arg_?reduce")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill", action="store_true", help="analyse the last run's prefill instead")
     ap.add_argument("traces", nargs="+", help="LABEL=PATH")
     a = ap.parse_args()
     runs = {}
     for t in a.traces:
         label, path = t.split("=", 1)
-        runs[label] = analyse(path, a.steps, a.marker)
+        runs[label] = analyse(path, a.steps, a.marker, a.prefill)
     labels = list(runs)
     um_kinds = {1: "UM host->device bytes", 2: "UM device->host bytes", 4: "UM GPU page faults"}
-    print("| per decode step | " + " | ".join(labels) + " |")
+    print(f"| per {'prefill' if a.prefill else 'decode step'} | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for key, what in [("steps", "steps analysed"), ("step_us", "wall us"), ("busy_us", "GPU busy us"),
                       ("kernels", "kernels + copies")]:
         print(f"| {what} | " + " | ".join(f"{runs[l][key]:.1f}" for l in labels) + " |")
     print("| GPU idle us | " + " | ".join(f"{runs[l]['step_us'] - runs[l]['busy_us']:.1f}" for l in labels) + " |")
     for kind, what in um_kinds.items():
-        print(f"| {what}, decode window / whole trace | "
+        print(f"| {what}, window / whole trace | "
               + " | ".join(f"{runs[l]['um_window'][kind]} / {runs[l]['um_all'][kind]}" for l in labels) + " |")
     if any(runs[l]["api_per"] for l in labels):
         print("| CPU us in driver calls (busiest thread) | " + " | ".join(f"{runs[l]['api_us']:.1f}" for l in labels) + " |")

@@ -9,7 +9,9 @@
 # its warm-up; the last 100 decode steps of the trace are analysed (bench/device/gpu_trace.py).
 # AB=VAR=value adds a host run with that environment (labelled host-ab; AB_FUSE=1 is
 # AB=HOST_FUSE_PROJECTIONS=0). CUPTI_TRACE_API=1 also records the CUDA driver calls each
-# engine's CPU makes per step (slows both a little).
+# engine's CPU makes per step (slows both a little). PROMPT=N sets the prompt length (512);
+# PREFILL=1 analyses the measured run's prefill instead of its decode steps (gpu_trace.py
+# --prefill), e.g. PROMPT=4096 PREFILL=1 for issue 6's long-prompt prefill.
 set -uo pipefail
 AB=${AB:-}
 [ -n "${AB_FUSE:-}" ] && AB=HOST_FUSE_PROJECTIONS=0
@@ -20,10 +22,12 @@ trace() {  # label, command...
   local label=$1; shift
   CUDA_INJECTION64_PATH=$CUPTI/libcupti_trace.so CUPTI_TRACE_OUT=$T/$label.tsv timeout 200 "$@" 2>&1 | tail -2
 }
-trace host "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1
-trace mlx-lm python3 bench/step_split_mlx_lm.py "$MODEL" --prompt 512 --gen 128 --runs 1
+trace host "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths "${PROMPT:-512}" --gen 128 --runs 1
+trace mlx-lm python3 bench/step_split_mlx_lm.py "$MODEL" --prompt "${PROMPT:-512}" --gen 128 --runs 1
 [ -n "$AB" ] && env $AB CUDA_INJECTION64_PATH=$CUPTI/libcupti_trace.so CUPTI_TRACE_OUT=$T/host-ab.tsv \
-  timeout 200 "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths 512 --gen 128 --runs 1 2>&1 | tail -2
+  timeout 200 "$HOST" bench --model "$MODEL" --device gpu --prompt-lengths "${PROMPT:-512}" --gen 128 --runs 1 2>&1 | tail -2
 args=(host=$T/host.tsv mlx-lm=$T/mlx-lm.tsv)
 [ -n "$AB" ] && args+=(host-ab=$T/host-ab.tsv)
-python3 bench/device/gpu_trace.py --top 30 "${args[@]}" | tee "$OUTDIR/kernel-trace-$(basename "$MODEL").md"
+what=$([ -n "${PREFILL:-}" ] && echo prefill- || true)
+python3 bench/device/gpu_trace.py --top 30 ${PREFILL:+--prefill} "${args[@]}" \
+  | tee "$OUTDIR/kernel-trace-$what$(basename "$MODEL")-${PROMPT:-512}.md"

@@ -177,6 +177,27 @@ fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
 /// copy of the cache per row).
 const CANDIDATE_CACHE_BYTES: usize = 256 << 20;
 
+/// Runs `tokens` through `model` into `cache`, `step` positions per forward pass (bounding
+/// activation memory on long prompts), pipelined as decoding is: chunk k+1's graph is built
+/// and handed to MLX while the device still runs chunk k, and after handing over chunk k+1 it
+/// waits for chunk k, so at most two chunks' work is in flight. The last chunk is left in
+/// flight: whatever reads the cache next waits for it. MLX's buffer cache is not cleared
+/// between chunks (mlx-lm clears it after each; on the H200 that, with the waits, cost
+/// 12-26% of a 4,096-token prefill, bench/NOTES.md session 10); `commit` clears it at the
+/// first token.
+pub(crate) fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step: usize) -> Result<()> {
+    let mut in_flight: Option<Vec<Array>> = None;
+    for chunk in tokens.chunks(step.max(1)) {
+        model.forward(&tokens_array(chunk)?.expand_dims(&[0])?, cache)?;
+        let state: Vec<Array> = cache.iter().flat_map(KvCache::state).cloned().collect();
+        mlx::async_eval(&state.iter().collect::<Vec<_>>())?;
+        if let Some(before) = in_flight.replace(state) {
+            mlx::eval(&before.iter().collect::<Vec<_>>())?;
+        }
+    }
+    Ok(())
+}
+
 fn tokens_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_i32(&ids, &[ids.len()])?)
@@ -264,18 +285,9 @@ impl<'m> Generation<'m> {
         };
         let (head, last) = prompt.split_at(prompt.len() - 1);
         if generation.sampler.params().needs_history() {
-            generation.history = Some(tokens_array(&prompt[..0])?);
+            generation.history = Some(tokens_array(head)?);
         }
-        for chunk in head.chunks(generation.options.prefill_step_size.max(1)) {
-            let input = tokens_array(chunk)?;
-            generation.model.forward(&input.expand_dims(&[0])?, &mut generation.cache).context("prefill")?;
-            let state: Vec<&Array> = generation.cache.iter().flat_map(KvCache::state).collect();
-            mlx::eval(&state)?;
-            if let Some(h) = &generation.history {
-                generation.history = Some(mlx::ops::concatenate(&[h, &input], 0)?);
-            }
-            memory::clear_cache();
-        }
+        prefill(model, &mut generation.cache, head, generation.options.prefill_step_size).context("prefill")?;
         let first = generation.step(&tokens_array(last)?, generation.prompt_len)?;
         mlx::async_eval(&[&first.0, &first.1])?;
         generation.pending = Some(first);

@@ -249,11 +249,7 @@ impl Drafter for DraftModel<'_> {
         }
         let new = &seq[self.held..];
         let (head, tail) = new.split_at(new.len().saturating_sub(self.prefill_step_size));
-        for chunk in head.chunks(self.prefill_step_size) {
-            self.model.forward(&ids_array(chunk)?, &mut self.cache)?;
-            let state: Vec<&Array> = self.cache.iter().flat_map(KvCache::state).collect();
-            mlx::eval(&state)?;
-        }
+        super::decode::prefill(self.model, &mut self.cache, head, self.prefill_step_size)?;
         let mut input = ids_array(tail)?;
         let (mut tokens, mut dists) = (Vec::with_capacity(k), Vec::new());
         for i in 0..k {
