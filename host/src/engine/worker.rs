@@ -1030,6 +1030,52 @@ mod tests {
         panic!("the engine dropped the job")
     }
 
+    /// `stop_now` ends the running request and every waiting one, those the engine loop has
+    /// taken and those still in the submission channel alike, with a shutdown `Cancel`;
+    /// the thread stops, and later submissions are refused.
+    #[test]
+    fn stop_now_ends_every_request_with_a_shutdown_cancel() {
+        let dir = std::env::temp_dir().join(format!("host-stop-now-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 5).unwrap();
+        let engine = engine(&dir, false);
+        let job = |max_tokens| {
+            let mut sampling = SamplingParams::default();
+            // No end-of-sequence (id 2): the first request runs until it is stopped.
+            sampling.logit_bias.insert(2, -1e9);
+            JobRequest {
+                prompt: vec![5, 6, 7],
+                sampling,
+                max_tokens,
+                stop: vec![],
+                top_logprobs: None,
+                plugins: Selection::default(),
+                speculative: SpecConfig::default(),
+                priority: 0,
+                client: None,
+            }
+        };
+        let mut running = engine.submit(job(100_000)).unwrap();
+        // Running: its first token has been streamed.
+        while !matches!(running.blocking_recv(), Some(Event::Delta { .. })) {}
+        let mut waiting: Vec<_> = (0..3).map(|_| engine.submit(job(4)).unwrap()).collect();
+        assert!(engine.stop_now(Duration::from_secs(20)), "the engine thread did not stop");
+        for (i, rx) in std::iter::once(&mut running).chain(waiting.iter_mut()).enumerate() {
+            let mut last = None;
+            while let Some(event) = rx.blocking_recv() {
+                last = Some(event);
+            }
+            match last {
+                Some(Event::Cancelled(Cancel { shutdown: true, message })) => {
+                    assert!(message.contains("shutting down"))
+                }
+                other => panic!("request {i} ended with {other:?}, not a shutdown cancel"),
+            }
+        }
+        assert!(matches!(engine.submit(job(4)), Err(SubmitError::Stopped)));
+        drop(engine);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn the_warm_up_leaves_no_trace() {
         let dir = std::env::temp_dir().join(format!("host-warm-up-{}", std::process::id()));
