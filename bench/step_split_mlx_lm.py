@@ -44,10 +44,11 @@ def main():
     def run(n):
         with mx.stream(stream):
             cache = make_prompt_cache(model)
+            # As mlx-lm's generate_step prefills: evaluate each chunk, then clear the buffer cache.
             for i in range(0, a.prompt - 1, 2048):
                 model(prompt[i:min(i + 2048, a.prompt - 1)][None], cache=cache)
                 mx.eval([c.state for c in cache])
-            mx.clear_cache()
+                mx.clear_cache()
             y, lp = step(prompt[-1:], cache)
             mx.async_eval(y, lp)
             build = dispatch = wait = 0.0
