@@ -1005,19 +1005,22 @@ mod tests {
         Engine::start(EngineConfig { warm_up: Some(warm_up), ..EngineConfig::cpu(dir.to_path_buf()) }).unwrap()
     }
 
-    fn run(engine: &Engine, prompt: Vec<u32>) -> (String, Usage) {
-        let job = JobRequest {
+    fn request(prompt: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> JobRequest {
+        JobRequest {
             prompt,
-            sampling: SamplingParams::default(),
-            max_tokens: 8,
+            sampling,
+            max_tokens,
             stop: vec![],
             top_logprobs: None,
             plugins: Selection::default(),
             speculative: SpecConfig::default(),
             priority: 0,
             client: None,
-        };
-        let mut rx = engine.submit(job).unwrap();
+        }
+    }
+
+    fn run(engine: &Engine, prompt: Vec<u32>) -> (String, Usage) {
+        let mut rx = engine.submit(request(prompt, SamplingParams::default(), 8)).unwrap();
         let mut text = String::new();
         while let Some(event) = rx.blocking_recv() {
             match event {
@@ -1042,17 +1045,7 @@ mod tests {
             let mut sampling = SamplingParams::default();
             // No end-of-sequence (id 2): the first request runs until it is stopped.
             sampling.logit_bias.insert(2, -1e9);
-            JobRequest {
-                prompt: vec![5, 6, 7],
-                sampling,
-                max_tokens,
-                stop: vec![],
-                top_logprobs: None,
-                plugins: Selection::default(),
-                speculative: SpecConfig::default(),
-                priority: 0,
-                client: None,
-            }
+            request(vec![5, 6, 7], sampling, max_tokens)
         };
         let mut running = engine.submit(job(100_000)).unwrap();
         // Running: its first token has been streamed.
