@@ -340,10 +340,10 @@ impl<'m> Generation<'m> {
         // A step already in flight, with nothing to build first: this call is one pipelined
         // plain step, the cost speculation is weighed against.
         let in_flight = self.pending.is_some() && self.next_input.is_none();
-        if self.next_input.is_some()
-            && self.speculation.as_ref().is_some_and(|s| s.wants_to_try())
-            && self.speculate()?
-        {
+        // Asked once per step (a scan of the sequence for a match): a speculation that
+        // drafts nothing changes nothing, so the answer holds for the plain step too.
+        let wants_to_try = self.speculation.as_ref().is_some_and(|s| s.wants_to_try());
+        if self.next_input.is_some() && wants_to_try && self.speculate()? {
             return Ok(());
         }
         if let Some(input) = self.next_input.take() {
@@ -354,7 +354,7 @@ impl<'m> Generation<'m> {
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative.
-        let serial = self.external.is_some() || self.speculation.as_ref().is_some_and(|s| s.wants_to_try());
+        let serial = self.external.is_some() || wants_to_try;
         let queued = !serial && n + 1 < self.options.max_tokens;
         let t0 = Instant::now();
         if queued {
