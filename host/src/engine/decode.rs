@@ -186,31 +186,24 @@ const CANDIDATE_CACHE_BYTES: usize = 256 << 20;
 /// 12-26% of a 4,096-token prefill, bench/NOTES.md session 10); `commit` clears it at the
 /// first token.
 pub(crate) fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step: usize) -> Result<()> {
-    let wait = |state: &[Array]| mlx::eval(&state.iter().collect::<Vec<_>>());
+    let wait = |state: &[Array]| -> Result<()> { Ok(mlx::eval(&state.iter().collect::<Vec<_>>())?) };
     let mut in_flight: Option<Vec<Array>> = None;
-    for chunk in tokens.chunks(step.max(1)) {
-        let dispatched = (|| -> Result<Vec<Array>> {
-            model.forward(&tokens_array(chunk)?.expand_dims(&[0])?, cache)?;
-            let state: Vec<Array> = cache.iter().flat_map(KvCache::state).cloned().collect();
-            mlx::async_eval(&state.iter().collect::<Vec<_>>())?;
-            Ok(state)
-        })();
-        match dispatched {
-            Ok(state) => {
-                if let Some(before) = in_flight.replace(state) {
-                    wait(&before)?;
-                }
-            }
-            Err(e) => {
-                // No MLX work outlives a failed prefill (the caller's cleanup waits on nothing).
-                if let Some(before) = in_flight {
-                    let _ = wait(&before);
-                }
-                return Err(e);
-            }
+    let done = tokens.chunks(step.max(1)).try_for_each(|chunk| -> Result<()> {
+        model.forward(&tokens_array(chunk)?.expand_dims(&[0])?, cache)?;
+        let state: Vec<Array> = cache.iter().flat_map(KvCache::state).cloned().collect();
+        mlx::async_eval(&state.iter().collect::<Vec<_>>())?;
+        match in_flight.replace(state) {
+            Some(before) => wait(&before),
+            None => Ok(()),
+        }
+    });
+    if done.is_err() {
+        // No MLX work outlives a failed prefill (the caller's cleanup waits on nothing).
+        if let Some(state) = &in_flight {
+            let _ = wait(state);
         }
     }
-    Ok(())
+    done
 }
 
 fn tokens_array(ids: &[u32]) -> Result<Array> {
