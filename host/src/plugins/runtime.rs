@@ -599,21 +599,27 @@ impl Instance {
     /// `tool_render`, if exported: system-prompt text for `tools`; `None` when the plugin
     /// lacks it or returns nothing.
     pub fn tool_render(&mut self, tools: &str) -> Result<Option<String>> {
-        if self.funcs.tool_render.is_none() {
-            return Ok(None);
-        }
-        let text = self.tool_call(self.funcs.tool_render.clone(), tools.as_bytes(), "tool_render")?;
-        Ok(Some(text).filter(|t| !t.is_empty()))
+        self.optional_text(self.funcs.tool_render.clone(), tools.as_bytes(), "tool_render")
     }
 
     /// `tool_force`, if exported: the text that opens a call to `name` (any function when
     /// empty) in the adapter's format; `None` when the plugin lacks it or returns nothing.
     pub fn tool_force(&mut self, name: &str) -> Result<Option<String>> {
-        if self.funcs.tool_force.is_none() {
+        self.optional_text(self.funcs.tool_force.clone(), name.as_bytes(), "tool_force")
+    }
+
+    /// An optional export that returns text: `None` when the plugin lacks it or returns
+    /// nothing.
+    fn optional_text(
+        &mut self,
+        f: Option<TypedFunc<(i32, i32), i64>>,
+        input: &[u8],
+        entry: &str,
+    ) -> Result<Option<String>> {
+        if f.is_none() {
             return Ok(None);
         }
-        let text = self.tool_call(self.funcs.tool_force.clone(), name.as_bytes(), "tool_force")?;
-        Ok(Some(text).filter(|t| !t.is_empty()))
+        Ok(Some(self.tool_call(f, input, entry)?).filter(|t| !t.is_empty()))
     }
 
     /// `schedule`: the policy's decision (JSON) for a queue description.
