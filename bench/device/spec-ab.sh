@@ -3,7 +3,10 @@
 # A/B'd in interleaved rounds on SmolLM2 bf16, edit and chat prompts, each `host bench
 # --prompt-file ... --gen 256 --runs 3` (median of 3 after a warm-up on random tokens, and the
 # first of the 3, which meets the prompt's verification shapes unseen): plain; prompt lookup
-# (one candidate, the defaults); 8 candidates; with the verification count and mean time.
+# (one candidate, the defaults); 8 candidates; plain and prompt lookup without MLX's CUDA
+# graphs (MLX_USE_CUDA_GRAPHS=0); prompt lookup drafting up to 16 and 24 tokens
+# (the default is 8); with the verification count, mean time and its split
+# (draft, build, dispatch, wait ms; `host bench --json` verify_*_ms) and a plain step's split.
 # (Sessions 6-7 also had "fixed-shapes", HOST_SPEC_FIXED_SHAPES=1, and "no-cost-backoff",
 # HOST_SPEC_COST_BACKOFF=0, since removed.) This device varies by tens of percent between
 # processes, so only ratios within a round, over several rounds, mean anything
@@ -24,13 +27,17 @@ run() {  # round, label, environment ("" or VAR=value), host bench options...
     [ $w = chat ] && f=$CHAT
     env $environment timeout 120 "$HOST" bench --json --device gpu --model $M/smollm2-bfloat16 --prompt-file "$f" \
       --gen 256 --runs 3 "$@" \
-      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'first':round(r['first_decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2),'gen':r['gen_tokens'],'drafted':r['drafted_tokens'],'accepted':r['accepted_tokens'],'verifications':r['verifications'],'verify_ms':round(r['verify_ms'],2),'pipelined_ms':round(r['build_ms']+r['dispatch_ms']+r['wait_ms'],2)}))"
+      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'first':round(r['first_decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2),'gen':r['gen_tokens'],'drafted':r['drafted_tokens'],'accepted':r['accepted_tokens'],'verifications':r['verifications'],'verify_ms':round(r['verify_ms'],2),'verify_split_ms':[round(r[k],2) for k in ('verify_draft_ms','verify_build_ms','verify_dispatch_ms','verify_wait_ms')],'plain_split_ms':[round(r[k],2) for k in ('build_ms','dispatch_ms','wait_ms')],'pipelined_ms':round(r['build_ms']+r['dispatch_ms']+r['wait_ms'],2)}))"
   done
 }
 for r in $(seq "$ROUNDS"); do
   run $r plain ""
   run $r prompt-lookup "" --speculative prompt-lookup
   run $r 8-candidates "" --speculative prompt-lookup --draft-candidates 8
+  run $r plain-no-graphs MLX_USE_CUDA_GRAPHS=0
+  run $r prompt-lookup-no-graphs MLX_USE_CUDA_GRAPHS=0 --speculative prompt-lookup
+  run $r prompt-lookup-k16 "" --speculative prompt-lookup --num-draft-tokens 16
+  run $r prompt-lookup-k24 "" --speculative prompt-lookup --num-draft-tokens 24
 done | tee "$OUTDIR/spec-ab.jsonl"
 python3 - "$OUTDIR/spec-ab.jsonl" <<'PY' | tee "$OUTDIR/spec-ab.md"
 import collections, json, statistics, sys

@@ -88,6 +88,12 @@ pub struct Row {
     /// takes `step_ms` of the plain run; a verification runs serially, from drafting to commit).
     pub verifications: usize,
     pub verify_ms: f64,
+    /// Parts of `verify_ms` (`DecodeStats::verify_draft_secs` ...): drafting, building the
+    /// graph, handing it to MLX, waiting for the picks; the rest is accepting and committing.
+    pub verify_draft_ms: f64,
+    pub verify_build_ms: f64,
+    pub verify_dispatch_ms: f64,
+    pub verify_wait_ms: f64,
 }
 
 /// What one run gives back.
@@ -234,6 +240,10 @@ pub fn run(args: Args) -> Result<()> {
             wait_ms: per_step(first.stats.wait_secs, first.stats.pipelined_steps),
             verifications: first.stats.verifications,
             verify_ms: per_step(first.stats.verify_secs, first.stats.verifications),
+            verify_draft_ms: per_step(first.stats.verify_draft_secs, first.stats.verifications),
+            verify_build_ms: per_step(first.stats.verify_build_secs, first.stats.verifications),
+            verify_dispatch_ms: per_step(first.stats.verify_dispatch_secs, first.stats.verifications),
+            verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);

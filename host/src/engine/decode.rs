@@ -113,6 +113,13 @@ pub struct DecodeStats {
     /// Speculative verifications and their time, summed (draft, forward, accept, commit).
     pub verifications: usize,
     pub verify_secs: f64,
+    /// Parts of `verify_secs`: drafting, building the verification's graph, handing it to MLX
+    /// and waiting for its picks (the last two only where the native sampler picks: plugin
+    /// and lossless verifications read row by row). The rest is accepting and committing.
+    pub verify_draft_secs: f64,
+    pub verify_build_secs: f64,
+    pub verify_dispatch_secs: f64,
+    pub verify_wait_secs: f64,
 }
 
 impl DecodeStats {
@@ -453,6 +460,8 @@ impl<'m> Generation<'m> {
         if k == 0 {
             return Ok(false);
         }
+        let drafted_at = Instant::now();
+        self.stats.verify_draft_secs += (drafted_at - started).as_secs_f64();
         let last = *spec.seq.last().expect("the sequence holds the prompt");
         self.next_input = None;
         let mut ids = vec![last];
@@ -490,8 +499,10 @@ impl<'m> Generation<'m> {
             }
         };
         let emitted = if self.external.is_some() {
+            self.stats.verify_build_secs += drafted_at.elapsed().as_secs_f64();
             self.verify_external(&drafts.tokens, &processed, &logprobs, position)?
         } else if lossless {
+            self.stats.verify_build_secs += drafted_at.elapsed().as_secs_f64();
             self.verify_lossless(&drafts, &logprobs, position)?
         } else {
             let picks = match batched.filter(|_| greedy) {
@@ -503,7 +514,19 @@ impl<'m> Generation<'m> {
                     mlx::ops::concatenate(&refs, 0)?
                 }
             };
+            let built = Instant::now();
+            if self.stats.verifications == 3 {
+                // As HOST_DEBUG_STEP_GRAPH, for one verification.
+                if let Some(path) = std::env::var_os("HOST_DEBUG_VERIFY_GRAPH") {
+                    let _ = std::fs::write(path, mlx::graph_dot(&[&picks]));
+                }
+            }
+            mlx::async_eval(&[&picks])?;
+            let dispatched = Instant::now();
             let picks = picks.to_vec_i32()?;
+            self.stats.verify_build_secs += (built - drafted_at).as_secs_f64();
+            self.stats.verify_dispatch_secs += (dispatched - built).as_secs_f64();
+            self.stats.verify_wait_secs += dispatched.elapsed().as_secs_f64();
             picks[..=agreement(&drafts.tokens, &picks)].iter().map(|&t| t as u32).collect()
         };
         let accepted = emitted.len() - 1;
@@ -1021,6 +1044,13 @@ mod tests {
                     assert_eq!(ids, plain, "{arch} {method:?} k={k}");
                     assert!(stats.drafted_tokens > 0, "{arch} {method:?} k={k}: nothing was drafted");
                     assert_eq!(stats.generated_tokens, 40);
+                    // The verification time's parts are measured and add up to at most the whole.
+                    let parts = stats.verify_draft_secs
+                        + stats.verify_build_secs
+                        + stats.verify_dispatch_secs
+                        + stats.verify_wait_secs;
+                    assert!(stats.verify_build_secs > 0.0 && stats.verify_dispatch_secs + stats.verify_wait_secs > 0.0);
+                    assert!(parts <= stats.verify_secs, "{parts} > {}", stats.verify_secs);
                 }
             }
         }
