@@ -127,10 +127,16 @@ pub fn causal_mask(len: usize, offset: usize) -> Result<Array> {
 }
 
 /// `fast::scaled_dot_product_attention`, except that a boolean mask over a short query
-/// ([`short_query`]) runs [`attention_unfused`].
+/// ([`short_query`]), which is always a [`causal_mask`], runs the host's CUDA kernel for it
+/// where that applies (`fast::short_causal_attention`) and [`attention_unfused`] elsewhere.
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
     match mask {
-        Mask::Array(m) if short_query(q.dim(2)) && m.dtype() == Dtype::Bool => attention_unfused(q, k, v, scale, m),
+        Mask::Array(m) if short_query(q.dim(2)) && m.dtype() == Dtype::Bool => {
+            match fast::short_causal_attention(q, k, v, scale)? {
+                Some(o) => Ok(o),
+                None => attention_unfused(q, k, v, scale, m),
+            }
+        }
         mask => Ok(fast::scaled_dot_product_attention(q, k, v, scale, mask)?),
     }
 }

@@ -1,6 +1,7 @@
 // Implementations of the functions declared in shim.h. Each one converts Rust slices to MLX
 // shapes and wraps the result in a unique_ptr; MLX's exceptions pass through to cxx, which
 // turns them into Rust errors.
+#include <cstring>
 #include "mlx/cpp/shim.h"
 
 #include <cstdlib>
@@ -185,6 +186,125 @@ array qmv4(const array& x, const array& w, const array& scales, const array& bia
   const int warps = (rows + kQmv4RowsPerWarp - 1) / kQmv4RowsPerWarp;
   return kernel({x, w, scales, biases}, {out_shape}, {x.dtype()}, {warps * 32, 1, 1}, {256, 1, 1},
                 {{"T", x.dtype()}, {"ROWS", rows}, {"IN", in}, {"GROUP", group_size}, {"R", kQmv4RowsPerWarp}},
+                std::nullopt, false, {})[0];
+}
+
+// ---- Causal attention of a short query (speculative verification, issue 5) ------------------
+// A verification scores L = 2..32 new positions against S cached keys. MLX's fused attention
+// sends such a query to cuDNN, which builds an execution plan per (L, S), i.e. per
+// verification (~45 ms); the host's unfused graph (two batched products, a select and a
+// softmax per layer) needs no plan but costs ~3 ms of MLX dispatch per SmolLM2 verification
+// against ~0.4 ms for one-token attention (bench/NOTES.md, session 11). This kernel is one
+// op per layer: one block per (head, query row) computes the row's scores into shared memory,
+// its softmax, and the weighted sum of values, in float, for the causal mask of a query block
+// that ends the sequence (query i sees keys 0 .. S - L + i). S, L and the scale arrive in a
+// small int32 array (`meta`), so one compiled kernel per (dtype, heads, KV heads, head dim)
+// serves every verification. bench/device/sq_attention.py reads this source (between the
+// BEGIN/END lines) to check it against MLX's attention and time it.
+// BEGIN sq_attention
+constexpr const char* kSqAttentionHeader = R"CUDA(
+__device__ __forceinline__ float host_block_reduce(float x, float* scratch, bool take_max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = take_max ? fmaxf(x, y) : x + y;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = scratch[0];
+  for (int w = 1; w < warps; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+  return r;
+}
+)CUDA";
+constexpr const char* kSqAttentionSource = R"CUDA(
+  constexpr int THREADS = 128;
+  constexpr int GROUPS = THREADS / D;  // key-range groups for the value sum (D <= THREADS)
+  __shared__ float qs[D];
+  __shared__ float p[MAXS];
+  __shared__ float part[GROUPS][D];
+  __shared__ float scratch[THREADS / 32];
+  const int S = meta[0], L = meta[1];
+  const float scale = __int_as_float(meta[2]);
+  const int row = blockIdx.x;  // head * L + query
+  const int tid = threadIdx.x;
+  const int head = row / L, i = row - head * L;
+  const int kv = head / (H / KVH);
+  const int n = S - L + i + 1;  // keys this query sees
+  const T* qrow = q + static_cast<size_t>(row) * D;
+  for (int d = tid; d < D; d += THREADS) qs[d] = static_cast<float>(qrow[d]) * scale;
+  __syncthreads();
+  const T* kh = k + static_cast<size_t>(kv) * S * D;
+  float top = -3.402823466e38f;
+  for (int j = tid; j < n; j += THREADS) {
+    const T* kr = kh + static_cast<size_t>(j) * D;
+    float s = 0.f;
+#pragma unroll 16
+    for (int d = 0; d < D; ++d) s += qs[d] * static_cast<float>(kr[d]);
+    p[j] = s;
+    top = fmaxf(top, s);
+  }
+  top = host_block_reduce(top, scratch, true);
+  float sum = 0.f;
+  for (int j = tid; j < n; j += THREADS) {
+    const float e = __expf(p[j] - top);
+    p[j] = e;
+    sum += e;
+  }
+  sum = host_block_reduce(sum, scratch, false);
+  const int g = tid / D, d = tid - g * D;
+  if (g < GROUPS) {
+    const T* vh = v + static_cast<size_t>(kv) * S * D + d;
+    float acc = 0.f;
+    for (int j = g; j < n; j += GROUPS) acc += p[j] * static_cast<float>(vh[static_cast<size_t>(j) * D]);
+    part[g][d] = acc;
+  }
+  __syncthreads();
+  if (tid < D) {
+    float acc = 0.f;
+#pragma unroll
+    for (int gg = 0; gg < GROUPS; ++gg) acc += part[gg][tid];
+    o[static_cast<size_t>(row) * D + tid] = static_cast<T>(acc / sum);
+  }
+)CUDA";
+// END sq_attention
+constexpr int kSqAttentionMaxKeys = 4096;
+constexpr int kSqAttentionThreads = 128;
+
+// HOST_SQ_KERNEL=1 turns the kernel on (off by default until it has won an A/B); read once.
+bool sq_attention_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HOST_SQ_KERNEL");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// q [1, H, L, D], k and v [1, KVH, S, D] (any strides: they are made contiguous), L in 2..32,
+// L <= S <= kSqAttentionMaxKeys, D 64 or 128, H a multiple of KVH, a float dtype, on CUDA.
+bool sq_attention_applies(const array& q, const array& k, const array& v) {
+  if (!sq_attention_enabled() || q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape()) return false;
+  const int h = q.shape(1), l = q.shape(2), d = q.shape(3), kvh = k.shape(1), s = k.shape(2);
+  const auto dt = q.dtype();
+  if (q.shape(0) != 1 || k.shape(0) != 1 || k.shape(3) != d || (d != 64 && d != 128) || kvh <= 0 ||
+      h % kvh != 0 || l < 2 || l > 32 || s < l || s > kSqAttentionMaxKeys ||
+      (dt != mx::bfloat16 && dt != mx::float16 && dt != mx::float32) || k.dtype() != dt || v.dtype() != dt) {
+    return false;
+  }
+  static const bool cuda = mx::cu::is_available();
+  return cuda && mx::default_device() == mx::Device::gpu;
+}
+
+array sq_attention(const array& q, const array& k, const array& v, float scale) {
+  static const auto kernel = mx::fast::cuda_kernel("host_sq_attention", {"q", "k", "v", "meta"}, {"o"},
+                                                   kSqAttentionSource, kSqAttentionHeader);
+  const int h = q.shape(1), l = q.shape(2), d = q.shape(3), kvh = k.shape(1), s = k.shape(2);
+  int32_t bits;
+  std::memcpy(&bits, &scale, sizeof bits);
+  const array meta(std::initializer_list<int32_t>{s, l, bits});
+  return kernel({q, k, v, meta}, {q.shape()}, {q.dtype()}, {h * l * kSqAttentionThreads, 1, 1},
+                {kSqAttentionThreads, 1, 1},
+                {{"T", q.dtype()}, {"H", h}, {"KVH", kvh}, {"D", d}, {"MAXS", kSqAttentionMaxKeys}},
                 std::nullopt, false, {})[0];
 }
 
@@ -423,6 +543,12 @@ Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int3
 }
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
+}
+bool short_causal_attention_applies(const array& q, const array& k, const array& v) {
+  return sq_attention_applies(q, k, v);
+}
+Ptr short_causal_attention(const array& q, const array& k, const array& v, float scale) {
+  return wrap(sq_attention(q, k, v, scale));
 }
 Ptr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));

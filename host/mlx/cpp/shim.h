@@ -118,6 +118,8 @@ Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int3
                const array& freqs);
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 Ptr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+bool short_causal_attention_applies(const array& q, const array& k, const array& v);
+Ptr short_causal_attention(const array& q, const array& k, const array& v, float scale);
 
 // Sampling.
 Ptr softmax(const array& a, rust::Slice<const int32_t> axes, bool precise);

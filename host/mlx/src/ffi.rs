@@ -125,6 +125,8 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<array>>;
         fn sdpa(q: &array, k: &array, v: &array, scale: f32, mask_mode: &str) -> Result<UniquePtr<array>>;
         fn sdpa_masked(q: &array, k: &array, v: &array, scale: f32, mask: &array) -> Result<UniquePtr<array>>;
+        fn short_causal_attention_applies(q: &array, k: &array, v: &array) -> bool;
+        fn short_causal_attention(q: &array, k: &array, v: &array, scale: f32) -> Result<UniquePtr<array>>;
 
         fn softmax(a: &array, axes: &[i32], precise: bool) -> Result<UniquePtr<array>>;
         fn sort(a: &array, axis: i32) -> Result<UniquePtr<array>>;

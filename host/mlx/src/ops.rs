@@ -101,6 +101,17 @@ pub mod fast {
         Array(&'a Array),
     }
 
+    /// Causal attention of a short query block that ends the sequence (`q` `[1, H, L, D]`,
+    /// L in 2..=32, over `k`, `v` `[1, KVH, S, D]`: query i sees keys 0..=S - L + i) through
+    /// the host's own CUDA kernel (`shim.cc`, `sq_attention`; `HOST_SQ_KERNEL=1`), or `None`
+    /// where it does not apply (off, not CUDA, other shapes or dtypes, S above 4,096).
+    pub fn short_causal_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
+        if !ffi::short_causal_attention_applies(&q.0, &k.0, &v.0) {
+            return Ok(None);
+        }
+        wrap(ffi::short_causal_attention(&q.0, &k.0, &v.0, scale)).map(Some)
+    }
+
     pub fn scaled_dot_product_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
         match mask {
             Mask::None => wrap(ffi::sdpa(&q.0, &k.0, &v.0, scale, "")),
