@@ -210,6 +210,7 @@ fn bench_measures_a_prompt_file_with_speculation() {
     assert!(row["first_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
     // The file repeats itself, so the first step already finds something to verify.
     assert!(row["verifications"].as_u64().unwrap() > 0 && row["verify_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(row["vs_plain"].is_null() && row["plain_decode_tps"].is_null(), "no plain runs unless asked: {row}");
     // The same ids as `host generate` on the same prompt.
     let plain = json_of(&generate(&["--prompt", "abcabcabcabcabcabc", "--max-tokens", "12", "--json"]));
     assert_eq!(plain["token_ids"].as_array().unwrap(), ids);
@@ -218,6 +219,26 @@ fn bench_measures_a_prompt_file_with_speculation() {
         .arg(model_dir())
         .output_within(HANG);
     assert!(String::from_utf8_lossy(&missing.stderr).contains("reading /nonexistent/prompt.txt"));
+    // Paired with plain runs in the same process: both speeds and their ratio are reported.
+    let paired = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--speculative", "prompt-lookup"])
+        .args(["--paired-plain", "--prompt-file"])
+        .arg(&file)
+        .arg("--model")
+        .arg(model_dir())
+        .output_within(HANG);
+    assert!(paired.status.success(), "{}", String::from_utf8_lossy(&paired.stderr));
+    let row: Value = serde_json::from_slice(&paired.stdout).unwrap();
+    let (plain_tps, vs_plain) = (row["plain_decode_tps"].as_f64().unwrap(), row["vs_plain"].as_f64().unwrap());
+    assert!(plain_tps > 0.0 && vs_plain > 0.0, "{row}");
+    assert_eq!(row["token_ids"].as_array().unwrap(), ids, "pairing changes nothing the speculative runs do");
+    let refused = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--paired-plain", "--model"])
+        .arg(model_dir())
+        .output_within(HANG);
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--paired-plain compares speculation with plain decoding")
+    );
     std::fs::remove_file(file).ok();
 }
 

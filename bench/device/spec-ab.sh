@@ -10,7 +10,8 @@
 # (Sessions 6-7 also had "fixed-shapes", HOST_SPEC_FIXED_SHAPES=1, and "no-cost-backoff",
 # HOST_SPEC_COST_BACKOFF=0, since removed.) This device varies by tens of percent between
 # processes, so only ratios within a round, over several rounds, mean anything
-# (bench/NOTES.md, session 5).
+# (bench/NOTES.md, session 5); each speculative run is also paired with plain runs in its own
+# process (`host bench --paired-plain`, the "in-process" column), which cancels that.
 #   [SETTINGS="plain prompt-lookup ..."] bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
 # SETTINGS picks some of the labels below (plain always runs: the ratios are to it).
 set -uo pipefail
@@ -25,9 +26,11 @@ run() {  # round, label, environment ("" or VAR=value), host bench options...
   for w in edit chat; do
     local f=bench/edit_prompt.txt
     [ $w = chat ] && f=$CHAT
-    env $environment timeout 120 "$HOST" bench --json --device gpu --model $M/smollm2-bfloat16 --prompt-file "$f" \
-      --gen 256 --runs 3 "$@" \
-      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'first':round(r['first_decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2),'gen':r['gen_tokens'],'drafted':r['drafted_tokens'],'accepted':r['accepted_tokens'],'verifications':r['verifications'],'verify_ms':round(r['verify_ms'],2),'verify_split_ms':[round(r[k],2) for k in ('verify_draft_ms','verify_build_ms','verify_dispatch_ms','verify_wait_ms')],'plain_split_ms':[round(r[k],2) for k in ('build_ms','dispatch_ms','wait_ms')],'pipelined_ms':round(r['build_ms']+r['dispatch_ms']+r['wait_ms'],2)}))"
+    local paired=
+    [[ " $* " == *" --speculative "* ]] && paired=--paired-plain
+    env $environment timeout 180 "$HOST" bench --json --device gpu --model $M/smollm2-bfloat16 --prompt-file "$f" \
+      --gen 256 --runs 3 $paired "$@" \
+      | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'round':$round,'label':'$label','workload':'$w','tps':round(r['decode_tps'],1),'first':round(r['first_decode_tps'],1),'tokens_per_step':round(r['tokens_per_step'],2),'gen':r['gen_tokens'],'drafted':r['drafted_tokens'],'accepted':r['accepted_tokens'],'verifications':r['verifications'],'verify_ms':round(r['verify_ms'],2),'verify_split_ms':[round(r[k],2) for k in ('verify_draft_ms','verify_build_ms','verify_dispatch_ms','verify_wait_ms')],'plain_split_ms':[round(r[k],2) for k in ('build_ms','dispatch_ms','wait_ms')],'pipelined_ms':round(r['build_ms']+r['dispatch_ms']+r['wait_ms'],2),'in_process':r.get('vs_plain')}))"
   done
 }
 for r in $(seq "$ROUNDS"); do
@@ -46,12 +49,13 @@ plain = {(r["round"], r["workload"]): r["tps"] for r in rows if r["label"] == "p
 by = collections.defaultdict(list)
 for r in rows:
     if (r["round"], r["workload"]) in plain:
-        by[(r["workload"], r["label"])].append((r["tps"] / plain[(r["round"], r["workload"])], r["tps"], r["tokens_per_step"], r["first"]))
-print("| workload | setting | vs plain, per round | median vs plain | median tok/s | first-run tok/s | tokens/step |")
-print("|---|---|---|---|---|---|---|")
+        by[(r["workload"], r["label"])].append((r["tps"] / plain[(r["round"], r["workload"])], r["tps"], r["tokens_per_step"], r["first"], r.get("in_process")))
+print("| workload | setting | vs plain, per round | median vs plain | in-process vs plain, per round | median tok/s | first-run tok/s | tokens/step |")
+print("|---|---|---|---|---|---|---|---|")
 for (w, label), v in by.items():
     ratios = ", ".join(f"{x[0]:.2f}x" for x in v)
-    print(f"| {w} | {label} | {ratios} | {statistics.median(x[0] for x in v):.2f}x | "
+    paired = ", ".join(f"{x[4]:.2f}x" for x in v if x[4] is not None) or "-"
+    print(f"| {w} | {label} | {ratios} | {statistics.median(x[0] for x in v):.2f}x | {paired} | "
           f"{statistics.median(x[1] for x in v):.1f} | {statistics.median(x[3] for x in v):.1f} | "
           f"{statistics.median(x[2] for x in v):.2f} |")
 PY

@@ -42,6 +42,12 @@ pub struct Args {
     /// Split the model over this many processes (tensor parallel; 1: off).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// With speculation: pair every measured run with a plain generation on the same loaded
+    /// model (alternating which goes first) and report `plain_decode_tps` and `vs_plain`, the
+    /// median of the pairs' ratios. Both sides then share one process, whose speed on the
+    /// H200 moves by tens of percent from one process to the next (bench/NOTES.md, session 11).
+    #[arg(long)]
+    pub paired_plain: bool,
 }
 
 /// One prompt length's results.
@@ -94,6 +100,10 @@ pub struct Row {
     pub verify_build_ms: f64,
     pub verify_dispatch_ms: f64,
     pub verify_wait_ms: f64,
+    /// With --paired-plain: the plain runs' median decode tok/s, and the median over pairs
+    /// of speculative over plain decode tok/s.
+    pub plain_decode_tps: Option<f64>,
+    pub vs_plain: Option<f64>,
 }
 
 /// What one run gives back.
@@ -106,6 +116,7 @@ struct Run {
     stats: crate::engine::DecodeStats,
 }
 
+#[derive(Clone)]
 struct Setup<'a> {
     model: &'a dyn models::CausalLm,
     draft: Option<&'a dyn models::CausalLm>,
@@ -164,6 +175,10 @@ pub fn run(args: Args) -> Result<()> {
     }
     let device = select_device(args.device)?;
     let spec = args.spec.config()?;
+    if args.paired_plain && spec.method == SpecMethod::Off {
+        bail!("--paired-plain compares speculation with plain decoding; add --speculative prompt-lookup or draft");
+    }
+    let plain_spec = SpecConfig { method: SpecMethod::Off, ..spec.clone() };
     let text = match &args.prompt_file {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
@@ -178,6 +193,7 @@ pub fn run(args: Args) -> Result<()> {
         spec: &spec,
         eos: if text.is_some() { loaded.info.eos_token_ids.clone() } else { Vec::new() },
     };
+    let plain_setup = Setup { spec: &plain_spec, ..setup.clone() };
     let prompts: Vec<Vec<u32>> = match &text {
         Some(t) => vec![prompt_tokens(&loaded, t, None, false)?],
         None => args.prompt_lengths.iter().enumerate().map(|(i, &len)| prompt(len, vocab, 1 + i as u64)).collect(),
@@ -194,16 +210,31 @@ pub fn run(args: Args) -> Result<()> {
         // as many seeded random tokens, generating as much, so the first measured run meets
         // its own speculative verification shapes unseen (`first_decode_tps`).
         let t = Instant::now();
-        match &text {
-            Some(_) => run_once(&setup, &prompt(len, vocab, 99), args.gen)?,
-            None => run_once(&setup, ids, args.gen.min(16))?,
+        let warm_up = |setup: &Setup<'_>| match &text {
+            Some(_) => run_once(setup, &prompt(len, vocab, 99), args.gen),
+            None => run_once(setup, ids, args.gen.min(16)),
         };
+        warm_up(&setup)?;
+        if args.paired_plain {
+            warm_up(&plain_setup)?;
+        }
         let warmup_s = t.elapsed().as_secs_f64();
+        let tps = |r: &Run| (r.ids.len().max(2) - 1) as f64 / r.rest;
         let (mut ttft, mut decode, mut peak, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
-        for _ in 0..args.runs {
+        let (mut plain_decode, mut ratios) = (Vec::new(), Vec::new());
+        for i in 0..args.runs {
+            // Paired: plain first in even runs, second in odd ones.
+            let plain_first = args.paired_plain && i % 2 == 0;
+            let before = if plain_first { Some(run_once(&plain_setup, ids, args.gen)?) } else { None };
             let r = run_once(&setup, ids, args.gen)?;
+            let after =
+                if args.paired_plain && !plain_first { Some(run_once(&plain_setup, ids, args.gen)?) } else { None };
+            if let Some(p) = before.or(after) {
+                plain_decode.push(tps(&p));
+                ratios.push(tps(&r) / tps(&p));
+            }
             ttft.push(r.ttft);
-            decode.push((r.ids.len().max(2) - 1) as f64 / r.rest);
+            decode.push(tps(&r));
             peak = peak.max(r.peak);
             runs.push(r);
         }
@@ -244,6 +275,8 @@ pub fn run(args: Args) -> Result<()> {
             verify_build_ms: per_step(first.stats.verify_build_secs, first.stats.verifications),
             verify_dispatch_ms: per_step(first.stats.verify_dispatch_secs, first.stats.verifications),
             verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
+            plain_decode_tps: args.paired_plain.then(|| median(plain_decode)),
+            vs_plain: args.paired_plain.then(|| median(ratios)),
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -269,6 +302,16 @@ pub fn run(args: Args) -> Result<()> {
                 r.build_ms,
                 r.dispatch_ms,
                 r.wait_ms
+            );
+        }
+        for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
+            println!(
+                "{} speculation, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
+                r.speculative,
+                r.prompt_tokens,
+                r.vs_plain.unwrap_or_default(),
+                r.runs,
+                r.plain_decode_tps.unwrap_or_default()
             );
         }
     }
