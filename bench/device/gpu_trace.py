@@ -40,6 +40,18 @@ def load(path):
     return kernels, um, api
 
 
+def busy_time(window):
+    """Time at least one of `window`'s (start, end, name) records (sorted by start) was running."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e, _ in window:
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0 if cur_e is None else cur_e - cur_s)
+
+
 def demangle(names):
     if not names or not shutil.which("c++filt"):
         return {n: n for n in names}
@@ -81,14 +93,7 @@ def analyse(path, steps, marker, prefill=False):
         n, t1 = 1, ends[i + 1]
         t0 = kernels[bisect.bisect_right(starts, ends[i])][0]
     window = [k for k in kernels[bisect.bisect_left(starts, t0) : bisect.bisect_left(starts, t1)] if k[1] <= t1]
-    busy, cur_s, cur_e = 0, None, None
-    for s, e, _ in window:
-        if cur_e is None or s > cur_e:
-            busy += 0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += 0 if cur_e is None else cur_e - cur_s
+    busy = busy_time(window)
     per = collections.defaultdict(lambda: [0, 0])
     for s, e, name in window:
         per[name][0] += 1

@@ -23,9 +23,10 @@ GROUP = 64
 SHIM = pathlib.Path(__file__).resolve().parents[2] / "host/mlx/cpp/shim.cc"
 
 
-def kernel_source():
+def kernel_source(name="qmv4"):
+    """The header and source strings of shim.cc's kernel `name` (between its BEGIN/END lines)."""
     text = SHIM.read_text()
-    block = text[text.index("// BEGIN qmv4"):text.index("// END qmv4")]
+    block = text[text.index(f"// BEGIN {name}"):text.index(f"// END {name}")]
     header, source = re.findall(r'R"CUDA\((.*?)\)CUDA"', block, re.S)
     return header, source
 

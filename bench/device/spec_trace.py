@@ -16,18 +16,7 @@ import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_trace import load  # noqa: E402
-
-
-def busy(window):
-    total, cur_s, cur_e = 0, None, None
-    for s, e, _ in window:
-        if cur_e is None or s > cur_e:
-            total += 0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (0 if cur_e is None else cur_e - cur_s)
+from gpu_trace import busy_time as busy, load  # noqa: E402
 
 
 def main():

@@ -12,26 +12,15 @@ Prints one row per case: max absolute error against the float32 reference (bf16/
 the reference is computed from the same rounded inputs), then a timing table.
 """
 import argparse
-import pathlib
-import re
-import statistics
 import struct
-import time
 
 import mlx.core as mx
 
-SHIM = pathlib.Path(__file__).resolve().parents[2] / "host/mlx/cpp/shim.cc"
+from qgemv import kernel_source  # noqa: E402  (this directory is on sys.path when run as a script)
+from verify_matmul import timed  # noqa: E402
+
 THREADS, MAXS = 128, 4096
-
-
-def kernel_source():
-    text = SHIM.read_text()
-    block = text[text.index("// BEGIN sq_attention"):text.index("// END sq_attention")]
-    header, source = re.findall(r'R"CUDA\((.*?)\)CUDA"', block, re.S)
-    return header, source
-
-
-HEADER, SOURCE = kernel_source()
+HEADER, SOURCE = kernel_source("sq_attention")
 KERNEL = mx.fast.cuda_kernel(
     name="host_sq_attention", input_names=["q", "k", "v", "meta"], output_names=["o"], source=SOURCE, header=HEADER
 )
@@ -86,17 +75,6 @@ def unfused(q, k, v, scale, m):
     scores = mx.softmax(mx.where(m, scores, mx.finfo(q.dtype).min), axis=-1, precise=True)
     out = scores @ v
     return out.reshape(b, h, l, d) if rep > 1 else out
-
-
-def timed(fn, reps):
-    for _ in range(3):
-        mx.eval(fn())
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
 
 
 def main():

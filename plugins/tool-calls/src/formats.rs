@@ -422,12 +422,14 @@ mod tests {
         let tools = [
             json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
         ];
-        fn forced<F: Format>(name: Option<&str>, rest: &str, tools: &[Value]) -> (String, Vec<(String, Value)>) {
+        /// The reply text and the calls (name, parsed arguments), as `check` returns them.
+        type Parsed = (String, Vec<(String, Value)>);
+        fn forced<F: Format>(name: Option<&str>, rest: &str, tools: &[Value]) -> Parsed {
             let opener = F::default().force(name).expect("every built-in format can force a call");
             check::<F>(&format!("{opener}{rest}"), tools)
         }
         let want = vec![call("get_weather", json!({"city": "Paris"}))];
-        let cases: [(&str, (String, Vec<(String, Value)>), (String, Vec<(String, Value)>)); 5] = [
+        let cases: [(&str, Parsed, Parsed); 5] = [
             (
                 "hermes",
                 forced::<Hermes>(Some("get_weather"), "{\"city\": \"Paris\"}}\n</tool_call>", &tools),

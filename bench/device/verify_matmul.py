@@ -18,7 +18,7 @@ gather_mm, each row picking its KV head), `sdpa1` (the fused op on one query, a 
 step's); and, as in decoding, products whose L changes every forward and attention whose key
 count grows by one every forward. Prints a table of median ms per forward.
 
-    python3 bench/device/verify-matmul.py [--L 9] [--S 400] [--reps 30] [--dtype bfloat16]
+    python3 bench/device/verify_matmul.py [--L 9] [--S 400] [--reps 30] [--dtype bfloat16]
 """
 import argparse
 import statistics
