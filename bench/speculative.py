@@ -19,8 +19,9 @@ Prints a markdown table: generation tok/s (median, and the first run's), the rat
 plain and to mlx-lm plain,
 acceptance, tokens per target step, and whether the ids equal the plain run's. A second
 table gives each workload's prompt-lookup ceiling: the tokens per target step that lookup
-would make on the plain run's text if every step verified a draft (`lookup_ceiling`), the
-most speculation can gain there however cheap a verification gets.
+would make on the plain run's text if every step verified a draft (`host bench`'s
+`lookup_ceiling`, computed by the engine's own drafter), the most speculation can gain there
+however cheap a verification gets.
 """
 import argparse
 import json
@@ -49,39 +50,8 @@ for _ in range(a["runs"]):
     for r in stream_generate(model, tok, list(ids), max_tokens=a["max_tokens"], sampler=make_sampler(temp=0.0), **kw):
         toks.append(r.token); ts.append(time.perf_counter()); drafted += int(getattr(r, "from_draft", False))
     tps = (len(ts) - 1) / (ts[-1] - ts[0])
-    print(json.dumps({"token_ids": toks, "decode_tps": tps, "accepted_tokens": drafted, "prompt_ids": list(ids)}), flush=True)
+    print(json.dumps({"token_ids": toks, "decode_tps": tps, "accepted_tokens": drafted}), flush=True)
 """
-
-NGRAM_MAX, NGRAM_MIN = 4, 2  # the host's prompt-lookup defaults
-
-
-def lookup_match(seq):
-    """Where the host's prompt lookup drafts from: after the longest (NGRAM_MAX down to
-    NGRAM_MIN) earlier occurrence of the sequence's last n tokens, the most recent first."""
-    for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-        if len(seq) <= n:
-            continue
-        suffix = seq[-n:]
-        for j in range(len(seq) - n - 1, -1, -1):
-            if seq[j:j + n] == suffix:
-                return j + n
-    return None
-
-
-def lookup_ceiling(prompt, out, k=None):
-    """Tokens per target step if every step verified lookup's draft of at most k tokens
-    (None: unbounded) against `out`, the text plain decoding wrote: each step commits the
-    accepted drafts and one token of the target's own."""
-    seq, i, steps = list(prompt) + list(out), len(prompt), 0
-    while i < len(seq):
-        accepted, start = 0, lookup_match(seq[:i])
-        if start is not None:
-            draft = seq[start:i] if k is None else seq[start:min(start + k, i)]
-            while accepted < len(draft) and i + accepted < len(seq) and draft[accepted] == seq[i + accepted]:
-                accepted += 1
-        i, steps = i + accepted + 1, steps + 1
-    return len(out) / max(steps, 1)
-
 
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -158,9 +128,8 @@ def main():
             first = r.get("first_decode_tps", r["decode_tps"])
             print(f"| {name} | {label} | {n} | {tps[label]:.1f} | {first:.1f} | {tps[label] / tps['host plain']:.2f}x | "
                   f"{tps[label] / tps['mlx-lm plain']:.2f}x | {acc} | {per_step} | {same} |")
-        prompt_ids = dict(rows)["mlx-lm plain"][0]["prompt_ids"]
-        ceilings.append((name, len(plain_ids), lookup_ceiling(prompt_ids, plain_ids, a.num_draft_tokens),
-                         lookup_ceiling(prompt_ids, plain_ids)))
+        plain = rows[0][1][0]
+        ceilings.append((name, len(plain_ids), plain["lookup_ceiling"], plain["lookup_ceiling_unbounded"]))
     print(f"\n| workload | tokens | prompt-lookup ceiling, tokens/step: at most {a.num_draft_tokens} drafted | unbounded |")
     print("|---|---|---|---|")
     for name, n, bounded, unbounded in ceilings:

@@ -211,6 +211,10 @@ fn bench_measures_a_prompt_file_with_speculation() {
     // The file repeats itself, so the first step already finds something to verify.
     assert!(row["verifications"].as_u64().unwrap() > 0 && row["verify_ms"].as_f64().unwrap() > 0.0, "{row}");
     assert!(row["vs_plain"].is_null() && row["plain_decode_tps"].is_null(), "no plain runs unless asked: {row}");
+    // Prompt lookup's ceiling on that text: at least one token per step, unbounded no lower.
+    let (bounded, unbounded) =
+        (row["lookup_ceiling"].as_f64().unwrap(), row["lookup_ceiling_unbounded"].as_f64().unwrap());
+    assert!(bounded >= 1.0 && unbounded >= bounded, "{row}");
     // The same ids as `host generate` on the same prompt.
     let plain = json_of(&generate(&["--prompt", "abcabcabcabcabcabc", "--max-tokens", "12", "--json"]));
     assert_eq!(plain["token_ids"].as_array().unwrap(), ids);

@@ -3,6 +3,7 @@
 //! peak memory, and decode speed against a memory-bandwidth floor (weight bytes read per
 //! token / bandwidth). Prompts are seeded random token ids; end of sequence is ignored.
 
+use crate::engine::speculative::PromptLookup;
 use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
 use crate::generate::{load_draft, load_model_split, prompt_tokens, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
@@ -104,6 +105,11 @@ pub struct Row {
     /// of speculative over plain decode tok/s.
     pub plain_decode_tps: Option<f64>,
     pub vs_plain: Option<f64>,
+    /// With --prompt-file: prompt lookup's ceiling on the first run's text (tokens per target
+    /// step if every step verified a draft, `PromptLookup::ceiling`; greedy speculation writes
+    /// plain decoding's text), at most `--num-draft-tokens` drafted and unbounded.
+    pub lookup_ceiling: Option<f64>,
+    pub lookup_ceiling_unbounded: Option<f64>,
 }
 
 /// What one run gives back.
@@ -179,6 +185,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--paired-plain compares speculation with plain decoding; add --speculative prompt-lookup or draft");
     }
     let plain_spec = SpecConfig { method: SpecMethod::Off, ..spec.clone() };
+    let lookup = PromptLookup { ngram_max: spec.ngram_max, ngram_min: spec.ngram_min, fill_min: spec.ngram_min };
     let text = match &args.prompt_file {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
@@ -277,6 +284,8 @@ pub fn run(args: Args) -> Result<()> {
             verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
             plain_decode_tps: args.paired_plain.then(|| median(plain_decode)),
             vs_plain: args.paired_plain.then(|| median(ratios)),
+            lookup_ceiling: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, Some(spec.num_draft_tokens))),
+            lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);

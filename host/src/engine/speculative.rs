@@ -168,6 +168,29 @@ impl PromptLookup {
     fn find(&self, seq: &[u32]) -> Option<usize> {
         self.matches(seq, self.ngram_min).next()
     }
+
+    /// Prompt lookup's ceiling on `out`, the text plain decoding wrote after `prompt`: tokens
+    /// per target step if every step verified this drafter's draft of at most `k` tokens
+    /// (`None`: unbounded), each step committing the accepted drafts and one token of the
+    /// target's own. Speculation's speed-up over plain decoding stays below it wherever a
+    /// verification costs at least a plain step. 0 for an empty `out`.
+    pub fn ceiling(&self, prompt: &[u32], out: &[u32], k: Option<usize>) -> f64 {
+        let seq: Vec<u32> = prompt.iter().chain(out).copied().collect();
+        let (mut i, mut steps) = (prompt.len(), 0usize);
+        while i < seq.len() {
+            let accepted = self.find(&seq[..i]).map_or(0, |from| {
+                let end = k.map_or(i, |k| (from + k).min(i));
+                seq[from..end].iter().zip(&seq[i..]).take_while(|(d, t)| d == t).count()
+            });
+            i += accepted + 1;
+            steps += 1;
+        }
+        if steps == 0 {
+            0.0
+        } else {
+            out.len() as f64 / steps as f64
+        }
+    }
 }
 
 impl Drafter for PromptLookup {
@@ -483,6 +506,21 @@ mod tests {
         let seq = [5, 6, 10, 11, 6, 12, 5, 6];
         assert_eq!(pl.find(&seq), Some(2));
         assert_eq!(PromptLookup { ngram_max: 2, ngram_min: 2, fill_min: 2 }.find(&[1, 2, 3, 4]), None);
+    }
+
+    #[test]
+    fn prompt_lookup_ceiling_counts_steps_that_verify_every_draft() {
+        // Plain decoding copied the prompt. Steps: "1" (no earlier "5 6"), "2" (no "6 1"),
+        // then "1 2" matches at the start and the draft "3 4 5 6 1 2" is accepted as far as
+        // the text goes (4 tokens): 6 tokens in 3 steps. At most 2 drafted: "3 4" and the
+        // target's "5", then "4 5" matches and "6 1" is accepted up to the text's end ("6").
+        let pl = PromptLookup { ngram_max: 2, ngram_min: 2, fill_min: 2 };
+        let text = [1, 2, 3, 4, 5, 6];
+        assert_eq!(pl.ceiling(&text, &text, None), 2.0);
+        assert_eq!(pl.ceiling(&text, &text, Some(2)), 1.5);
+        // Nothing to copy: one token per step; nothing generated: 0.
+        assert_eq!(pl.ceiling(&[1, 2, 3], &[7, 8, 9], None), 1.0);
+        assert_eq!(pl.ceiling(&text, &[], None), 0.0);
     }
 
     #[test]
