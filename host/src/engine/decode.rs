@@ -114,8 +114,10 @@ pub struct DecodeStats {
     pub verifications: usize,
     pub verify_secs: f64,
     /// Parts of `verify_secs`: drafting, building the verification's graph, handing it to MLX
-    /// and waiting for its picks (the last two only where the native sampler picks: plugin
-    /// and lossless verifications read row by row). The rest is accepting and committing.
+    /// and waiting for its picks. The last three are split for one candidate picked by the
+    /// native sampler (the common case); plugin and lossless verifications count their row-by-
+    /// row reads in the rest, several-candidate ones all of it. The rest is accepting
+    /// and committing.
     pub verify_draft_secs: f64,
     pub verify_build_secs: f64,
     pub verify_dispatch_secs: f64,
