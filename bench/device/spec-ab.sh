@@ -11,7 +11,8 @@
 # HOST_SPEC_COST_BACKOFF=0, since removed.) This device varies by tens of percent between
 # processes, so only ratios within a round, over several rounds, mean anything
 # (bench/NOTES.md, session 5); each speculative run is also paired with plain runs in its own
-# process (`host bench --paired-plain`, the "in-process" column), which cancels that.
+# process (`host bench --paired-plain`, the "in-process" column), which cancels that; the
+# pairing doubles a speculative setting's time (~15 s per workload and round on SmolLM2).
 #   [SETTINGS="plain prompt-lookup ..."] bash bench/device/spec-ab.sh HOST OUTDIR [ROUNDS, default 3]
 # SETTINGS picks some of the labels below (plain always runs: the ratios are to it).
 set -uo pipefail
