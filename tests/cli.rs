@@ -188,19 +188,25 @@ fn the_step_graph_dump_shows_what_the_fusion_switch_changes() {
     std::fs::remove_dir_all(llama).ok();
 }
 
-#[test]
-fn bench_measures_a_prompt_file_with_speculation() {
-    let file = std::env::temp_dir().join(format!("host-bench-prompt-{}.txt", std::process::id()));
-    std::fs::write(&file, "abcabcabcabcabcabc").unwrap();
+/// `host bench --json` with prompt lookup on `file` (12 tokens, 2 runs) and `extra` flags: its row.
+fn bench_prompt_file(file: &std::path::Path, extra: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--speculative", "prompt-lookup"])
+        .args(extra)
         .arg("--prompt-file")
-        .arg(&file)
+        .arg(file)
         .arg("--model")
         .arg(model_dir())
         .output_within(HANG);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let row: Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn bench_measures_a_prompt_file_with_speculation() {
+    let file = std::env::temp_dir().join(format!("host-bench-prompt-{}.txt", std::process::id()));
+    std::fs::write(&file, "abcabcabcabcabcabc").unwrap();
+    let row = bench_prompt_file(&file, &[]);
     assert_eq!(row["speculative"], "prompt-lookup");
     assert!(row["prompt_tokens"].as_u64().unwrap() > 18, "the chat template wraps the file: {row}");
     let ids = row["token_ids"].as_array().unwrap();
@@ -224,15 +230,7 @@ fn bench_measures_a_prompt_file_with_speculation() {
         .output_within(HANG);
     assert!(String::from_utf8_lossy(&missing.stderr).contains("reading /nonexistent/prompt.txt"));
     // Paired with plain runs in the same process: both speeds and their ratio are reported.
-    let paired = Command::new(env!("CARGO_BIN_EXE_host"))
-        .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--speculative", "prompt-lookup"])
-        .args(["--paired-plain", "--prompt-file"])
-        .arg(&file)
-        .arg("--model")
-        .arg(model_dir())
-        .output_within(HANG);
-    assert!(paired.status.success(), "{}", String::from_utf8_lossy(&paired.stderr));
-    let row: Value = serde_json::from_slice(&paired.stdout).unwrap();
+    let row = bench_prompt_file(&file, &["--paired-plain"]);
     let (plain_tps, vs_plain) = (row["plain_decode_tps"].as_f64().unwrap(), row["vs_plain"].as_f64().unwrap());
     assert!(plain_tps > 0.0 && vs_plain > 0.0, "{row}");
     assert_eq!(row["token_ids"].as_array().unwrap(), ids, "pairing changes nothing the speculative runs do");

@@ -185,7 +185,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--paired-plain compares speculation with plain decoding; add --speculative prompt-lookup or draft");
     }
     let plain_spec = SpecConfig { method: SpecMethod::Off, ..spec.clone() };
-    let lookup = PromptLookup { ngram_max: spec.ngram_max, ngram_min: spec.ngram_min, fill_min: spec.ngram_min };
+    let lookup = PromptLookup::new(&spec);
     let text = match &args.prompt_file {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
@@ -231,12 +231,13 @@ pub fn run(args: Args) -> Result<()> {
         let (mut plain_decode, mut ratios) = (Vec::new(), Vec::new());
         for i in 0..args.runs {
             // Paired: plain first in even runs, second in odd ones.
-            let plain_first = args.paired_plain && i % 2 == 0;
-            let before = if plain_first { Some(run_once(&plain_setup, ids, args.gen)?) } else { None };
+            let plain_run = || run_once(&plain_setup, ids, args.gen);
+            let mut plain = if args.paired_plain && i % 2 == 0 { Some(plain_run()?) } else { None };
             let r = run_once(&setup, ids, args.gen)?;
-            let after =
-                if args.paired_plain && !plain_first { Some(run_once(&plain_setup, ids, args.gen)?) } else { None };
-            if let Some(p) = before.or(after) {
+            if args.paired_plain && plain.is_none() {
+                plain = Some(plain_run()?);
+            }
+            if let Some(p) = plain {
                 plain_decode.push(tps(&p));
                 ratios.push(tps(&r) / tps(&p));
             }

@@ -1,10 +1,10 @@
 // Implementations of the functions declared in shim.h. Each one converts Rust slices to MLX
 // shapes and wraps the result in a unique_ptr; MLX's exceptions pass through to cxx, which
 // turns them into Rust errors.
-#include <cstring>
 #include "mlx/cpp/shim.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <sstream>
 

@@ -154,6 +154,13 @@ pub struct PromptLookup {
 }
 
 impl PromptLookup {
+    /// Prompt lookup as `config` sets it (several candidates fill their slots down to 1-token
+    /// matches).
+    pub fn new(config: &SpecConfig) -> Self {
+        let fill_min = if config.candidates() > 1 { 1 } else { config.ngram_min };
+        PromptLookup { ngram_max: config.ngram_max, ngram_min: config.ngram_min, fill_min }
+    }
+
     /// Where the continuations of earlier occurrences of the sequence's last n tokens start,
     /// for n from `ngram_max` down to `min`: longest matches first, then most recent first
     /// (a match must end before the suffix itself does).
@@ -470,10 +477,7 @@ impl<'m> Speculation<'m> {
         config.validate()?;
         let drafter: Box<dyn Drafter + 'm> = match config.method {
             SpecMethod::Off => bail!("speculation is off"),
-            SpecMethod::PromptLookup => {
-                let fill_min = if config.candidates() > 1 { 1 } else { config.ngram_min };
-                Box::new(PromptLookup { ngram_max: config.ngram_max, ngram_min: config.ngram_min, fill_min })
-            }
+            SpecMethod::PromptLookup => Box::new(PromptLookup::new(&config)),
             SpecMethod::Draft => match draft_model {
                 Some(m) => Box::new(DraftModel::new(m, prefill_step_size)),
                 None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
