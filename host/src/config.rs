@@ -22,8 +22,13 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// Default: auto (the GPU when there is one).
     pub device: DeviceChoice,
-    /// Requests waiting beyond the running one; more get 429. Default: 64.
+    /// Requests waiting beyond the running ones; more get 429. Default: 64.
     pub queue_limit: usize,
+    /// Most requests decoded at once (rows of one batch step). Default: 32.
+    pub max_batch: usize,
+    /// Prompt tokens prefilled between two decode steps of the batch (less one per running
+    /// row), so a long prompt joins in chunks without stalling running streams. Default: 512.
+    pub step_token_budget: usize,
     /// Bytes of KV cache kept for prefix reuse across requests. Default: 1 GiB.
     #[serde(deserialize_with = "bytes")]
     pub prompt_cache_bytes: u64,
@@ -91,6 +96,8 @@ impl Default for ServeConfig {
             api_key: None,
             device: DeviceChoice::Auto,
             queue_limit: 64,
+            max_batch: 32,
+            step_token_budget: 512,
             prompt_cache_bytes: 1 << 30,
             memory_budget: None,
             max_body_bytes: 4 << 20,
@@ -172,6 +179,12 @@ pub struct ServeArgs {
     /// Waiting requests beyond which new ones get 429 (default 64).
     #[arg(long)]
     pub queue_limit: Option<usize>,
+    /// Most requests decoded at once, as rows of one batch (default 32).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Prompt tokens prefilled between two batch steps (default 512).
+    #[arg(long)]
+    pub step_token_budget: Option<usize>,
     /// KV cache kept for prefix reuse, e.g. 512M (default 1G).
     #[arg(long, value_parser = parse_bytes)]
     pub prompt_cache_bytes: Option<u64>,
@@ -259,7 +272,7 @@ impl ServeConfig {
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { config.$field = v.into(); } )* };
         }
-        set!(host, port, device, queue_limit, prompt_cache_bytes, max_body_bytes, default_max_tokens, tensor_parallel);
+        set!(host, port, device, queue_limit, max_batch, step_token_budget, prompt_cache_bytes, max_body_bytes, default_max_tokens, tensor_parallel);
         if args.model.is_some() {
             config.model = args.model.clone();
         }

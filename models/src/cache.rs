@@ -73,7 +73,36 @@ impl Drop for KvCache {
     }
 }
 
+/// What a layer's attention needs of its cache: append the new keys and values, get back
+/// everything held. A single sequence's [`KvCache`] and a batch's
+/// [`BatchKvCache`](crate::BatchKvCache) both are one.
+pub trait LayerCache {
+    /// Appends `keys`/`values` (`[B, H, L, D]`) and returns all keys and values so far.
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)>;
+}
+
+impl LayerCache for KvCache {
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        KvCache::update_and_fetch(self, keys, values)
+    }
+}
+
 impl KvCache {
+    /// A cache holding exactly `keys`/`values` (`[1, H, L, D]`).
+    pub(crate) fn from_held(keys: Array, values: Array) -> KvCache {
+        KvCache { offset: keys.dim(2), keys: Some(keys), values: Some(values), ..Default::default() }
+    }
+
+    /// The positions held, `[B, H, offset, D]` each (`None` when empty).
+    pub(crate) fn held(&self) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
+        if self.offset == 0 {
+            return Ok(None);
+        }
+        let end = self.offset as i32;
+        Ok(Some((k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?)))
+    }
+
     pub fn id(&self) -> u64 {
         self.id
     }

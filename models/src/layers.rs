@@ -238,6 +238,21 @@ impl Rope {
         }
     }
 
+    /// Rotates `x` (`[B, H, L, D]`) for the positions `at` says.
+    pub fn forward_at(&self, x: &Array, at: &Positions<'_>) -> Result<Array> {
+        match at {
+            Positions::From(offset) => self.forward(x, *offset),
+            Positions::Rows(offsets) => Ok(match self {
+                Rope::Default { dims, traditional, base, scale } => {
+                    fast::rope_rows(x, *dims, *traditional, *base, *scale, offsets)?
+                }
+                Rope::Freqs { dims, traditional, freqs } => {
+                    fast::rope_rows_with_freqs(x, *dims, *traditional, 1.0, offsets, freqs)?
+                }
+            }),
+        }
+    }
+
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
         let offset = offset as i32;
         Ok(match self {
@@ -249,6 +264,13 @@ impl Rope {
             }
         })
     }
+}
+
+/// Where a forward's new positions start: one offset for every row, or each row's own
+/// (int32 `[B]`, a batch of sequences of different lengths).
+pub enum Positions<'a> {
+    From(usize),
+    Rows(&'a Array),
 }
 
 /// mlx-lm's `Llama3RoPE.__init__`, with the same MLX ops in the same order.

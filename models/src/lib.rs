@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod batch_cache;
 pub mod cache;
 mod error;
 pub mod layers;
@@ -17,7 +18,8 @@ pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
-pub use cache::KvCache;
+pub use batch_cache::BatchKvCache;
+pub use cache::{KvCache, LayerCache};
 pub use error::{Error, Result};
 pub use loader::{check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
 pub use tokenizer::{Detokenizer, Tokenizer};
@@ -37,6 +39,18 @@ pub trait CausalLm {
     /// A fresh cache, one entry per layer.
     fn make_cache(&self) -> Vec<KvCache>;
     fn vocab_size(&self) -> usize;
+    /// Runs one new token per row (`tokens` `[B, 1]` int32) of a batch whose rows hold
+    /// sequences of different lengths, appending to `cache` (one entry per layer), and returns
+    /// logits `[B, 1, vocab]`. Each row's logits are those `forward` gives its sequence alone,
+    /// up to float rounding.
+    fn forward_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        let _ = (tokens, cache);
+        Err(Error::Invalid("this model does not decode in batches".into()))
+    }
+    /// Whether [`forward_batch`](Self::forward_batch) is implemented.
+    fn batches(&self) -> bool {
+        false
+    }
     /// Whether `forward` may be given caches made by `KvCache::fork_batch` (not where caches
     /// are mirrored by id on other processes, as under tensor parallelism).
     fn takes_cache_forks(&self) -> bool {

@@ -1,8 +1,9 @@
 //! Llama (covers SmolLM2, Mistral-style checkpoints and Llama 3.x RoPE scaling).
 //! Reference: mlx-lm `models/llama.py`; every op mirrors it so outputs are bit-identical.
 
-use crate::cache::KvCache;
-use crate::layers::{attention, causal_mask, short_query, Embedding, Linear, RmsNorm, Rope};
+use crate::cache::{KvCache, LayerCache};
+use crate::BatchKvCache;
+use crate::layers::{attention, causal_mask, short_query, Embedding, Linear, Positions, RmsNorm, Rope};
 use crate::weights::Weights;
 use crate::{CausalLm, LoadOptions, Result};
 use mlx::fast::Mask;
@@ -211,7 +212,7 @@ impl Attention {
         })
     }
 
-    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut KvCache, rope: &Rope) -> Result<Array> {
+    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut impl LayerCache, rope: &Rope, at: &Positions) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
         let heads = |a: &Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
             let mut a = a.reshape(&[b, l, n, -1])?;
@@ -220,7 +221,6 @@ impl Attention {
             }
             Ok(a.transpose(&[0, 2, 1, 3])?)
         };
-        let offset = cache.offset();
         // Without per-head norms, q and k heads get the same rotation: with fused projections
         // they are one slice of the product, and one RoPE over all their heads is one kernel
         // (per layer and step) fewer than two.
@@ -228,14 +228,14 @@ impl Attention {
         let (q, k, v) = match joined {
             Some(qk_v) => {
                 let (nq, nk) = (self.n_heads, self.n_kv_heads);
-                let qk = rope.forward(&heads(&qk_v[0], nq + nk, None)?, offset)?;
+                let qk = rope.forward_at(&heads(&qk_v[0], nq + nk, None)?, at)?;
                 (qk.slice_axis(1, 0, nq)?, qk.slice_axis(1, nq, nq + nk)?, heads(&qk_v[1], nk, None)?)
             }
             None => {
                 let qkv = self.qkv.forward(x)?;
                 let q = heads(&qkv[0], self.n_heads, self.q_norm.as_ref())?;
                 let k = heads(&qkv[1], self.n_kv_heads, self.k_norm.as_ref())?;
-                (rope.forward(&q, offset)?, rope.forward(&k, offset)?, heads(&qkv[2], self.n_kv_heads, None)?)
+                (rope.forward_at(&q, at)?, rope.forward_at(&k, at)?, heads(&qkv[2], self.n_kv_heads, None)?)
             }
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
@@ -293,8 +293,8 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut KvCache, rope: &Rope) -> Result<Array> {
-        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope)?)?;
+    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut impl LayerCache, rope: &Rope, at: &Positions) -> Result<Array> {
+        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at)?)?;
         Ok(h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
     }
 }
@@ -370,8 +370,30 @@ impl Model {
         } else {
             attention_mask(len)
         };
+        let at = Positions::From(cache.first().map_or(0, KvCache::offset));
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            h = layer.forward(&h, &mask, c, &self.rope)?;
+            h = layer.forward(&h, &mask, c, &self.rope, &at)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    /// As `forward_hidden`, for one new token per row of a batch (`tokens` `[B, 1]`): each
+    /// row rotated from its own length and masked off its left padding.
+    pub fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        if tokens.ndim() != 2 || tokens.dim(1) != 1 {
+            return Err(crate::Error::Invalid(format!(
+                "a batch forward takes one token per row, [B, 1]; got shape {:?}",
+                tokens.shape()
+            )));
+        }
+        let first = cache.first().ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
+        let offsets = first.offsets()?;
+        let padding = first.mask()?;
+        let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
+        let at = Positions::Rows(&offsets);
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
+            h = layer.forward(&h, &mask, c, &self.rope, &at)?;
         }
         self.norm.forward(&h)
     }
@@ -469,6 +491,15 @@ impl CausalLm for Model {
 
     fn head(&self, hidden: &Array) -> Result<Array> {
         Model::head(self, hidden)
+    }
+
+    fn forward_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        let h = self.forward_hidden_batch(tokens, cache)?;
+        self.head(&h)
+    }
+
+    fn batches(&self) -> bool {
+        true
     }
 
     fn make_cache(&self) -> Vec<KvCache> {

@@ -607,3 +607,89 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
         }
     }
 }
+
+/// A sequence decoded alone, greedily: the logits of each step after its prompt, and the
+/// tokens fed (the prompt's last token, then each greedy pick).
+fn solo_greedy(model: &dyn CausalLm, ids: &[i32], steps: usize) -> (Vec<Array>, Vec<i32>) {
+    let mut cache = model.make_cache();
+    if ids.len() > 1 {
+        model.forward(&tokens(&ids[..ids.len() - 1]), &mut cache).unwrap();
+    }
+    let mut fed = vec![*ids.last().unwrap()];
+    let mut logits = Vec::new();
+    for _ in 0..steps {
+        let l = model.forward(&tokens(&fed[fed.len() - 1..]), &mut cache).unwrap().reshape(&[-1]).unwrap();
+        fed.push(l.argmax(-1, false).unwrap().item_i32().unwrap());
+        logits.push(l);
+    }
+    (logits, fed)
+}
+
+/// Rows of different lengths decoded together in a `BatchKvCache` give each row the logits
+/// it gets alone, while rows join (one crossing the cache's 256-position growth step) and
+/// leave, and a row extracted from the batch goes on alone where it left off.
+#[test]
+fn batched_decoding_gives_every_row_its_solo_logits_as_rows_join_and_leave() {
+    for arch in ARCHS {
+        let model = testing::model(arch, 3).unwrap();
+        let model = model.as_ref();
+        assert!(model.batches());
+        let prompts = [prompt(3), prompt(17).into_iter().rev().collect(), prompt(250), vec![7]];
+        let steps = 14;
+        let solo: Vec<_> = prompts.iter().map(|p| solo_greedy(model, p, steps)).collect();
+        let layers = model.make_cache().len();
+        let mut batch: Vec<crate::BatchKvCache> = (0..layers).map(|_| Default::default()).collect();
+        // (prompt index, steps done) per batch row, in row order.
+        let mut rows: Vec<(usize, usize)> = Vec::new();
+        let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
+            let p = &prompts[i];
+            let mut cache = model.make_cache();
+            if p.len() > 1 {
+                model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
+            }
+            for (b, c) in batch.iter_mut().zip(&cache) {
+                b.push(c).unwrap();
+            }
+            rows.push((i, 0));
+        };
+        join(&mut batch, &mut rows, 0);
+        join(&mut batch, &mut rows, 1);
+        for step in 0..12 {
+            if step == 3 {
+                join(&mut batch, &mut rows, 2);
+            }
+            if step == 5 {
+                join(&mut batch, &mut rows, 3);
+            }
+            if step == 8 {
+                // Row 1 (prompt 1) leaves; the padding no row needs goes with it.
+                let before = batch[0].width();
+                for b in batch.iter_mut() {
+                    b.remove(1).unwrap();
+                }
+                rows.remove(1);
+                assert!(batch[0].width() <= before);
+            }
+            let input: Vec<i32> = rows.iter().map(|&(i, done)| solo[i].1[done]).collect();
+            let logits = model.forward_batch(&Array::from_i32(&input, &[input.len(), 1]).unwrap(), &mut batch).unwrap();
+            assert_eq!(logits.shape(), vec![rows.len(), 1, testing::VOCAB]);
+            for (r, (i, done)) in rows.iter_mut().enumerate() {
+                let row = logits.slice_axis(0, r as i32, r as i32 + 1).unwrap().reshape(&[-1]).unwrap();
+                let d = max_abs_diff(&row, &solo[*i].0[*done]);
+                assert!(d < 1e-4, "{arch}: prompt {i}, step {done}: max diff {d}");
+                *done += 1;
+                assert_eq!(batch[0].len(r), prompts[*i].len() + *done - 1);
+            }
+        }
+        // The first row (prompt 0) goes on alone from its extracted cache.
+        let (i, done) = rows[0];
+        let mut alone: Vec<KvCache> = batch.iter().map(|b| b.extract(0).unwrap()).collect();
+        assert_eq!(alone[0].offset(), prompts[i].len() + done - 1);
+        for step in done..steps {
+            let l = model.forward(&tokens(&solo[i].1[step..step + 1]), &mut alone).unwrap().reshape(&[-1]).unwrap();
+            let d = max_abs_diff(&l, &solo[i].0[step]);
+            assert!(d < 1e-4, "{arch}: extracted row, step {step}: max diff {d}");
+        }
+        assert!(batch[0].remove(9).is_err());
+    }
+}

@@ -541,6 +541,14 @@ Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int3
                const array& freqs) {
   return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
 }
+Ptr rope_rows(const array& x, int32_t dims, bool traditional, float base, float scale,
+              const array& offsets) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offsets));
+}
+Ptr rope_rows_freqs(const array& x, int32_t dims, bool traditional, float scale, const array& offsets,
+                    const array& freqs) {
+  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offsets, freqs));
+}
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
 }

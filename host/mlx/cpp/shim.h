@@ -114,6 +114,10 @@ std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t 
 // Fast kernels.
 Ptr rms_norm(const array& x, const array& weight, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
+Ptr rope_rows(const array& x, int32_t dims, bool traditional, float base, float scale,
+              const array& offsets);
+Ptr rope_rows_freqs(const array& x, int32_t dims, bool traditional, float scale, const array& offsets,
+                    const array& freqs);
 Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
                const array& freqs);
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);

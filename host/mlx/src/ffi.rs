@@ -115,6 +115,22 @@ pub(crate) mod ffi {
             scale: f32,
             offset: i32,
         ) -> Result<UniquePtr<array>>;
+        fn rope_rows(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            scale: f32,
+            offsets: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn rope_rows_freqs(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            scale: f32,
+            offsets: &array,
+            freqs: &array,
+        ) -> Result<UniquePtr<array>>;
         fn rope_freqs(
             x: &array,
             dims: i32,

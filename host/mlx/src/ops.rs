@@ -82,6 +82,24 @@ pub mod fast {
         wrap(ffi::rope(&x.0, dims, traditional, base, scale, offset))
     }
 
+    /// As [`rope`], each batch row of `x` (`[B, H, L, D]`) from its own position: `offsets` is
+    /// int32 `[B]` (a batch whose rows hold sequences of different lengths).
+    pub fn rope_rows(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offsets: &Array) -> Result<Array> {
+        wrap(ffi::rope_rows(&x.0, dims, traditional, base, scale, &offsets.0))
+    }
+
+    /// As [`rope_with_freqs`], each batch row from its own position (`offsets`, int32 `[B]`).
+    pub fn rope_rows_with_freqs(
+        x: &Array,
+        dims: i32,
+        traditional: bool,
+        scale: f32,
+        offsets: &Array,
+        freqs: &Array,
+    ) -> Result<Array> {
+        wrap(ffi::rope_rows_freqs(&x.0, dims, traditional, scale, &offsets.0, &freqs.0))
+    }
+
     /// Rotary embedding with explicit per-pair frequencies (Llama 3 scaling).
     pub fn rope_with_freqs(
         x: &Array,

@@ -3,6 +3,7 @@
 //! (`stop.rs`), KV reuse across requests (`prompt_cache.rs`) and the engine thread that
 //! serves requests (`worker.rs`). All MLX arrays of a model live on the thread that drives it.
 
+pub mod batch;
 pub mod decode;
 pub mod prompt_cache;
 pub mod queue;

@@ -1,10 +1,14 @@
 //! The engine thread: loads the model on its own thread (MLX arrays never leave it) and
-//! serves generation jobs from a bounded queue, one at a time, streaming events back.
+//! serves generation jobs from a bounded queue, up to `max_batch` at once, streaming events
+//! back. Requests the native sampler serves decode together as rows of one batch
+//! (`engine/batch.rs`), their prompts prefilled in chunks between the batch's steps; those
+//! with speculation or a sampler plugin decode alone, a token per turn beside the batch.
 //! The async server never blocks on MLX: it submits a job and reads a channel.
 //!
 //! A job ends early when its event receiver is dropped (the client went away): the loop
 //! notices at the next token and frees the job's cache.
 
+use super::batch::{Batch, Left, Row};
 use super::prompt_cache::PromptCache;
 use super::queue::{reorder, Entry, Policy, QueueView};
 use super::stop::StopMatcher;
@@ -14,9 +18,9 @@ use super::{
 use crate::generate::{load_draft, load_model_split, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
 use crate::plugins::{PluginRegistry, PluginSampler, PluginScheduler, PluginTools, Selection, ToolOutput};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Device};
-use models::{CausalLm, Detokenizer, ModelInfo, Tokenizer};
+use models::{CausalLm, Detokenizer, KvCache, ModelInfo, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -33,6 +37,11 @@ pub struct EngineConfig {
     pub queue_limit: usize,
     pub prompt_cache_bytes: usize,
     pub prefill_step_size: usize,
+    /// Most requests decoded at once (rows of the batch and requests decoding alone).
+    pub max_batch: usize,
+    /// Prompt tokens prefilled between two batch steps, less one per running row: a long
+    /// prompt joins in chunks instead of stalling the streams already running.
+    pub step_token_budget: usize,
     /// Plugins requests may select.
     pub plugins: Option<Arc<PluginRegistry>>,
     /// A draft model for speculative decoding (checked against the model's tokenizer).
@@ -56,6 +65,8 @@ impl EngineConfig {
             queue_limit: 4,
             prompt_cache_bytes: 1 << 20,
             prefill_step_size: 64,
+            max_batch: 8,
+            step_token_budget: 512,
             plugins: None,
             draft_model: None,
             scheduler: None,
@@ -216,6 +227,13 @@ pub struct EngineStats {
     pub prompt_cache_bytes: AtomicUsize,
     pub prompt_cache_hits: AtomicUsize,
     pub active_memory: AtomicUsize,
+    /// Requests decoding now (batch rows, prefilling and solo ones), and the batch's rows.
+    pub running: AtomicUsize,
+    pub batch_rows: AtomicUsize,
+    /// Bytes of KV the batch holds (padding included).
+    pub batch_kv_bytes: AtomicUsize,
+    /// Running requests the policy paused for a waiting one.
+    pub preemptions: AtomicUsize,
     /// Speculative decoding: tokens drafted, drafts accepted, target forwards while decoding
     /// speculatively, and tokens those requests generated.
     pub spec_drafted_tokens: AtomicUsize,
@@ -309,6 +327,8 @@ impl Engine {
                             cache: PromptCache::new(config.prompt_cache_bytes),
                             stats: thread_stats,
                             prefill_step_size: config.prefill_step_size,
+                            max_batch: config.max_batch.max(1),
+                            step_token_budget: config.step_token_budget.max(1),
                             policy,
                             kv_budget_tokens: thread_budget,
                             not_paused: None,
@@ -411,6 +431,8 @@ struct Worker {
     cache: PromptCache,
     stats: Arc<EngineStats>,
     prefill_step_size: usize,
+    max_batch: usize,
+    step_token_budget: usize,
     /// The queue policy; `None`: first come, first served.
     policy: Option<Box<dyn Policy>>,
     kv_budget_tokens: Arc<AtomicUsize>,
@@ -458,10 +480,23 @@ struct Tools {
     calls: usize,
 }
 
+/// Where a running request's tokens come from.
+enum Source<'m> {
+    /// Decoded alone: speculation, a sampler plugin, or a model that does not batch.
+    Solo(Box<Generation<'m>>),
+    /// Its prompt being prefilled into `cache` in chunks (`todo` is what is left of it, but
+    /// the last token); then `row` joins the batch.
+    Prefill { cache: Vec<KvCache>, todo: Vec<u32>, row: Box<Row> },
+    /// A row of the batch, keyed by the job's `seq`.
+    Batched,
+    /// Paused out of the batch; it rejoins with its row and cache.
+    Parked(Box<Left>),
+}
+
 /// A request being served: its generation and its text pipeline.
 struct Active<'m> {
     job: Job,
-    generation: Generation<'m>,
+    source: Source<'m>,
     detok: Detokenizer<'m>,
     stop: StopMatcher,
     /// Stop-rule plugins: (instance, characters to hold back, fallback allowed).
@@ -534,11 +569,13 @@ fn failure(e: anyhow::Error) -> Event {
 
 impl Worker {
     /// The engine loop: take jobs into the queue, let the policy order it (and pause or
-    /// cancel), start the first waiting request when none runs, and advance the running
-    /// one by a token at a time so the policy can act between tokens.
+    /// cancel), start waiting requests while slots are free and the memory budget allows,
+    /// then advance everything running by a token: prefill chunks of joining prompts within
+    /// the step's token budget, one batch step, one token of each request decoding alone.
     fn run<'m>(mut self, m: Models<'m>, rx: Receiver<Job>) {
         let mut waiting: Vec<Waiting<'m>> = Vec::new();
-        let mut running: Option<Active<'m>> = None;
+        let mut running: Vec<Active<'m>> = Vec::new();
+        let mut batch = Batch::new(m.model);
         let mut dirty = false;
         let mut decided = Instant::now();
         loop {
@@ -555,7 +592,7 @@ impl Worker {
                 }
                 break;
             }
-            if running.is_none() && waiting.is_empty() {
+            if running.is_empty() && waiting.is_empty() {
                 match rx.recv() {
                     Ok(job) => waiting.push(Waiting::New(Box::new(job))),
                     Err(_) => break,
@@ -575,52 +612,165 @@ impl Worker {
                 !closed
             });
             if self.policy.is_some() && !waiting.is_empty() && (dirty || decided.elapsed() >= POLICY_INTERVAL) {
-                self.schedule(&mut waiting, &mut running);
+                self.schedule(&mut waiting, &mut running, &mut batch);
                 dirty = false;
                 decided = Instant::now();
             }
-            if running.is_none() && !waiting.is_empty() {
-                match waiting.remove(0) {
-                    Waiting::Paused(active) => running = Some(*active),
-                    Waiting::New(job) => {
-                        self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                        if job.events.is_closed() {
-                            continue;
+            self.admit(m, &mut waiting, &mut running, &mut batch);
+            let mut ended: Vec<(usize, Option<anyhow::Error>)> = Vec::new();
+            self.prefill_some(m, &mut running, &mut batch, &mut ended);
+            if !batch.is_empty() {
+                match batch.step() {
+                    Ok(tokens) => {
+                        for (key, token) in tokens {
+                            let Some(i) = running.iter().position(|a| a.job.seq == key) else { continue };
+                            match self.deliver(m, &mut running[i], token) {
+                                Ok(false) => {}
+                                Ok(true) => ended.push((i, None)),
+                                Err(e) => ended.push((i, Some(e))),
+                            }
                         }
-                        match self.start(m, *job) {
-                            Ok(active) => running = Some(active),
-                            Err((job, e)) => {
-                                let _ = job.events.send(failure(e));
+                    }
+                    // A failed step fails every row of the batch (an MLX error, not a request's).
+                    Err(e) => {
+                        let message = format!("{e:#}");
+                        for (i, a) in running.iter().enumerate() {
+                            if matches!(a.source, Source::Batched) {
+                                ended.push((i, Some(anyhow::anyhow!("{message}"))));
                             }
                         }
                     }
                 }
             }
-            let Some(active) = running.as_mut() else { continue };
-            let done = match self.step(m, active) {
-                Ok(done) => done,
-                Err(e) => {
-                    let _ = active.job.events.send(failure(e));
-                    running = None;
-                    true
+            for i in 0..running.len() {
+                let Source::Solo(generation) = &mut running[i].source else { continue };
+                let result = match generation.next_token() {
+                    Ok(Some(token)) => self.deliver(m, &mut running[i], token),
+                    Ok(None) => Ok(true),
+                    Err(e) => Err(e),
+                };
+                match result {
+                    Ok(false) => {}
+                    Ok(true) => ended.push((i, None)),
+                    Err(e) => ended.push((i, Some(e))),
                 }
-            };
-            if done {
-                if let Some(active) = running.take() {
-                    if let Err(e) = self.finish(active) {
-                        tracing::error!("finishing a generation failed: {e:#}");
+            }
+            // Closed streams of rows that produced nothing this turn (prefilling, parked).
+            for (i, a) in running.iter().enumerate() {
+                if a.job.events.is_closed() && !ended.iter().any(|(j, _)| *j == i) {
+                    ended.push((i, None));
+                }
+            }
+            ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+            ended.dedup_by_key(|(i, _)| *i);
+            let any_ended = !ended.is_empty();
+            for (i, error) in ended {
+                let active = running.remove(i);
+                let outcome = match error {
+                    None => self.finish(active, &mut batch),
+                    Some(e) => {
+                        let _ = active.job.events.send(failure(e));
+                        self.discard(active, &mut batch)
                     }
+                };
+                if let Err(e) = outcome {
+                    tracing::error!("finishing a generation failed: {e:#}");
                 }
+            }
+            if any_ended {
                 dirty = true;
                 self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
                 self.stats.active_memory.store(memory::active(), Ordering::Relaxed);
             }
+            self.stats.running.store(running.len(), Ordering::Relaxed);
+            self.stats.batch_rows.store(batch.len(), Ordering::Relaxed);
+            self.stats.batch_kv_bytes.store(batch.kv_bytes(), Ordering::Relaxed);
         }
     }
 
-    /// Asks the policy about the queue and applies its decision: cancel, reorder, and pause
-    /// the running request in favour of the first waiting one.
-    fn schedule<'m>(&mut self, waiting: &mut Vec<Waiting<'m>>, running: &mut Option<Active<'m>>) {
+    /// Starts waiting requests, in the queue's order, while a slot is free and (when the
+    /// server set a memory budget) the KV every running request may come to hold, with the
+    /// next one's, fits it; the first request always starts when nothing runs.
+    fn admit<'m>(
+        &mut self,
+        m: Models<'m>,
+        waiting: &mut Vec<Waiting<'m>>,
+        running: &mut Vec<Active<'m>>,
+        batch: &mut Batch<'m>,
+    ) {
+        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
+        while running.len() < self.max_batch && !waiting.is_empty() {
+            let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
+            if budget > 0 && !running.is_empty() && reserved + kv_reserved(waiting[0].job()) > budget {
+                break;
+            }
+            match waiting.remove(0) {
+                Waiting::Paused(mut active) => {
+                    if let Source::Parked(left) = std::mem::replace(&mut active.source, Source::Batched) {
+                        let Left { row, cache } = *left;
+                        if let Err(e) = batch.join(row, &cache) {
+                            let _ = active.job.events.send(failure(e));
+                            continue;
+                        }
+                    }
+                    running.push(*active);
+                }
+                Waiting::New(job) => {
+                    self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                    if job.events.is_closed() {
+                        continue;
+                    }
+                    match self.start(m, *job) {
+                        Ok(active) => running.push(active),
+                        Err((job, e)) => {
+                            let _ = job.events.send(failure(e));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Prefills the prompts of joining requests, oldest first, up to the step's token budget
+    /// (less a token per batch row, at least one chunk's worth); a prompt done joins the batch.
+    fn prefill_some<'m>(
+        &mut self,
+        m: Models<'m>,
+        running: &mut [Active<'m>],
+        batch: &mut Batch<'m>,
+        ended: &mut Vec<(usize, Option<anyhow::Error>)>,
+    ) {
+        let mut budget = self.step_token_budget.saturating_sub(batch.len()).max(16);
+        for (i, a) in running.iter_mut().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            let Source::Prefill { cache, todo, .. } = &mut a.source else { continue };
+            if a.job.events.is_closed() {
+                continue;
+            }
+            let n = todo.len().min(budget);
+            let chunk: Vec<u32> = todo.drain(..n).collect();
+            budget -= n;
+            if let Err(e) = super::decode::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill") {
+                ended.push((i, Some(e)));
+                continue;
+            }
+            if todo.is_empty() {
+                let Source::Prefill { cache, row, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
+                    unreachable!("matched above")
+                };
+                if let Err(e) = batch.join(*row, &cache) {
+                    ended.push((i, Some(e)));
+                }
+            }
+        }
+    }
+
+    /// Asks the policy about the queue and applies its decision: cancel, reorder, and, when
+    /// every slot is taken, pause a running request the policy preempts in favour of the
+    /// first waiting one (a batch row leaves the batch with its KV).
+    fn schedule<'m>(&mut self, waiting: &mut Vec<Waiting<'m>>, running: &mut Vec<Active<'m>>, batch: &mut Batch<'m>) {
         let Some(policy) = self.policy.as_mut() else { return };
         let entry = |job: &Job, generated: usize| Entry {
             id: job.key(),
@@ -675,11 +825,17 @@ impl Worker {
         }
         waiting.extend(order.into_iter().filter_map(|i| slots[i].take()));
         let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).count();
-        let preempt = running.as_ref().is_some_and(|a| decision.preempt.contains(&a.job.key()));
+        let preempted = running.iter().position(|a| decision.preempt.contains(&a.job.key()));
+        // Only when the first waiting request has no room: every slot taken, or no memory
+        // for it beside the running ones.
+        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
+        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
+        let no_room = running.len() >= self.max_batch
+            || waiting.first().is_some_and(|w| budget > 0 && reserved + kv_reserved(w.job()) > budget);
+        let preempt = preempted.is_some() && no_room;
         // Pausing keeps the running request's KV while the next one grows its own: only when
         // every paused request, the running one and the next could all reach their maximum
         // length within the memory budget.
-        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
         let held = || -> usize {
             running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
                 + waiting
@@ -690,8 +846,9 @@ impl Worker {
                 + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()))
         };
         if preempt && budget > 0 && held() > budget {
-            let key = running.as_ref().map(|a| a.job.key());
-            if let Some(a) = running.as_ref().filter(|_| self.not_paused != key) {
+            let a = &running[preempted.expect("checked above")];
+            let key = Some(a.job.key());
+            if self.not_paused != key {
                 tracing::info!(
                     request = a.job.key(),
                     policy = name,
@@ -702,8 +859,19 @@ impl Worker {
             }
             self.not_paused = key;
         } else if preempt && !waiting.is_empty() && paused < MAX_PAUSED {
-            let active = running.take().expect("checked above");
+            let mut active = running.remove(preempted.expect("checked above"));
+            if matches!(active.source, Source::Batched) {
+                match batch.leave(active.job.seq) {
+                    Ok(Some(left)) => active.source = Source::Parked(Box::new(left)),
+                    Ok(None) => {}
+                    Err(e) => {
+                        let _ = active.job.events.send(failure(e));
+                        return;
+                    }
+                }
+            }
             tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
+            self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
             waiting.insert(1, Waiting::Paused(Box::new(active)));
         }
     }
@@ -733,11 +901,21 @@ impl Worker {
                 SpecMethod::Off => None,
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
-            let hooks = Hooks { external, speculation };
-            let generation = Generation::start_with(m.model, cache, &prompt[reused..], sampler, options, hooks)?;
-            Ok((generation, stop_rules, tools))
+            let source = if external.is_none() && speculation.is_none() && m.model.batches() {
+                let vocab = self.info.vocab_size;
+                if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+                    bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
+                }
+                let row = Row::new(job.seq, prompt, sampler, options)?;
+                Source::Prefill { cache, todo: prompt[reused..prompt.len() - 1].to_vec(), row: Box::new(row) }
+            } else {
+                let hooks = Hooks { external, speculation };
+                let generation = Generation::start_with(m.model, cache, &prompt[reused..], sampler, options, hooks)?;
+                Source::Solo(Box::new(generation))
+            };
+            Ok((source, stop_rules, tools))
         })();
-        let (generation, stop_rules, tools) = match started {
+        let (source, stop_rules, tools) = match started {
             Ok(parts) => parts,
             Err(e) => return Err((job, e)),
         };
@@ -749,7 +927,7 @@ impl Worker {
         let reply_prefix = request.plugins.reply_prefix.clone();
         Ok(Active {
             job,
-            generation,
+            source,
             detok: Detokenizer::new(m.tokenizer),
             stop,
             stop_rules,
@@ -763,13 +941,12 @@ impl Worker {
         })
     }
 
-    /// Generates one token and passes its text down the pipeline (stop-rule plugins, stop
-    /// strings, the tool adapter) to the client. `Ok(true)` when the request is over.
-    fn step(&mut self, m: Models<'_>, a: &mut Active<'_>) -> Result<bool> {
+    /// Passes a generated token's text down the pipeline (stop-rule plugins, stop strings,
+    /// the tool adapter) to the client. `Ok(true)` when the request is over.
+    fn deliver(&mut self, m: Models<'_>, a: &mut Active<'_>, token: super::Token) -> Result<bool> {
         if a.job.events.is_closed() {
             return Ok(true);
         }
-        let Some(token) = a.generation.next_token()? else { return Ok(true) };
         a.generated.push(token.id);
         self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
         let is_eos = token.finish == Some(FinishReason::Stop);
@@ -833,10 +1010,29 @@ impl Worker {
         Ok(!sent || a.finish.is_some() || a.job.events.is_closed())
     }
 
+    /// Takes a request's KV out of wherever it is (its own generation, the batch), holding
+    /// exactly the committed tokens but the last; `None` while it was still prefilling.
+    fn release<'m>(&mut self, source: Source<'m>, key: u64, batch: &mut Batch<'m>) -> Result<Option<Vec<KvCache>>> {
+        Ok(match source {
+            Source::Solo(generation) => Some(generation.into_cache()),
+            Source::Batched => batch.leave(key)?.map(|left| left.cache),
+            Source::Parked(left) => Some(left.cache),
+            Source::Prefill { .. } => None,
+        })
+    }
+
+    /// Frees a failed request's place (its batch row, if any).
+    fn discard<'m>(&mut self, a: Active<'m>, batch: &mut Batch<'m>) -> Result<()> {
+        self.release(a.source, a.job.seq, batch).map(drop)
+    }
+
     /// Reports usage, sends `Done`, and keeps the request's KV for the prompt cache.
-    fn finish(&mut self, mut a: Active<'_>) -> Result<()> {
+    fn finish<'m>(&mut self, mut a: Active<'m>, batch: &mut Batch<'m>) -> Result<()> {
         let request = &a.job.request;
-        let stats = a.generation.stats();
+        let stats = match &a.source {
+            Source::Solo(generation) => generation.stats(),
+            _ => Default::default(),
+        };
         let speculative = (request.speculative.method != SpecMethod::Off).then_some(SpecUsage {
             method: request.speculative.method,
             drafted_tokens: stats.drafted_tokens,
@@ -861,7 +1057,8 @@ impl Worker {
         }
         let _ = a.job.events.send(Event::Done { finish, usage });
         // Keep the KV of everything the cache now holds for the next request.
-        let mut cache = a.generation.into_cache();
+        let source = std::mem::replace(&mut a.source, Source::Batched);
+        let Some(mut cache) = self.release(source, a.job.seq, batch)? else { return Ok(()) };
         let held = cache.first().map_or(0, models::KvCache::offset);
         let mut sequence = a.job.request.prompt.clone();
         sequence.extend(&a.generated);

@@ -139,6 +139,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         queue_limit: config.queue_limit,
         prompt_cache_bytes: config.prompt_cache_bytes as usize,
         prefill_step_size: 2048,
+        max_batch: config.max_batch,
+        step_token_budget: config.step_token_budget,
         plugins: Some(registry.clone()),
         draft_model: config.draft_model.clone(),
         scheduler: Some((
