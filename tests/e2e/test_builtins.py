@@ -365,8 +365,10 @@ def race(server, long_tokens):
     return results
 
 
+# The ordering tests give the server one slot (`--max-batch 1`): with free slots every
+# request starts at once, and a policy decides only who takes a scarce one.
 def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_request():
-    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0")
+    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0", "--max-batch", "1")
     try:
         alone = chat(s, messages=LONG, max_tokens=120)["choices"][0]["message"]["content"]
         results = race(s, 120)
@@ -417,7 +419,7 @@ def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the
 
 
 def test_fcfs_the_default_serves_in_arrival_order_whatever_the_priority():
-    s = Server("--prompt-cache-bytes", "0")
+    s = Server("--prompt-cache-bytes", "0", "--max-batch", "1")
     try:
         results = race(s, 60)
         assert results["long"][0] < results["low"][0] < results["high"][0]
@@ -427,7 +429,7 @@ def test_fcfs_the_default_serves_in_arrival_order_whatever_the_priority():
 
 
 def test_latest_wins_cancels_a_clients_older_queued_requests():
-    s = Server("--scheduler", "latest-wins", "--prompt-cache-bytes", "0")
+    s = Server("--scheduler", "latest-wins", "--prompt-cache-bytes", "0", "--max-batch", "1")
     try:
         results = {}
         long = start_long(s, results, 80)
@@ -457,7 +459,7 @@ def test_unknown_scheduler_or_adapter_is_refused_at_start():
 
 
 def test_shortest_prompt_first_serves_the_short_prompt_ahead_of_an_earlier_long_one():
-    s = Server("--scheduler", "shortest-prompt-first", "--prompt-cache-bytes", "0")
+    s = Server("--scheduler", "shortest-prompt-first", "--prompt-cache-bytes", "0", "--max-batch", "1")
     try:
         results = {}
         long = start_long(s, results, 60)

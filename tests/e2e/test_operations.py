@@ -3,6 +3,7 @@ import concurrent.futures
 import json
 import random
 import socket
+import threading
 import time
 
 import httpx
@@ -82,6 +83,55 @@ def test_load_16_concurrent_streaming_clients(fresh):
         for _ in range(3):
             results = list(pool.map(run, prompts))
             assert results == [expected[p] for p in prompts]
+    grown = s.rss_bytes() - baseline
+    assert grown < 150 << 20, f"memory grew by {grown / 1e6:.0f} MB"
+
+
+def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and_get_their_solo_outputs(fresh):
+    """Issue 19: eight streaming clients, each with its own sampling settings (greedy,
+    seeded with top-p/top-k/min-p, penalties, a logit bias) and prompt length, run as one
+    batch and each gets exactly what it gets alone."""
+    s = fresh("--prompt-cache-bytes", "0", "--max-batch", "8")
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    settings = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_p=0.9, seed=5),
+        dict(temperature=1.0, seed=7, extra_body={"top_k": 20}),
+        dict(temperature=0, frequency_penalty=0.8),
+        dict(temperature=0.7, seed=3, presence_penalty=0.5, logit_bias={"28": -4}),
+        dict(temperature=0.9, seed=11, extra_body={"min_p": 0.1, "repetition_penalty": 1.2}),
+        dict(temperature=0),
+        dict(temperature=1.1, seed=2),
+    ]
+    prompts = ["Hi.", "Name three colors.", "Write one sentence about the sea and the sky at night.",
+               "Count from 1 to 9.", "What is the capital of France? Answer in a sentence.",
+               "List two fruits.", "Describe a cat " + "very " * 30 + "briefly.", "Say hello in French."]
+
+    def run(i):
+        chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}],
+                                                max_tokens=24, stream=True, **settings[i])
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    alone = [run(i) for i in range(8)]
+    baseline = s.rss_bytes()
+    rows_seen = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            m = httpx.get(s.url + "/metrics", timeout=10).text
+            rows_seen.extend(int(float(l.split()[1])) for l in m.splitlines() if l.startswith("host_batch_rows "))
+            time.sleep(0.05)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(run, range(8)))
+    finally:
+        done.set()
+        watcher.join(30)
+    assert together == alone
+    assert max(rows_seen) >= 4, f"the requests did not decode together: batch rows seen {sorted(set(rows_seen))}"
     grown = s.rss_bytes() - baseline
     assert grown < 150 << 20, f"memory grew by {grown / 1e6:.0f} MB"
 

@@ -194,7 +194,7 @@ const CANDIDATE_CACHE_BYTES: usize = 256 << 20;
 /// between chunks (mlx-lm clears it after each; on the H200 that, with the waits, cost
 /// 12-26% of a 4,096-token prefill, bench/NOTES.md session 10); `commit` clears it at the
 /// first token.
-pub(crate) fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step: usize) -> Result<()> {
+pub fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step: usize) -> Result<()> {
     let wait = |state: &[Array]| -> Result<()> { Ok(mlx::eval(&state.iter().collect::<Vec<_>>())?) };
     let mut in_flight: Option<Vec<Array>> = None;
     let done = tokens.chunks(step.max(1)).try_for_each(|chunk| -> Result<()> {

@@ -107,7 +107,16 @@ impl Metrics {
                 load(&engine.prompt_cache_hits),
             ),
             ("host_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", load(&engine.prompt_cache_bytes)),
-            ("host_queue_depth", "gauge", "Requests waiting or running.", load(&engine.queue_depth)),
+            ("host_queue_depth", "gauge", "Requests waiting to start.", load(&engine.queue_depth)),
+            ("host_requests_running", "gauge", "Requests decoding now (prefilling, batched or alone).", load(&engine.running)),
+            ("host_batch_rows", "gauge", "Rows of the decode batch.", load(&engine.batch_rows)),
+            ("host_batch_kv_bytes", "gauge", "Bytes of KV the decode batch holds.", load(&engine.batch_kv_bytes)),
+            (
+                "host_preemptions_total",
+                "counter",
+                "Running requests the scheduling policy paused for a waiting one.",
+                load(&engine.preemptions),
+            ),
             (
                 "host_active_memory_bytes",
                 "gauge",
