@@ -165,6 +165,7 @@ fn a_batch_of_eight_prompts_gives_mlx_lm_batch_generate_ids_and_each_prompts_sol
         }
         peak_rows = peak_rows.max(batch.len());
         for (key, token) in batch.step().unwrap() {
+            let token = token.unwrap();
             got.entry(key).or_default().push(token.id);
             if token.finish.is_some() {
                 batch.leave(key).unwrap();

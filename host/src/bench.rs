@@ -2,6 +2,8 @@
 //! first token, decode tok/s (median of `--runs` after a warm-up that compiles kernels),
 //! peak memory, and decode speed against a memory-bandwidth floor (weight bytes read per
 //! token / bandwidth). Prompts are seeded random token ids; end of sequence is ignored.
+//! `--batch 1,8,32` measures batched decoding instead (`engine::batch::Batch`, the server's
+//! engine): B prompts of each length decoded together, aggregate and per-stream decode tok/s.
 
 use crate::engine::speculative::PromptLookup;
 use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
@@ -49,6 +51,139 @@ pub struct Args {
     /// H200 moves by tens of percent from one process to the next (bench/NOTES.md, session 11).
     #[arg(long)]
     pub paired_plain: bool,
+    /// Batch sizes, comma-separated: measure B prompts of each length decoded together as
+    /// rows of one batch (as `host serve` runs concurrent requests) instead of one stream.
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Vec<usize>,
+}
+
+/// One (prompt length, batch size)'s results with `--batch`.
+#[derive(Debug, Serialize)]
+pub struct BatchRow {
+    pub model: String,
+    pub device: String,
+    pub prompt_tokens: usize,
+    pub batch: usize,
+    pub gen_tokens: usize,
+    pub runs: usize,
+    /// Every row's tokens after its first over the time from the first step's tokens to the
+    /// last (median of the runs), and that over the batch size.
+    pub decode_tps: f64,
+    pub per_stream_decode_tps: f64,
+    /// Prefilling all B prompts and reading the first step's tokens.
+    pub ttft_ms: f64,
+    pub prefill_tps: f64,
+    pub peak_memory_bytes: usize,
+    pub warmup_s: f64,
+}
+
+/// One batched generation: `prompts` prefilled one after another and joined, then stepped
+/// until every row has `gen` tokens. Returns (seconds to the first tokens, seconds from
+/// there to the last, tokens after each row's first).
+fn run_batch(model: &dyn models::CausalLm, prompts: &[Vec<u32>], gen: usize) -> Result<(f64, f64, usize)> {
+    use crate::engine::batch::{Batch, Row as BatchRowState};
+    let started = Instant::now();
+    let mut batch = Batch::new(model);
+    for (key, ids) in prompts.iter().enumerate() {
+        let mut cache = model.make_cache();
+        crate::engine::decode::prefill(model, &mut cache, &ids[..ids.len() - 1], 2048)?;
+        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size())?;
+        let options = DecodeOptions { max_tokens: gen, eos_token_ids: Vec::new(), ..Default::default() };
+        batch.join(BatchRowState::new(key as u64, ids, sampler, options)?, &cache)?;
+    }
+    let (mut first, mut tokens) = (None, 0);
+    while !batch.is_empty() {
+        let out = batch.step()?;
+        if first.is_none() && !out.is_empty() {
+            first = Some(Instant::now());
+        } else {
+            tokens += out.len();
+        }
+        for (key, token) in out {
+            if token?.finish.is_some() {
+                batch.leave(key)?;
+            }
+        }
+    }
+    let end = Instant::now();
+    let first = first.unwrap_or(end);
+    Ok(((first - started).as_secs_f64(), (end - first).as_secs_f64(), tokens))
+}
+
+/// `host bench --batch`: a table (or JSON lines) of batched decoding per prompt length and
+/// batch size.
+fn run_batches(args: &Args) -> Result<()> {
+    if args.batch.contains(&0) || args.gen < 2 || args.runs == 0 || args.prompt_lengths.contains(&0) {
+        bail!("every --batch size must be at least 1, --gen at least 2, --runs at least 1 and every prompt length at least 1");
+    }
+    if args.spec.config()?.method != SpecMethod::Off || args.prompt_file.is_some() {
+        bail!("--batch measures plain batched decoding of random prompts; leave out --speculative and --prompt-file");
+    }
+    let device = select_device(args.device)?;
+    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
+    let model = loaded.model.as_ref();
+    if !model.batches() {
+        bail!("this model does not decode in batches (tensor-parallel models do not yet)");
+    }
+    let vocab = loaded.info.vocab_size;
+    let name = loaded.info.source.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    if !args.json {
+        eprintln!("host bench --batch: {name} on {device} (mlx {}), {} runs per row", mlx::version(), args.runs);
+    }
+    let mut rows = Vec::new();
+    for (i, &len) in args.prompt_lengths.iter().enumerate() {
+        for &b in &args.batch {
+            let prompts: Vec<Vec<u32>> = (0..b).map(|r| prompt(len, vocab, 1 + i as u64 + 1000 * r as u64)).collect();
+            let t = Instant::now();
+            run_batch(model, &prompts, args.gen.min(16))?;
+            let warmup_s = t.elapsed().as_secs_f64();
+            let (mut ttft, mut decode, mut peak) = (Vec::new(), Vec::new(), 0);
+            for _ in 0..args.runs {
+                mlx::memory::reset_peak();
+                let (first, rest, tokens) = run_batch(model, &prompts, args.gen)?;
+                ttft.push(first);
+                decode.push(tokens as f64 / rest);
+                peak = peak.max(mlx::memory::peak());
+            }
+            let (ttft, decode_tps) = (median(ttft), median(decode));
+            let row = BatchRow {
+                model: name.clone(),
+                device: device.to_string(),
+                prompt_tokens: len,
+                batch: b,
+                gen_tokens: args.gen,
+                runs: args.runs,
+                decode_tps,
+                per_stream_decode_tps: decode_tps / b as f64,
+                ttft_ms: ttft * 1e3,
+                prefill_tps: (b * len) as f64 / ttft,
+                peak_memory_bytes: peak,
+                warmup_s,
+            };
+            if args.json {
+                println!("{}", serde_json::to_string(&row)?);
+            }
+            rows.push(row);
+        }
+    }
+    if !args.json {
+        println!("| model | prompt | batch | decode tok/s (all rows) | per stream tok/s | TTFT ms (all rows) | prefill tok/s | peak memory GB |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for r in &rows {
+            println!(
+                "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.3} |",
+                r.model,
+                r.prompt_tokens,
+                r.batch,
+                r.decode_tps,
+                r.per_stream_decode_tps,
+                r.ttft_ms,
+                r.prefill_tps,
+                r.peak_memory_bytes as f64 / 1e9
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One prompt length's results.
@@ -176,6 +311,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if !args.batch.is_empty() {
+        return run_batches(&args);
+    }
     if args.gen < 2 || args.runs == 0 || args.prompt_lengths.contains(&0) {
         bail!("--gen must be at least 2, --runs at least 1 and every prompt length at least 1");
     }

@@ -6,18 +6,26 @@
 //!
 //! Each row keeps what its request has alone: its sampler (logit bias, penalties over its own
 //! history, temperature, top-k/p, min-p, its seed keyed by position), its limits and stop
-//! tokens. The batch knows nothing about text, plugins or requests; rows are named by a key.
+//! tokens, and its external sampler (a plugin) if it has one. Rows sampled natively stay on
+//! the device; a plugin row's candidates are read back for all plugin rows at once, one host
+//! round trip per step, and while a plugin row is in the batch its steps run serially (the
+//! plugin must see each committed token before it picks the next). The batch knows nothing
+//! about text or requests; rows are named by a key.
 
-use super::decode::{DecodeOptions, FinishReason, Token};
+use super::decode::{external_frame, pick_from_frame, DecodeOptions, ExternalSampler, FinishReason, Token};
 use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
 
 /// One sequence of the batch.
-pub struct Row {
+pub struct Row<'m> {
     key: u64,
     sampler: Sampler,
+    /// A sampler plugin picking this row's tokens (it has accepted the prompt).
+    external: Option<Box<dyn ExternalSampler + 'm>>,
+    /// The row's external sampler failed in the step in flight (no fallback allowed).
+    failed: Option<anyhow::Error>,
     options: DecodeOptions,
     /// The sequence so far (prompt and committed tokens) when the sampler's penalties need it.
     history: Option<Array>,
@@ -28,12 +36,29 @@ pub struct Row {
     generated: usize,
 }
 
-impl Row {
+impl<'m> Row<'m> {
     /// A row whose cache holds `prompt` but its last token, which the first step feeds.
-    pub fn new(key: u64, prompt: &[u32], sampler: Sampler, options: DecodeOptions) -> Result<Row> {
+    pub fn new(key: u64, prompt: &[u32], sampler: Sampler, options: DecodeOptions) -> Result<Row<'m>> {
         let Some((&last, head)) = prompt.split_last() else { bail!("the prompt is empty; give at least one token") };
         let history = if sampler.params().needs_history() { Some(tokens(head)?) } else { None };
-        Ok(Row { key, sampler, options, history, position: prompt.len(), last, generated: 0 })
+        Ok(Row { key, sampler, external: None, failed: None, options, history, position: prompt.len(), last, generated: 0 })
+    }
+
+    /// The row's tokens picked by `external` (which has already accepted the prompt).
+    pub fn with_external(mut self, external: Option<Box<dyn ExternalSampler + 'm>>) -> Row<'m> {
+        self.external = external;
+        self
+    }
+
+    /// An external sampler failure: fatal for the row unless the sampler allows falling back
+    /// to native sampling, which then takes over for the rest of the request.
+    fn external_failed(&mut self, e: anyhow::Error) {
+        if self.external.as_ref().is_some_and(|x| x.fallback()) {
+            tracing::warn!("external sampler failed, falling back to native sampling: {e:#}");
+            self.external = None;
+        } else {
+            self.failed.get_or_insert(e);
+        }
     }
 
     pub fn key(&self) -> u64 {
@@ -48,8 +73,8 @@ impl Row {
 
 /// A row that left the batch: its state and a cache holding the tokens it committed but the
 /// last (`row`'s next step feeds that one), ready to rejoin or to go to the prompt cache.
-pub struct Left {
-    pub row: Row,
+pub struct Left<'m> {
+    pub row: Row<'m>,
     pub cache: Vec<KvCache>,
 }
 
@@ -64,7 +89,7 @@ pub struct Batch<'m> {
     model: &'m dyn CausalLm,
     cache: Vec<BatchKvCache>,
     /// In the cache's row order.
-    rows: Vec<Row>,
+    rows: Vec<Row<'m>>,
     pending: Option<Step>,
     steps: usize,
 }
@@ -106,7 +131,7 @@ impl<'m> Batch<'m> {
 
     /// Adds `row` with `cache` (one entry per layer, holding its sequence but the last token);
     /// it takes part from the next step built.
-    pub fn join(&mut self, row: Row, cache: &[KvCache]) -> Result<()> {
+    pub fn join(&mut self, row: Row<'m>, cache: &[KvCache]) -> Result<()> {
         if cache.len() != self.cache.len() {
             bail!("a row's cache has {} layers, the batch's {}", cache.len(), self.cache.len());
         }
@@ -121,7 +146,7 @@ impl<'m> Batch<'m> {
     }
 
     /// Takes row `key` out of the batch (`None` if it is not in it).
-    pub fn leave(&mut self, key: u64) -> Result<Option<Left>> {
+    pub fn leave(&mut self, key: u64) -> Result<Option<Left<'m>>> {
         let Some(index) = self.rows.iter().position(|r| r.key == key) else { return Ok(None) };
         let mut cache: Vec<KvCache> = self.cache.iter().map(|b| b.extract(index)).collect::<models::Result<_>>()?;
         for b in &mut self.cache {
@@ -144,15 +169,17 @@ impl<'m> Batch<'m> {
     }
 
     /// Advances every row by one token: returns each row's token of the step read now, in row
-    /// order (a row that joined since the last call gets its first). Rows that leave before
-    /// the next call are simply not fed again.
-    pub fn step(&mut self) -> Result<Vec<(u64, Token)>> {
+    /// order (a row that joined since the last call gets its first), or the error that fails
+    /// that row alone (its sampler plugin failed). Rows that leave before the next call are
+    /// simply not fed again. An `Err` of the whole call is the device's: every row fails.
+    pub fn step(&mut self) -> Result<Vec<(u64, Result<Token>)>> {
         let current = match self.pending.take() {
             Some(step) => step,
             None if self.rows.is_empty() => return Ok(Vec::new()),
             None => self.build(None)?,
         };
-        if !self.rows.is_empty() {
+        let serial = self.rows.iter().any(|r| r.external.is_some());
+        if !self.rows.is_empty() && !serial {
             self.pending = Some(self.build(Some(&current))?);
         }
         let ids = current.tokens.to_vec_i32().context("reading the batch's tokens")?;
@@ -162,6 +189,19 @@ impl<'m> Batch<'m> {
             let id = id as u32;
             row.last = id;
             row.generated += 1;
+            if let Some(e) = row.failed.take() {
+                out.push((key, Err(e)));
+                continue;
+            }
+            if let Some(external) = row.external.as_deref_mut() {
+                if let Err(e) = external.accept(&[id]) {
+                    row.external_failed(e);
+                    if let Some(e) = row.failed.take() {
+                        out.push((key, Err(e)));
+                        continue;
+                    }
+                }
+            }
             let finish = if row.options.eos_token_ids.contains(&id) {
                 Some(FinishReason::Stop)
             } else if row.generated >= row.options.max_tokens {
@@ -170,7 +210,7 @@ impl<'m> Batch<'m> {
                 None
             };
             let logprobs = current.logprobs.slice_axis(0, i as i32, i as i32 + 1)?.squeeze(&[0])?;
-            out.push((key, Token { id, logprobs, finish }));
+            out.push((key, Ok(Token { id, logprobs, finish })));
         }
         self.steps += 1;
         if self.steps.is_multiple_of(256) {
@@ -217,13 +257,20 @@ impl<'m> Batch<'m> {
             logits
         };
         let logprobs = log_softmax(&logits)?;
-        let tokens = if self.rows.iter().all(|r| r.sampler.params().temperature == 0.0) {
+        let external = self.external_picks(&logits)?;
+        let tokens = if external.is_empty() && self.rows.iter().all(|r| r.sampler.params().temperature == 0.0) {
             logprobs.argmax(-1, false)?.astype(Dtype::Int32)?
         } else {
             let mut picks = Vec::with_capacity(self.rows.len());
             for (i, row) in self.rows.iter().enumerate() {
-                let mine = logprobs.slice_axis(0, i as i32, i as i32 + 1)?;
-                picks.push(row.sampler.sample(&mine, row.position)?.astype(Dtype::Int32)?);
+                let pick = match external.iter().find(|(r, _)| *r == i) {
+                    Some((_, id)) => Array::from_i32(&[*id as i32], &[1])?,
+                    None => {
+                        let mine = logprobs.slice_axis(0, i as i32, i as i32 + 1)?;
+                        row.sampler.sample(&mine, row.position)?.astype(Dtype::Int32)?
+                    }
+                };
+                picks.push(pick);
             }
             mlx::ops::concatenate(&picks.iter().collect::<Vec<_>>(), 0)?
         };
@@ -232,6 +279,34 @@ impl<'m> Batch<'m> {
         }
         mlx::async_eval(&[&tokens, &logprobs])?;
         Ok(Step { keys, tokens, logprobs })
+    }
+
+    /// Each plugin row's pick from its processed logits (a row of `logits`, `[B, V]`): the
+    /// frames of every plugin row (top-k candidates, or the whole row) are read back in one
+    /// evaluation. Returns (row index, token); a row whose plugin failed is left out (it
+    /// samples natively: after a fallback for good, else for this step, which then fails it).
+    fn external_picks(&mut self, logits: &Array) -> Result<Vec<(usize, u32)>> {
+        let vocab = logits.dim(-1);
+        let mut frames = Vec::new();
+        for (i, row) in self.rows.iter().enumerate() {
+            let Some(external) = row.external.as_deref() else { continue };
+            frames.push((i, external_frame(external, &logits.slice_axis(0, i as i32, i as i32 + 1)?)?));
+        }
+        if frames.is_empty() {
+            return Ok(Vec::new());
+        }
+        let arrays: Vec<&Array> = frames.iter().flat_map(|(_, (v, a))| v.iter().chain(std::iter::once(a))).collect();
+        mlx::eval(&arrays)?;
+        let mut picks = Vec::with_capacity(frames.len());
+        for (i, frame) in frames {
+            let row = &mut self.rows[i];
+            let external = row.external.as_deref_mut().expect("a plugin row");
+            match pick_from_frame(external, &row.sampler, row.position, frame, vocab) {
+                Ok(id) => picks.push((i, id)),
+                Err(e) => row.external_failed(e),
+            }
+        }
+        Ok(picks)
     }
 }
 
@@ -302,6 +377,7 @@ mod tests {
                     _ => {}
                 }
                 for (key, token) in batch.step().unwrap() {
+                    let token = token.unwrap();
                     got.entry(key).or_default().push(token.id);
                     if token.finish.is_some() {
                         let left = batch.leave(key).unwrap().unwrap();
@@ -316,5 +392,100 @@ mod tests {
                 assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i}");
             }
         }
+    }
+
+    /// A plugin-like sampler: picks the candidate at (position + accepted tokens) mod k, and
+    /// fails at `fail_at` (a position) if set.
+    struct Cycling {
+        k: usize,
+        accepted: Vec<u32>,
+        fail_at: Option<usize>,
+        fallback: bool,
+    }
+
+    impl ExternalSampler for Cycling {
+        fn candidates(&self) -> Option<usize> {
+            Some(self.k)
+        }
+        fn sample(&mut self, position: usize, frame: super::super::Frame<'_>) -> Result<super::super::Pick> {
+            if self.fail_at == Some(position) {
+                anyhow::bail!("the test sampler failed at position {position}");
+            }
+            let super::super::Frame::Candidates(c) = frame else { unreachable!("asked for candidates") };
+            Ok(super::super::Pick::Token(c[(position + self.accepted.len()) % c.len()].0))
+        }
+        fn accept(&mut self, tokens: &[u32]) -> Result<()> {
+            self.accepted.extend(tokens);
+            Ok(())
+        }
+        fn fallback(&self) -> bool {
+            self.fallback
+        }
+    }
+
+    /// A plugin-sampled row beside native rows gets the plugin's picks, the plugin sees each
+    /// committed token once and in order, the native rows are untouched, and a plugin that
+    /// fails fails only its row (or hands it to native sampling when allowed).
+    #[test]
+    fn plugin_rows_beside_native_rows_get_what_they_get_alone_and_fail_alone() {
+        let model = models::testing::model("llama", 6).unwrap();
+        let model = model.as_ref();
+        let prompts: Vec<Vec<u32>> = vec![vec![3, 4, 5], vec![9; 11], vec![1, 2], vec![7, 8, 9, 10]];
+        let n = 10;
+        let cycling = |fail_at, fallback| Cycling { k: 5, accepted: Vec::new(), fail_at, fallback };
+        let greedy = SamplingParams::default();
+        let alone_plugin = |p: &[u32], fail_at, fallback| -> Result<Vec<u32>> {
+            let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+            let hooks = crate::engine::Hooks { external: Some(Box::new(cycling(fail_at, fallback))), speculation: None };
+            let mut g = Generation::start_with(model, model.make_cache(), p, sampler, options(n), hooks)?;
+            let mut out = Vec::new();
+            while let Some(t) = g.next_token()? {
+                out.push(t.id);
+            }
+            Ok(out)
+        };
+        let expected = [
+            alone(model, &prompts[0], &greedy, n),
+            alone_plugin(&prompts[1], None, false).unwrap(),
+            alone_plugin(&prompts[2], Some(prompts[2].len() + 3), true).unwrap(),
+            alone(model, &prompts[3], &greedy, n),
+        ];
+        assert_ne!(expected[1], alone(model, &prompts[1], &greedy, n), "the plugin changes the output");
+        let mut batch = Batch::new(model);
+        let plugins: [Option<(Option<usize>, bool)>; 5] =
+            [None, Some((None, false)), Some((Some(prompts[2].len() + 3), true)), None, Some((Some(9 + 2), false))];
+        let mut all = prompts.clone();
+        all.push(vec![9; 9]);
+        for (i, p) in all.iter().enumerate() {
+            let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+            let external = plugins[i].map(|(f, fb)| Box::new(cycling(f, fb)) as Box<dyn ExternalSampler>);
+            let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_external(external);
+            batch.join(row, &prefilled(model, p)).unwrap();
+        }
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut failed = Vec::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                match token {
+                    Ok(token) => {
+                        got.entry(key).or_default().push(token.id);
+                        if token.finish.is_some() {
+                            batch.leave(key).unwrap();
+                        }
+                    }
+                    Err(e) => {
+                        failed.push((key, format!("{e:#}")));
+                        batch.leave(key).unwrap();
+                    }
+                }
+            }
+        }
+        for (i, want) in expected.iter().enumerate() {
+            assert_eq!(got.get(&(i as u64)), Some(want), "row {i}");
+        }
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert_eq!(failed[0].0, 4);
+        assert!(failed[0].1.contains("failed at position 11"), "{failed:?}");
+        assert_eq!(got[&4].len(), 2, "the failing row had its tokens before the failure");
     }
 }

@@ -754,18 +754,43 @@ fn pick_external(
     logits: &Array,
     position: usize,
 ) -> Result<Array> {
-    let vocab = logits.dim(-1);
+    let frame = external_frame(external, logits)?;
+    let id = pick_from_frame(external, sampler, position, frame, logits.dim(-1))?;
+    Ok(Array::from_i32(&[id as i32], &[1])?)
+}
+
+/// What an external sampler's frame is read from, lazily: (candidate logits, candidate ids)
+/// for a top-k frame, or (`None`, the whole float32 row).
+pub(crate) fn external_frame(external: &dyn ExternalSampler, logits: &Array) -> Result<(Option<Array>, Array)> {
     let logits = logits.astype(mlx::Dtype::Float32)?;
+    Ok(match external.candidates() {
+        Some(k) => {
+            let k = k.min(logits.dim(-1)).max(1) as i32;
+            let idx = logits.negative()?.argpartition(k - 1, -1)?.slice_axis(-1, 0, k)?;
+            (Some(logits.take_along_axis(&idx, -1)?), idx)
+        }
+        None => (None, logits),
+    })
+}
+
+/// The external sampler's pick from a frame made by [`external_frame`] (read back here, so
+/// evaluating it first saves a round trip), sampling natively from the edited frame on
+/// `Pick::Defer`; a pick outside the vocabulary is an error.
+pub(crate) fn pick_from_frame(
+    external: &mut dyn ExternalSampler,
+    sampler: &Sampler,
+    position: usize,
+    frame: (Option<Array>, Array),
+    vocab: usize,
+) -> Result<u32> {
     let native = |values: &[f32]| -> Result<usize> {
         let row = Array::from_f32(values, &[1, values.len()])?;
         let lp = log_softmax(&row)?;
         Ok(sampler.sample(&lp, position)?.item_i32()? as usize)
     };
-    let id = match external.candidates() {
-        Some(k) => {
-            let k = k.min(vocab).max(1);
-            let idx = logits.negative()?.argpartition(k as i32 - 1, -1)?.slice_axis(-1, 0, k as i32)?;
-            let values = logits.take_along_axis(&idx, -1)?.to_vec_f32()?;
+    let id = match frame {
+        (Some(values), idx) => {
+            let values = values.to_vec_f32()?;
             let mut frame: Vec<(u32, f32)> = idx.to_vec_i32()?.into_iter().map(|t| t as u32).zip(values).collect();
             frame.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             match external.sample(position, Frame::Candidates(&mut frame))? {
@@ -776,8 +801,8 @@ fn pick_external(
                 }
             }
         }
-        None => {
-            let mut row = logits.to_vec_f32()?;
+        (None, row) => {
+            let mut row = row.to_vec_f32()?;
             match external.sample(position, Frame::Logits(&mut row))? {
                 Pick::Token(t) => t,
                 Pick::Defer => native(&row)? as u32,
@@ -787,7 +812,7 @@ fn pick_external(
     if id as usize >= vocab {
         bail!("the external sampler picked token {id}, outside the vocabulary of {vocab}");
     }
-    Ok(Array::from_i32(&[id as i32], &[1])?)
+    Ok(id)
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! The engine thread: loads the model on its own thread (MLX arrays never leave it) and
 //! serves generation jobs from a bounded queue, up to `max_batch` at once, streaming events
-//! back. Requests the native sampler serves decode together as rows of one batch
-//! (`engine/batch.rs`), their prompts prefilled in chunks between the batch's steps; those
-//! with speculation or a sampler plugin decode alone, a token per turn beside the batch.
+//! back. Requests decode together as rows of one batch (`engine/batch.rs`), their prompts
+//! prefilled in chunks between the batch's steps; those with speculation (and every request
+//! of a model that does not batch) decode alone, a token per turn beside the batch.
 //! The async server never blocks on MLX: it submits a job and reads a channel.
 //!
 //! A job ends early when its event receiver is dropped (the client went away): the loop
@@ -482,15 +482,15 @@ struct Tools {
 
 /// Where a running request's tokens come from.
 enum Source<'m> {
-    /// Decoded alone: speculation, a sampler plugin, or a model that does not batch.
+    /// Decoded alone: speculation, or a model that does not batch (tensor parallelism).
     Solo(Box<Generation<'m>>),
     /// Its prompt being prefilled into `cache` in chunks (`todo` is what is left of it, but
     /// the last token); then `row` joins the batch.
-    Prefill { cache: Vec<KvCache>, todo: Vec<u32>, row: Box<Row> },
+    Prefill { cache: Vec<KvCache>, todo: Vec<u32>, row: Box<Row<'m>> },
     /// A row of the batch, keyed by the job's `seq`.
     Batched,
     /// Paused out of the batch; it rejoins with its row and cache.
-    Parked(Box<Left>),
+    Parked(Box<Left<'m>>),
 }
 
 /// A request being served: its generation and its text pipeline.
@@ -624,7 +624,7 @@ impl Worker {
                     Ok(tokens) => {
                         for (key, token) in tokens {
                             let Some(i) = running.iter().position(|a| a.job.seq == key) else { continue };
-                            match self.deliver(m, &mut running[i], token) {
+                            match token.and_then(|token| self.deliver(m, &mut running[i], token)) {
                                 Ok(false) => {}
                                 Ok(true) => ended.push((i, None)),
                                 Err(e) => ended.push((i, Some(e))),
@@ -901,12 +901,12 @@ impl Worker {
                 SpecMethod::Off => None,
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
-            let source = if external.is_none() && speculation.is_none() && m.model.batches() {
+            let source = if speculation.is_none() && m.model.batches() {
                 let vocab = self.info.vocab_size;
                 if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
                     bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
                 }
-                let row = Row::new(job.seq, prompt, sampler, options)?;
+                let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Source::Prefill { cache, todo: prompt[reused..prompt.len() - 1].to_vec(), row: Box::new(row) }
             } else {
                 let hooks = Hooks { external, speculation };

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""`host serve` against `mlx_lm.server` under N concurrent streaming clients, in one run.
+
+    bench/serve_load.py --model DIR [--host target/release/host] [--oracle-python PY]
+        [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--join 31]
+
+Starts each server on a free loopback port (mlx-lm with Debian's OpenBLAS preloaded when
+the host binary links it, so both run the same BLAS), warms it up, then for each client
+count sends that many streaming chat completions at once (different prompts, greedy,
+`max_tokens` each) and prints a markdown table: aggregate generation tok/s (tokens streamed
+by all clients over the wall time from the first request to the last token), mean
+per-stream tok/s (after each stream's first token), TTFT p50/p95, and host/mlx-lm ratios.
+`--join N`: N streams decode, then one more request arrives; its TTFT against the same
+request alone (the issue's "joining a running batch" figure).
+
+Tokens are counted from each server's `usage` (stream_options.include_usage), else from
+the content chunks. Run it with the e2e virtualenv's Python (it needs httpx).
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+TOPICS = ["the sea", "a city at night", "an old library", "a mountain road", "a winter market", "a small robot",
+          "the first snow", "a lighthouse", "a desert well", "a train journey", "a garden in spring", "a lost key"]
+
+
+def prompt(i):
+    return f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}, number {i}."
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name, cmd, port, env=None):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"{name} exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        sys.exit(f"{name} did not come up")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def stream(server, text, max_tokens):
+    """One streamed request: (start, first token time, end, tokens)."""
+    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    start, first, chunks, usage = time.time(), None, 0, None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"].get("completion_tokens")
+            for c in event.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    chunks += 1
+                    first = first or time.time()
+    return start, first or time.time(), time.time(), usage or chunks
+
+
+def load(server, clients, max_tokens, offset):
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        runs = list(pool.map(lambda i: stream(server, prompt(offset + i), max_tokens), range(clients)))
+    t0, t1 = min(r[0] for r in runs), max(r[2] for r in runs)
+    tokens = sum(r[3] for r in runs)
+    ttft = sorted(r[1] - r[0] for r in runs)
+    per_stream = [(r[3] - 1) / (r[2] - r[1]) for r in runs if r[2] > r[1] and r[3] > 1]
+    return {"aggregate": tokens / (t1 - t0), "per_stream": statistics.mean(per_stream) if per_stream else 0.0,
+            "ttft_p50": ttft[len(ttft) // 2], "ttft_p95": ttft[min(len(ttft) - 1, int(len(ttft) * 0.95))],
+            "tokens": tokens}
+
+
+def join(server, running, max_tokens):
+    """TTFT of one request alone, then of the same request arriving while `running` stream."""
+    alone = stream(server, prompt(999), 4)
+    go = threading.Event()
+    firsts = []
+
+    def background(i):
+        body = {"model": "default", "messages": [{"role": "user", "content": prompt(i)}], "temperature": 0,
+                "max_tokens": max_tokens, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    firsts.append(i)
+                    go.wait()
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(running)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 1800
+    while len(set(firsts)) < running and time.time() < deadline:
+        time.sleep(0.05)
+    joined = stream(server, prompt(999), 4)
+    go.set()
+    for t in threads:
+        t.join()
+    return alone[1] - alone[0], joined[1] - joined[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="target/release/host")
+    ap.add_argument("--oracle-python", default=os.path.expanduser("~/.cache/host/oracle/bin/python"))
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--join", type=int, default=0)
+    ap.add_argument("--only", choices=["host", "mlx-lm"], help="run one server only")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    blas = OPENBLAS if os.path.exists(OPENBLAS) else None
+    servers = {
+        "host": lambda p: Server("host", [args.host, "serve", "--model", args.model, "--port", str(p), "--device",
+                                          args.device, "--max-batch", str(max(counts + [args.join + 1]))], p),
+        "mlx-lm": lambda p: Server("mlx-lm", [args.oracle_python, "-m", "mlx_lm", "server", "--model", args.model,
+                                              "--port", str(p)], p,
+                                   {"LD_PRELOAD": blas} if blas else {}),
+    }
+    results = {}
+    for name, make in servers.items():
+        if args.only and name != args.only:
+            continue
+        server = make(free_port())
+        try:
+            stream(server, prompt(0), 8)  # warm-up
+            for n in counts:
+                rounds = [load(server, n, args.max_tokens, r * n) for r in range(args.rounds)]
+                results[(name, n)] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+                print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
+            if args.join:
+                results[(name, "join")] = join(server, args.join, args.max_tokens)
+        finally:
+            server.stop()
+    print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
+          f"median of {args.rounds} rounds, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}\n")
+    print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | host/mlx-lm aggregate |")
+    print("|---|---|---|---|---|---|---|")
+    for n in counts:
+        for name in servers:
+            r = results.get((name, n))
+            if not r:
+                continue
+            other = results.get(("mlx-lm", n))
+            ratio = f"{r['aggregate'] / other['aggregate']:.2f}x" if name == "host" and other else ""
+            print(f"| {n} | {name} | {r['aggregate']:.1f} | {r['per_stream']:.1f} | {r['ttft_p50']:.2f} | "
+                  f"{r['ttft_p95']:.2f} | {ratio} |")
+    single = results.get(("host", 1))
+    for n in counts:
+        if single and n > 1 and ("host", n) in results:
+            print(f"\nhost, {n} clients: aggregate {results[('host', n)]['aggregate'] / single['aggregate']:.2f}x "
+                  "its single stream")
+    for name in servers:
+        if (name, "join") in results:
+            alone, joined = results[(name, "join")]
+            print(f"\n{name}: TTFT alone {alone:.2f} s, joining {args.join} running streams {joined:.2f} s "
+                  f"({joined / alone:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
