@@ -64,7 +64,7 @@ pub struct ServeConfig {
     /// parsing off. Default: chosen from the model's chat template.
     pub tool_adapter: Option<String>,
     /// The scheduling-policy plugin ordering the queue: fcfs, priority,
-    /// shortest-prompt-first, latest-wins or a user plugin. Default: fcfs.
+    /// shortest-prompt-first, latest-wins, fair or a user plugin. Default: fcfs.
     pub scheduler: String,
     /// Config for the scheduling policy's `host_init`. Default: none (`{}`).
     pub scheduler_config: Option<serde_json::Value>,
@@ -201,7 +201,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub plugins: Option<PathBuf>,
     /// The scheduling-policy plugin (default fcfs; also priority, shortest-prompt-first,
-    /// latest-wins).
+    /// latest-wins, fair).
     #[arg(long)]
     pub scheduler: Option<String>,
     /// The tool-call adapter for requests with tools (default: chosen from the chat

@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
 use mlx::{Array, Device, Dtype};
 use models::cache::CacheOp;
-use models::{CausalLm, KvCache, Loaded};
+use models::{BatchKvCache, CausalLm, KvCache, Loaded};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -41,8 +41,13 @@ static CLOSING: AtomicBool = AtomicBool::new(false);
 /// One forward step, as rank 0 sends it to the workers.
 #[derive(Debug, Serialize, Deserialize)]
 struct Step {
-    /// Cache copies and frees since the last step: `[0, from, to]` or `[1, id]`.
-    ops: Vec<(u8, u64, u64)>,
+    /// Cache operations since the last step (`CacheOp`): `[0, from, to, 0]` a copy, `[1, id,
+    /// 0, 0]` a free, `[2, batch, cache, offset]` a batch row joining, `[3, batch, row, 0]` one
+    /// leaving, `[4, batch, row, to]` a row copied out of a batch.
+    ops: Vec<(u8, u64, u64, u64)>,
+    /// A batch forward (one token per row): each layer's batch cache id; `caches` is empty.
+    #[serde(default)]
+    batch: Vec<u64>,
     /// Per layer: the cache id and the positions it holds before this step (a smaller offset
     /// than the worker's means rank 0 trimmed it).
     caches: Vec<(u64, usize)>,
@@ -286,6 +291,29 @@ impl Drop for TpModel {
     }
 }
 
+impl TpModel {
+    /// Sends the workers the next forward: the cache operations logged since the last one,
+    /// and the caches (or batch caches) it runs over.
+    fn send_step(&self, tokens: &Array, caches: Vec<(u64, usize)>, batch: Vec<u64>) -> models::Result<()> {
+        let ops = models::cache::take_ops()
+            .into_iter()
+            .map(|op| match op {
+                CacheOp::Clone { from, to } => (0, from, to, 0),
+                CacheOp::Drop(id) => (1, id, 0, 0),
+                CacheOp::BatchPush { batch, cache, offset } => (2, batch, cache, offset as u64),
+                CacheOp::BatchRemove { batch, row } => (3, batch, row as u64, 0),
+                CacheOp::BatchExtract { batch, row, to } => (4, batch, row as u64, to),
+            })
+            .collect();
+        let step = Step { ops, batch, caches, shape: tokens.shape().iter().map(|&d| d as i32).collect() };
+        for (i, worker) in self.workers.borrow_mut().iter_mut().enumerate() {
+            send(worker, &step)
+                .map_err(|e| models::Error::Invalid(format!("tensor-parallel rank {} is unreachable: {e}", i + 1)))?;
+        }
+        Ok(())
+    }
+}
+
 impl CausalLm for TpModel {
     fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
         let h = self.forward_hidden(tokens, cache)?;
@@ -293,25 +321,21 @@ impl CausalLm for TpModel {
     }
 
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
-        let ops = models::cache::take_ops()
-            .into_iter()
-            .map(|op| match op {
-                CacheOp::Clone { from, to } => (0, from, to),
-                CacheOp::Drop(id) => (1, id, 0),
-            })
-            .collect();
-        let step = Step {
-            ops,
-            caches: cache.iter().map(|c| (c.id(), c.offset())).collect(),
-            shape: tokens.shape().iter().map(|&d| d as i32).collect(),
-        };
-        for (i, worker) in self.workers.borrow_mut().iter_mut().enumerate() {
-            send(worker, &step)
-                .map_err(|e| models::Error::Invalid(format!("tensor-parallel rank {} is unreachable: {e}", i + 1)))?;
-        }
+        self.send_step(tokens, cache.iter().map(|c| (c.id(), c.offset())).collect(), Vec::new())?;
         let h = self.inner.forward_hidden(&share_tokens(tokens)?, cache)?;
         mlx::async_eval(&[&h])?;
         Ok(h)
+    }
+
+    fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> models::Result<Array> {
+        self.send_step(tokens, Vec::new(), cache.iter().map(BatchKvCache::id).collect())?;
+        let h = self.inner.forward_hidden_batch(&share_tokens(tokens)?, cache)?;
+        mlx::async_eval(&[&h])?;
+        Ok(h)
+    }
+
+    fn batches(&self) -> bool {
+        self.inner.batches()
     }
 
     fn head(&self, hidden: &Array) -> models::Result<Array> {
@@ -371,15 +395,43 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     joined.store(true, Ordering::SeqCst);
     let mut reader = BufReader::new(control);
     let mut caches: HashMap<u64, KvCache> = HashMap::new();
+    let mut batches: HashMap<u64, BatchKvCache> = HashMap::new();
+    let missing = |what: &str, id: u64| anyhow::anyhow!("rank {}: {what} {id} is unknown here", args.rank);
     while let Some(step) = receive(&mut reader)? {
-        for (kind, a, b) in step.ops {
-            if kind == 0 {
-                if let Some(copy) = caches.get(&a).cloned() {
-                    caches.insert(b, copy);
+        for (kind, a, b, c) in step.ops {
+            match kind {
+                0 => {
+                    if let Some(copy) = caches.get(&a).cloned() {
+                        caches.insert(b, copy);
+                    }
                 }
-            } else {
-                caches.remove(&a);
+                1 => {
+                    caches.remove(&a);
+                    batches.remove(&a);
+                }
+                2 => {
+                    let cache = caches.get_mut(&b).ok_or_else(|| missing("cache", b))?;
+                    cache.trim(cache.offset().saturating_sub(c as usize));
+                    batches.entry(a).or_default().push(cache)?;
+                }
+                3 => batches.get_mut(&a).ok_or_else(|| missing("batch cache", a))?.remove(b as usize)?,
+                _ => {
+                    let row = batches.get(&a).ok_or_else(|| missing("batch cache", a))?.extract(b as usize)?;
+                    caches.insert(c, row);
+                }
             }
+        }
+        let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
+        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?;
+        if !step.batch.is_empty() {
+            let mut layers: Vec<BatchKvCache> =
+                step.batch.iter().map(|id| batches.remove(id).unwrap_or_default()).collect();
+            let h = model.forward_hidden_batch(&tokens, &mut layers)?;
+            mlx::async_eval(&[&h])?;
+            for (&id, b) in step.batch.iter().zip(layers) {
+                batches.insert(id, b);
+            }
+            continue;
         }
         let mut layers = Vec::with_capacity(step.caches.len());
         for &(id, offset) in &step.caches {
@@ -390,8 +442,6 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             c.trim(c.offset() - offset);
             layers.push(c);
         }
-        let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
-        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?;
         let h = model.forward_hidden(&tokens, &mut layers)?;
         mlx::async_eval(&[&h])?;
         for (&(id, _), c) in step.caches.iter().zip(layers) {

@@ -11,22 +11,40 @@
 //! paid once per join or leave, not per step. Leaving also drops the left padding no
 //! remaining row needs.
 
-use crate::cache::{KvCache, LayerCache};
+use crate::cache::{next_id, record, CacheOp, KvCache, LayerCache};
 use crate::{Error, Result};
 use mlx::{Array, Dtype};
 
 const STEP: usize = 256;
 
-#[derive(Default)]
 pub struct BatchKvCache {
     keys: Option<Array>,
     values: Option<Array>,
     /// Positions written, the same for every row; row r's first `left_padding[r]` are padding.
     idx: usize,
     left_padding: Vec<usize>,
+    /// Process-unique (from the same counter as `KvCache`'s), so a tensor-parallel peer can
+    /// mirror the batch: joins, leaves and extractions are recorded as `CacheOp`s.
+    id: u64,
+}
+
+impl Default for BatchKvCache {
+    fn default() -> Self {
+        BatchKvCache { keys: None, values: None, idx: 0, left_padding: Vec::new(), id: next_id() }
+    }
+}
+
+impl Drop for BatchKvCache {
+    fn drop(&mut self) {
+        record(CacheOp::Drop(self.id));
+    }
 }
 
 impl BatchKvCache {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Rows in the batch.
     pub fn rows(&self) -> usize {
         self.left_padding.len()
@@ -83,6 +101,7 @@ impl BatchKvCache {
     /// last row. The shorter of the batch and the row is padded on the left.
     pub fn push(&mut self, cache: &KvCache) -> Result<()> {
         let n = cache.offset();
+        record(CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
         let row = cache.held()?;
         let batch = self.held()?;
         let target = self.idx.max(n);
@@ -124,18 +143,26 @@ impl BatchKvCache {
     /// Row `row`'s positions as a single sequence's cache (a copy).
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         self.check_row(row)?;
-        let Some((k, v)) = self.held()? else { return Ok(KvCache::default()) };
-        let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.idx as i32);
-        let take = |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.copy()?) };
-        Ok(KvCache::from_held(take(&k)?, take(&v)?))
+        let cache = match self.held()? {
+            None => KvCache::default(),
+            Some((k, v)) => {
+                let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.idx as i32);
+                let take =
+                    |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.contiguous()?) };
+                KvCache::from_held(take(&k)?, take(&v)?)
+            }
+        };
+        record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+        Ok(cache)
     }
 
     /// Drops row `row`; the rows after it move up by one.
     pub fn remove(&mut self, row: usize) -> Result<()> {
         self.check_row(row)?;
+        record(CacheOp::BatchRemove { batch: self.id, row });
         self.left_padding.remove(row);
         if self.left_padding.is_empty() {
-            *self = BatchKvCache::default();
+            (self.keys, self.values, self.idx) = (None, None, 0);
             return Ok(());
         }
         let keep: Vec<i32> = (0..=self.rows() as i32).filter(|&r| r != row as i32).collect();

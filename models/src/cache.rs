@@ -33,7 +33,26 @@ pub enum CacheOp {
         from: u64,
         to: u64,
     },
+    /// A cache or batch cache with this id is gone.
     Drop(u64),
+    /// Batch cache `batch` (one layer's) gains a row: the first `offset` positions of cache
+    /// `cache`.
+    BatchPush {
+        batch: u64,
+        cache: u64,
+        offset: usize,
+    },
+    /// Batch cache `batch` drops row `row`.
+    BatchRemove {
+        batch: u64,
+        row: usize,
+    },
+    /// Cache `to` starts as a copy of row `row` of batch cache `batch`.
+    BatchExtract {
+        batch: u64,
+        row: usize,
+        to: u64,
+    },
 }
 
 /// Starts recording [`CacheOp`]s (rank 0 of a tensor-parallel group does).
@@ -46,7 +65,12 @@ pub fn take_ops() -> Vec<CacheOp> {
     std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-fn record(op: CacheOp) {
+/// A process-unique cache id (batch caches take theirs from the same counter).
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+pub(crate) fn record(op: CacheOp) {
     if MIRRORING.load(Ordering::Relaxed) {
         LOG.lock().unwrap_or_else(|e| e.into_inner()).push(op);
     }

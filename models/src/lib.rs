@@ -44,6 +44,11 @@ pub trait CausalLm {
     /// logits `[B, 1, vocab]`. Each row's logits are those `forward` gives its sequence alone,
     /// up to float rounding.
     fn forward_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        let h = self.forward_hidden_batch(tokens, cache)?;
+        self.head(&h)
+    }
+    /// The final hidden states of [`forward_batch`](Self::forward_batch) (before the head).
+    fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
         let _ = (tokens, cache);
         Err(Error::Invalid("this model does not decode in batches".into()))
     }

@@ -493,9 +493,8 @@ impl CausalLm for Model {
         Model::head(self, hidden)
     }
 
-    fn forward_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
-        let h = self.forward_hidden_batch(tokens, cache)?;
-        self.head(&h)
+    fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        Model::forward_hidden_batch(self, tokens, cache)
     }
 
     fn batches(&self) -> bool {

@@ -21,7 +21,7 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-p": "sampler", "top-n-sigma": "sampler",
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
-            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler"}
+            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]
@@ -445,6 +445,28 @@ def test_latest_wins_cancels_a_clients_older_queued_requests():
             status, body = results[k][1], results[k][2]
             assert status == 409 and body["error"]["code"] == "cancelled_by_scheduler", body
             assert "latest-wins" in body["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_fair_gives_a_second_client_a_slot_by_pausing_the_busiest_client():
+    """Issue 19: two slots, both taken by client "a"; client "b" arrives and gets one of them
+    (a's request with the most tokens is paused and resumes with its solo output)."""
+    s = Server("--scheduler", "fair", "--prompt-cache-bytes", "0", "--max-batch", "2")
+    try:
+        alone = chat(s, messages=LONG, max_tokens=60)["choices"][0]["message"]["content"]
+        results = {}
+        a1 = start_long(s, results, 60, user="a")
+        a2 = timed(s, results, "a2", max_tokens=60, messages=LONG, user="a")
+        time.sleep(1.0)
+        b = timed(s, results, "b", max_tokens=5, user="b")
+        for t in (a1, a2, b):
+            t.join(300)
+        assert results["b"][1] == 200 and results["a2"][1] == 200
+        assert results["b"][0] < results["long"][0] and results["b"][0] < results["a2"][0]
+        assert any("paused for a waiting request" in line and "fair" in line for line in s.log)
+        assert results["long"][2] == alone
+        assert results["a2"][2]["choices"][0]["message"]["content"] == alone
     finally:
         s.stop()
 

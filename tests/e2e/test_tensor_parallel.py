@@ -1,8 +1,10 @@
 """Tensor-parallel serving on the CPU: `host serve --tensor-parallel 3` (SmolLM2's 3 KV heads,
 one process per rank, MLX's ring backend over loopback) answers like one rank — through the
 prompt cache (a follow-up turn reuses the cached prefix on every rank) and speculative
-decoding (rollbacks trim every rank's cache) — and a rank that dies stops the server with a
-message naming it instead of hanging."""
+decoding (rollbacks trim every rank's cache) and with concurrent requests decoded as one batch
+(the batch's joins and leaves mirrored on every rank) — and a rank that dies stops the server
+with a message naming it instead of hanging."""
+import concurrent.futures
 import os
 import signal
 import time
@@ -29,6 +31,15 @@ def conversation(server):
         "messages": [{"role": "user", "content": "Repeat: red, green, blue, red, green, blue, red, green"}],
         "max_tokens": 10, "temperature": 0, "speculative": "prompt-lookup"}).json()
     out.append(r["choices"][0]["message"]["content"])
+    # Four at once, of different lengths: rows of one batch, joining and leaving.
+    prompts = ["Name a color.", "Count to five.", "Say hi.", "What is two plus two? Answer briefly."]
+
+    def one(i):
+        return httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 6 + 3 * i,
+            "temperature": 0}).json()["choices"][0]["message"]["content"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out.extend(pool.map(one, range(4)))
     return out
 
 

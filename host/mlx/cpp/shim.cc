@@ -4,6 +4,9 @@
 #include "mlx/cpp/shim.h"
 
 #include <cstdlib>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -626,7 +629,14 @@ size_t get_cache_memory() { return mx::get_cache_memory(); }
 void reset_peak_memory() { mx::reset_peak_memory(); }
 size_t set_memory_limit(size_t limit) { return mx::set_memory_limit(limit); }
 size_t set_cache_limit(size_t limit) { return mx::set_cache_limit(limit); }
-void clear_cache() { mx::clear_cache(); }
+void clear_cache() {
+  mx::clear_cache();
+#if defined(__GLIBC__)
+  // The CPU allocator's buffers come from malloc: hand the freed ones back to the system too,
+  // or a server's resident memory keeps the high-water mark of every batch shape it ran.
+  malloc_trim(0);
+#endif
+}
 rust::String version() { return rust::String(mx::version()); }
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {

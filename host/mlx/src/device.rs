@@ -117,7 +117,8 @@ pub mod memory {
     pub fn set_cache_limit(bytes: usize) -> usize {
         ffi::set_cache_limit(bytes)
     }
-    /// Returns the allocator's cached buffers to the system.
+    /// Returns the allocator's cached buffers to the system (and, with glibc, the heap's free
+    /// pages: `malloc_trim`).
     pub fn clear_cache() {
         ffi::clear_cache()
     }

@@ -142,6 +142,9 @@ impl<'m> Batch<'m> {
             b.push(c)?;
         }
         self.rows.push(row);
+        // MLX keeps freed buffers for reuse; a prefill's and a changing batch's shapes leave
+        // many it will not reuse (a single generation clears them at its first token too).
+        memory::clear_cache();
         Ok(())
     }
 
@@ -153,6 +156,9 @@ impl<'m> Batch<'m> {
             b.remove(index)?;
         }
         let mut row = self.rows.remove(index);
+        if self.rows.is_empty() {
+            memory::clear_cache();
+        }
         // A step in flight has fed the row's last token and sampled past it: its position and
         // that token's KV are given back, so the row's next step feeds `last` again.
         if self.pending.as_ref().is_some_and(|p| p.keys.contains(&key)) {

@@ -14,6 +14,25 @@ pub struct Entry {
     pub generated_tokens: usize,
     pub client: Option<String>,
     pub hints: serde_json::Value,
+    /// Positions of KV the request holds now (running or paused; 0 for one not started).
+    pub kv_tokens: usize,
+    /// Bytes of that KV.
+    pub kv_bytes: usize,
+}
+
+/// The engine's slots: how many requests may run at once, and how many are free.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Slots {
+    pub max: usize,
+    pub free: usize,
+}
+
+/// The memory budget, in KV positions (0: no budget set): the whole, and what the running
+/// requests' reservations (prompt + max_tokens each) leave of it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Memory {
+    pub kv_budget_tokens: usize,
+    pub kv_free_tokens: usize,
 }
 
 /// What a policy is shown.
@@ -22,6 +41,8 @@ pub struct QueueView {
     pub now_ms: u64,
     pub running: Vec<Entry>,
     pub waiting: Vec<Entry>,
+    pub slots: Slots,
+    pub memory: Memory,
 }
 
 /// What a policy decides. Unknown ids are ignored; waiting ids missing from `order` keep

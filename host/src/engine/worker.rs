@@ -10,7 +10,7 @@
 
 use super::batch::{Batch, Left, Row};
 use super::prompt_cache::PromptCache;
-use super::queue::{reorder, Entry, Policy, QueueView};
+use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
 use super::stop::StopMatcher;
 use super::{
     DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation,
@@ -300,6 +300,7 @@ impl Engine {
                             draft.as_ref().map(|d| d.model.as_ref()),
                             loaded.info.vocab_size,
                             config.prefill_step_size,
+                            config.max_batch,
                         )?;
                         tracing::info!(ms = took.as_millis() as u64, "warm-up done (kernels compiled)");
                         warmed = Some(took);
@@ -441,6 +442,17 @@ struct Worker {
     abort: Arc<AtomicBool>,
 }
 
+impl Active<'_> {
+    /// Positions of KV the request holds now (about: prompt prefilled plus tokens generated).
+    fn kv_tokens(&self) -> usize {
+        let prompt = self.job.request.prompt.len();
+        match &self.source {
+            Source::Prefill { todo, .. } => prompt - todo.len() - 1,
+            _ => prompt + self.generated.len(),
+        }
+    }
+}
+
 /// The KV a request may come to hold: its whole prompt plus every token it may generate.
 fn kv_reserved(job: &Job) -> usize {
     job.request.prompt.len() + job.request.max_tokens
@@ -518,14 +530,16 @@ const WARM_UP_DRAFTS: usize = 8;
 
 /// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps), the
 /// forwards a speculative verification of 1..=WARM_UP_DRAFTS drafts runs (with its greedy
-/// pick over all rows), and a short generation of the draft model, so the device compiles
-/// its kernels at start rather than in the first requests. Leaves no state behind: the
-/// caches are dropped and nothing reaches the prompt cache or the stats.
+/// pick over all rows), a short generation of the draft model, and a few batch steps at each
+/// power-of-two batch size up to `max_batch`, so the device compiles its kernels at start
+/// rather than in the first requests. Leaves no state behind: the caches are dropped and
+/// nothing reaches the prompt cache or the stats.
 fn warm_up(
     model: &dyn CausalLm,
     draft: Option<&dyn CausalLm>,
     vocab: usize,
     prefill_step_size: usize,
+    max_batch: usize,
 ) -> Result<Duration> {
     let started = Instant::now();
     let prompt = warm_up_prompt(vocab);
@@ -544,6 +558,28 @@ fn warm_up(
         mlx::eval(&[&super::sampling::log_softmax(&logits)?.argmax(-1, false)?])?;
         for c in &mut cache {
             c.trim(width);
+        }
+    }
+    if model.batches() {
+        let mut rows = 2;
+        while rows <= max_batch {
+            let mut batch = Batch::new(model);
+            for key in 0..rows {
+                let prompt = &prompt[..8 + key % 8];
+                let mut cache = model.make_cache();
+                super::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], prefill_step_size)?;
+                let params = SamplingParams { temperature: (key % 2) as f32, seed: Some(0), ..Default::default() };
+                let options = DecodeOptions { max_tokens: 3, eos_token_ids: vec![], prefill_step_size };
+                batch.join(Row::new(key as u64, prompt, Sampler::new(params, vocab)?, options)?, &cache)?;
+            }
+            while !batch.is_empty() {
+                for (key, token) in batch.step()? {
+                    if token?.finish.is_some() {
+                        batch.leave(key)?;
+                    }
+                }
+            }
+            rows *= 2;
         }
     }
     Ok(started.elapsed())
@@ -772,7 +808,8 @@ impl Worker {
     /// first waiting one (a batch row leaves the batch with its KV).
     fn schedule<'m>(&mut self, waiting: &mut Vec<Waiting<'m>>, running: &mut Vec<Active<'m>>, batch: &mut Batch<'m>) {
         let Some(policy) = self.policy.as_mut() else { return };
-        let entry = |job: &Job, generated: usize| Entry {
+        let per_token = self.info.kv_bytes_per_token;
+        let entry = |job: &Job, generated: usize, kv_tokens: usize| Entry {
             id: job.key(),
             priority: job.request.priority,
             prompt_tokens: job.request.prompt.len(),
@@ -780,19 +817,25 @@ impl Worker {
             generated_tokens: generated,
             client: job.request.client.clone(),
             hints: serde_json::Value::Object(Default::default()),
+            kv_tokens,
+            kv_bytes: kv_tokens * per_token,
         };
+        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
+        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
         let view = QueueView {
             now_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
-            running: running.iter().map(|a| entry(&a.job, a.generated.len())).collect(),
+            running: running.iter().map(|a| entry(&a.job, a.generated.len(), a.kv_tokens())).collect(),
             waiting: waiting
                 .iter()
                 .map(|w| match w {
-                    Waiting::New(job) => entry(job, 0),
-                    Waiting::Paused(a) => entry(&a.job, a.generated.len()),
+                    Waiting::New(job) => entry(job, 0, 0),
+                    Waiting::Paused(a) => entry(&a.job, a.generated.len(), a.kv_tokens()),
                 })
                 .collect(),
+            slots: Slots { max: self.max_batch, free: self.max_batch.saturating_sub(running.len()) },
+            memory: Memory { kv_budget_tokens: budget, kv_free_tokens: budget.saturating_sub(reserved) },
         };
         let decision = match policy.decide(&view) {
             Ok(d) => d,
@@ -828,8 +871,6 @@ impl Worker {
         let preempted = running.iter().position(|a| decision.preempt.contains(&a.job.key()));
         // Only when the first waiting request has no room: every slot taken, or no memory
         // for it beside the running ones.
-        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
-        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
         let no_room = running.len() >= self.max_batch
             || waiting.first().is_some_and(|w| budget > 0 && reserved + kv_reserved(w.job()) > budget);
         let preempt = preempted.is_some() && no_room;
@@ -1262,6 +1303,79 @@ mod tests {
             }
         }
         assert!(matches!(engine.submit(job(4)), Err(SubmitError::Stopped)));
+        drop(engine);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Collects a job's text, usage and finish (`None` when it ended otherwise).
+    fn collect(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(Finish, Usage)>) {
+        let mut text = String::new();
+        while let Some(event) = rx.blocking_recv() {
+            match event {
+                Event::Delta { text: t, .. } => text.push_str(&t),
+                Event::Done { finish, usage } => return (text, Some((finish, usage))),
+                Event::Started { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        (text, None)
+    }
+
+    /// Issue 19, in the engine: requests running together as rows of one batch, each with its
+    /// own sampling settings and stop strings, get what they get alone, while one row is
+    /// cancelled mid-stream and a prompt-cache hit joins the running batch.
+    #[test]
+    fn concurrent_requests_get_their_solo_outputs_while_one_is_cancelled_and_a_cache_hit_joins() {
+        let dir = std::env::temp_dir().join(format!("host-batch-worker-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 7).unwrap();
+        let engine = Engine::start(EngineConfig { max_batch: 8, queue_limit: 16, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+        let no_eos = |mut p: SamplingParams| {
+            p.logit_bias.insert(1, -1e9);
+            p
+        };
+        let seeded = SamplingParams { temperature: 0.9, top_k: 40, seed: Some(42), ..Default::default() };
+        let penalized = SamplingParams { presence_penalty: Some(0.7), ..Default::default() };
+        let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(5 + 9 * i)).map(|t| 40 + (t * 7 + i) % 80).collect()).collect();
+        let jobs = |stop: Vec<String>| {
+            vec![
+                request(prompts[0].clone(), no_eos(SamplingParams::default()), 24),
+                request(prompts[1].clone(), no_eos(seeded.clone()), 24),
+                JobRequest { stop, ..request(prompts[2].clone(), no_eos(penalized.clone()), 24) },
+                request(prompts[3].clone(), no_eos(SamplingParams::default()), 24),
+            ]
+        };
+        let alone: Vec<(String, Option<(Finish, Usage)>)> =
+            jobs(vec![]).into_iter().map(|j| collect(&mut engine.submit(j).unwrap())).collect();
+        // A stop string from the middle of job 2's text.
+        let text2 = &alone[2].0;
+        let cut = text2.char_indices().nth(text2.chars().count() / 2).unwrap().0;
+        let stop: String = text2[cut..].chars().take(2).collect();
+        let want2 = &text2[..text2.find(&stop).unwrap()];
+        // Together: a long row to cancel, the four jobs, and a cache hit on job 0's sequence.
+        let mut long = engine.submit(request(prompts[3].clone(), no_eos(SamplingParams::default()), 100_000)).unwrap();
+        while !matches!(long.blocking_recv(), Some(Event::Delta { .. })) {}
+        let mut rxs: Vec<_> = jobs(vec![stop.clone()]).into_iter().map(|j| engine.submit(j).unwrap()).collect();
+        let mut extended = prompts[0].clone();
+        extended.extend([50, 51, 52]);
+        let cached_alone = {
+            // What the extended prompt gives on a fresh engine (no cache).
+            let fresh = Engine::start(EngineConfig { prompt_cache_bytes: 0, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+            collect(&mut fresh.submit(request(extended.clone(), no_eos(SamplingParams::default()), 12)).unwrap())
+        };
+        rxs.push(engine.submit(request(extended, no_eos(SamplingParams::default()), 12)).unwrap());
+        for _ in 0..3 {
+            long.blocking_recv();
+        }
+        drop(long);
+        let got: Vec<_> = rxs.iter_mut().map(collect).collect();
+        assert_eq!(got[0].0, alone[0].0);
+        assert_eq!(got[1].0, alone[1].0, "seeded sampling in a batch");
+        assert_eq!(got[2].0, want2, "the stop string {stop:?} ends job 2 where it first occurs");
+        assert_eq!(got[2].1.as_ref().unwrap().0, Finish::StopString(stop));
+        assert_eq!(got[3].0, alone[3].0);
+        assert_eq!(got[4].0, cached_alone.0);
+        let usage = got[4].1.as_ref().unwrap().1;
+        assert!(usage.cached_tokens >= prompts[0].len() - 1, "the cache hit reused {} tokens", usage.cached_tokens);
         drop(engine);
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -15,6 +15,25 @@ pub struct Request {
     pub generated_tokens: u64,
     pub client: Option<String>,
     pub hints: Value,
+    /// KV positions and bytes the request holds (running or paused).
+    pub kv_tokens: u64,
+    pub kv_bytes: u64,
+}
+
+/// The host's slots: requests that may run at once, and those free now.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Slots {
+    pub max: u64,
+    pub free: u64,
+}
+
+/// The memory budget in KV positions (0: none set) and what running requests leave of it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Memory {
+    pub kv_budget_tokens: u64,
+    pub kv_free_tokens: u64,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -23,6 +42,8 @@ pub struct Queue {
     pub now_ms: u64,
     pub running: Vec<Request>,
     pub waiting: Vec<Request>,
+    pub slots: Slots,
+    pub memory: Memory,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -93,5 +114,6 @@ pub fn queue(
             })
             .collect()
     };
-    Queue { now_ms: 0, running: rows(running), waiting: rows(waiting) }
+    let max = running.len().max(1) as u64;
+    Queue { now_ms: 0, running: rows(running), waiting: rows(waiting), slots: Slots { max, free: 0 }, ..Default::default() }
 }
