@@ -156,12 +156,10 @@ impl<'m> Batch<'m> {
             b.remove(index)?;
         }
         let mut row = self.rows.remove(index);
-        if self.rows.is_empty() {
-            memory::clear_cache();
-        }
+        let in_flight = self.pending.as_ref().is_some_and(|p| p.keys.contains(&key));
         // A step in flight has fed the row's last token and sampled past it: its position and
         // that token's KV are given back, so the row's next step feeds `last` again.
-        if self.pending.as_ref().is_some_and(|p| p.keys.contains(&key)) {
+        if in_flight {
             for c in &mut cache {
                 c.trim(1);
             }
@@ -170,6 +168,15 @@ impl<'m> Batch<'m> {
                 let n = h.dim(0) as i32;
                 row.history = Some(h.slice_axis(0, 0, n - 1)?);
             }
+        }
+        if self.rows.is_empty() {
+            // The last row: the step in flight feeds no one. It ends here, as a generation's
+            // does (no MLX work outlives the rows it was for; under tensor parallelism a rank
+            // lost during a forgotten step's all-reduce aborted the process).
+            if self.pending.take().is_some() {
+                mlx::synchronize()?;
+            }
+            memory::clear_cache();
         }
         Ok(Some(Left { row, cache }))
     }
