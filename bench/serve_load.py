@@ -45,8 +45,10 @@ def free_port():
 
 
 class Server:
-    def __init__(self, name, cmd, port, env=None):
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
+    def __init__(self, name, cmd, port, env=None, model="default"):
+        # mlx_lm.server loads whatever `model` names (the hub's, unless it is the folder it
+        # serves), so each server is sent the name it serves.
+        self.name, self.url, self.model = name, f"http://127.0.0.1:{port}", model
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})})
         deadline = time.time() + 600
@@ -71,7 +73,7 @@ class Server:
 
 def stream(server, text, max_tokens):
     """One streamed request: (start, first token time, end, tokens)."""
-    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0,
+    body = {"model": server.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     start, first, chunks, usage = time.time(), None, 0, None
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
@@ -102,27 +104,28 @@ def load(server, clients, max_tokens, offset):
 
 
 def join(server, running, max_tokens):
-    """TTFT of one request alone, then of the same request arriving while `running` stream."""
+    """TTFT of one request alone, then of the same request arriving while `running` stream
+    (each of `max_tokens`, read to their end, so they still decode when it arrives)."""
     alone = stream(server, prompt(999), 4)
-    go = threading.Event()
-    firsts = []
+    firsts = set()
 
     def background(i):
-        body = {"model": "default", "messages": [{"role": "user", "content": prompt(i)}], "temperature": 0,
+        body = {"model": server.model, "messages": [{"role": "user", "content": prompt(i)}], "temperature": 0,
                 "max_tokens": max_tokens, "stream": True}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {") and '"content"' in line:
-                    firsts.append(i)
-                    go.wait()
+                if not line.startswith("data: {"):
+                    continue
+                # A token, not the opening chunk (sent before the prompt is prefilled).
+                if any((c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices") or []):
+                    firsts.add(i)
     threads = [threading.Thread(target=background, args=(i,)) for i in range(running)]
     for t in threads:
         t.start()
     deadline = time.time() + 1800
-    while len(set(firsts)) < running and time.time() < deadline:
+    while len(firsts) < running and time.time() < deadline:
         time.sleep(0.05)
     joined = stream(server, prompt(999), 4)
-    go.set()
     for t in threads:
         t.join()
     return alone[1] - alone[0], joined[1] - joined[0]
@@ -147,7 +150,7 @@ def main():
                                           args.device, "--max-batch", str(max(counts + [args.join + 1]))], p),
         "mlx-lm": lambda p: Server("mlx-lm", [args.oracle_python, "-m", "mlx_lm", "server", "--model", args.model,
                                               "--port", str(p)], p,
-                                   {"LD_PRELOAD": blas} if blas else {}),
+                                   {"LD_PRELOAD": blas} if blas else {}, model=args.model),
     }
     results = {}
     for name, make in servers.items():
