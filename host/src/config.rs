@@ -272,7 +272,18 @@ impl ServeConfig {
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { config.$field = v.into(); } )* };
         }
-        set!(host, port, device, queue_limit, max_batch, step_token_budget, prompt_cache_bytes, max_body_bytes, default_max_tokens, tensor_parallel);
+        set!(
+            host,
+            port,
+            device,
+            queue_limit,
+            max_batch,
+            step_token_budget,
+            prompt_cache_bytes,
+            max_body_bytes,
+            default_max_tokens,
+            tensor_parallel
+        );
         if args.model.is_some() {
             config.model = args.model.clone();
         }

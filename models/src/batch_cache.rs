@@ -113,10 +113,9 @@ impl BatchKvCache {
             let zeros = |a: &Array| Array::zeros(&[rows, a.dim(1), pad, a.dim(3)], a.dtype());
             Ok(match kv {
                 Some((k, v)) if pad == 0 => Some((k, v)),
-                Some((k, v)) => Some((
-                    mlx::ops::concatenate(&[&zeros(&k)?, &k], 2)?,
-                    mlx::ops::concatenate(&[&zeros(&v)?, &v], 2)?,
-                )),
+                Some((k, v)) => {
+                    Some((mlx::ops::concatenate(&[&zeros(&k)?, &k], 2)?, mlx::ops::concatenate(&[&zeros(&v)?, &v], 2)?))
+                }
                 None if rows == 0 || pad == 0 => None,
                 None => Some((zeros(k0)?, zeros(v0)?)),
             })
@@ -147,8 +146,9 @@ impl BatchKvCache {
             None => KvCache::default(),
             Some((k, v)) => {
                 let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.idx as i32);
-                let take =
-                    |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.contiguous()?) };
+                let take = |a: &Array| -> Result<Array> {
+                    Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.contiguous()?)
+                };
                 KvCache::from_held(take(&k)?, take(&v)?)
             }
         };
@@ -188,7 +188,10 @@ impl BatchKvCache {
 
     fn check_row(&self, row: usize) -> Result<()> {
         if row >= self.rows() {
-            return Err(Error::Invalid(format!("batch cache row {row} does not exist: the batch has {} rows", self.rows())));
+            return Err(Error::Invalid(format!(
+                "batch cache row {row} does not exist: the batch has {} rows",
+                self.rows()
+            )));
         }
         Ok(())
     }

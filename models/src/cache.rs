@@ -29,30 +29,16 @@ static LOG: Mutex<Vec<CacheOp>> = Mutex::new(Vec::new());
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheOp {
     /// Cache `to` starts as a copy of cache `from`.
-    Clone {
-        from: u64,
-        to: u64,
-    },
+    Clone { from: u64, to: u64 },
     /// A cache or batch cache with this id is gone.
     Drop(u64),
     /// Batch cache `batch` (one layer's) gains a row: the first `offset` positions of cache
     /// `cache`.
-    BatchPush {
-        batch: u64,
-        cache: u64,
-        offset: usize,
-    },
+    BatchPush { batch: u64, cache: u64, offset: usize },
     /// Batch cache `batch` drops row `row`.
-    BatchRemove {
-        batch: u64,
-        row: usize,
-    },
+    BatchRemove { batch: u64, row: usize },
     /// Cache `to` starts as a copy of row `row` of batch cache `batch`.
-    BatchExtract {
-        batch: u64,
-        row: usize,
-        to: u64,
-    },
+    BatchExtract { batch: u64, row: usize, to: u64 },
 }
 
 /// Starts recording [`CacheOp`]s (rank 0 of a tensor-parallel group does).

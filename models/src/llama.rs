@@ -2,9 +2,9 @@
 //! Reference: mlx-lm `models/llama.py`; every op mirrors it so outputs are bit-identical.
 
 use crate::cache::{KvCache, LayerCache};
-use crate::BatchKvCache;
 use crate::layers::{attention, causal_mask, short_query, Embedding, Linear, Positions, RmsNorm, Rope};
 use crate::weights::Weights;
+use crate::BatchKvCache;
 use crate::{CausalLm, LoadOptions, Result};
 use mlx::fast::Mask;
 use mlx::{ops, Array};
@@ -212,7 +212,14 @@ impl Attention {
         })
     }
 
-    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut impl LayerCache, rope: &Rope, at: &Positions) -> Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        mask: &Mask<'_>,
+        cache: &mut impl LayerCache,
+        rope: &Rope,
+        at: &Positions,
+    ) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
         let heads = |a: &Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
             let mut a = a.reshape(&[b, l, n, -1])?;
@@ -293,7 +300,14 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Array, mask: &Mask<'_>, cache: &mut impl LayerCache, rope: &Rope, at: &Positions) -> Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        mask: &Mask<'_>,
+        cache: &mut impl LayerCache,
+        rope: &Rope,
+        at: &Positions,
+    ) -> Result<Array> {
         let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at)?)?;
         Ok(h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
     }

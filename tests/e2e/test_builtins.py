@@ -471,6 +471,45 @@ def test_fair_gives_a_second_client_a_slot_by_pausing_the_busiest_client():
         s.stop()
 
 
+def test_a_policy_replaced_while_eight_streams_run_takes_over_and_loses_no_request(tmp_path):
+    """Issue 19: with two slots and eight streamed requests, the fcfs policy's file version is
+    dropped into the plugins folder mid-run; the next decision uses it, and every request
+    finishes with the output it gets alone."""
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "fcfs"],
+                   cwd=ROOT, check=True)
+    wasm = open(os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "fcfs.wasm"), "rb").read()
+    s = Server("--plugins", str(tmp_path), "--scheduler", "fcfs", "--prompt-cache-bytes", "0", "--max-batch", "2")
+    try:
+        prompts = [f"Name {i + 2} animals." for i in range(8)]
+        alone = [chat(s, messages=[{"role": "user", "content": p}], max_tokens=24)["choices"][0]["message"]["content"]
+                 for p in prompts]
+        results = {}
+
+        def go(i):
+            text = ""
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=300, json={
+                    "messages": [{"role": "user", "content": prompts[i]}], "temperature": 0, "max_tokens": 24,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        delta = json.loads(line[6:])["choices"]
+                        text += delta[0]["delta"].get("content") or "" if delta else ""
+            results[i] = (r.status_code, text)
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        (tmp_path / "fcfs.wasm").write_bytes(wasm)
+        for t in threads:
+            t.join(300)
+        assert [results[i] for i in range(8)] == [(200, a) for a in alone]
+        calls = {p["source"]: p["calls"] for p in httpx.get(s.url + "/v1/plugins").json()["data"] if p["name"] == "fcfs"}
+        assert calls.get(str(tmp_path / "fcfs.wasm"), 0) > 0, calls
+        assert sum("scheduling policy instance started" in line for line in s.log) >= 2
+    finally:
+        s.stop()
+
+
 def test_unknown_scheduler_or_adapter_is_refused_at_start():
     for args, want in [(["--scheduler", "nope"], 'plugin "nope" (from scheduler) is not loaded'),
                        (["--scheduler", "hermes"], 'is not a scheduler plugin'),

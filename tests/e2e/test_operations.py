@@ -132,6 +132,9 @@ def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and
         watcher.join(30)
     assert together == alone
     assert max(rows_seen) >= 4, f"the requests did not decode together: batch rows seen {sorted(set(rows_seen))}"
+    m = dict(l.rsplit(" ", 1) for l in httpx.get(s.url + "/metrics").text.splitlines() if l.startswith("host_batch_size"))
+    assert float(m['host_batch_size_bucket{le="1"}']) < float(m["host_batch_size_count"])
+    assert float(m['host_batch_size_bucket{le="+Inf"}']) == float(m["host_batch_size_count"]) > 0
     grown = s.rss_bytes() - baseline
     assert grown < 150 << 20, f"memory grew by {grown / 1e6:.0f} MB"
 

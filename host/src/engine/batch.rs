@@ -41,7 +41,17 @@ impl<'m> Row<'m> {
     pub fn new(key: u64, prompt: &[u32], sampler: Sampler, options: DecodeOptions) -> Result<Row<'m>> {
         let Some((&last, head)) = prompt.split_last() else { bail!("the prompt is empty; give at least one token") };
         let history = if sampler.params().needs_history() { Some(tokens(head)?) } else { None };
-        Ok(Row { key, sampler, external: None, failed: None, options, history, position: prompt.len(), last, generated: 0 })
+        Ok(Row {
+            key,
+            sampler,
+            external: None,
+            failed: None,
+            options,
+            history,
+            position: prompt.len(),
+            last,
+            generated: 0,
+        })
     }
 
     /// The row's tokens picked by `external` (which has already accepted the prompt).
@@ -113,7 +123,13 @@ impl Drop for Batch<'_> {
 impl<'m> Batch<'m> {
     pub fn new(model: &'m dyn CausalLm) -> Batch<'m> {
         let layers = model.make_cache().len();
-        Batch { model, cache: (0..layers).map(|_| BatchKvCache::default()).collect(), rows: Vec::new(), pending: None, steps: 0 }
+        Batch {
+            model,
+            cache: (0..layers).map(|_| BatchKvCache::default()).collect(),
+            rows: Vec::new(),
+            pending: None,
+            steps: 0,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -449,7 +465,8 @@ mod tests {
         let greedy = SamplingParams::default();
         let alone_plugin = |p: &[u32], fail_at, fallback| -> Result<Vec<u32>> {
             let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
-            let hooks = crate::engine::Hooks { external: Some(Box::new(cycling(fail_at, fallback))), speculation: None };
+            let hooks =
+                crate::engine::Hooks { external: Some(Box::new(cycling(fail_at, fallback))), speculation: None };
             let mut g = Generation::start_with(model, model.make_cache(), p, sampler, options(n), hooks)?;
             let mut out = Vec::new();
             while let Some(t) = g.next_token()? {

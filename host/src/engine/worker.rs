@@ -234,12 +234,28 @@ pub struct EngineStats {
     pub batch_kv_bytes: AtomicUsize,
     /// Running requests the policy paused for a waiting one.
     pub preemptions: AtomicUsize,
+    /// Batch steps by rows: `batch_size_counts[i]` counts steps of at most `BATCH_SIZE_BUCKETS[i]`
+    /// rows that exceed the bucket before it (the last bucket: everything above); and the
+    /// rows of all steps summed.
+    pub batch_size_counts: [AtomicUsize; BATCH_SIZE_BUCKETS.len() + 1],
+    pub batch_rows_total: AtomicUsize,
     /// Speculative decoding: tokens drafted, drafts accepted, target forwards while decoding
     /// speculatively, and tokens those requests generated.
     pub spec_drafted_tokens: AtomicUsize,
     pub spec_accepted_tokens: AtomicUsize,
     pub spec_target_steps: AtomicUsize,
     pub spec_generated_tokens: AtomicUsize,
+}
+
+/// Upper bounds of the batch-size histogram's buckets (`EngineStats::batch_size_counts`).
+pub const BATCH_SIZE_BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+impl EngineStats {
+    fn batch_step(&self, rows: usize) {
+        let bucket = BATCH_SIZE_BUCKETS.iter().position(|&b| rows <= b).unwrap_or(BATCH_SIZE_BUCKETS.len());
+        self.batch_size_counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.batch_rows_total.fetch_add(rows, Ordering::Relaxed);
+    }
 }
 
 /// The server's handle on the engine thread.
@@ -656,6 +672,7 @@ impl Worker {
             let mut ended: Vec<(usize, Option<anyhow::Error>)> = Vec::new();
             self.prefill_some(m, &mut running, &mut batch, &mut ended);
             if !batch.is_empty() {
+                self.stats.batch_step(batch.len());
                 match batch.step() {
                     Ok(tokens) => {
                         for (key, token) in tokens {
@@ -678,10 +695,10 @@ impl Worker {
                     }
                 }
             }
-            for i in 0..running.len() {
-                let Source::Solo(generation) = &mut running[i].source else { continue };
+            for (i, a) in running.iter_mut().enumerate() {
+                let Source::Solo(generation) = &mut a.source else { continue };
                 let result = match generation.next_token() {
-                    Ok(Some(token)) => self.deliver(m, &mut running[i], token),
+                    Ok(Some(token)) => self.deliver(m, a, token),
                     Ok(None) => Ok(true),
                     Err(e) => Err(e),
                 };
@@ -1328,14 +1345,16 @@ mod tests {
     fn concurrent_requests_get_their_solo_outputs_while_one_is_cancelled_and_a_cache_hit_joins() {
         let dir = std::env::temp_dir().join(format!("host-batch-worker-{}", std::process::id()));
         models::testing::write_model(&dir, "llama", 7).unwrap();
-        let engine = Engine::start(EngineConfig { max_batch: 8, queue_limit: 16, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+        let engine =
+            Engine::start(EngineConfig { max_batch: 8, queue_limit: 16, ..EngineConfig::cpu(dir.clone()) }).unwrap();
         let no_eos = |mut p: SamplingParams| {
             p.logit_bias.insert(1, -1e9);
             p
         };
         let seeded = SamplingParams { temperature: 0.9, top_k: 40, seed: Some(42), ..Default::default() };
         let penalized = SamplingParams { presence_penalty: Some(0.7), ..Default::default() };
-        let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(5 + 9 * i)).map(|t| 40 + (t * 7 + i) % 80).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            (0..4).map(|i| (0..(5 + 9 * i)).map(|t| 40 + (t * 7 + i) % 80).collect()).collect();
         let jobs = |stop: Vec<String>| {
             vec![
                 request(prompts[0].clone(), no_eos(SamplingParams::default()), 24),
@@ -1359,7 +1378,8 @@ mod tests {
         extended.extend([50, 51, 52]);
         let cached_alone = {
             // What the extended prompt gives on a fresh engine (no cache).
-            let fresh = Engine::start(EngineConfig { prompt_cache_bytes: 0, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+            let fresh =
+                Engine::start(EngineConfig { prompt_cache_bytes: 0, ..EngineConfig::cpu(dir.clone()) }).unwrap();
             collect(&mut fresh.submit(request(extended.clone(), no_eos(SamplingParams::default()), 12)).unwrap())
         };
         rxs.push(engine.submit(request(extended, no_eos(SamplingParams::default()), 12)).unwrap());

@@ -1,7 +1,7 @@
 //! Prometheus text metrics: requests by route and status, time-to-first-token and
 //! inter-token latency histograms, token counters, queue depth and prompt-cache figures.
 
-use crate::engine::worker::EngineStats;
+use crate::engine::worker::{EngineStats, BATCH_SIZE_BUCKETS};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
@@ -108,7 +108,12 @@ impl Metrics {
             ),
             ("host_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", load(&engine.prompt_cache_bytes)),
             ("host_queue_depth", "gauge", "Requests waiting to start.", load(&engine.queue_depth)),
-            ("host_requests_running", "gauge", "Requests decoding now (prefilling, batched or alone).", load(&engine.running)),
+            (
+                "host_requests_running",
+                "gauge",
+                "Requests decoding now (prefilling, batched or alone).",
+                load(&engine.running),
+            ),
             ("host_batch_rows", "gauge", "Rows of the decode batch.", load(&engine.batch_rows)),
             ("host_batch_kv_bytes", "gauge", "Bytes of KV the decode batch holds.", load(&engine.batch_kv_bytes)),
             (
@@ -151,6 +156,21 @@ impl Metrics {
         for (name, kind, help, value) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
         }
+        let _ = writeln!(
+            out,
+            "# HELP host_batch_size Rows per decode step of the batch.\n# TYPE host_batch_size histogram"
+        );
+        let mut cumulative = 0;
+        for (bound, count) in BATCH_SIZE_BUCKETS.iter().zip(&engine.batch_size_counts) {
+            cumulative += load(count);
+            let _ = writeln!(out, "host_batch_size_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        cumulative += load(&engine.batch_size_counts[BATCH_SIZE_BUCKETS.len()]);
+        let _ = writeln!(
+            out,
+            "host_batch_size_bucket{{le=\"+Inf\"}} {cumulative}\nhost_batch_size_sum {}\nhost_batch_size_count {cumulative}",
+            load(&engine.batch_rows_total)
+        );
         out
     }
 }

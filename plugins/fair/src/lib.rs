@@ -45,9 +45,8 @@ impl Policy for Fair {
         left.sort_by_key(|r| std::cmp::Reverse(r.waited_ms));
         let mut order = Vec::with_capacity(left.len());
         while !left.is_empty() {
-            let next = (0..left.len())
-                .min_by_key(|&i| counts.get(client(left[i])).copied().unwrap_or(0))
-                .expect("not empty");
+            let next =
+                (0..left.len()).min_by_key(|&i| counts.get(client(left[i])).copied().unwrap_or(0)).expect("not empty");
             let r = left.remove(next);
             *counts.entry(client(r)).or_default() += 1;
             order.push(r);
@@ -57,11 +56,7 @@ impl Policy for Fair {
             let mine = running.get(client(first)).copied().unwrap_or(0);
             let busiest = running.iter().max_by_key(|(c, n)| (**n, std::cmp::Reverse(**c))).map(|(c, n)| (*c, *n));
             if let Some((busy, _)) = busiest.filter(|&(c, n)| c != client(first) && n >= mine + 2) {
-                let victim = queue
-                    .running
-                    .iter()
-                    .filter(|r| client(r) == busy)
-                    .max_by_key(|r| r.generated_tokens);
+                let victim = queue.running.iter().filter(|r| client(r) == busy).max_by_key(|r| r.generated_tokens);
                 preempt.extend(victim.map(|r| r.id.clone()));
             }
         }
@@ -107,7 +102,10 @@ mod tests {
 
     #[test]
     fn a_client_one_request_behind_is_not_worth_a_pause() {
-        let q = sched_util::queue(&[("a1", 0, 1, 0, Some("a")), ("b1", 0, 1, 0, Some("b"))], &[("b2", 0, 1, 10, Some("b"))]);
+        let q = sched_util::queue(
+            &[("a1", 0, 1, 0, Some("a")), ("b1", 0, 1, 0, Some("b"))],
+            &[("b2", 0, 1, 10, Some("b"))],
+        );
         let d = Fair::default().decide(&q);
         assert_eq!(d.order, ["b2"]);
         assert!(d.preempt.is_empty());

@@ -115,5 +115,11 @@ pub fn queue(
             .collect()
     };
     let max = running.len().max(1) as u64;
-    Queue { now_ms: 0, running: rows(running), waiting: rows(waiting), slots: Slots { max, free: 0 }, ..Default::default() }
+    Queue {
+        now_ms: 0,
+        running: rows(running),
+        waiting: rows(waiting),
+        slots: Slots { max, free: 0 },
+        ..Default::default()
+    }
 }
