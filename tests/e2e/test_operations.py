@@ -88,12 +88,12 @@ def test_load_16_concurrent_streaming_clients(fresh):
 
 
 def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and_get_their_solo_outputs(fresh):
-    """Issue 19: eight streaming clients, each with its own sampling settings (greedy,
+    """Issue 19: sixteen streaming clients, each with its own sampling settings (greedy,
     seeded with top-p/top-k/min-p, penalties, a logit bias) and prompt length, run as one
-    batch and each gets exactly what it gets alone."""
-    s = fresh("--prompt-cache-bytes", "0", "--max-batch", "8")
+    batch and each gets exactly what it gets alone; memory returns to where it was."""
+    s = fresh("--prompt-cache-bytes", "0")
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
-    settings = [
+    kinds = [
         dict(temperature=0),
         dict(temperature=0.8, top_p=0.9, seed=5),
         dict(temperature=1.0, seed=7, extra_body={"top_k": 20}),
@@ -103,16 +103,18 @@ def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and
         dict(temperature=0),
         dict(temperature=1.1, seed=2),
     ]
+    settings = kinds + [{**k, "seed": k["seed"] + 100} if "seed" in k else k for k in kinds]
     prompts = ["Hi.", "Name three colors.", "Write one sentence about the sea and the sky at night.",
                "Count from 1 to 9.", "What is the capital of France? Answer in a sentence.",
                "List two fruits.", "Describe a cat " + "very " * 30 + "briefly.", "Say hello in French."]
+    prompts = prompts + [p + " Be brief." for p in prompts]
 
     def run(i):
         chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}],
                                                 max_tokens=24, stream=True, **settings[i])
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-    alone = [run(i) for i in range(8)]
+    alone = [run(i) for i in range(16)]
     baseline = s.rss_bytes()
     rows_seen = []
     done = threading.Event()
@@ -125,8 +127,8 @@ def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            together = list(pool.map(run, range(8)))
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(run, range(16)))
     finally:
         done.set()
         watcher.join(30)

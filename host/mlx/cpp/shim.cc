@@ -143,6 +143,81 @@ constexpr const char* kQmv4Source = R"CUDA(
   }
 )CUDA";
 // END qmv4
+// BEGIN qmm4
+// The same product for a batch of activation rows (decoding several sequences at once,
+// 2..=32 rows): each warp decodes its weight rows' nibbles once per 32-element chunk and
+// applies them to every activation row (read from L1/L2: a batch's x is at most 32 x IN
+// elements), so the weights are read once per step whatever the batch. NB (a power of two
+// >= the batch) sizes the accumulators; the batch itself, M, comes in `meta`.
+constexpr const char* kQmm4Source = R"CUDA(
+  constexpr int CHUNKS = IN / 32;
+  constexpr int GROUPS = IN / GROUP;
+  const int M = meta[0];
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (row0 >= ROWS) return;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float acc[R][NB];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
+  for (int c = lane; c < CHUNKS; c += 32) {
+    const int g = (c * 32) / GROUP;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row0 + r;
+      if (row >= ROWS) break;
+      const uint4 q = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row) * (IN / 8))[c];
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      float wf[32];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = words[i] & 0x0F0F0F0Fu;
+        const uint32_t hi = (words[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          wf[i * 8 + 2 * k] = host_nibble(lo, k);
+          wf[i * 8 + 2 * k + 1] = host_nibble(hi, k);
+        }
+      }
+      const size_t sg = static_cast<size_t>(row) * GROUPS + g;
+      const float scale = static_cast<float>(scales[sg]);
+      const float bias = static_cast<float>(biases[sg]);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        if (b >= M) break;
+        float dot = 0.f, sx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 raw = xv[(static_cast<size_t>(b) * CHUNKS + c) * 4 + i];
+          const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float xf = static_cast<float>(e[j]);
+            dot += wf[i * 8 + j] * xf;
+            sx += xf;
+          }
+        }
+        acc[r][b] += scale * dot + bias * sx;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (b >= M) break;
+      float v = acc[r][b];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && row0 + r < ROWS) y[static_cast<size_t>(b) * ROWS + row0 + r] = static_cast<T>(v);
+    }
+  }
+)CUDA";
+// END qmm4
+constexpr int kQmm4MaxRows = 32;
+
 constexpr int kQmv4RowsPerWarp = 2;
 
 // HOST_QGEMV=0 keeps MLX's kernel everywhere (for A/B runs); read once.
@@ -154,7 +229,8 @@ bool qmv4_enabled() {
   return on;
 }
 
-// The kernel serves one activation row (decoding), bf16/f16 activations with scales and
+// The kernels serve one activation row (qmv4) or up to kQmm4MaxRows (qmm4: a batch of
+// sequences decoding), bf16/f16 activations with scales and
 // biases of the same dtype, 4 bits, a group size that is a multiple of 32, an input width
 // that is a multiple of 32 (whole 16-byte chunks per row), on a CUDA stream. The kernel reads
 // x as 16-byte vectors: a one-row x is a whole array or a whole row of one (offset a multiple
@@ -170,7 +246,9 @@ bool qmv4_applies(const array& x, const array& w, const array& scales, const arr
   }
   const int in = x.shape(-1);
   const int rows = w.shape(0);
-  if (static_cast<size_t>(in) != x.size() || in % 32 != 0 || in % group_size != 0 ||
+  // One activation row (qmv4), or a batch of up to kQmm4MaxRows whole rows (qmm4).
+  if (in <= 0 || x.size() % in != 0 || x.size() / in > static_cast<size_t>(kQmm4MaxRows) ||
+      in % 32 != 0 || in % group_size != 0 ||
       static_cast<int64_t>(w.shape(1)) * 8 != in || scales.shape(0) != rows ||
       scales.shape(1) != in / group_size || biases.shape() != scales.shape()) {
     return false;
@@ -182,11 +260,23 @@ bool qmv4_applies(const array& x, const array& w, const array& scales, const arr
 array qmv4(const array& x, const array& w, const array& scales, const array& biases, int group_size) {
   static const auto kernel = mx::fast::cuda_kernel("host_qmv4", {"x", "w", "scales", "biases"}, {"y"},
                                                    kQmv4Source, kQmv4Header);
+  static const auto batched = mx::fast::cuda_kernel("host_qmm4", {"x", "w", "scales", "biases", "meta"}, {"y"},
+                                                    kQmm4Source, kQmv4Header);
   const int in = x.shape(-1);
   const int rows = w.shape(0);
   auto out_shape = x.shape();
   out_shape.back() = rows;
   const int warps = (rows + kQmv4RowsPerWarp - 1) / kQmv4RowsPerWarp;
+  const int m = static_cast<int>(x.size() / in);
+  if (m > 1) {
+    int nb = 2;
+    while (nb < m) nb *= 2;
+    const array meta(std::initializer_list<int32_t>{m});
+    return batched({x, w, scales, biases, meta}, {out_shape}, {x.dtype()}, {warps * 32, 1, 1}, {256, 1, 1},
+                   {{"T", x.dtype()}, {"ROWS", rows}, {"IN", in}, {"GROUP", group_size}, {"R", kQmv4RowsPerWarp},
+                    {"NB", nb}},
+                   std::nullopt, false, {})[0];
+  }
   return kernel({x, w, scales, biases}, {out_shape}, {x.dtype()}, {warps * 32, 1, 1}, {256, 1, 1},
                 {{"T", x.dtype()}, {"ROWS", rows}, {"IN", in}, {"GROUP", group_size}, {"R", kQmv4RowsPerWarp}},
                 std::nullopt, false, {})[0];

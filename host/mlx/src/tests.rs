@@ -228,13 +228,14 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// The host's 4-bit matrix-vector kernel (`shim.cc`, qmv4) against MLX's quantized matmul on
-/// random inputs. On a CUDA GPU (run there through the device kit) every one-row bf16/f16 case
-/// must take the kernel and agree with MLX within a bound per dtype, relative to the largest
-/// output: both accumulate in float32, so the difference is summation order plus the final
-/// rounding to 16 bits (bf16 keeps 8 significant bits: 1e-2; f16 11: 2e-3). Cases the kernel
-/// does not serve (several rows, float32, 8 bits) must fall back to MLX's kernel and give its
-/// result exactly; on the CPU every case does. Which one ran shows in the product's graph: MLX's
+/// The host's 4-bit matrix-vector kernels (`shim.cc`: qmv4 for one activation row, qmm4 for a
+/// batch of 2-32) against MLX's quantized matmul on random inputs. On a CUDA GPU (run there
+/// through the device kit) every bf16/f16 case of at most 32 rows must take a kernel and agree
+/// with MLX within a bound per dtype, relative to the largest output: both accumulate in
+/// float32, so the difference is summation order plus the final rounding to 16 bits (bf16
+/// keeps 8 significant bits: 1e-2; f16 11: 2e-3). Cases the kernels do not serve (more rows,
+/// float32, 8 bits) must fall back to MLX's kernel and give its result exactly; on the CPU
+/// every case does. Which one ran shows in the product's graph: MLX's
 /// is a `QuantizedMatmul`, the host's a custom kernel.
 #[test]
 fn quantized_matvec_kernel_matches_mlx() {
@@ -247,13 +248,17 @@ fn quantized_matvec_kernel_matches_mlx() {
         (257, 2048, 128, 4, 1),
         (96, 4096, 64, 4, 3),
         (64, 512, 64, 8, 1),
+        // A batch of activation rows (qmm4), up to its 32; 33 is MLX's.
+        (300, 1024, 64, 4, 8),
+        (130, 2048, 32, 4, 32),
+        (64, 512, 64, 4, 33),
     ];
     for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
         for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
             let w = arr(&noise(rows * input, i as u64), &[rows, input]).astype(dtype).unwrap();
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
             let x = arr(&noise(xrows * input, 100 + i as u64), &[1, xrows, input]).astype(dtype).unwrap();
-            let serves = xrows == 1 && bits == 4 && dtype != Dtype::Float32;
+            let serves = xrows <= 32 && bits == 4 && dtype != Dtype::Float32;
             let got = ops::quantized_matmul(&x, &q, &scales, &biases, true, group, bits).unwrap();
             let applies = !graph_dot(&[&got]).contains("QuantizedMatmul");
             assert_eq!(applies, cuda && serves, "{dtype:?} case {i}: kernel applies");
@@ -274,7 +279,7 @@ fn quantized_matvec_kernel_matches_mlx() {
             };
             assert!(err <= bound, "{dtype:?} case {i} {:?}: max error {err:e} > {bound:e}", cases[i]);
             if applies {
-                eprintln!("qmv4 {dtype:?} rows {rows} in {input} group {group}: max rel. error {err:.2e}");
+                eprintln!("qmv4 {dtype:?} rows {rows} in {input} group {group} x rows {xrows}: max rel. error {err:.2e}");
             }
         }
     }

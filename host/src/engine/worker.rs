@@ -1113,10 +1113,13 @@ impl Worker {
         if a.tools.as_ref().is_some_and(|t| t.calls > 0) && finish != Finish::Length {
             finish = Finish::ToolCalls;
         }
+        // Out of the batch before the client hears it is done: the last row's leave hands
+        // MLX's freed buffers back to the system, so memory is at its baseline by then.
+        let source = std::mem::replace(&mut a.source, Source::Batched);
+        let released = self.release(source, a.job.seq, batch);
         let _ = a.job.events.send(Event::Done { finish, usage });
         // Keep the KV of everything the cache now holds for the next request.
-        let source = std::mem::replace(&mut a.source, Source::Batched);
-        let Some(mut cache) = self.release(source, a.job.seq, batch)? else { return Ok(()) };
+        let Some(mut cache) = released? else { return Ok(()) };
         let held = cache.first().map_or(0, models::KvCache::offset);
         let mut sequence = a.job.request.prompt.clone();
         sequence.extend(&a.generated);
