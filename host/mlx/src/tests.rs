@@ -279,7 +279,9 @@ fn quantized_matvec_kernel_matches_mlx() {
             };
             assert!(err <= bound, "{dtype:?} case {i} {:?}: max error {err:e} > {bound:e}", cases[i]);
             if applies {
-                eprintln!("qmv4 {dtype:?} rows {rows} in {input} group {group} x rows {xrows}: max rel. error {err:.2e}");
+                eprintln!(
+                    "qmv4 {dtype:?} rows {rows} in {input} group {group} x rows {xrows}: max rel. error {err:.2e}"
+                );
             }
         }
     }
