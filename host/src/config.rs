@@ -323,6 +323,12 @@ impl ServeConfig {
         if config.api_key.as_deref() == Some("") {
             config.api_key = None;
         }
+        if config.max_batch == 0 {
+            bail!("`max_batch` (--max-batch) must be at least 1, got 0; 1 serves one request at a time");
+        }
+        if config.step_token_budget == 0 {
+            bail!("`step_token_budget` (--step-token-budget) must be at least 1, got 0 (default 512)");
+        }
         Ok(config)
     }
 
@@ -369,6 +375,19 @@ mod tests {
         assert_eq!(parse_bytes("64MiB").unwrap(), 64 << 20);
         assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
         assert!(parse_bytes("12Q").unwrap_err().to_string().contains("unknown size unit"));
+    }
+
+    #[test]
+    fn batch_settings_of_zero_are_refused_with_the_flag_named() {
+        for (args, flag) in [
+            (ServeArgs { max_batch: Some(0), ..Default::default() }, "--max-batch"),
+            (ServeArgs { step_token_budget: Some(0), ..Default::default() }, "--step-token-budget"),
+        ] {
+            let e = ServeConfig::resolve(&args).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains("at least 1"), "{e}");
+        }
+        let ok = ServeConfig::resolve(&ServeArgs { max_batch: Some(4), ..Default::default() }).unwrap();
+        assert_eq!((ok.max_batch, ok.step_token_budget), (4, 512));
     }
 
     #[test]

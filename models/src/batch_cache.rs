@@ -3,7 +3,8 @@
 //! rows are right-aligned, so a row holding fewer positions than the longest is padded on
 //! the left (masked out of attention, and its RoPE positions start from its own length).
 //! Every row appends at the same index, so a decode step is one `slice_update` per layer
-//! for the whole batch, whatever the rows' lengths.
+//! for the whole batch, whatever the rows' lengths. The buffer is a [`KvCache`] of B rows
+//! (its growth and writes are a single sequence's); this type adds the rows' padding.
 //!
 //! Rows join from a single sequence's [`KvCache`] ([`push`](BatchKvCache::push)) and leave
 //! ([`remove`](BatchKvCache::remove)), optionally handing their positions back as a
@@ -15,13 +16,10 @@ use crate::cache::{next_id, record, CacheOp, KvCache, LayerCache};
 use crate::{Error, Result};
 use mlx::{Array, Dtype};
 
-const STEP: usize = 256;
-
 pub struct BatchKvCache {
-    keys: Option<Array>,
-    values: Option<Array>,
-    /// Positions written, the same for every row; row r's first `left_padding[r]` are padding.
-    idx: usize,
+    /// Every row's positions, padding included: its offset is the index all rows write at.
+    buffer: KvCache,
+    /// Row r's first `left_padding[r]` positions are padding.
     left_padding: Vec<usize>,
     /// Process-unique (from the same counter as `KvCache`'s), so a tensor-parallel peer can
     /// mirror the batch: joins, leaves and extractions are recorded as `CacheOp`s.
@@ -30,7 +28,7 @@ pub struct BatchKvCache {
 
 impl Default for BatchKvCache {
     fn default() -> Self {
-        BatchKvCache { keys: None, values: None, idx: 0, left_padding: Vec::new(), id: next_id() }
+        BatchKvCache { buffer: KvCache::default(), left_padding: Vec::new(), id: next_id() }
     }
 }
 
@@ -38,6 +36,21 @@ impl Drop for BatchKvCache {
     fn drop(&mut self) {
         record(CacheOp::Drop(self.id));
     }
+}
+
+/// `a` (`[rows, H, have, D]`, or nothing when it holds no position) left-padded with zeros
+/// to `width` positions, shaped like `like`; `None` when there is nothing to pad or to keep.
+fn padded(a: Option<Array>, rows: usize, width: usize, like: &Array) -> Result<Option<Array>> {
+    let pad = width - a.as_ref().map_or(0, |a| a.dim(2));
+    if rows == 0 || (a.is_none() && pad == 0) {
+        return Ok(None);
+    }
+    let zeros = Array::zeros(&[rows, like.dim(1), pad, like.dim(3)], like.dtype())?;
+    Ok(Some(match a {
+        Some(a) if pad == 0 => a,
+        Some(a) => mlx::ops::concatenate(&[&zeros, &a], 2)?,
+        None => zeros,
+    }))
 }
 
 impl BatchKvCache {
@@ -52,7 +65,7 @@ impl BatchKvCache {
 
     /// Positions row `row` holds (its sequence length so far).
     pub fn len(&self, row: usize) -> usize {
-        self.idx - self.left_padding[row]
+        self.width() - self.left_padding[row]
     }
 
     /// Whether the batch has no rows.
@@ -62,7 +75,7 @@ impl BatchKvCache {
 
     /// Buffer positions per row, padding included.
     pub fn width(&self) -> usize {
-        self.idx
+        self.buffer.offset()
     }
 
     /// Each row's length, int32 `[B]`: where its next position starts (RoPE offsets).
@@ -78,23 +91,10 @@ impl BatchKvCache {
             return Ok(None);
         }
         let b = self.rows() as i32;
-        let cols = Array::arange(0.0, (self.idx + 1) as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+        let cols = Array::arange(0.0, (self.width() + 1) as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
         let pads: Vec<i32> = self.left_padding.iter().map(|&p| p as i32).collect();
         let pads = Array::from_i32(&pads, &[pads.len(), 1])?;
         Ok(Some(cols.greater_equal(&pads)?.reshape(&[b, 1, 1, -1])?))
-    }
-
-    /// The buffers' live part, `[B, H, idx, D]` each (`None` while nothing is written).
-    fn held(&self) -> Result<Option<(Array, Array)>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
-        if self.idx == 0 {
-            return Ok(None);
-        }
-        if k.dim(2) == self.idx {
-            return Ok(Some((k.clone(), v.clone())));
-        }
-        let end = self.idx as i32;
-        Ok(Some((k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?)))
     }
 
     /// Adds a row holding `cache`'s positions (one sequence's cache of this layer) as the
@@ -102,54 +102,41 @@ impl BatchKvCache {
     pub fn push(&mut self, cache: &KvCache) -> Result<()> {
         let n = cache.offset();
         record(CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
-        let row = cache.held()?;
-        let batch = self.held()?;
-        let target = self.idx.max(n);
-        // Shapes for padding come from whichever side holds positions.
-        let like = row.as_ref().map(|(k, v)| (k.clone(), v.clone())).or_else(|| batch.clone());
-        let front = |kv: Option<(Array, Array)>, rows: usize, have: usize| -> Result<Option<(Array, Array)>> {
-            let Some((k0, v0)) = &like else { return Ok(None) };
-            let pad = target - have;
-            let zeros = |a: &Array| Array::zeros(&[rows, a.dim(1), pad, a.dim(3)], a.dtype());
-            Ok(match kv {
-                Some((k, v)) if pad == 0 => Some((k, v)),
-                Some((k, v)) => {
-                    Some((mlx::ops::concatenate(&[&zeros(&k)?, &k], 2)?, mlx::ops::concatenate(&[&zeros(&v)?, &v], 2)?))
-                }
-                None if rows == 0 || pad == 0 => None,
-                None => Some((zeros(k0)?, zeros(v0)?)),
-            })
+        let (width, target) = (self.width(), self.width().max(n));
+        let (old_k, old_v) = self.buffer.held()?.unzip();
+        let (new_k, new_v) = cache.held()?.unzip();
+        let join = |old: Option<Array>, new: Option<Array>| -> Result<Option<Array>> {
+            let Some(like) = new.as_ref().or(old.as_ref()).cloned() else { return Ok(None) };
+            let parts: Vec<Array> = [padded(old, self.rows(), target, &like)?, padded(new, 1, target, &like)?]
+                .into_iter()
+                .flatten()
+                .collect();
+            Ok(Some(mlx::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?))
         };
-        let old = front(batch, self.rows(), self.idx)?;
-        let new = front(row, 1, n)?;
-        let grown = target - self.idx;
+        let (k, v) = (join(old_k, new_k)?, join(old_v, new_v)?);
+        self.buffer = match (k, v) {
+            (Some(k), Some(v)) => KvCache::from_buffer(k, v, target),
+            _ => KvCache::default(),
+        };
         for p in &mut self.left_padding {
-            *p += grown;
+            *p += target - width;
         }
         self.left_padding.push(target - n);
-        self.idx = target;
-        (self.keys, self.values) = match (old, new) {
-            (Some((ok, ov)), Some((nk, nv))) => {
-                (Some(mlx::ops::concatenate(&[&ok, &nk], 0)?), Some(mlx::ops::concatenate(&[&ov, &nv], 0)?))
-            }
-            (None, Some((nk, nv))) => (Some(nk), Some(nv)),
-            (Some((ok, ov)), None) => (Some(ok), Some(ov)),
-            (None, None) => (None, None),
-        };
         Ok(())
     }
 
-    /// Row `row`'s positions as a single sequence's cache (a copy).
+    /// Row `row`'s positions as a single sequence's cache (a copy in a buffer of its own).
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         self.check_row(row)?;
-        let cache = match self.held()? {
+        let cache = match self.buffer.held()? {
             None => KvCache::default(),
             Some((k, v)) => {
-                let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.idx as i32);
+                let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.width() as i32);
+                // `contiguous`, not `copy`: MLX's copy of a slice shares the whole buffer.
                 let take = |a: &Array| -> Result<Array> {
                     Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.contiguous()?)
                 };
-                KvCache::from_held(take(&k)?, take(&v)?)
+                KvCache::from_buffer(take(&k)?, take(&v)?, (end - start) as usize)
             }
         };
         record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
@@ -161,28 +148,23 @@ impl BatchKvCache {
         self.check_row(row)?;
         record(CacheOp::BatchRemove { batch: self.id, row });
         self.left_padding.remove(row);
-        if self.left_padding.is_empty() {
-            (self.keys, self.values, self.idx) = (None, None, 0);
-            return Ok(());
-        }
-        let keep: Vec<i32> = (0..=self.rows() as i32).filter(|&r| r != row as i32).collect();
-        let keep = Array::from_i32(&keep, &[keep.len()])?;
-        let trim = self.left_padding.iter().copied().min().unwrap_or(0);
-        let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) else {
-            self.idx -= trim;
+        let held = self.buffer.held()?;
+        let (Some((k, v)), false) = (held, self.left_padding.is_empty()) else {
+            // No row left, or none holds a position yet.
+            self.buffer = KvCache::default();
+            self.left_padding.iter_mut().for_each(|p| *p = 0);
             return Ok(());
         };
-        let (mut k, mut v) = (k.take(&keep, 0)?, v.take(&keep, 0)?);
-        if trim > 0 {
-            let capacity = k.dim(2) as i32;
-            k = k.slice_axis(2, trim as i32, capacity)?;
-            v = v.slice_axis(2, trim as i32, capacity)?;
-            self.idx -= trim;
-            for p in &mut self.left_padding {
-                *p -= trim;
-            }
+        let trim = self.left_padding.iter().copied().min().unwrap_or(0);
+        let width = self.width() - trim;
+        let keep: Vec<i32> = (0..=self.rows() as i32).filter(|&r| r != row as i32).collect();
+        let keep = Array::from_i32(&keep, &[keep.len()])?;
+        let (lo, hi) = (trim as i32, self.width() as i32);
+        let take = |a: &Array| -> Result<Array> { Ok(a.take(&keep, 0)?.slice_axis(2, lo, hi)?) };
+        self.buffer = KvCache::from_buffer(take(&k)?, take(&v)?, width);
+        for p in &mut self.left_padding {
+            *p -= trim;
         }
-        (self.keys, self.values) = (Some(k), Some(v));
         Ok(())
     }
 
@@ -198,45 +180,25 @@ impl BatchKvCache {
 
     /// The arrays to evaluate to materialize the cache.
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.buffer.state()
     }
 
     /// Bytes held by the buffers.
     pub fn nbytes(&self) -> usize {
-        self.state().iter().map(|a| a.nbytes()).sum()
+        self.buffer.nbytes()
     }
 }
 
 impl LayerCache for BatchKvCache {
     /// Appends `keys`/`values` (`[B, H, L, D]`, one row per batch row) at the shared index.
     fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let shape = keys.shape();
-        let (b, h, l, dk) = (shape[0], shape[1], shape[2], shape[3]);
-        if b != self.rows() {
-            return Err(Error::Invalid(format!("a forward of {b} rows over a batch cache of {} rows", self.rows())));
+        if keys.dim(0) != self.rows() {
+            return Err(Error::Invalid(format!(
+                "a forward of {} rows over a batch cache of {} rows",
+                keys.dim(0),
+                self.rows()
+            )));
         }
-        let dv = values.dim(3);
-        let prev = self.idx;
-        let capacity = self.keys.as_ref().map_or(0, |k| k.dim(2));
-        if self.keys.is_none() || prev + l > capacity {
-            let n_steps = (STEP + l - 1) / STEP;
-            let new_k = Array::zeros(&[b, h, n_steps * STEP, dk], keys.dtype())?;
-            let new_v = Array::zeros(&[b, h, n_steps * STEP, dv], values.dtype())?;
-            match self.held()? {
-                Some((k, v)) => {
-                    self.keys = Some(mlx::ops::concatenate(&[&k, &new_k], 2)?);
-                    self.values = Some(mlx::ops::concatenate(&[&v, &new_v], 2)?);
-                }
-                None => (self.keys, self.values) = (Some(new_k), Some(new_v)),
-            }
-        }
-        self.idx += l;
-        let (start, end) = ([0, 0, prev as i32, 0], [b as i32, h as i32, self.idx as i32]);
-        let k = self.keys.as_ref().expect("allocated above");
-        let v = self.values.as_ref().expect("allocated above");
-        let k = k.slice_update(keys, &start, &[end[0], end[1], end[2], dk as i32], &[1, 1, 1, 1])?;
-        let v = v.slice_update(values, &start, &[end[0], end[1], end[2], dv as i32], &[1, 1, 1, 1])?;
-        (self.keys, self.values) = (Some(k), Some(v));
-        Ok(self.held()?.expect("written above"))
+        self.buffer.update_and_fetch(keys, values)
     }
 }

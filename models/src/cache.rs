@@ -98,9 +98,10 @@ impl LayerCache for KvCache {
 }
 
 impl KvCache {
-    /// A cache holding exactly `keys`/`values` (`[1, H, L, D]`).
-    pub(crate) fn from_held(keys: Array, values: Array) -> KvCache {
-        KvCache { offset: keys.dim(2), keys: Some(keys), values: Some(values), ..Default::default() }
+    /// A cache over buffers `keys`/`values` (`[B, H, capacity, D]`) whose first `offset`
+    /// positions are held.
+    pub(crate) fn from_buffer(keys: Array, values: Array, offset: usize) -> KvCache {
+        KvCache { offset, keys: Some(keys), values: Some(values), ..Default::default() }
     }
 
     /// The positions held, `[B, H, offset, D]` each (`None` when empty).

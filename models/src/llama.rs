@@ -375,7 +375,7 @@ impl Model {
     /// The final hidden states (after the last norm), before the output head. Under tensor
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(tokens)?;
+        let h = self.embed_tokens.forward(tokens)?;
         let len = tokens.dim(-1);
         let short;
         let mask = if short_query(len) {
@@ -385,8 +385,13 @@ impl Model {
             attention_mask(len)
         };
         let at = Positions::From(cache.first().map_or(0, KvCache::offset));
+        self.decoder(h, &mask, cache, &at)
+    }
+
+    /// The decoder layers and the final norm over embeddings `h`.
+    fn decoder(&self, mut h: Array, mask: &Mask<'_>, cache: &mut [impl LayerCache], at: &Positions) -> Result<Array> {
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            h = layer.forward(&h, &mask, c, &self.rope, &at)?;
+            h = layer.forward(&h, mask, c, &self.rope, at)?;
         }
         self.norm.forward(&h)
     }
@@ -404,12 +409,7 @@ impl Model {
         let offsets = first.offsets()?;
         let padding = first.mask()?;
         let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
-        let at = Positions::Rows(&offsets);
-        let mut h = self.embed_tokens.forward(tokens)?;
-        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            h = layer.forward(&h, &mask, c, &self.rope, &at)?;
-        }
-        self.norm.forward(&h)
+        self.decoder(self.embed_tokens.forward(tokens)?, &mask, cache, &Positions::Rows(&offsets))
     }
 
     /// Logits of final hidden states.

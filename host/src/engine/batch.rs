@@ -12,7 +12,7 @@
 //! plugin must see each committed token before it picks the next). The batch knows nothing
 //! about text or requests; rows are named by a key.
 
-use super::decode::{external_frame, pick_from_frame, DecodeOptions, ExternalSampler, FinishReason, Token};
+use super::decode::{external_frame, pick_from_frame, tokens_array, DecodeOptions, ExternalSampler, Token};
 use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
@@ -40,7 +40,7 @@ impl<'m> Row<'m> {
     /// A row whose cache holds `prompt` but its last token, which the first step feeds.
     pub fn new(key: u64, prompt: &[u32], sampler: Sampler, options: DecodeOptions) -> Result<Row<'m>> {
         let Some((&last, head)) = prompt.split_last() else { bail!("the prompt is empty; give at least one token") };
-        let history = if sampler.params().needs_history() { Some(tokens(head)?) } else { None };
+        let history = if sampler.params().needs_history() { Some(tokens_array(head)?) } else { None };
         Ok(Row {
             key,
             sampler,
@@ -102,11 +102,6 @@ pub struct Batch<'m> {
     rows: Vec<Row<'m>>,
     pending: Option<Step>,
     steps: usize,
-}
-
-fn tokens(ids: &[u32]) -> Result<Array> {
-    let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    Ok(Array::from_i32(&ids, &[ids.len()])?)
 }
 
 /// A batch's step ends with no MLX work of its own running (see `Generation`'s `Drop`).
@@ -231,13 +226,7 @@ impl<'m> Batch<'m> {
                     }
                 }
             }
-            let finish = if row.options.eos_token_ids.contains(&id) {
-                Some(FinishReason::Stop)
-            } else if row.generated >= row.options.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = row.options.finish(id, row.generated);
             let logprobs = current.logprobs.slice_axis(0, i as i32, i as i32 + 1)?.squeeze(&[0])?;
             out.push((key, Ok(Token { id, logprobs, finish })));
         }
@@ -324,7 +313,7 @@ impl<'m> Batch<'m> {
         if frames.is_empty() {
             return Ok(Vec::new());
         }
-        let arrays: Vec<&Array> = frames.iter().flat_map(|(_, (v, a))| v.iter().chain(std::iter::once(a))).collect();
+        let arrays: Vec<&Array> = frames.iter().flat_map(|(_, frame)| frame.arrays()).collect();
         mlx::eval(&arrays)?;
         let mut picks = Vec::with_capacity(frames.len());
         for (i, frame) in frames {

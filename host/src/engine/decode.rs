@@ -77,6 +77,19 @@ impl Default for DecodeOptions {
     }
 }
 
+impl DecodeOptions {
+    /// Why generation ends at token `id`, the `generated`-th (counting it), if it does.
+    pub fn finish(&self, id: u32, generated: usize) -> Option<FinishReason> {
+        if self.eos_token_ids.contains(&id) {
+            Some(FinishReason::Stop)
+        } else if generated >= self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
 /// One generated token.
 #[derive(Debug)]
 pub struct Token {
@@ -215,7 +228,7 @@ pub fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step
     done
 }
 
-fn tokens_array(ids: &[u32]) -> Result<Array> {
+pub(crate) fn tokens_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_i32(&ids, &[ids.len()])?)
 }
@@ -406,13 +419,7 @@ impl<'m> Generation<'m> {
             memory::clear_cache();
         }
         self.generated += 1;
-        let finish = if self.options.eos_token_ids.contains(&id) {
-            Some(FinishReason::Stop)
-        } else if self.generated >= self.options.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        let finish = self.options.finish(id, self.generated);
         if let Some(s) = self.speculation.as_mut() {
             s.seq.push(id);
         }
@@ -759,17 +766,34 @@ fn pick_external(
     Ok(Array::from_i32(&[id as i32], &[1])?)
 }
 
-/// What an external sampler's frame is read from, lazily: (candidate logits, candidate ids)
-/// for a top-k frame, or (`None`, the whole float32 row).
-pub(crate) fn external_frame(external: &dyn ExternalSampler, logits: &Array) -> Result<(Option<Array>, Array)> {
+/// What an external sampler's frame is read from, still on the device (lazy).
+pub(crate) enum FrameArrays {
+    /// The top-k candidates: their float32 logits and token ids.
+    Candidates { logits: Array, ids: Array },
+    /// The whole float32 logits row.
+    Row(Array),
+}
+
+impl FrameArrays {
+    /// The arrays to evaluate before reading the frame.
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
+        match self {
+            FrameArrays::Candidates { logits, ids } => vec![logits, ids],
+            FrameArrays::Row(row) => vec![row],
+        }
+    }
+}
+
+/// The frame `external` asks for, from processed logits `[1, V]`.
+pub(crate) fn external_frame(external: &dyn ExternalSampler, logits: &Array) -> Result<FrameArrays> {
     let logits = logits.astype(mlx::Dtype::Float32)?;
     Ok(match external.candidates() {
         Some(k) => {
             let k = k.min(logits.dim(-1)).max(1) as i32;
-            let idx = logits.negative()?.argpartition(k - 1, -1)?.slice_axis(-1, 0, k)?;
-            (Some(logits.take_along_axis(&idx, -1)?), idx)
+            let ids = logits.negative()?.argpartition(k - 1, -1)?.slice_axis(-1, 0, k)?;
+            FrameArrays::Candidates { logits: logits.take_along_axis(&ids, -1)?, ids }
         }
-        None => (None, logits),
+        None => FrameArrays::Row(logits),
     })
 }
 
@@ -780,7 +804,7 @@ pub(crate) fn pick_from_frame(
     external: &mut dyn ExternalSampler,
     sampler: &Sampler,
     position: usize,
-    frame: (Option<Array>, Array),
+    frame: FrameArrays,
     vocab: usize,
 ) -> Result<u32> {
     let native = |values: &[f32]| -> Result<usize> {
@@ -789,9 +813,9 @@ pub(crate) fn pick_from_frame(
         Ok(sampler.sample(&lp, position)?.item_i32()? as usize)
     };
     let id = match frame {
-        (Some(values), idx) => {
-            let values = values.to_vec_f32()?;
-            let mut frame: Vec<(u32, f32)> = idx.to_vec_i32()?.into_iter().map(|t| t as u32).zip(values).collect();
+        FrameArrays::Candidates { logits, ids } => {
+            let values = logits.to_vec_f32()?;
+            let mut frame: Vec<(u32, f32)> = ids.to_vec_i32()?.into_iter().map(|t| t as u32).zip(values).collect();
             frame.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             match external.sample(position, Frame::Candidates(&mut frame))? {
                 Pick::Token(t) => t,
@@ -801,7 +825,7 @@ pub(crate) fn pick_from_frame(
                 }
             }
         }
-        (None, row) => {
+        FrameArrays::Row(row) => {
             let mut row = row.to_vec_f32()?;
             match external.sample(position, Frame::Logits(&mut row))? {
                 Pick::Token(t) => t,

@@ -292,6 +292,9 @@ pub enum SubmitError {
 impl Engine {
     /// Starts the engine thread and waits until the model is loaded.
     pub fn start(config: EngineConfig) -> Result<Engine> {
+        if config.max_batch == 0 || config.step_token_budget == 0 {
+            anyhow::bail!("the engine needs max_batch and step_token_budget of at least 1");
+        }
         let (jobs, rx) = sync_channel::<Job>(config.queue_limit.max(1));
         let queue_limit = config.queue_limit;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -344,8 +347,8 @@ impl Engine {
                             cache: PromptCache::new(config.prompt_cache_bytes),
                             stats: thread_stats,
                             prefill_step_size: config.prefill_step_size,
-                            max_batch: config.max_batch.max(1),
-                            step_token_budget: config.step_token_budget.max(1),
+                            max_batch: config.max_batch,
+                            step_token_budget: config.step_token_budget,
                             policy,
                             kv_budget_tokens: thread_budget,
                             not_paused: None,
@@ -486,6 +489,9 @@ struct Models<'m> {
 const MAX_PAUSED: usize = 4;
 /// While requests wait, the policy is asked again at least this often (aging).
 const POLICY_INTERVAL: Duration = Duration::from_millis(100);
+/// Prompt tokens prefilled per step however full the batch: a budget at or below the batch's
+/// rows still lets a joining prompt progress.
+const MIN_PREFILL_PER_STEP: usize = 16;
 
 /// A request in the queue: not started yet, or paused by the policy.
 enum Waiting<'m> {
@@ -785,7 +791,8 @@ impl Worker {
     }
 
     /// Prefills the prompts of joining requests, oldest first, up to the step's token budget
-    /// (less a token per batch row, at least one chunk's worth); a prompt done joins the batch.
+    /// (less a token per batch row, at least `MIN_PREFILL_PER_STEP`); a prompt done joins the
+    /// batch.
     fn prefill_some<'m>(
         &mut self,
         m: Models<'m>,
@@ -793,7 +800,7 @@ impl Worker {
         batch: &mut Batch<'m>,
         ended: &mut Vec<(usize, Option<anyhow::Error>)>,
     ) {
-        let mut budget = self.step_token_budget.saturating_sub(batch.len()).max(16);
+        let mut budget = self.step_token_budget.saturating_sub(batch.len()).max(MIN_PREFILL_PER_STEP);
         for (i, a) in running.iter_mut().enumerate() {
             if budget == 0 {
                 break;
@@ -1400,6 +1407,41 @@ mod tests {
         let usage = got[4].1.as_ref().unwrap().1;
         assert!(usage.cached_tokens >= prompts[0].len() - 1, "the cache hit reused {} tokens", usage.cached_tokens);
         drop(engine);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Issue 19: a long prompt is prefilled in chunks of the step's token budget between the
+    /// batch's steps, so a stream already running keeps getting tokens meanwhile (prefilled in
+    /// one piece, it would get one or two).
+    #[test]
+    fn a_long_prompt_joins_in_chunks_while_a_running_stream_keeps_decoding() {
+        use tokio::sync::mpsc::error::TryRecvError;
+        let dir = std::env::temp_dir().join(format!("host-chunked-join-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 8).unwrap();
+        let engine = Engine::start(EngineConfig { step_token_budget: 32, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+        let mut no_eos = SamplingParams::default();
+        no_eos.logit_bias.insert(1, -1e9);
+        let mut running = engine.submit(request(vec![5, 6, 7], no_eos, 100_000)).unwrap();
+        while !matches!(running.blocking_recv(), Some(Event::Delta { .. })) {}
+        let prompt: Vec<u32> = (0..640u32).map(|i| 40 + i % 90).collect();
+        let chunks = (prompt.len() - 1).div_ceil(31);
+        let mut long = engine.submit(request(prompt, SamplingParams::default(), 2)).unwrap();
+        // Tokens generated meanwhile, counted by the engine (a tiny model's bytes often make no
+        // text yet, so the running stream's deltas would undercount them).
+        let generated = || engine.stats.generation_tokens.load(Ordering::SeqCst);
+        let mut at_start = None;
+        let during = loop {
+            match long.try_recv() {
+                Ok(Event::Started { .. }) => at_start = Some(generated()),
+                Ok(Event::Delta { .. }) => break generated() - at_start.expect("started first") - 1,
+                Ok(other) => panic!("{other:?}"),
+                Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
+                Err(TryRecvError::Disconnected) => panic!("the long request ended without a token"),
+            }
+            while running.try_recv().is_ok() {}
+        };
+        assert!(during >= chunks / 2, "{during} tokens of the running stream during {chunks} prefill chunks");
+        drop((running, long, engine));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
