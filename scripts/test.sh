@@ -5,6 +5,23 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+# System packages: g++ (the MLX shim), OpenBLAS (linked by the host binary), clang and lld
+# (the C example plugin). Installed with apt-get when running as root, else named.
+missing=()
+command -v g++ >/dev/null || missing+=(g++)
+command -v clang >/dev/null || missing+=(clang)
+command -v wasm-ld >/dev/null || missing+=(lld)
+[ -e /usr/lib/x86_64-linux-gnu/libopenblas.so.0 ] || [ "$(uname -s)" != Linux ] || missing+=(libopenblas0-pthread)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test.sh: installing ${missing[*]} with apt-get" >&2
+    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >&2
+  else
+    echo "test.sh: missing system packages: ${missing[*]}; install them (Debian: sudo apt-get install ${missing[*]}) and run again" >&2
+    exit 1
+  fi
+fi
+command -v npm >/dev/null || echo "test.sh: npm is missing: the agent-harness tests will fail (Debian: apt-get install nodejs npm)" >&2
 # (An assignment, so a failing fixture script stops here instead of leaving the tests to
 # fail one by one on missing fixtures.)
 fixtures=$(scripts/test-fixtures.sh)

@@ -8,6 +8,7 @@ pub mod config;
 pub mod default_model;
 pub mod engine;
 pub mod generate;
+pub mod launch;
 pub mod plugins;
 pub mod server;
 pub mod tp;

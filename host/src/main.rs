@@ -19,6 +19,8 @@ enum Command {
     Bench(host::bench::Args),
     /// Serve the OpenAI and Anthropic APIs over HTTP.
     Serve(host::config::ServeArgs),
+    /// Run an agent harness (pi, opencode, codex, claude) against `host serve`.
+    Launch(host::launch::Args),
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::plugins::PluginsCommand),
@@ -33,6 +35,7 @@ fn main() {
         Command::Generate(args) => host::generate::run(args),
         Command::Bench(args) => host::bench::run(args),
         Command::Serve(args) => host::server::run(args),
+        Command::Launch(args) => host::launch::run(args),
         Command::Plugins(command) => host::plugins::run_command(command),
         Command::TpWorker(args) => host::tp::worker(args),
     };

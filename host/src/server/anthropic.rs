@@ -5,14 +5,24 @@
 
 use super::error::{ApiError, Flavor};
 use super::openai::ToolChoice;
+use super::turn::Turn;
 use crate::engine::worker::{Finish, Usage};
 use crate::engine::SamplingParams;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+/// A Messages request, as the Anthropic SDKs and Claude Code send it. Fields this server
+/// has no use for are accepted and answered deliberately: `thinking` switches the chat
+/// template's thinking (`enable_thinking`), `cache_control` blocks are accepted (the prompt
+/// cache reuses any shared prefix by itself), `context_management` and `output_config.effort`
+/// are accepted and have no effect (no thinking blocks are kept between turns; effort has no
+/// lever here), `metadata.user_id` is the client for the scheduling policy, and any `model`
+/// name is served by the loaded model. The `anthropic-version`/`anthropic-beta` headers and
+/// `?beta=true` need nothing.
 #[derive(Debug, Clone, Deserialize)]
 pub struct MessagesRequest {
     pub model: Option<String>,
+    /// Required by `/v1/messages`, not by `count_tokens`.
     pub max_tokens: Option<i64>,
     pub messages: Vec<Value>,
     pub system: Option<Value>,
@@ -24,6 +34,10 @@ pub struct MessagesRequest {
     pub stream: bool,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `{"type": "enabled", "budget_tokens": n}`, `{"type": "adaptive"}` or `{"type": "disabled"}`.
+    pub thinking: Option<Value>,
+    /// `{"effort": ..., "format": ...}`: a JSON-schema `format` is refused (no structured output).
+    pub output_config: Option<Value>,
     pub plugins: Option<super::openai::PluginsField>,
     /// Speculative decoding for this request (extension; see `openai::speculative`).
     pub speculative: Option<Value>,
@@ -33,39 +47,135 @@ pub struct MessagesRequest {
     pub priority: Option<i64>,
 }
 
-/// `count_tokens` takes the same fields except `max_tokens`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct CountTokensRequest {
-    pub model: Option<String>,
-    pub messages: Vec<Value>,
-    pub system: Option<Value>,
-    pub tools: Option<Vec<Value>>,
-    pub tool_choice: Option<Value>,
+/// The protocol-neutral turn of a Messages request (`counting`: for `count_tokens`, where
+/// `max_tokens` is not needed).
+pub fn turn(r: &MessagesRequest, counting: bool) -> Result<Turn, ApiError> {
+    let max_tokens = if counting { None } else { Some(max_tokens(r)?) };
+    let sampling = sampling(r)?;
+    let messages = template_messages(r.system.as_ref(), &r.messages)?;
+    let tools = tools(r.tools.as_ref())?;
+    let tool_choice = tool_choice(r.tool_choice.as_ref(), tools.as_ref())?;
+    let stop = super::openai::stops(r.stop_sequences.clone().map(super::openai::Stop::Many))
+        .map_err(|e| e.flavor(Flavor::Anthropic))?;
+    let mut turn = Turn {
+        messages,
+        tools,
+        tool_choice,
+        one_tool_call: one_tool_call(r.tool_choice.as_ref())?,
+        sampling,
+        max_tokens,
+        // Claude Code asks for up to 128k tokens on every turn: a ceiling, not a need.
+        max_tokens_is_ceiling: true,
+        stop,
+        plugins: r.plugins.clone(),
+        speculative: r.speculative.clone(),
+        priority: super::openai::priority(r.priority).map_err(|e| e.flavor(Flavor::Anthropic))?,
+        client: client(r),
+        flavor: Flavor::Anthropic,
+        model: r.model.clone(),
+        ..Turn::default()
+    };
+    if let Some(enabled) = thinking(r.thinking.as_ref())? {
+        turn.template_default("enable_thinking", json!(enabled));
+    }
+    check_output_config(r.output_config.as_ref())?;
+    Ok(turn)
+}
+
+/// `thinking`: whether the template's thinking is on (`None`: the template's default).
+fn thinking(t: Option<&Value>) -> Result<Option<bool>, ApiError> {
+    let Some(t) = t.filter(|t| !t.is_null()) else { return Ok(None) };
+    match t.get("type").and_then(Value::as_str) {
+        Some("enabled") => match t.get("budget_tokens") {
+            None | Some(Value::Null) => Ok(Some(true)),
+            Some(b) if b.as_u64().is_some_and(|b| b >= 1) => Ok(Some(true)),
+            Some(b) => Err(invalid(
+                "thinking.budget_tokens",
+                format!("`thinking.budget_tokens` must be a positive integer, got {b}"),
+            )),
+        },
+        Some("adaptive") => Ok(Some(true)),
+        Some("disabled") => Ok(Some(false)),
+        other => Err(invalid(
+            "thinking.type",
+            format!(
+                "`thinking.type` must be \"enabled\", \"adaptive\" or \"disabled\", got {}",
+                other.map_or("nothing".into(), |o| format!("{o:?}"))
+            ),
+        )),
+    }
+}
+
+/// `output_config`: `effort` is accepted; a `format` other than text is structured output,
+/// which this server does not constrain, so it is refused rather than ignored.
+fn check_output_config(c: Option<&Value>) -> Result<(), ApiError> {
+    let Some(c) = c.filter(|c| !c.is_null()) else { return Ok(()) };
+    if !c.is_object() {
+        return Err(invalid("output_config", "`output_config` must be an object"));
+    }
+    match c.get("format") {
+        None | Some(Value::Null) => Ok(()),
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
+        Some(_) => Err(invalid(
+            "output_config.format",
+            "`output_config.format` (structured output) is not supported by this server; leave it out and describe the format in the prompt",
+        )),
+    }
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(param, message).flavor(Flavor::Anthropic)
 }
 
-/// Text of a `system` field or a `tool_result` content: a string or text blocks.
+/// Claude Code's first system block, `x-anthropic-billing-header: cc_version=...;`, changes
+/// with every prompt: kept in the prompt it would stop the prompt cache from reusing anything
+/// after it, and it means nothing to a local model, so it is dropped.
+const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// Refuses a block this server cannot read, saying why.
+fn unreadable(param: &str, kind: &str) -> ApiError {
+    match kind {
+        "image" | "document" | "search_result" => invalid(
+            param,
+            format!("{param} is a {kind:?} block, and this server's model reads text only; send the content as text"),
+        ),
+        _ => invalid(
+            param,
+            format!(
+                "content blocks of type {kind:?} are not supported here; use text, tool_use, tool_result (or thinking)"
+            ),
+        ),
+    }
+}
+
+/// Text of a `system` field or a `tool_result` content: a string or text blocks (their
+/// `cache_control` accepted).
 fn blocks_text(v: &Value, param: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(blocks) => {
-            let mut text = String::new();
-            for b in blocks {
+            let mut parts = Vec::new();
+            for (i, b) in blocks.iter().enumerate() {
                 match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    _ => return Err(invalid(param, format!("{param} may hold only text blocks"))),
+                    (Some("text"), Some(t)) if t.starts_with(BILLING_HEADER) => {}
+                    (Some("text"), Some(t)) => parts.push(t),
+                    (Some("text"), None) => {
+                        return Err(invalid(&format!("{param}[{i}]"), "a text block needs a string `text`"))
+                    }
+                    (Some(kind), _) => return Err(unreadable(&format!("{param}[{i}]"), kind)),
+                    (None, _) => return Err(invalid(&format!("{param}[{i}]"), "a content block needs a `type`")),
                 }
             }
-            Ok(text)
+            Ok(parts.concat())
         }
         _ => Err(invalid(param, format!("{param} must be a string or a list of text blocks"))),
     }
 }
 
-/// Anthropic messages (and system prompt) as chat-template messages.
+/// Anthropic messages (and system prompt) as chat-template messages. System messages among
+/// `messages` (Claude Code's mid-conversation system beta) stay in place; the prompt builder
+/// moves them into the first system message for templates that refuse them there.
+/// Thinking blocks of earlier turns are dropped (as Claude's own API does for earlier turns).
 pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(invalid("messages", "`messages` must contain at least one message"));
@@ -80,11 +190,22 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
     for (i, m) in messages.iter().enumerate() {
         let param = format!("messages[{i}]");
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-        if role != "user" && role != "assistant" {
+        if !matches!(role, "user" | "assistant" | "system") {
             return Err(invalid(
                 &format!("{param}.role"),
-                format!("{param}.role must be \"user\" or \"assistant\", got {role:?}"),
+                format!("{param}.role must be \"user\", \"assistant\" or \"system\", got {role:?}"),
             ));
+        }
+        if role == "system" {
+            if !messages.iter().any(|m| m.get("role").and_then(Value::as_str).is_some_and(|r| r != "system")) {
+                return Err(invalid(
+                    "messages",
+                    "`messages` holds only system messages; it needs at least one user or assistant message",
+                ));
+            }
+            let text = blocks_text(m.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
+            out.push(json!({"role": "system", "content": text}));
+            continue;
         }
         match m.get("content") {
             Some(Value::String(s)) => out.push(json!({"role": role, "content": s})),
@@ -107,7 +228,8 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
                             };
                             out.push(json!({"role": "tool", "tool_call_id": b.get("tool_use_id").cloned().unwrap_or(Value::Null), "content": content}));
                         }
-                        Some(other) => return Err(invalid(&bparam, format!("content blocks of type {other:?} are not supported; use text, tool_use or tool_result"))),
+                        Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                        Some(other) => return Err(unreadable(&bparam, other)),
                         None => return Err(invalid(&bparam, "a content block needs a `type`")),
                     }
                 }
@@ -130,25 +252,30 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
     Ok(out)
 }
 
-/// Anthropic tool definitions as OpenAI-style function tools.
+/// Anthropic tool definitions as OpenAI-style function tools. Server tools (a `type` such as
+/// `web_search_20250305`: run by Anthropic's servers, which this one is not) and tools with
+/// `defer_loading` (kept out of the model's context until a tool search loads them) are left
+/// out of the prompt: the model could not call them here.
 pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError> {
     let Some(tools) = tools else { return Ok(None) };
-    tools
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let name = t
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| invalid(&format!("tools[{i}]"), "a tool needs a string `name`"))?;
-            Ok(json!({"type": "function", "function": {
-                "name": name,
-                "description": t.get("description").cloned().unwrap_or(json!("")),
-                "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
-            }}))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
+    let mut out = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let name = t
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid(&format!("tools[{i}]"), "a tool needs a string `name`"))?;
+        let server_tool = t.get("type").and_then(Value::as_str).is_some_and(|k| k != "custom");
+        if server_tool || t.get("defer_loading") == Some(&Value::Bool(true)) {
+            tracing::debug!(name, "tool left out of the prompt (a server tool or deferred)");
+            continue;
+        }
+        out.push(json!({"type": "function", "function": {
+            "name": name,
+            "description": t.get("description").cloned().unwrap_or(json!("")),
+            "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
+        }}));
+    }
+    Ok(Some(out))
 }
 
 /// Anthropic's `tool_choice`: `{"type": "auto" | "any" | "none"}` or `{"type": "tool", "name":

@@ -5,7 +5,9 @@ pub mod anthropic;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod responses;
 pub mod routes;
+pub mod turn;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::worker::{Engine, EngineConfig};
@@ -65,6 +67,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         default_plugins: config.default_plugins.clone(),
         speculative: config.spec().unwrap_or_default(),
         tool_adapter,
+        responses: Default::default(),
     })
 }
 

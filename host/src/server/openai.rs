@@ -352,8 +352,9 @@ pub fn tool_name(tool: &Value) -> Option<&str> {
 /// What a request's `tool_choice` asks for (both APIs), checked against its tools. `Required`
 /// and `Named` force a call through the tool adapter's `tool_force` opener, when it has one
 /// (`AppState::force_tool`; ABI.md §5.3).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ToolChoice {
+    #[default]
     Auto,
     None,
     Required,

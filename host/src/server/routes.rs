@@ -6,15 +6,15 @@
 use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
 use super::metrics::Metrics;
-use super::openai::{self, ChatRequest, CompletionRequest, Prompt, ToolChoice};
-use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, SubmitError, TokenLogprob, Usage};
+use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
+use super::responses::{self, Output, ResponsesRequest};
+use super::turn::Turn;
+use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
-use crate::plugins::abi_v1::Kind;
-use crate::plugins::runtime::Instance;
-use crate::plugins::{PluginRegistry, Selected, Selection};
+use crate::plugins::PluginRegistry;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -48,17 +48,23 @@ pub struct AppState {
     /// The tool-call adapter for requests with tools that do not name one (configured, or
     /// chosen from the chat template); `None`: tool calls stay in the text.
     pub tool_adapter: Option<String>,
+    /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
+    pub responses: responses::Store,
 }
 
 type Shared = Arc<AppState>;
 
 pub fn app(state: Shared) -> Router {
     Router::new()
+        .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(create_response))
+        .route("/v1/responses/{id}", get(get_response).delete(delete_response))
+        .route("/v1/responses/{id}/input_items", get(response_input_items))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/plugins", get(list_plugins))
@@ -140,16 +146,31 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}{:x}{n:04x}", nanos & 0xffff_ffff_ffff)
 }
 
-/// Counts every request by route and status, and logs it.
+/// Counts every request by route and status, and logs it with its path; a request the
+/// client abandons before the response starts (the handler is dropped) gets its own line.
 async fn observe(State(state): State<Shared>, req: Request, next: Next) -> Response {
     let route =
         req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
     let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    /// Logs on drop unless disarmed: the handler's future was dropped before it answered.
+    struct Abandoned<'a>(Option<(&'a str, &'a str, Instant)>);
+    impl Drop for Abandoned<'_> {
+        fn drop(&mut self) {
+            if let Some((method, path, start)) = self.0 {
+                let ms = start.elapsed().as_millis() as u64;
+                tracing::info!(method, path, ms, "request abandoned by the client before the response started");
+            }
+        }
+    }
     let start = Instant::now();
+    let method_str = method.as_str().to_string();
+    let mut guard = Abandoned(Some((&method_str, &path, start)));
     let response = next.run(req).await;
+    guard.0 = None;
     let status = response.status().as_u16();
     state.metrics.request(&route, status);
-    tracing::info!(%method, route, status, ms = start.elapsed().as_millis() as u64, "request");
+    tracing::info!(%method, path, route, status, ms = start.elapsed().as_millis() as u64, "request");
     response
 }
 
@@ -178,6 +199,13 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, format!("no route {} {}", req.method(), req.uri().path()))
 }
 
+/// `GET /` (and `HEAD /`, which clients such as Claude Code probe on start): what this is.
+async fn root(State(state): State<Shared>) -> Json<Value> {
+    Json(
+        json!({"service": "host", "model": state.model_id, "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]}),
+    )
+}
+
 async fn health(State(state): State<Shared>) -> Json<Value> {
     Json(json!({"status": "ok", "model": state.model_id}))
 }
@@ -195,218 +223,6 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host"}]}),
     )
-}
-
-impl AppState {
-    fn template_takes_tools(&self) -> bool {
-        self.engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
-    }
-
-    /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
-    /// fault is the adapter's (a 502 naming it).
-    async fn on_adapter(
-        &self,
-        adapter: &Selected,
-        call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<String>> + Send + 'static,
-    ) -> Result<Option<String>, ApiError> {
-        let Some(registry) = self.plugins.clone() else { return Ok(None) };
-        let adapter = adapter.clone();
-        tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
-            .await
-            .map_err(ApiError::internal)?
-            .map_err(|e| plugin_fault(format!("{e:#}"), Flavor::OpenAi))
-    }
-
-    /// For templates that ignore `tools`: the tool adapter's own description of them
-    /// (`tool_render`), when it has one.
-    async fn render_tools(
-        &self,
-        adapter: Option<&Selected>,
-        tools: Option<&Vec<Value>>,
-    ) -> Result<Option<String>, ApiError> {
-        let (Some(adapter), Some(tools)) = (adapter, tools) else { return Ok(None) };
-        if self.template_takes_tools() || tools.is_empty() {
-            return Ok(None);
-        }
-        let tools = Value::Array(tools.clone()).to_string();
-        self.on_adapter(adapter, move |i| i.tool_render(&tools)).await
-    }
-
-    /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`);
-    /// `None` when nothing is forced or the adapter cannot force calls (then `tool_choice` is
-    /// only a hint). A required call among one tool is a call to that tool.
-    async fn force_tool(
-        &self,
-        adapter: Option<&Selected>,
-        choice: &ToolChoice,
-        tools: Option<&Vec<Value>>,
-    ) -> Result<Option<String>, ApiError> {
-        let name = match choice {
-            ToolChoice::Required => match tools.map(Vec::as_slice) {
-                Some([only]) => openai::tool_name(only).unwrap_or_default().to_string(),
-                _ => String::new(),
-            },
-            ToolChoice::Named(name) => name.clone(),
-            ToolChoice::Auto | ToolChoice::None => return Ok(None),
-        };
-        let Some(adapter) = adapter else { return Ok(None) };
-        self.on_adapter(adapter, move |i| i.tool_force(&name)).await
-    }
-
-    /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
-    /// the template, or by the adapter when the template ignores them) and a forced call's
-    /// opener at the start of the reply, which goes into `plugins` for the engine too.
-    async fn tool_chat_prompt(
-        &self,
-        messages: Vec<Value>,
-        tools: Option<Vec<Value>>,
-        choice: &ToolChoice,
-        kwargs: Option<&Value>,
-        plugins: &mut Selection,
-    ) -> Result<Vec<u32>, ApiError> {
-        let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
-        plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
-        self.chat_prompt(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())
-    }
-
-    /// Renders chat messages (and tools) through the model's template and tokenizes them.
-    /// A template that ignores `tools` gets them described in the system message: `rendered`
-    /// (the tool adapter's text) or the Hermes convention. `reply_prefix` (a forced tool
-    /// call's opening) follows the template's start of the assistant's turn.
-    fn chat_prompt(
-        &self,
-        mut messages: Vec<Value>,
-        tools: Option<Vec<Value>>,
-        kwargs: Option<&Value>,
-        rendered: Option<String>,
-        reply_prefix: Option<&str>,
-    ) -> Result<Vec<u32>, ApiError> {
-        let tokenizer = &self.engine.tokenizer;
-        let template_takes_tools = self.template_takes_tools();
-        let tools = tools.filter(|t| !t.is_empty());
-        if let (Some(tools), false) = (&tools, template_takes_tools) {
-            inject_tools(&mut messages, tools, rendered);
-        }
-        let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
-        let mut text = tokenizer
-            .apply_chat_template(&Value::Array(messages), tools_value.as_ref(), true, kwargs)
-            .map_err(|e| ApiError::bad_request(format!("{e}")))?;
-        text.push_str(reply_prefix.unwrap_or_default());
-        tokenizer.encode(&text, false).map_err(ApiError::internal)
-    }
-
-    /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
-    fn admit(&self, prompt: usize, requested: Option<usize>) -> Result<usize, ApiError> {
-        let fit = self.max_sequence_tokens;
-        let too_long = |max: usize| {
-            ApiError::invalid(
-                "max_tokens",
-                format!(
-                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds the {fit} tokens that fit in this server's memory budget; shorten the prompt or lower max_tokens (at most {} here)",
-                    fit.saturating_sub(prompt)
-                ),
-            )
-            .with_code("context_length_exceeded")
-        };
-        match requested {
-            Some(max) if prompt + max > fit => Err(too_long(max)),
-            Some(max) => Ok(max),
-            None if prompt >= fit => Err(too_long(1)),
-            None => Ok(self.default_max_tokens.min(fit - prompt)),
-        }
-    }
-
-    /// Resolves the `plugins` extension field to loaded plugins. A request with `tools` gets
-    /// a tool adapter (the field's `tool`, else the server's), with the tools as its params.
-    fn plugins(
-        &self,
-        field: Option<openai::PluginsField>,
-        tools: Option<&Vec<Value>>,
-        flavor: Flavor,
-    ) -> Result<Selection, ApiError> {
-        let field = field.or_else(|| self.default_plugins.clone()).unwrap_or_default();
-        let tool = field.tool.or_else(|| {
-            let name = self.tool_adapter.clone()?;
-            tools.filter(|t| !t.is_empty())?;
-            Some(openai::PluginRef { name, config: None, params: None, fallback: true })
-        });
-        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() {
-            return Ok(Selection::default());
-        }
-        let registry = self
-            .plugins
-            .as_ref()
-            .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
-        let pick = |kind: Kind, r: openai::PluginRef| {
-            registry
-                .select(kind, &r.name, r.config, r.params, r.fallback)
-                .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
-        };
-        let tool = tool
-            .map(|mut r| {
-                let tools = Value::Array(tools.cloned().unwrap_or_default());
-                r.params = Some(match r.params.take() {
-                    Some(Value::Object(mut p)) => {
-                        p.insert("tools".into(), tools);
-                        Value::Object(p)
-                    }
-                    _ => json!({ "tools": tools }),
-                });
-                pick(Kind::Tool, r)
-            })
-            .transpose()?;
-        Ok(Selection {
-            sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
-            stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
-            tool,
-            reply_prefix: None,
-            one_tool_call: false,
-        })
-    }
-
-    /// Resolves the `speculative` extension field over the server's defaults.
-    fn speculative(&self, field: Option<Value>, flavor: Flavor) -> Result<SpecConfig, ApiError> {
-        openai::speculative(field, &self.speculative, self.engine.has_draft)
-            .map_err(|m| ApiError::invalid("speculative", m).flavor(flavor))
-    }
-
-    /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
-    fn check_sampling(&self, params: &crate::engine::SamplingParams, flavor: Flavor) -> Result<(), ApiError> {
-        params.validate(self.engine.info.vocab_size).map_err(|e| ApiError::bad_request(e.to_string()).flavor(flavor))
-    }
-
-    fn submit(&self, job: JobRequest, flavor: Flavor) -> Result<UnboundedReceiver<Event>, ApiError> {
-        self.engine.submit(job).map_err(|e| match e {
-            SubmitError::QueueFull(n) => ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("the server is busy ({n} requests queued); retry shortly"),
-            )
-            .with_code("queue_full")
-            .flavor(flavor),
-            SubmitError::Stopped => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").flavor(flavor)
-            }
-        })
-    }
-}
-
-/// For templates that ignore `tools`: describe them in the system message, with the
-/// adapter's `rendered` text or in the Hermes `<tool_call>` convention.
-fn inject_tools(messages: &mut Vec<Value>, tools: &[Value], rendered: Option<String>) {
-    let text = rendered.unwrap_or_else(|| {
-        let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
-        format!(
-            "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
-            list.join("\n")
-        )
-    });
-    match messages.first_mut() {
-        Some(first) if first["role"] == "system" => {
-            let existing = first["content"].as_str().unwrap_or("").to_string();
-            first["content"] = json!(format!("{existing}\n\n{text}"));
-        }
-        _ => messages.insert(0, json!({"role": "system", "content": text})),
-    }
 }
 
 /// A finished non-streamed generation.
@@ -433,7 +249,6 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                     c.arguments.push_str(&delta);
                 }
             }
-            Event::Cancelled(m) => return Err(cancelled(m, flavor)),
             Event::Delta { text: t, logprobs: l } => {
                 if first {
                     state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
@@ -452,9 +267,7 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                 );
                 return Ok(Completion { text, logprobs, tool_calls, finish, usage });
             }
-            Event::Error(e) => return Err(ApiError::internal(e).flavor(flavor)),
-            Event::Refused(m) => return Err(ApiError::invalid("plugins", m).flavor(flavor)),
-            Event::PluginFault(m) => return Err(plugin_fault(m, flavor)),
+            e => return Err(failure(&e, flavor).expect("a failure event")),
         }
     }
     Err(ApiError::internal("the engine dropped the request").flavor(flavor))
@@ -471,31 +284,36 @@ fn cancelled(cancel: Cancel, flavor: Flavor) -> ApiError {
 }
 
 /// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
-fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
+pub(super) fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).with_code("plugin_error").flavor(flavor)
 }
 
-/// Waits for the job to start (prefill done, plugins initialized), so that a refused plugin
-/// config or a plugin failure before the first token is still a plain HTTP error.
-async fn started(
-    mut rx: UnboundedReceiver<Event>,
-    flavor: Flavor,
-) -> Result<(Event, UnboundedReceiver<Event>), ApiError> {
-    match rx.recv().await {
-        Some(Event::Refused(m)) => Err(ApiError::invalid("plugins", m).flavor(flavor)),
-        Some(Event::PluginFault(m)) => Err(plugin_fault(m, flavor)),
-        Some(Event::Error(e)) => Err(ApiError::internal(e).flavor(flavor)),
-        Some(Event::Cancelled(m)) => Err(cancelled(m, flavor)),
-        Some(first) => Ok((first, rx)),
-        None => Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
+/// The HTTP error of an engine event that ends a request before it produced anything.
+fn failure(event: &Event, flavor: Flavor) -> Option<ApiError> {
+    match event {
+        Event::Refused(m) => Some(ApiError::invalid("plugins", m.clone()).flavor(flavor)),
+        Event::PluginFault(m) => Some(plugin_fault(m.clone(), flavor)),
+        Event::Error(e) => Some(ApiError::internal(e).flavor(flavor)),
+        Event::Cancelled(m) => Some(cancelled(m.clone(), flavor)),
+        _ => None,
     }
 }
 
-/// Streams engine events as SSE: `render` turns each event into SSE events (or nothing).
-/// The task ends, cancelling the job, as soon as the client disconnects.
+/// How long a stream waits for its job to start before it sends its headers: a failure
+/// within it (a refused plugin config, a plugin failing at its start) is still a plain HTTP
+/// error. Past it (a queue, a long prefill) the headers go out and SSE keep-alive comments
+/// every [`KEEP_ALIVE`] hold the connection, so that clients with a first-byte or idle
+/// timeout (Bun's fetch gives up at 300 s) wait; a failure then arrives in the stream.
+const START_GRACE: std::time::Duration = std::time::Duration::from_millis(1500);
+const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Streams engine events as SSE: `opening` as soon as the stream opens, then `render` turns
+/// each event into SSE events (or nothing). The task ends, cancelling the job, as soon as
+/// the client disconnects, also while the prompt is still being prefilled.
 async fn stream<F>(
     state: Shared,
-    rx: UnboundedReceiver<Event>,
+    mut rx: UnboundedReceiver<Event>,
+    opening: Vec<SseEvent>,
     mut render: F,
     done_marker: bool,
     flavor: Flavor,
@@ -504,17 +322,33 @@ where
     F: FnMut(&Event) -> Vec<SseEvent> + Send + 'static,
 {
     let start = Instant::now();
-    let (first, mut rx) = started(rx, flavor).await?;
+    let first = match tokio::time::timeout(START_GRACE, rx.recv()).await {
+        Ok(Some(e)) => match failure(&e, flavor) {
+            Some(error) => return Err(error),
+            None => Some(e),
+        },
+        Ok(None) => return Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
+        Err(_) => None,
+    };
     let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
+        for e in opening {
+            if tx.send(Ok(e)).await.is_err() {
+                return;
+            }
+        }
         let mut last: Option<Instant> = None;
-        let mut first = Some(first);
+        let mut first = first;
         loop {
             let event = match first.take() {
                 Some(e) => e,
-                None => match rx.recv().await {
-                    Some(e) => e,
-                    None => break,
+                None => tokio::select! {
+                    e = rx.recv() => match e {
+                        Some(e) => e,
+                        None => break,
+                    },
+                    // Client gone: dropping `rx` cancels the job.
+                    _ = tx.closed() => return,
                 },
             };
             if let Event::Delta { .. } = event {
@@ -551,17 +385,17 @@ where
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
         }
     });
-    Ok(Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response())
+    Ok(Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response())
 }
 
 fn data(v: Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
 }
 
-/// An error after the stream started: internal details go to the log; plugin faults and
-/// refusals are shown as they are (they name the plugin).
-fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
-    let message = match event {
+/// What the client is told of a failure after its stream started: internal details go to
+/// the log; plugin faults and refusals are shown as they are (they name the plugin).
+pub(super) fn stream_error_message(event: &Event) -> String {
+    match event {
         Event::Error(m) => {
             tracing::error!("generation failed mid-stream: {m}");
             "internal error; see the server log".to_string()
@@ -569,7 +403,13 @@ fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
         Event::Refused(m) | Event::PluginFault(m) => m.clone(),
         Event::Cancelled(c) => c.message.clone(),
         _ => String::new(),
-    };
+    }
+}
+
+/// An error after the stream started: internal details go to the log; plugin faults and
+/// refusals are shown as they are (they name the plugin).
+fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
+    let message = stream_error_message(event);
     match flavor {
         Flavor::OpenAi => data(json!({"error": {"message": message, "type": "server_error"}})),
         Flavor::Anthropic => SseEvent::default()
@@ -600,20 +440,26 @@ async fn chat_completions(
     };
     let messages = openai::template_messages(&req.messages)?;
     openai::check_tools(req.tools.as_ref())?;
-    let choice = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?;
-    let tools = choice.tools(req.tools.clone());
-    let kwargs = req.chat_template_kwargs.clone().map(Value::Object);
-    let priority = openai::priority(req.priority)?;
-    state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let mut plugins = state.plugins(req.plugins, tools.as_ref(), Flavor::OpenAi)?;
-    plugins.one_tool_call = req.parallel_tool_calls == Some(false);
-    let prompt = state.tool_chat_prompt(messages, tools, &choice, kwargs.as_ref(), &mut plugins).await?;
-    let max_tokens = state.admit(prompt.len(), max)?;
-    let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
-    let stop = openai::stops(req.stop)?;
-    let client = req.user.clone();
-    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative, priority, client };
-    let rx = state.submit(job, Flavor::OpenAi)?;
+    let tool_choice = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?;
+    let turn = Turn {
+        messages,
+        tools: req.tools,
+        tool_choice,
+        one_tool_call: req.parallel_tool_calls == Some(false),
+        sampling,
+        max_tokens: max,
+        stop: openai::stops(req.stop)?,
+        top_logprobs,
+        plugins: req.plugins,
+        speculative: req.speculative,
+        priority: openai::priority(req.priority)?,
+        client: req.user,
+        template_kwargs: req.chat_template_kwargs,
+        flavor: Flavor::OpenAi,
+        max_tokens_is_ceiling: false,
+        model: req.model,
+    };
+    let rx = state.begin(turn, "chat", req.stream).await?.events;
     let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, Flavor::OpenAi).await?;
@@ -651,6 +497,7 @@ async fn chat_completions(
     stream(
         state.clone(),
         rx,
+        vec![],
         move |event| match event {
             Event::Started { .. } => vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)],
             Event::Delta { text, logprobs } => {
@@ -748,6 +595,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     stream(
         state.clone(),
         rx,
+        vec![],
         move |event| match event {
             Event::Started { .. } => {
                 echo.take().map(|e| vec![chunk(&e, Value::Null, Value::Null, None)]).unwrap_or_default()
@@ -778,24 +626,8 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
 async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let a = Flavor::Anthropic;
     let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
-    let max = anthropic::max_tokens(&req)?;
-    let sampling = anthropic::sampling(&req)?;
-    let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
-    let tools = anthropic::tools(req.tools.as_ref())?;
-    let choice = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?;
-    let tools = choice.tools(tools);
-    state.check_sampling(&sampling, a)?;
-    let priority = openai::priority(req.priority).map_err(|e| e.flavor(a))?;
-    let mut plugins = state.plugins(req.plugins.clone(), tools.as_ref(), a)?;
-    plugins.one_tool_call = anthropic::one_tool_call(req.tool_choice.as_ref())?;
-    let prompt = state.tool_chat_prompt(messages, tools, &choice, None, &mut plugins).await.map_err(|e| e.flavor(a))?;
-    let max_tokens = state.admit(prompt.len(), Some(max)).map_err(|e| e.flavor(a))?;
-    let stop = openai::stops(req.stop_sequences.clone().map(openai::Stop::Many)).map_err(|e| e.flavor(a))?;
-    let speculative = state.speculative(req.speculative.clone(), a)?;
-    let client = anthropic::client(&req);
-    let job =
-        JobRequest { prompt, sampling, max_tokens, stop, top_logprobs: None, plugins, speculative, priority, client };
-    let rx = state.submit(job, a)?;
+    let turn = anthropic::turn(&req, false)?;
+    let rx = state.begin(turn, "messages", req.stream).await?.events;
     let (id, model) = (request_id("msg_"), state.model_id.clone());
     if !req.stream {
         let c = collect(&state, rx, a).await?;
@@ -820,6 +652,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     stream(
         state.clone(),
         rx,
+        vec![],
         move |event| match event {
             Event::Started { prompt_tokens, cached_tokens } => vec![
                 named(
@@ -905,6 +738,97 @@ fn open_block(open: &mut Option<(usize, bool)>, text: bool, start: Value) -> Vec
     out
 }
 
+/// `POST /v1/responses`: the OpenAI Responses API (see `responses.rs`).
+async fn create_response(
+    State(state): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ResponsesRequest = parse_body(body)?;
+    let history = match req.previous_response_id.as_deref() {
+        None => vec![],
+        Some(id) => state.responses.get(id).map(|s| s.conversation).ok_or_else(|| {
+            ApiError::invalid("previous_response_id", format!("`previous_response_id` names no stored response {id:?}: it was never stored (`store: false`), was deleted, or is older than the newest {} this server keeps", responses::Store::MAX_RESPONSES))
+                .with_code("previous_response_not_found")
+        })?,
+    };
+    let (turn, conversation) = responses::turn(&req, history)?;
+    let tools = turn.tool_choice.tools(turn.tools.clone());
+    let rx = state.begin(turn, "responses", req.stream).await?.events;
+    let mut output = Output::new(&request_id("resp_"), &state.model_id, now(), &req, &tools);
+    let store = req.store.unwrap_or(true);
+    let input_items = responses::input_items(req.input.as_ref().unwrap_or(&Value::Null));
+    let keep = {
+        let state = state.clone();
+        move |output: &Output| {
+            if let (true, Some(done)) = (store, output.done.as_ref()) {
+                let mut conversation = conversation.clone();
+                conversation.extend(output.as_messages());
+                state.responses.put(done.clone(), conversation, input_items.clone());
+            }
+        }
+    };
+    if !req.stream {
+        let mut rx = rx;
+        while let Some(event) = rx.recv().await {
+            if let Some(error) = failure(&event, Flavor::OpenAi) {
+                return Err(error);
+            }
+            output.on(&event);
+            if let Some(done) = output.done.clone() {
+                keep(&output);
+                return Ok(Json(done).into_response());
+            }
+        }
+        return Err(ApiError::internal("the engine dropped the request"));
+    }
+    let sse = |(kind, data): responses::StreamEvent| SseEvent::default().event(kind).data(data.to_string());
+    let opening = output.opening().into_iter().map(sse).collect();
+    stream(
+        state.clone(),
+        rx,
+        opening,
+        move |event| {
+            let events = output.on(event).into_iter().map(sse).collect();
+            if matches!(event, Event::Done { .. }) {
+                keep(&output);
+            }
+            events
+        },
+        false,
+        Flavor::OpenAi,
+    )
+    .await
+}
+
+fn no_response(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no stored response {id:?} (responses are kept when created with `store`, up to the newest {})",
+            responses::Store::MAX_RESPONSES
+        ),
+    )
+}
+
+async fn get_response(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    state.responses.get(&id).map(|s| Json(s.response)).ok_or_else(|| no_response(&id))
+}
+
+async fn delete_response(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    match state.responses.delete(&id) {
+        true => Ok(Json(json!({"id": id, "object": "response", "deleted": true}))),
+        false => Err(no_response(&id)),
+    }
+}
+
+async fn response_input_items(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let items = state.responses.get(&id).ok_or_else(|| no_response(&id))?.input_items;
+    let id_of = |i: Option<&Value>| i.and_then(|i| i.get("id")).cloned().unwrap_or(Value::Null);
+    Ok(Json(
+        json!({"object": "list", "data": items, "first_id": id_of(items.first()), "last_id": id_of(items.last()), "has_more": false}),
+    ))
+}
+
 /// `POST /tokenize` (as vLLM's): `{"prompt": "text", "add_special_tokens": false}` or
 /// `{"messages": [...]}` (rendered with the chat template) -> token ids.
 async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
@@ -952,15 +876,10 @@ async fn count_tokens(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let a = Flavor::Anthropic;
-    let req: anthropic::CountTokensRequest = parse_body(body).map_err(|e| e.flavor(a))?;
-    let messages = anthropic::template_messages(req.system.as_ref(), &req.messages)?;
+    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
     // The same prompt `messages` would build: tool descriptions and a forced call's opener.
-    let tools = anthropic::tools(req.tools.as_ref())?;
-    let choice = anthropic::tool_choice(req.tool_choice.as_ref(), tools.as_ref())?;
-    let tools = choice.tools(tools);
-    let mut plugins = state.plugins(None, tools.as_ref(), a)?;
-    let prompt = state.tool_chat_prompt(messages, tools, &choice, None, &mut plugins).await.map_err(|e| e.flavor(a))?;
-    Ok(Json(json!({"input_tokens": prompt.len()})))
+    let tokens = state.count(anthropic::turn(&req, true)?).await?;
+    Ok(Json(json!({"input_tokens": tokens})))
 }
 
 #[cfg(test)]
@@ -1014,6 +933,176 @@ mod tests {
             v["usage"]["total_tokens"].as_u64().unwrap()
         );
         assert_eq!(v["object"], "chat.completion");
+    }
+
+    /// Sends a request; returns the status and the raw body.
+    async fn raw(router: Router, method: &str, path: &str, body: &str) -> (u16, String) {
+        let req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+        let response = router.oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let status = response.status().as_u16();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The `data` of each SSE event of a stream body.
+    fn sse_data(body: &str) -> Vec<Value> {
+        body.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str(d).ok()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_response_is_stored_continued_read_and_deleted() {
+        let state = crate::server::state(&ServeConfig::default(), engine(), None);
+        let r = || app(state.clone());
+        let body = r#"{"input": "hi", "instructions": "be brief", "max_output_tokens": 3, "temperature": 0}"#;
+        let (status, v) = check(r(), "POST", "/v1/responses", body, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["object"], "response");
+        assert_eq!(v["status"], "incomplete", "three tokens of a random model: cut by max_output_tokens");
+        assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(v["usage"]["output_tokens"], 3);
+        let first_prompt = v["usage"]["input_tokens"].as_u64().unwrap();
+        let id = v["id"].as_str().unwrap().to_string();
+        let (status, got) = check(r(), "GET", &format!("/v1/responses/{id}"), "", &[]).await;
+        assert_eq!((status, &got), (200, &v));
+        let (status, items) = check(r(), "GET", &format!("/v1/responses/{id}/input_items"), "", &[]).await;
+        assert_eq!((status, items["data"][0]["content"][0]["text"].as_str()), (200, Some("hi")), "{items}");
+        // The next turn sees the stored conversation: a longer prompt than its own input,
+        // most of it from the prompt cache.
+        let next =
+            format!(r#"{{"input": "more", "previous_response_id": "{id}", "max_output_tokens": 2, "store": false}}"#);
+        let (status, n) = check(r(), "POST", "/v1/responses", &next, &[]).await;
+        assert_eq!(status, 200, "{n}");
+        assert!(n["usage"]["input_tokens"].as_u64().unwrap() > first_prompt, "{n}");
+        let (status, _) = check(r(), "GET", &format!("/v1/responses/{}", n["id"].as_str().unwrap()), "", &[]).await;
+        assert_eq!(status, 404, "store: false keeps nothing");
+        let (status, d) = check(r(), "DELETE", &format!("/v1/responses/{id}"), "", &[]).await;
+        assert_eq!((status, d["deleted"].as_bool()), (200, Some(true)));
+        let (status, e) = check(r(), "POST", "/v1/responses", &next, &[]).await;
+        assert_eq!((status, e["error"]["param"].as_str()), (400, Some("previous_response_id")), "{e}");
+        for (bad, param) in [
+            (r#"{"input": "x", "background": true}"#, "background"),
+            (r#"{"input": "x", "text": {"format": {"type": "json_schema"}}}"#, "text.format"),
+            (r#"{"input": "x", "truncation": "auto"}"#, "truncation"),
+            (
+                r#"{"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]}"#,
+                "input[0].content[0]",
+            ),
+            (r#"{"input": "x", "tools": [{"type": "function", "name": ""}]}"#, "tools[0].function.name"),
+            (r#"{"input": "x", "tool_choice": {"type": "function", "name": "nope"}}"#, "tool_choice"),
+            (r#"{"max_output_tokens": 3}"#, "input"),
+        ] {
+            let (status, e) = check(r(), "POST", "/v1/responses", bad, &[]).await;
+            assert_eq!((status, e["error"]["param"].as_str()), (400, Some(param)), "{bad}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_response_follows_the_grammar_and_ends_completed() {
+        let body = r#"{"input": [{"role": "user", "content": "hi"}], "stream": true, "max_output_tokens": 4}"#;
+        let (status, text) = raw(router(None), "POST", "/v1/responses", body).await;
+        assert_eq!(status, 200, "{text}");
+        let events = sse_data(&text);
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds[..2], ["response.created", "response.in_progress"], "{kinds:?}");
+        assert_eq!(*kinds.last().unwrap(), "response.incomplete", "{kinds:?}");
+        let numbers: Vec<u64> = events.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+        assert_eq!(numbers, (0..events.len() as u64).collect::<Vec<_>>());
+        let last = &events.last().unwrap()["response"];
+        let deltas: String = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(last["output"][0]["content"][0]["text"].as_str(), Some(deltas.as_str()));
+        assert_eq!(last["usage"]["output_tokens"], 4);
+    }
+
+    /// Requests recorded from the real harnesses (tests/fixtures/harness: Claude Code's first
+    /// turn with its system message among `messages`, thinking, context management, effort
+    /// and cache_control; Codex's Responses turn with developer messages, a namespace and a
+    /// web_search tool) are served: every field and block as recorded, but for a small output
+    /// limit and long texts cut to 200 characters (the tiny model's tokens are bytes; the
+    /// full prompts run in the harness e2e tests).
+    #[tokio::test]
+    async fn recorded_harness_requests_are_served() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/harness");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let recorded: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let mut body = recorded["body"].clone();
+            let route = recorded["path"].as_str().unwrap();
+            let (limit, last) = match route.starts_with("/v1/messages") {
+                true => ("max_tokens", "message_stop"),
+                false => ("max_output_tokens", "response.incomplete"),
+            };
+            body[limit] = json!(2);
+            fn shorten(v: &mut Value) {
+                match v {
+                    Value::String(s) if s.len() > 200 => *s = s.chars().take(200).collect(),
+                    Value::Array(a) => a.iter_mut().for_each(shorten),
+                    Value::Object(o) => o.values_mut().for_each(shorten),
+                    _ => {}
+                }
+            }
+            shorten(&mut body);
+            let (status, text) = raw(router(None), "POST", route, &body.to_string()).await;
+            assert_eq!(status, 200, "{}: {text}", path.display());
+            let events = sse_data(&text);
+            assert_eq!(events.last().unwrap()["type"], last, "{}: {text}", path.display());
+            seen += 1;
+        }
+        assert!(seen >= 2);
+    }
+
+    #[tokio::test]
+    async fn claude_codes_fields_are_taken_and_images_refused() {
+        let body = |extra: &str| {
+            format!(
+                r#"{{"model": "claude-opus-4-8", "max_tokens": 1000000, "system": [{{"type": "text", "text": "x-anthropic-billing-header: cc_version=1.2.3; cch=abc;"}}, {{"type": "text", "text": "You help.", "cache_control": {{"type": "ephemeral"}}}}], "messages": [{{"role": "user", "content": "hi"}}, {{"role": "system", "content": [{{"type": "text", "text": "env"}}]}}, {{"role": "assistant", "content": [{{"type": "thinking", "thinking": "hm", "signature": "s"}}, {{"type": "text", "text": "ok"}}]}}, {{"role": "user", "content": "go"}}], "thinking": {{"type": "enabled", "budget_tokens": 2000}}, "context_management": {{"edits": []}}, "output_config": {{"effort": "high"}}, "metadata": {{"user_id": "u"}}{extra}}}"#
+            )
+        };
+        let (status, v) = check(
+            router(None),
+            "POST",
+            "/v1/messages?beta=true",
+            &body(""),
+            &[("anthropic-beta", "interleaved-thinking-2025-05-14")],
+        )
+        .await;
+        assert_eq!(status, 200, "a max_tokens past the budget is a ceiling here: {v}");
+        // The billing header is not in the prompt: the same request without it counts the same.
+        let count = |b: String| async move { check(router(None), "POST", "/v1/messages/count_tokens", &b, &[]).await };
+        let (_, with) = count(body("")).await;
+        let (_, without) = count(body("").replace("x-anthropic-billing-header: cc_version=1.2.3; cch=abc;", "")).await;
+        assert_eq!(with["input_tokens"], without["input_tokens"], "{with} {without}");
+        for (extra, want) in [
+            (r#", "thinking": {"type": "sometimes"}"#, "thinking.type"),
+            (r#", "output_config": {"format": {"type": "json_schema"}}"#, "structured output"),
+        ] {
+            let b = body("").replacen(r#""thinking": {"type": "enabled", "budget_tokens": 2000}, "#, "", 1);
+            let b = if extra.contains("output_config") {
+                b.replacen(r#", "output_config": {"effort": "high"}"#, "", 1)
+            } else {
+                b
+            };
+            let b = format!("{}{extra}}}", &b[..b.len() - 1]);
+            let (status, e) = check(router(None), "POST", "/v1/messages", &b, &[]).await;
+            assert_eq!(status, 400, "{extra}: {e}");
+            assert!(e["error"]["message"].as_str().unwrap().contains(want), "{e}");
+        }
+        let image = r#"{"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}"#;
+        let (status, e) = check(router(None), "POST", "/v1/messages", image, &[]).await;
+        assert_eq!(status, 400);
+        assert!(e["error"]["message"].as_str().unwrap().contains("reads text only"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn head_root_is_answered() {
+        let (status, v) = check(router(None), "GET", "/", "", &[]).await;
+        assert_eq!((status, v["service"].as_str()), (200, Some("host")));
+        let response = router(None).oneshot(Request::head("/").body(Body::empty()).unwrap()).await.unwrap();
+        assert_eq!(response.status().as_u16(), 200);
     }
 
     #[tokio::test]

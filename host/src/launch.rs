@@ -1,0 +1,379 @@
+//! `host launch <pi|opencode|codex|claude> [SERVE_ARGS] [-- HARNESS_ARGS]`: runs an agent
+//! harness against `host serve`. Reuses a server already answering on the address (the
+//! `--url`, else 127.0.0.1 on `--port` or 8080), else starts one with SERVE_ARGS and stops it
+//! when the harness exits. The harness's configuration points every model role it uses at
+//! the served model and is given through flags and environment variables, or files under
+//! `$XDG_CONFIG_HOME/host/launch/` (`~/.config/host/launch/`): the user's own configuration
+//! is never written. `--print-config` shows it instead of running the harness.
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Harness {
+    /// pi (`@mariozechner/pi-coding-agent`): OpenAI chat completions.
+    Pi,
+    /// opencode (`opencode-ai`): OpenAI chat completions.
+    Opencode,
+    /// Codex CLI (`@openai/codex`): the Responses API.
+    Codex,
+    /// Claude Code (`@anthropic-ai/claude-code`): Anthropic Messages.
+    Claude,
+}
+
+impl Harness {
+    fn program(self) -> &'static str {
+        match self {
+            Harness::Pi => "pi",
+            Harness::Opencode => "opencode",
+            Harness::Codex => "codex",
+            Harness::Claude => "claude",
+        }
+    }
+
+    fn npm_package(self) -> &'static str {
+        match self {
+            Harness::Pi => "@mariozechner/pi-coding-agent",
+            Harness::Opencode => "opencode-ai",
+            Harness::Codex => "@openai/codex",
+            Harness::Claude => "@anthropic-ai/claude-code",
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The harness to run.
+    #[arg(value_enum)]
+    pub harness: Harness,
+    /// Use the server at this URL (e.g. http://127.0.0.1:8080) instead of finding or
+    /// starting one.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Print the configuration the harness would get (flags, environment, files) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// `host serve` arguments for a server started here (e.g. `--model PATH --port 0`).
+    #[arg(allow_hyphen_values = true)]
+    pub serve_args: Vec<String>,
+    /// After `--`: the harness's own arguments.
+    #[arg(last = true)]
+    pub harness_args: Vec<String>,
+}
+
+impl Args {
+    /// The serve arguments and the harness arguments. (Once the serve arguments have begun,
+    /// clap keeps a `--` among them rather than ending them there.)
+    pub fn split(&self) -> (Vec<String>, Vec<String>) {
+        match self.serve_args.iter().position(|a| a == "--") {
+            Some(i) => {
+                let mut harness = self.serve_args[i + 1..].to_vec();
+                harness.extend(self.harness_args.iter().cloned());
+                (self.serve_args[..i].to_vec(), harness)
+            }
+            None => (self.serve_args.clone(), self.harness_args.clone()),
+        }
+    }
+}
+
+/// What the harness gets: extra leading arguments, environment variables, files written.
+#[derive(Debug, Default, PartialEq)]
+pub struct Launch {
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub files: Vec<(PathBuf, String)>,
+}
+
+/// The configuration for `harness` against the server at `url` serving `model`.
+pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &Path) -> Launch {
+    let url = url.trim_end_matches('/');
+    let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    match harness {
+        // Every role (main loop, sub-agents, the "haiku" background calls) is the served model.
+        Harness::Claude => Launch {
+            env: env(&[
+                ("ANTHROPIC_BASE_URL", url),
+                ("ANTHROPIC_AUTH_TOKEN", api_key),
+                ("ANTHROPIC_MODEL", model),
+                ("ANTHROPIC_DEFAULT_OPUS_MODEL", model),
+                ("ANTHROPIC_DEFAULT_SONNET_MODEL", model),
+                ("ANTHROPIC_DEFAULT_HAIKU_MODEL", model),
+                ("ANTHROPIC_SMALL_FAST_MODEL", model),
+                ("CLAUDE_CODE_SUBAGENT_MODEL", model),
+                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            ]),
+            ..Launch::default()
+        },
+        // `-c` overrides (TOML values) leave ~/.codex/config.toml as it is.
+        Harness::Codex => {
+            let mut args = vec![];
+            for (key, value) in [
+                ("model_provider", json!("host")),
+                ("model", json!(model)),
+                ("model_providers.host.name", json!("host")),
+                ("model_providers.host.base_url", json!(format!("{url}/v1"))),
+                ("model_providers.host.wire_api", json!("responses")),
+                ("model_providers.host.env_key", json!("HOST_LAUNCH_API_KEY")),
+            ] {
+                args.push("-c".to_string());
+                args.push(format!("{key}={value}"));
+            }
+            Launch { args, env: env(&[("HOST_LAUNCH_API_KEY", api_key)]), ..Launch::default() }
+        }
+        // OPENCODE_CONFIG is merged over the user's own configuration.
+        Harness::Opencode => {
+            let path = dir.join("opencode.json");
+            let config = json!({
+                "$schema": "https://opencode.ai/config.json",
+                "provider": {"host": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "host",
+                    "options": {"baseURL": format!("{url}/v1"), "apiKey": api_key},
+                    "models": {model: {"name": model, "tool_call": true}},
+                }},
+                "model": format!("host/{model}"),
+                "small_model": format!("host/{model}"),
+            });
+            Launch {
+                env: env(&[("OPENCODE_CONFIG", &path.to_string_lossy())]),
+                files: vec![(path, serde_json::to_string_pretty(&config).unwrap())],
+                ..Launch::default()
+            }
+        }
+        // pi reads providers from its agent folder only: it gets one of its own.
+        Harness::Pi => {
+            let agent = dir.join("pi-agent");
+            let models = json!({"providers": {"host": {
+                "baseUrl": format!("{url}/v1"),
+                "api": "openai-completions",
+                "apiKey": api_key,
+                "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
+                "models": [{"id": model}],
+            }}});
+            Launch {
+                args: vec!["--provider".into(), "host".into(), "--model".into(), model.into()],
+                env: env(&[("PI_CODING_AGENT_DIR", &agent.to_string_lossy())]),
+                files: vec![(agent.join("models.json"), serde_json::to_string_pretty(&models).unwrap())],
+            }
+        }
+    }
+}
+
+/// `GET path` on `http://host:port` with the standard library; the body, for a 200.
+fn http_get(url: &str, path: &str) -> Result<String> {
+    let authority = url.trim_end_matches('/').strip_prefix("http://").context("only http:// URLs are supported")?;
+    let mut stream = std::net::TcpStream::connect(authority).with_context(|| format!("connecting to {url}"))?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").context("a malformed HTTP response")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("{url}{path} answered {}", head.lines().next().unwrap_or(""));
+    }
+    Ok(body.to_string())
+}
+
+/// The served model's id, if a host server answers at `url`.
+fn served_model(url: &str) -> Option<String> {
+    let health: Value = serde_json::from_str(&http_get(url, "/health").ok()?).ok()?;
+    health.get("model")?.as_str().map(str::to_string)
+}
+
+/// A `host serve` started for the harness; stopped when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SIGTERM first (the server's graceful shutdown), SIGKILL if that cannot be sent.
+        if !Command::new("kill").arg(self.0.id().to_string()).status().is_ok_and(|s| s.success()) {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `host serve SERVE_ARGS`; returns it once it says where it listens.
+fn start_server(serve_args: &[String]) -> Result<(Server, String)> {
+    let exe = std::env::current_exe().context("finding the host binary")?;
+    let mut child = Command::new(exe)
+        .arg("serve")
+        .args(serve_args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting host serve")?;
+    let stderr = child.stderr.take().unwrap();
+    let server = Server(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // The server's log goes on to a file-like sink: our stderr would mix with the
+        // harness's screen, so only the address line is looked for, the rest is kept.
+        let log = std::env::temp_dir().join(format!("host-launch-{}.log", std::process::id()));
+        let mut file = std::fs::File::create(&log).ok();
+        let mut sent = false;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(f) = file.as_mut() {
+                let _ = writeln!(f, "{line}");
+            }
+            if !sent {
+                if let Some(url) = line.split(" on ").last().filter(|u| u.starts_with("http://")) {
+                    let _ = tx.send(Ok(url.trim().to_string()));
+                    sent = true;
+                } else if line.starts_with("error:") {
+                    let _ = tx.send(Err(line.clone()));
+                    sent = true;
+                }
+            }
+        }
+        if !sent {
+            let _ = tx.send(Err(format!("host serve exited before serving; its log: {}", log.display())));
+        }
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(600)) {
+        Ok(Ok(url)) => Ok((server, url)),
+        Ok(Err(e)) => bail!("host serve did not start: {e}"),
+        Err(_) => bail!("host serve did not start within 600 s"),
+    }
+}
+
+/// The program on PATH, if any.
+fn find_program(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+fn config_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("host").join("launch")
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (serve_args, harness_args) = args.split();
+    let (serve_args, harness_args) = (&serve_args, &harness_args);
+    let program = args.harness.program();
+    let binary = find_program(program);
+    if binary.is_none() && !args.print_config {
+        bail!(
+            "{program} is not installed (not on PATH); install it with `npm install -g {}@latest`",
+            args.harness.npm_package()
+        );
+    }
+    let port = serve_args.iter().position(|a| a == "--port").and_then(|i| serve_args.get(i + 1)).cloned();
+    let guess = args.url.clone().unwrap_or_else(|| format!("http://127.0.0.1:{}", port.as_deref().unwrap_or("8080")));
+    let api_key = std::env::var("HOST_API_KEY").unwrap_or_else(|_| "host-local".into());
+    let (_server, url, model) = match served_model(&guess) {
+        Some(model) => {
+            eprintln!("host launch: using the server at {guess} ({model})");
+            (None, guess, model)
+        }
+        None if args.url.is_some() => bail!("no host server answers at {guess}"),
+        None => {
+            eprintln!("host launch: starting host serve {}", serve_args.join(" "));
+            let (server, url) = start_server(serve_args)?;
+            let model = served_model(&url).with_context(|| format!("the server at {url} did not answer /health"))?;
+            eprintln!("host launch: serving {model} on {url}");
+            (Some(server), url, model)
+        }
+    };
+    let launch = configure(args.harness, &url, &model, &api_key, &config_dir());
+    for (path, text) in &launch.files {
+        std::fs::create_dir_all(path.parent().unwrap()).with_context(|| format!("creating {}", path.display()))?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.print_config {
+        for (k, v) in &launch.env {
+            println!("export {k}={}", shell_quote(v));
+        }
+        let command: Vec<String> = launch.args.iter().chain(harness_args).map(|a| shell_quote(a)).collect();
+        println!("{program} {}", command.join(" "));
+        for (path, text) in &launch.files {
+            println!("\n# {}\n{text}", path.display());
+        }
+        return Ok(());
+    }
+    let status = Command::new(binary.unwrap())
+        .args(&launch.args)
+        .args(harness_args)
+        .envs(launch.env.iter().map(|(k, v)| (k, v)))
+        .status()
+        .with_context(|| format!("running {program}"))?;
+    drop(_server);
+    std::process::exit(status.code().unwrap_or(1));
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=@".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_arguments_and_harness_arguments_are_split_at_the_double_dash() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let parse = |line: &[&str]| <Cli as clap::Parser>::try_parse_from(line).map(|c| c.args);
+        let a =
+            parse(&["launch", "--print-config", "codex", "--model", "m", "--port", "0", "--", "exec", "--json", "hi"])
+                .unwrap();
+        assert_eq!((a.harness, a.print_config), (Harness::Codex, true));
+        assert_eq!(
+            a.split(),
+            (
+                vec!["--model".into(), "m".into(), "--port".into(), "0".into()],
+                vec!["exec".into(), "--json".into(), "hi".into()]
+            )
+        );
+        let a = parse(&["launch", "pi", "--", "-p", "--no-session", "hello"]).unwrap();
+        assert_eq!(a.split(), (vec![], vec!["-p".into(), "--no-session".into(), "hello".into()]));
+        assert!(parse(&["launch", "vim"]).is_err());
+    }
+
+    #[test]
+    fn each_harness_points_every_model_role_at_the_served_model() {
+        let dir = Path::new("/cfg");
+        let claude = configure(Harness::Claude, "http://h:1/", "m", "k", dir);
+        let env: std::collections::HashMap<_, _> = claude.env.iter().cloned().collect();
+        assert_eq!(env["ANTHROPIC_BASE_URL"], "http://h:1");
+        for role in [
+            "ANTHROPIC_MODEL",
+            "ANTHROPIC_DEFAULT_OPUS_MODEL",
+            "ANTHROPIC_DEFAULT_SONNET_MODEL",
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+            "ANTHROPIC_SMALL_FAST_MODEL",
+        ] {
+            assert_eq!(env[role], "m", "{role}");
+        }
+        let codex = configure(Harness::Codex, "http://h:1", "m", "k", dir);
+        assert!(
+            codex.args.contains(&"model_providers.host.base_url=\"http://h:1/v1\"".to_string()),
+            "{:?}",
+            codex.args
+        );
+        assert!(codex.args.contains(&"model_providers.host.wire_api=\"responses\"".to_string()));
+        assert!(codex.files.is_empty(), "codex gets flags only");
+        let opencode = configure(Harness::Opencode, "http://h:1", "m", "k", dir);
+        let (path, text) = &opencode.files[0];
+        assert!(path.starts_with(dir));
+        let config: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(config["model"], "host/m");
+        assert_eq!(config["provider"]["host"]["options"]["baseURL"], "http://h:1/v1");
+        let pi = configure(Harness::Pi, "http://h:1", "m", "k", dir);
+        assert_eq!(pi.args, ["--provider", "host", "--model", "m"]);
+        assert!(pi.files[0].0.starts_with(dir));
+    }
+}

@@ -1,0 +1,385 @@
+//! One chat request whatever API it came through. Each API's handler translates its wire
+//! request into a [`Turn`] (messages in the chat template's shape, tools in OpenAI's
+//! function shape, sampling, stops, plugins, speculation, template switches such as
+//! thinking) and renders the engine's one [`Event`] stream back into its own shapes; the
+//! prompt, the tool adapter, admission and submission live here, so a feature lands once
+//! and chat completions, Anthropic messages and Responses all get it.
+
+use super::error::{ApiError, Flavor};
+use super::openai::{self, PluginsField, ToolChoice};
+use super::routes::AppState;
+use crate::engine::worker::{Event, JobRequest, SubmitError};
+use crate::engine::{SamplingParams, SpecConfig};
+use crate::plugins::abi_v1::Kind;
+use crate::plugins::runtime::Instance;
+use crate::plugins::{Selected, Selection};
+use axum::http::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// A protocol-neutral chat request.
+#[derive(Debug, Clone, Default)]
+pub struct Turn {
+    /// Chat-template messages: `{"role", "content"}`, assistant `tool_calls` with object
+    /// arguments, tool results as `{"role": "tool", "tool_call_id", "content"}`.
+    pub messages: Vec<Value>,
+    /// Function tools in OpenAI's chat shape, checked (`openai::check_tools`).
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: ToolChoice,
+    /// At most one tool call in the reply.
+    pub one_tool_call: bool,
+    pub sampling: SamplingParams,
+    /// `None`: the server's default, within the memory budget.
+    pub max_tokens: Option<usize>,
+    /// `max_tokens` is an upper bound the client sends whatever the model (Anthropic's
+    /// required field): past what fits in the memory budget it is lowered, not refused.
+    pub max_tokens_is_ceiling: bool,
+    pub stop: Vec<String>,
+    pub top_logprobs: Option<usize>,
+    /// The `plugins` extension field (`None`: the server's defaults).
+    pub plugins: Option<PluginsField>,
+    pub speculative: Option<Value>,
+    pub priority: i64,
+    pub client: Option<String>,
+    /// Extra chat-template variables (`chat_template_kwargs`, `enable_thinking`).
+    pub template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Which API's error shape failures take.
+    pub flavor: Flavor,
+    /// The model the client asked for (any name is served by the loaded model; logged).
+    pub model: Option<String>,
+}
+
+impl Turn {
+    /// Sets a chat-template variable (a request's own `chat_template_kwargs` win).
+    pub fn template_default(&mut self, key: &str, value: Value) {
+        self.template_kwargs.get_or_insert_with(Default::default).entry(key).or_insert(value);
+    }
+}
+
+/// A turn on its way: the engine's events and what the request log and usage report.
+pub struct Begun {
+    pub events: UnboundedReceiver<Event>,
+    pub prompt_tokens: usize,
+}
+
+impl AppState {
+    /// Builds the prompt, admits and submits a turn.
+    pub async fn begin(&self, turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
+        let flavor = turn.flavor;
+        self.check_sampling(&turn.sampling, flavor)?;
+        let tools = turn.tool_choice.tools(turn.tools);
+        let mut plugins = self.plugins(turn.plugins, tools.as_ref(), flavor)?;
+        plugins.one_tool_call = turn.one_tool_call;
+        let kwargs = turn.template_kwargs.map(Value::Object);
+        let tool_count = tools.as_ref().map_or(0, Vec::len);
+        let messages = turn.messages.len();
+        let prompt = self
+            .tool_chat_prompt(turn.messages, tools, &turn.tool_choice, kwargs.as_ref(), &mut plugins)
+            .await
+            .map_err(|e| e.flavor(flavor))?;
+        let fit = self.max_sequence_tokens.saturating_sub(prompt.len());
+        let requested = match turn.max_tokens {
+            Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
+            n => n,
+        };
+        let max_tokens = self.admit(prompt.len(), requested).map_err(|e| e.flavor(flavor))?;
+        let speculative = self.speculative(turn.speculative, flavor)?;
+        let prompt_tokens = prompt.len();
+        let model = turn.model.as_deref().unwrap_or("");
+        tracing::info!(
+            api,
+            model,
+            stream,
+            messages,
+            tools = tool_count,
+            prompt = prompt_tokens,
+            max_tokens,
+            "chat turn"
+        );
+        let job = JobRequest {
+            prompt,
+            sampling: turn.sampling,
+            max_tokens,
+            stop: turn.stop,
+            top_logprobs: turn.top_logprobs,
+            plugins,
+            speculative,
+            priority: turn.priority,
+            client: turn.client,
+        };
+        let events = self.submit(job, flavor)?;
+        Ok(Begun { events, prompt_tokens })
+    }
+
+    /// The prompt a turn would have, in tokens (Anthropic `count_tokens`).
+    pub async fn count(&self, turn: Turn) -> Result<usize, ApiError> {
+        let tools = turn.tool_choice.tools(turn.tools);
+        let mut plugins = self.plugins(None, tools.as_ref(), turn.flavor)?;
+        let kwargs = turn.template_kwargs.map(Value::Object);
+        let prompt = self
+            .tool_chat_prompt(turn.messages, tools, &turn.tool_choice, kwargs.as_ref(), &mut plugins)
+            .await
+            .map_err(|e| e.flavor(turn.flavor))?;
+        Ok(prompt.len())
+    }
+
+    fn template_takes_tools(&self) -> bool {
+        self.engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
+    }
+
+    /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
+    /// fault is the adapter's (a 502 naming it).
+    async fn on_adapter(
+        &self,
+        adapter: &Selected,
+        call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<String>> + Send + 'static,
+    ) -> Result<Option<String>, ApiError> {
+        let Some(registry) = self.plugins.clone() else { return Ok(None) };
+        let adapter = adapter.clone();
+        tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
+            .await
+            .map_err(ApiError::internal)?
+            .map_err(|e| super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+    }
+
+    /// For templates that ignore `tools`: the tool adapter's own description of them
+    /// (`tool_render`), when it has one.
+    async fn render_tools(
+        &self,
+        adapter: Option<&Selected>,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<String>, ApiError> {
+        let (Some(adapter), Some(tools)) = (adapter, tools) else { return Ok(None) };
+        if self.template_takes_tools() || tools.is_empty() {
+            return Ok(None);
+        }
+        let tools = Value::Array(tools.clone()).to_string();
+        self.on_adapter(adapter, move |i| i.tool_render(&tools)).await
+    }
+
+    /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`);
+    /// `None` when nothing is forced or the adapter cannot force calls (then `tool_choice` is
+    /// only a hint). A required call among one tool is a call to that tool.
+    async fn force_tool(
+        &self,
+        adapter: Option<&Selected>,
+        choice: &ToolChoice,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<String>, ApiError> {
+        let name = match choice {
+            ToolChoice::Required => match tools.map(Vec::as_slice) {
+                Some([only]) => openai::tool_name(only).unwrap_or_default().to_string(),
+                _ => String::new(),
+            },
+            ToolChoice::Named(name) => name.clone(),
+            ToolChoice::Auto | ToolChoice::None => return Ok(None),
+        };
+        let Some(adapter) = adapter else { return Ok(None) };
+        self.on_adapter(adapter, move |i| i.tool_force(&name)).await
+    }
+
+    /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
+    /// the template, or by the adapter when the template ignores them) and a forced call's
+    /// opener at the start of the reply, which goes into `plugins` for the engine too.
+    async fn tool_chat_prompt(
+        &self,
+        messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+        choice: &ToolChoice,
+        kwargs: Option<&Value>,
+        plugins: &mut Selection,
+    ) -> Result<Vec<u32>, ApiError> {
+        let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
+        plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        self.chat_prompt(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())
+    }
+
+    /// Renders chat messages (and tools) through the model's template and tokenizes them.
+    /// A template that ignores `tools` gets them described in the system message: `rendered`
+    /// (the tool adapter's text) or the Hermes convention, in which the assistant's earlier
+    /// calls are then written into its turns (the template would drop them). System messages
+    /// after the first stay where they are when the template takes them, else they join the
+    /// first. `reply_prefix` (a forced tool call's opening) follows the template's start of
+    /// the assistant's turn.
+    pub(super) fn chat_prompt(
+        &self,
+        mut messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+        kwargs: Option<&Value>,
+        rendered: Option<String>,
+        reply_prefix: Option<&str>,
+    ) -> Result<Vec<u32>, ApiError> {
+        let tokenizer = &self.engine.tokenizer;
+        let template_takes_tools = self.template_takes_tools();
+        if !template_takes_tools && rendered.is_none() {
+            write_hermes_calls(&mut messages);
+        }
+        let tools = tools.filter(|t| !t.is_empty());
+        if let (Some(tools), false) = (&tools, template_takes_tools) {
+            inject_tools(&mut messages, tools, rendered);
+        }
+        let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
+        let render = |messages: &[Value]| {
+            tokenizer.apply_chat_template(&Value::Array(messages.to_vec()), tools_value.as_ref(), true, kwargs)
+        };
+        let mut text = match render(&messages) {
+            Ok(text) => text,
+            Err(first) => match merge_system(&messages) {
+                Some(merged) => render(&merged),
+                None => Err(first),
+            }
+            .map_err(|e| ApiError::bad_request(format!("{e}")))?,
+        };
+        text.push_str(reply_prefix.unwrap_or_default());
+        tokenizer.encode(&text, false).map_err(ApiError::internal)
+    }
+
+    /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
+    pub(super) fn admit(&self, prompt: usize, requested: Option<usize>) -> Result<usize, ApiError> {
+        let fit = self.max_sequence_tokens;
+        let too_long = |max: usize| {
+            ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds the {fit} tokens that fit in this server's memory budget; shorten the prompt or lower max_tokens (at most {} here)",
+                    fit.saturating_sub(prompt)
+                ),
+            )
+            .with_code("context_length_exceeded")
+        };
+        match requested {
+            Some(max) if prompt + max > fit => Err(too_long(max)),
+            Some(max) => Ok(max),
+            None if prompt >= fit => Err(too_long(1)),
+            None => Ok(self.default_max_tokens.min(fit - prompt)),
+        }
+    }
+
+    /// Resolves the `plugins` extension field to loaded plugins. A request with `tools` gets
+    /// a tool adapter (the field's `tool`, else the server's), with the tools as its params.
+    pub(super) fn plugins(
+        &self,
+        field: Option<openai::PluginsField>,
+        tools: Option<&Vec<Value>>,
+        flavor: Flavor,
+    ) -> Result<Selection, ApiError> {
+        let field = field.or_else(|| self.default_plugins.clone()).unwrap_or_default();
+        let tool = field.tool.or_else(|| {
+            let name = self.tool_adapter.clone()?;
+            tools.filter(|t| !t.is_empty())?;
+            Some(openai::PluginRef { name, config: None, params: None, fallback: true })
+        });
+        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() {
+            return Ok(Selection::default());
+        }
+        let registry = self
+            .plugins
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
+        let pick = |kind: Kind, r: openai::PluginRef| {
+            registry
+                .select(kind, &r.name, r.config, r.params, r.fallback)
+                .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
+        };
+        let tool = tool
+            .map(|mut r| {
+                let tools = Value::Array(tools.cloned().unwrap_or_default());
+                r.params = Some(match r.params.take() {
+                    Some(Value::Object(mut p)) => {
+                        p.insert("tools".into(), tools);
+                        Value::Object(p)
+                    }
+                    _ => json!({ "tools": tools }),
+                });
+                pick(Kind::Tool, r)
+            })
+            .transpose()?;
+        Ok(Selection {
+            sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
+            stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
+            tool,
+            reply_prefix: None,
+            one_tool_call: false,
+        })
+    }
+
+    /// Resolves the `speculative` extension field over the server's defaults.
+    pub(super) fn speculative(&self, field: Option<Value>, flavor: Flavor) -> Result<SpecConfig, ApiError> {
+        openai::speculative(field, &self.speculative, self.engine.has_draft)
+            .map_err(|m| ApiError::invalid("speculative", m).flavor(flavor))
+    }
+
+    /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
+    pub(super) fn check_sampling(
+        &self,
+        params: &crate::engine::SamplingParams,
+        flavor: Flavor,
+    ) -> Result<(), ApiError> {
+        params.validate(self.engine.info.vocab_size).map_err(|e| ApiError::bad_request(e.to_string()).flavor(flavor))
+    }
+
+    pub(super) fn submit(&self, job: JobRequest, flavor: Flavor) -> Result<UnboundedReceiver<Event>, ApiError> {
+        self.engine.submit(job).map_err(|e| match e {
+            SubmitError::QueueFull(n) => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the server is busy ({n} requests queued); retry shortly"),
+            )
+            .with_code("queue_full")
+            .flavor(flavor),
+            SubmitError::Stopped => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").flavor(flavor)
+            }
+        })
+    }
+}
+
+/// For templates that ignore `tools`: describe them in the system message, with the
+/// adapter's `rendered` text or in the Hermes `<tool_call>` convention.
+fn inject_tools(messages: &mut Vec<Value>, tools: &[Value], rendered: Option<String>) {
+    let text = rendered.unwrap_or_else(|| {
+        let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
+        format!(
+            "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
+            list.join("\n")
+        )
+    });
+    match messages.first_mut() {
+        Some(first) if first["role"] == "system" => {
+            let existing = first["content"].as_str().unwrap_or("").to_string();
+            first["content"] = json!(format!("{existing}\n\n{text}"));
+        }
+        _ => messages.insert(0, json!({"role": "system", "content": text})),
+    }
+}
+
+/// The messages with every system message joined into one at the start (for templates that
+/// refuse a system message anywhere else); `None` when there is nothing to move.
+fn merge_system(messages: &[Value]) -> Option<Vec<Value>> {
+    let is_system = |m: &Value| m["role"] == "system";
+    if !messages.iter().skip(1).any(is_system) {
+        return None;
+    }
+    let system: Vec<&str> = messages.iter().filter(|m| is_system(m)).filter_map(|m| m["content"].as_str()).collect();
+    let mut out = vec![json!({"role": "system", "content": system.join("\n\n")})];
+    out.extend(messages.iter().filter(|m| !is_system(m)).cloned());
+    Some(out)
+}
+
+/// For templates that ignore tools (and so drop an assistant turn's `tool_calls`): the calls
+/// written into the turn's text in the Hermes convention the tools were described in, so the
+/// model sees what it called before each tool result.
+fn write_hermes_calls(messages: &mut [Value]) {
+    for m in messages.iter_mut().filter(|m| m["role"] == "assistant") {
+        let Some(Value::Array(calls)) = m.as_object_mut().and_then(|o| o.remove("tool_calls")) else { continue };
+        let mut text = m["content"].as_str().unwrap_or_default().to_string();
+        for call in &calls {
+            let f = call.get("function").unwrap_or(call);
+            let call = json!({"name": f.get("name"), "arguments": f.get("arguments").cloned().unwrap_or(json!({}))});
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(&format!("<tool_call>{call}</tool_call>"));
+        }
+        m["content"] = json!(text);
+    }
+}
