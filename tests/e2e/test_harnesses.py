@@ -57,7 +57,7 @@ def tokens(server, text):
 
 
 def launch(name, url, home, prompt):
-    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), CODEX_HOME=str(home / ".codex"),
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
                PATH=harness_bin() + os.pathsep + os.environ["PATH"], NO_COLOR="1", CI="1")
     binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
     cmd = [binary, "launch", name, "--url", url, "--", *HARNESSES[name][2], prompt]
@@ -91,6 +91,8 @@ def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server
         assert len(turns) >= 2 and all(f'api="{api}"' in t for t in turns), "".join(s.log[-40:])
         prompts = [int(re.search(r"prompt=(\d+)", t).group(1)) for t in turns]
         print(f"{name}: scripted turns' prompt tokens {prompts}")
+        # A retried turn would repeat its prompt.
+        assert len(set(prompts)) == len(prompts), f"{name} retried a turn: {prompts}"
 
         plain = launch(name, s.url, home, "unscripted: say hello to the user in one short sentence.")
         assert plain.returncode == 0, f"{name} exit {plain.returncode}\n{plain.stdout}\n{plain.stderr[-4000:]}"
