@@ -277,7 +277,8 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("host launch: starting host serve {}", serve_args.join(" "));
             let (server, url) = start_server(serve_args)?;
             let model = served_model(&url).with_context(|| format!("the server at {url} did not answer /health"))?;
-            eprintln!("host launch: serving {model} on {url}");
+            let log = std::env::temp_dir().join(format!("host-launch-{}.log", std::process::id()));
+            eprintln!("host launch: serving {model} on {url} (its log: {})", log.display());
             (Some(server), url, model)
         }
     };

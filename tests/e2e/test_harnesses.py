@@ -109,3 +109,28 @@ def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server
         assert all("status=200" in r for r in requests), "".join(requests)
     finally:
         s.stop()
+
+
+def test_launch_starts_a_server_when_none_answers(tmp_path):
+    """`host launch` with serve arguments and no server on the port: it starts `host serve`,
+    runs the harness against it (pi, the quickest), and stops it afterwards."""
+    home = tmp_path / "home"
+    (home / "work").mkdir(parents=True)
+    model = os.path.join(os.environ["HOST_TEST_MODELS"], "smollm2-f32")
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+               PATH=harness_bin() + os.pathsep + os.environ["PATH"], NO_COLOR="1")
+    binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
+    port = "18731"
+    cmd = [binary, "launch", "pi", "--model", model, "--device", "cpu", "--port", port, "--default-max-tokens", "16",
+           "--", "-p", "--no-session", "Say hello."]
+    r = subprocess.run(cmd, env=env, cwd=home / "work", capture_output=True, text=True, timeout=600,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "starting host serve" in r.stderr and "serving smollm2-f32" in r.stderr, r.stderr
+    assert r.stdout.strip(), r.stderr
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    # Without the harness installed, a clear error naming the npm package.
+    r = subprocess.run([binary, "launch", "claude", "--url", "http://127.0.0.1:1"], capture_output=True, text=True,
+                       env=dict(os.environ, PATH="/usr/bin:/bin"), timeout=60)
+    assert r.returncode == 1 and "npm install -g @anthropic-ai/claude-code" in r.stderr, r.stderr

@@ -132,6 +132,13 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
     if total > limit {
         return too_large();
     }
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        // The request's top-level fields, to see what a client sends (`HOST_LOG=debug`).
+        if let Ok(Value::Object(o)) = serde_json::from_slice::<Value>(&kept) {
+            let fields: Vec<&String> = o.keys().collect();
+            tracing::debug!(path = parts.uri.path(), bytes = kept.len(), ?fields, model = ?o.get("model"), "request body");
+        }
+    }
     next.run(Request::from_parts(parts, axum::body::Body::from(kept))).await
 }
 
