@@ -1028,10 +1028,12 @@ mod tests {
         assert_eq!(last["status"] == "incomplete", cut, "{last}");
     }
 
-    /// Requests recorded from the real harnesses (tests/fixtures/harness: Claude Code's first
-    /// turn with its system message among `messages`, thinking, context management, effort
-    /// and cache_control; Codex's Responses turn with developer messages, a namespace and a
-    /// web_search tool) are served: every field and block as recorded, but for a small output
+    /// Requests recorded from the real harnesses (tests/fixtures/harness, recorded against a
+    /// stub server that answers the first turn with a tool call: Claude Code's turns with its
+    /// system message among `messages`, thinking, context management, effort, cache_control,
+    /// then a `tool_use`/`tool_result` pair; Codex's Responses turns with developer messages,
+    /// a namespace and a web_search tool, then `function_call`/`function_call_output` items)
+    /// are served: every field and block as recorded, but for a small output
     /// limit and long texts cut to 200 characters (the tiny model's tokens are bytes; the
     /// full prompts run in the harness e2e tests).
     #[tokio::test]
