@@ -196,6 +196,11 @@ impl Drop for Server {
     }
 }
 
+/// Where a server started by `host launch` writes its log.
+fn server_log() -> PathBuf {
+    std::env::temp_dir().join(format!("host-launch-{}.log", std::process::id()))
+}
+
 /// Starts `host serve SERVE_ARGS`; returns it once it says where it listens.
 fn start_server(serve_args: &[String]) -> Result<(Server, String)> {
     let exe = std::env::current_exe().context("finding the host binary")?;
@@ -210,9 +215,9 @@ fn start_server(serve_args: &[String]) -> Result<(Server, String)> {
     let server = Server(child);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        // The server's log goes on to a file-like sink: our stderr would mix with the
-        // harness's screen, so only the address line is looked for, the rest is kept.
-        let log = std::env::temp_dir().join(format!("host-launch-{}.log", std::process::id()));
+        // The server's log goes to a file: on our stderr it would mix with the harness's
+        // screen. Only the address line (or an error) is looked for here.
+        let log = server_log();
         let mut file = std::fs::File::create(&log).ok();
         let mut sent = false;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -277,8 +282,7 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("host launch: starting host serve {}", serve_args.join(" "));
             let (server, url) = start_server(serve_args)?;
             let model = served_model(&url).with_context(|| format!("the server at {url} did not answer /health"))?;
-            let log = std::env::temp_dir().join(format!("host-launch-{}.log", std::process::id()));
-            eprintln!("host launch: serving {model} on {url} (its log: {})", log.display());
+            eprintln!("host launch: serving {model} on {url} (its log: {})", server_log().display());
             (Some(server), url, model)
         }
     };

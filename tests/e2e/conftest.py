@@ -73,6 +73,16 @@ class Server:
             self.proc.kill()
 
 
+def build_wasm_plugin(crate, name, dest):
+    """Builds the Rust plugin `crate` (a workspace member) for wasm32 and copies it to
+    `dest/name.wasm`; returns `dest`."""
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", crate],
+                   cwd=ROOT, check=True)
+    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", crate.replace("-", "_") + ".wasm")
+    (dest / f"{name}.wasm").write_bytes(open(wasm, "rb").read())
+    return dest
+
+
 @pytest.fixture(scope="session")
 def server():
     s = Server("--prompt-cache-bytes", "256M")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, build_wasm_plugin
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-p": "sampler", "top-n-sigma": "sampler",
@@ -41,12 +41,7 @@ FORMATS = {
 
 @pytest.fixture(scope="module")
 def replay_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("replay")
-    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "replay-sampler"],
-                   cwd=ROOT, check=True)
-    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "replay_sampler.wasm")
-    (d / "replay.wasm").write_bytes(open(wasm, "rb").read())
-    return d
+    return build_wasm_plugin("replay-sampler", "replay", tmp_path_factory.mktemp("replay"))
 
 
 @pytest.fixture(scope="module")

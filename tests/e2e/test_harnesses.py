@@ -18,7 +18,7 @@ import subprocess
 import httpx
 import pytest
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, build_wasm_plugin
 
 ANSWER = "All done: the check passed."
 # (API in the log, the shell tool's call, the non-interactive command line before the prompt)
@@ -42,12 +42,7 @@ def harness_bin():
 
 @pytest.fixture(scope="module")
 def script_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("harness-script")
-    subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-unknown-unknown", "-p", "harness-script"],
-                   cwd=ROOT, check=True)
-    wasm = os.path.join(ROOT, "target", "wasm32-unknown-unknown", "release", "harness_script.wasm")
-    (d / "harness-script.wasm").write_bytes(open(wasm, "rb").read())
-    return d
+    return build_wasm_plugin("harness-script", "harness-script", tmp_path_factory.mktemp("harness-script"))
 
 
 def tokens(server, text):

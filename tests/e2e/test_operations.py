@@ -147,6 +147,54 @@ def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and
     assert grown < 150 << 20, f"memory grew by {grown / 1e6:.0f} MB"
 
 
+def gauge(server, name):
+    m = httpx.get(server.url + "/metrics", timeout=10).text
+    return int(float(next(l.split()[1] for l in m.splitlines() if l.startswith(name + " "))))
+
+
+def test_streams_open_while_waiting_or_prefilling_and_a_disconnect_stops_the_prefill(fresh):
+    """Issue 20: with one slot, a ~6,000-token prompt (about 90 s of prefill on this CPU)
+    streams keep-alive comments while it prefills, and a second request waiting for the slot
+    gets its headers and keep-alive comments at once rather than after the first one's
+    prefill, so clients with a first-byte or idle timeout (here 30 s) wait; when the clients
+    go, the prefill stops and the waiting request leaves the queue, long before the prefill
+    would have ended, and nothing is generated."""
+    s = fresh("--prompt-cache-bytes", "0", "--max-batch", "1")
+    long = {"messages": [{"role": "user", "content": "hello " * 6000}], "max_tokens": 4, "stream": True}
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    stop = threading.Event()
+    seen = []
+
+    def first_client():
+        with httpx.Client(timeout=30) as c, c.stream("POST", s.url + "/v1/chat/completions", json=long) as a:
+            for chunk in a.iter_raw():
+                seen.append(chunk)
+                if stop.is_set():
+                    return
+    reader = threading.Thread(target=first_client)
+    reader.start()
+    try:
+        while not seen:
+            time.sleep(0.1)
+        with httpx.Client(timeout=30) as c, c.stream("POST", s.url + "/v1/chat/completions", json=short) as b:
+            assert b.status_code == 200
+            first = next(b.iter_raw())
+            assert first.startswith(b":"), f"a keep-alive comment while waiting, got {first!r}"
+            deadline = time.time() + 30
+            while (gauge(s, "host_requests_running"), gauge(s, "host_queue_depth")) != (1, 1):
+                assert time.time() < deadline, "one request prefilling, one waiting"
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        reader.join(60)
+    assert any(c.startswith(b":") for c in seen[1:]), seen
+    deadline = time.time() + 60
+    while gauge(s, "host_requests_running") or gauge(s, "host_queue_depth"):
+        assert time.time() < deadline, "the abandoned prefill went on"
+        time.sleep(0.2)
+    assert not any("generation" in line for line in s.log), "".join(s.log[-20:])
+
+
 def hostile_requests():
     """(method, path, body bytes, headers) for at least 200 malformed or hostile requests."""
     j = {"content-type": "application/json"}

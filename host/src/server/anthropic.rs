@@ -180,6 +180,12 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
     if messages.is_empty() {
         return Err(invalid("messages", "`messages` must contain at least one message"));
     }
+    if messages.iter().all(|m| m.get("role").and_then(Value::as_str) == Some("system")) {
+        return Err(invalid(
+            "messages",
+            "`messages` holds only system messages; it needs at least one user or assistant message",
+        ));
+    }
     let mut out = Vec::new();
     if let Some(system) = system {
         let text = blocks_text(system, "system")?;
@@ -197,12 +203,6 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
             ));
         }
         if role == "system" {
-            if !messages.iter().any(|m| m.get("role").and_then(Value::as_str).is_some_and(|r| r != "system")) {
-                return Err(invalid(
-                    "messages",
-                    "`messages` holds only system messages; it needs at least one user or assistant message",
-                ));
-            }
             let text = blocks_text(m.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
             out.push(json!({"role": "system", "content": text}));
             continue;

@@ -759,7 +759,7 @@ async fn create_response(
         })?,
     };
     let (turn, conversation) = responses::turn(&req, history)?;
-    let tools = turn.tool_choice.tools(turn.tools.clone());
+    let tools = turn.shown_tools().cloned();
     let rx = state.begin(turn, "responses", req.stream).await?.events;
     let mut output = Output::new(&request_id("resp_"), &state.model_id, now(), &req, &tools);
     let store = req.store.unwrap_or(true);
@@ -1108,6 +1108,43 @@ mod tests {
         let (status, e) = check(router(None), "POST", "/v1/messages", image, &[]).await;
         assert_eq!(status, 400);
         assert!(e["error"]["message"].as_str().unwrap().contains("reads text only"), "{e}");
+    }
+
+    /// Anthropic's required `max_tokens` is a ceiling: past what fits in the memory budget it
+    /// is lowered (Claude Code asks for 128,000 whatever the model); OpenAI's is refused.
+    #[tokio::test]
+    async fn an_anthropic_max_tokens_past_the_budget_is_lowered_and_an_openai_one_refused() {
+        let e = engine();
+        let fit = 400;
+        let budget = e.baseline_memory as u64 + fit * e.info.kv_bytes_per_token as u64;
+        let config = ServeConfig { memory_budget: Some(budget), ..Default::default() };
+        let r = || app(crate::server::state(&config, e.clone(), None));
+        let messages = r#""messages": [{"role": "user", "content": "hi"}], "temperature": 0"#;
+        let (status, v) =
+            check(r(), "POST", "/v1/messages", &format!(r#"{{"max_tokens": 128000, {messages}}}"#), &[]).await;
+        assert_eq!(status, 200, "{v}");
+        let used = v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["output_tokens"].as_u64().unwrap();
+        assert!(used <= fit, "{v}");
+        let (status, v) =
+            check(r(), "POST", "/v1/chat/completions", &format!(r#"{{"max_tokens": 128000, {messages}}}"#), &[]).await;
+        assert_eq!((status, v["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{v}");
+    }
+
+    /// For a template that ignores tools, an assistant turn's earlier calls are written into
+    /// it in the Hermes form the tools are described in (the template would drop them).
+    #[tokio::test]
+    async fn earlier_tool_calls_are_written_into_the_prompt_for_templates_that_ignore_tools() {
+        let body = r#"{"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "cold"}]}"#;
+        let (status, v) = check(router(None), "POST", "/tokenize", body, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        let (_, text) =
+            check(router(None), "POST", "/detokenize", &json!({"tokens": v["tokens"]}).to_string(), &[]).await;
+        let text = text["prompt"].as_str().unwrap();
+        assert!(
+            text.contains(r#"<tool_call>{"arguments":{"city":"Oslo"},"name":"get_weather"}</tool_call>"#),
+            "{text}"
+        );
+        assert!(text.find("<tool_call>").unwrap() < text.find("cold").unwrap(), "{text}");
     }
 
     #[tokio::test]

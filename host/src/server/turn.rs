@@ -50,6 +50,11 @@ pub struct Turn {
 }
 
 impl Turn {
+    /// The tools the model sees and the adapter parses (none under `tool_choice: none`).
+    pub fn shown_tools(&self) -> Option<&Vec<Value>> {
+        self.tools.as_ref().filter(|_| self.tool_choice != ToolChoice::None)
+    }
+
     /// Sets a chat-template variable (a request's own `chat_template_kwargs` win).
     pub fn template_default(&mut self, key: &str, value: Value) {
         self.template_kwargs.get_or_insert_with(Default::default).entry(key).or_insert(value);
@@ -64,19 +69,13 @@ pub struct Begun {
 
 impl AppState {
     /// Builds the prompt, admits and submits a turn.
-    pub async fn begin(&self, turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
+    pub async fn begin(&self, mut turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
         let flavor = turn.flavor;
         self.check_sampling(&turn.sampling, flavor)?;
-        let tools = turn.tool_choice.tools(turn.tools);
-        let mut plugins = self.plugins(turn.plugins, tools.as_ref(), flavor)?;
+        let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor)?;
         plugins.one_tool_call = turn.one_tool_call;
-        let kwargs = turn.template_kwargs.map(Value::Object);
-        let tool_count = tools.as_ref().map_or(0, Vec::len);
-        let messages = turn.messages.len();
-        let prompt = self
-            .tool_chat_prompt(turn.messages, tools, &turn.tool_choice, kwargs.as_ref(), &mut plugins)
-            .await
-            .map_err(|e| e.flavor(flavor))?;
+        let (messages, tool_count) = (turn.messages.len(), turn.shown_tools().map_or(0, Vec::len));
+        let prompt = self.turn_prompt(&mut turn, &mut plugins).await?;
         let fit = self.max_sequence_tokens.saturating_sub(prompt.len());
         let requested = match turn.max_tokens {
             Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
@@ -111,16 +110,22 @@ impl AppState {
         Ok(Begun { events, prompt_tokens })
     }
 
-    /// The prompt a turn would have, in tokens (Anthropic `count_tokens`).
-    pub async fn count(&self, turn: Turn) -> Result<usize, ApiError> {
-        let tools = turn.tool_choice.tools(turn.tools);
-        let mut plugins = self.plugins(None, tools.as_ref(), turn.flavor)?;
-        let kwargs = turn.template_kwargs.map(Value::Object);
-        let prompt = self
-            .tool_chat_prompt(turn.messages, tools, &turn.tool_choice, kwargs.as_ref(), &mut plugins)
+    /// The prompt a turn would have, in tokens (Anthropic `count_tokens`; the server's tool
+    /// adapter describes the tools, as for the request itself without a `plugins` field).
+    pub async fn count(&self, mut turn: Turn) -> Result<usize, ApiError> {
+        let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor)?;
+        Ok(self.turn_prompt(&mut turn, &mut plugins).await?.len())
+    }
+
+    /// A turn's prompt tokens under `plugins` (whose `reply_prefix` it sets for a forced
+    /// call); takes the turn's messages and tools.
+    async fn turn_prompt(&self, turn: &mut Turn, plugins: &mut Selection) -> Result<Vec<u32>, ApiError> {
+        let kwargs = turn.template_kwargs.take().map(Value::Object);
+        let tools = turn.tool_choice.tools(turn.tools.take());
+        let messages = std::mem::take(&mut turn.messages);
+        self.tool_chat_prompt(messages, tools, &turn.tool_choice, kwargs.as_ref(), plugins)
             .await
-            .map_err(|e| e.flavor(turn.flavor))?;
-        Ok(prompt.len())
+            .map_err(|e| e.flavor(turn.flavor))
     }
 
     fn template_takes_tools(&self) -> bool {
@@ -381,5 +386,20 @@ fn write_hermes_calls(messages: &mut [Value]) {
             text.push_str(&format!("<tool_call>{call}</tool_call>"));
         }
         m["content"] = json!(text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn system_messages_are_merged_only_when_one_follows_the_first() {
+        let m = |role: &str, content: &str| json!({"role": role, "content": content});
+        assert_eq!(merge_system(&[m("system", "a"), m("user", "u")]), None);
+        let merged = merge_system(&[m("system", "a"), m("user", "u"), m("system", "b"), m("assistant", "x")]).unwrap();
+        assert_eq!(merged, vec![m("system", "a\n\nb"), m("user", "u"), m("assistant", "x")]);
+        let merged = merge_system(&[m("user", "u"), m("system", "b")]).unwrap();
+        assert_eq!(merged, vec![m("system", "b"), m("user", "u")]);
     }
 }
