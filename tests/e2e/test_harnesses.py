@@ -60,9 +60,9 @@ def launch(name, url, home, prompt):
                           stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("name", list(HARNESSES))
-def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server, script_dir, tmp_path):
-    api, call, _ = HARNESSES[name]
+def script_config(server, call, path):
+    """A host.toml whose default sampler is the harness script: `call` first, ANSWER after
+    the tool's result, SmolLM2's own words when the prompt says "unscripted"."""
     [eos] = tokens(server, "<|im_end|>")
     params = {
         "call": tokens(server, "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"),
@@ -72,9 +72,15 @@ def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server
         "plain_limit": 24,
         "eos": eos,
     }
-    config = tmp_path / "host.toml"
     inline = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in params.items()) + " }"  # arrays of ints: TOML too
-    config.write_text(f'[default_plugins]\nsampler = {{ name = "harness-script", params = {inline} }}\n')
+    path.write_text(f'[default_plugins]\nsampler = {{ name = "harness-script", params = {inline} }}\n')
+    return path
+
+
+@pytest.mark.parametrize("name", list(HARNESSES))
+def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server, script_dir, tmp_path):
+    api, call, _ = HARNESSES[name]
+    config = script_config(server, call, tmp_path / "host.toml")
     home = tmp_path / "home"
     (home / "work").mkdir(parents=True)
     s = Server("--plugins", str(script_dir), "--config", str(config))
@@ -106,23 +112,27 @@ def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server
         s.stop()
 
 
-def test_launch_starts_a_server_when_none_answers(tmp_path):
+def test_launch_starts_a_server_when_none_answers(server, script_dir, tmp_path):
     """`host launch` with serve arguments and no server on the port: it starts `host serve`,
-    runs the harness against it (pi, the quickest), and stops it afterwards."""
+    runs the harness against it (pi, the quickest), and stops it afterwards. The harness
+    script drives the turns: SmolLM2 left to itself may answer pi with tool calls cut at the
+    token limit, turn after turn (a CI run once spent 600 s so)."""
     home = tmp_path / "home"
     (home / "work").mkdir(parents=True)
+    config = script_config(server, HARNESSES["pi"][1], tmp_path / "host.toml")
     model = os.path.join(os.environ["HOST_TEST_MODELS"], "smollm2-f32")
     env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
                PATH=harness_bin() + os.pathsep + os.environ["PATH"], NO_COLOR="1")
     binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
     port = "18731"
-    cmd = [binary, "launch", "pi", "--model", model, "--device", "cpu", "--port", port, "--default-max-tokens", "16",
-           "--", "-p", "--no-session", "Say hello."]
+    cmd = [binary, "launch", "pi", "--model", model, "--device", "cpu", "--port", port,
+           "--plugins", str(script_dir), "--config", str(config),
+           "--", *HARNESSES["pi"][2], "Run the check with your shell tool, then say what happened."]
     r = subprocess.run(cmd, env=env, cwd=home / "work", capture_output=True, text=True, timeout=600,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "starting host serve" in r.stderr and "serving smollm2-f32" in r.stderr, r.stderr
-    assert r.stdout.strip(), r.stderr
+    assert ANSWER in r.stdout, r.stdout + r.stderr
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     # Without the harness installed, a clear error naming the npm package.
