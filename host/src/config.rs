@@ -63,6 +63,10 @@ pub struct ServeConfig {
     /// The tool-call adapter plugin for requests with tools (e.g. "hermes"); "none" turns
     /// parsing off. Default: chosen from the model's chat template.
     pub tool_adapter: Option<String>,
+    /// The reasoning-parser plugin that splits a thinking model's reasoning from its answer
+    /// on chat routes (e.g. "think"); "none" leaves the thinking in the text. Default:
+    /// chosen from the model's chat template (`<think>` or `[THINK]`: think).
+    pub reasoning_parser: Option<String>,
     /// The scheduling-policy plugin ordering the queue: fcfs, priority,
     /// shortest-prompt-first, latest-wins, fair or a user plugin. Default: fcfs.
     pub scheduler: String,
@@ -85,6 +89,7 @@ pub struct ServeConfig {
 pub struct ModelDefaults {
     pub default_plugins: Option<crate::server::openai::PluginsField>,
     pub tool_adapter: Option<String>,
+    pub reasoning_parser: Option<String>,
 }
 
 impl Default for ServeConfig {
@@ -111,6 +116,7 @@ impl Default for ServeConfig {
             speculative_verify: None,
             draft_candidates: None,
             tool_adapter: None,
+            reasoning_parser: None,
             scheduler: "fcfs".into(),
             scheduler_config: None,
             tensor_parallel: 1,
@@ -208,6 +214,10 @@ pub struct ServeArgs {
     /// template; "none" leaves tool calls in the text).
     #[arg(long)]
     pub tool_adapter: Option<String>,
+    /// The reasoning parser for chat replies (default: chosen from the chat template;
+    /// "none" leaves the model's thinking in the text).
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
     /// Split the model over this many processes (tensor parallel; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
@@ -299,6 +309,9 @@ impl ServeConfig {
         if args.tool_adapter.is_some() {
             config.tool_adapter = args.tool_adapter.clone();
         }
+        if args.reasoning_parser.is_some() {
+            config.reasoning_parser = args.reasoning_parser.clone();
+        }
         if args.api_key.is_some() {
             config.api_key = args.api_key.clone();
         }
@@ -341,6 +354,9 @@ impl ServeConfig {
             }
             if m.tool_adapter.is_some() {
                 config.tool_adapter = m.tool_adapter.clone();
+            }
+            if m.reasoning_parser.is_some() {
+                config.reasoning_parser = m.reasoning_parser.clone();
             }
         }
         config

@@ -206,6 +206,38 @@ macro_rules! export_tool_adapter {
     };
 }
 
+/// Exports a [`ReasoningParser`](crate::ReasoningParser) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_reasoning_parser {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            $crate::__export_common!($ty, $crate::ReasoningParser, $manifest);
+            static mut OUT: Vec<u8> = Vec::new();
+            fn lines(events: Vec<$crate::ReasoningEvent>) -> i64 {
+                let mut text = String::new();
+                for e in &events {
+                    text.push_str(&e.to_json());
+                    text.push('\n');
+                }
+                // SAFETY: single-threaded instance; the host copies the result before the next call.
+                $crate::abi::packed(unsafe { &mut *core::ptr::addr_of_mut!(OUT) }, text.into_bytes())
+            }
+            #[no_mangle]
+            extern "C" fn reasoning_feed(ptr: i32, len: i32) -> i64 {
+                let mut events = Vec::new();
+                $crate::ReasoningParser::feed(state(), text(ptr, len), &mut events);
+                lines(events)
+            }
+            #[no_mangle]
+            extern "C" fn reasoning_finish() -> i64 {
+                let mut events = Vec::new();
+                $crate::ReasoningParser::finish(state(), &mut events);
+                lines(events)
+            }
+        };
+    };
+}
+
 /// Exports a [`Scheduler`](crate::Scheduler) type with its manifest JSON.
 #[macro_export]
 macro_rules! export_scheduler {

@@ -1,6 +1,7 @@
 //! The Rust SDK for `host` plugins (ABI v1, see `ABI.md` next to this crate).
 //!
-//! Implement [`Sampler`], [`StopRule`], [`ToolAdapter`] or [`Scheduler`] on a type with `Default`, then register it once:
+//! Implement [`Sampler`], [`StopRule`], [`ToolAdapter`], [`ReasoningParser`] or [`Scheduler`] on a type with
+//! `Default`, then register it once:
 //!
 //! ```ignore
 //! #[derive(Default)]
@@ -123,6 +124,42 @@ pub trait ToolAdapter: Default {
     fn force(&mut self, _name: &str) -> Option<String> {
         None
     }
+}
+
+/// What a reasoning parser reports: the model's output split into its thinking and the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReasoningEvent {
+    /// Text of the answer (it goes on to the tool adapter, if any, then to the user).
+    Content(String),
+    /// Text of the model's thinking.
+    Reasoning(String),
+}
+
+impl ReasoningEvent {
+    /// The event as one line of the ABI's JSON event stream.
+    pub fn to_json(&self) -> String {
+        match self {
+            ReasoningEvent::Content(text) => format!("{{\"content\":{}}}", json_string(text)),
+            ReasoningEvent::Reasoning(text) => format!("{{\"reasoning\":{}}}", json_string(text)),
+        }
+    }
+}
+
+/// A reasoning parser: a streaming parser over the model's output text that separates its
+/// thinking from its answer. One instance serves one request.
+pub trait ReasoningParser: Default {
+    fn init(&mut self, _config: &str) -> Result<(), String> {
+        Ok(())
+    }
+    /// Params are `{"prompt_tail": "..."}`: the end of the rendered prompt (a template may
+    /// open the thinking itself, so the output starts inside it), merged into the request's.
+    fn begin(&mut self, _params: &str, _seed: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// Consumes the next piece of output text, pushing events to `out`.
+    fn feed(&mut self, text: &str, out: &mut Vec<ReasoningEvent>);
+    /// End of output: flush whatever is still held.
+    fn finish(&mut self, out: &mut Vec<ReasoningEvent>);
 }
 
 /// A scheduling policy: one long-lived instance orders the server's queue.

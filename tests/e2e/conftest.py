@@ -18,12 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class Server:
-    def __init__(self, *args):
+    def __init__(self, *args, model=None):
         binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
         models = os.environ.get("HOST_TEST_MODELS")
         if not models:
             pytest.fail('HOST_TEST_MODELS is not set: run eval "$(scripts/test-fixtures.sh)" first')
-        self.model = os.path.join(models, "smollm2-f32")
+        self.model = str(model or os.path.join(models, "smollm2-f32"))
         cmd = [binary, "serve", "--model", self.model, "--port", "0", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.log = []

@@ -21,7 +21,7 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-p": "sampler", "top-n-sigma": "sampler",
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
-            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler"}
+            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]

@@ -17,7 +17,10 @@ use super::{
 };
 use crate::generate::{load_draft, load_model_split, select_device, DeviceChoice};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
-use crate::plugins::{PluginRegistry, PluginSampler, PluginScheduler, PluginTools, Selection, ToolOutput};
+use crate::plugins::{
+    PluginReasoning, PluginRegistry, PluginSampler, PluginScheduler, PluginTools, ReasoningOutput, Selection,
+    ToolOutput,
+};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Device};
 use models::{CausalLm, Detokenizer, KvCache, ModelInfo, Tokenizer};
@@ -179,6 +182,10 @@ pub enum Event {
     ToolArgs {
         index: usize,
         delta: String,
+    },
+    /// More of the model's thinking (the reasoning parser's), apart from the answer.
+    Reasoning {
+        text: String,
     },
     Done {
         finish: Finish,
@@ -538,6 +545,8 @@ struct Active<'m> {
     hold: usize,
     held: String,
     tools: Option<Tools>,
+    /// The reasoning parser: the model's thinking goes out as `Event::Reasoning`.
+    reasoning: Option<PluginReasoning>,
     /// The reply's forced opening (`Selection::reply_prefix`), until the first text goes out:
     /// through the tool adapter, or as content when the adapter is off.
     reply_prefix: Option<String>,
@@ -961,7 +970,8 @@ impl Worker {
                 eos_token_ids: self.info.eos_token_ids.clone(),
                 prefill_step_size: self.prefill_step_size,
             };
-            let (external, stop_rules, tools) = self.start_plugins(&request.plugins, prompt, seed)?;
+            let plugins = self.start_plugins(&request.plugins, prompt, seed)?;
+            let (external, rest) = (plugins.sampler, (plugins.stops, plugins.tools, plugins.reasoning));
             let speculation = match request.speculative.method {
                 SpecMethod::Off => None,
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
@@ -978,9 +988,9 @@ impl Worker {
                 let generation = Generation::start_with(m.model, cache, &prompt[reused..], sampler, options, hooks)?;
                 Source::Solo(Box::new(generation))
             };
-            Ok((source, stop_rules, tools))
+            Ok((source, rest))
         })();
-        let (source, stop_rules, tools) = match started {
+        let (source, (stop_rules, tools, reasoning)) = match started {
             Ok(parts) => parts,
             Err(e) => return Err((job, e)),
         };
@@ -999,6 +1009,7 @@ impl Worker {
             hold,
             held: String::new(),
             tools: tools.map(|adapter| Tools { adapter, calls: 0 }),
+            reasoning,
             reply_prefix,
             generated: Vec::new(),
             reused,
@@ -1140,100 +1151,109 @@ impl Worker {
     }
 
     /// Starts the request's plugin instances: the sampler (fed the whole prompt), the stop
-    /// rules with how many characters each needs held back, and the tool adapter.
-    #[allow(clippy::type_complexity)]
-    fn start_plugins(
-        &self,
-        selection: &Selection,
-        prompt: &[u32],
-        seed: u64,
-    ) -> Result<(Option<Box<dyn super::ExternalSampler>>, Vec<(Instance, usize, bool)>, Option<PluginTools>)> {
+    /// rules with how many characters each needs held back, the tool adapter and the
+    /// reasoning parser.
+    fn start_plugins(&self, selection: &Selection, prompt: &[u32], seed: u64) -> Result<Plugins> {
         if selection.is_empty() {
-            return Ok((None, Vec::new(), None));
+            return Ok(Plugins::default());
         }
         let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
         // A plugin that faults while starting is skipped when the request allows a fallback
         // (a refused config is still the client's error).
-        let skip = |selected: &crate::plugins::Selected, e: &anyhow::Error| {
-            let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
-            if selected.fallback && !refused {
-                tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
-                true
-            } else {
-                false
+        let start = |selected: &crate::plugins::Selected| match registry.start(selected, seed) {
+            Ok(instance) => Ok(Some(instance)),
+            Err(e) => {
+                let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
+                if selected.fallback && !refused {
+                    tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
             }
         };
-        let mut external: Option<Box<dyn super::ExternalSampler>> = None;
+        let mut plugins = Plugins::default();
         if let Some(selected) = &selection.sampler {
-            let started = registry.start(selected, seed).and_then(|mut instance| {
-                instance.accept(prompt)?;
-                Ok(instance)
-            });
-            match started {
-                Ok(instance) => {
-                    let sampler = PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
-                    external = Some(Box::new(sampler));
+            if let Some(mut instance) = start(selected)? {
+                match instance.accept(prompt) {
+                    Ok(()) => {
+                        let sampler =
+                            PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
+                        plugins.sampler = Some(Box::new(sampler));
+                    }
+                    Err(e) if selected.fallback && e.downcast_ref::<PluginRefused>().is_none() => {
+                        tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) if skip(selected, &e) => {}
-                Err(e) => return Err(e),
             }
         }
-        let mut stops = Vec::new();
         for selected in &selection.stops {
-            match registry.start(selected, seed) {
-                Ok(instance) => stops.push((instance, selected.plugin.manifest.stop().hold, selected.fallback)),
-                Err(e) if skip(selected, &e) => {}
-                Err(e) => return Err(e),
+            if let Some(instance) = start(selected)? {
+                plugins.stops.push((instance, selected.plugin.manifest.stop().hold, selected.fallback));
             }
         }
-        let mut tools = None;
         if let Some(selected) = &selection.tool {
-            match registry.start(selected, seed) {
-                Ok(instance) => tools = Some(PluginTools::new(instance, selected.fallback)),
-                Err(e) if skip(selected, &e) => {}
-                Err(e) => return Err(e),
-            }
+            plugins.tools = start(selected)?.map(|i| PluginTools::new(i, selected.fallback));
         }
-        Ok((external, stops, tools))
+        if let Some(selected) = &selection.reasoning {
+            plugins.reasoning = start(selected)?.map(|i| PluginReasoning::new(i, selected.fallback));
+        }
+        Ok(plugins)
     }
 }
 
-/// Sends a token's text (through the tool adapter, when the request has one; flushing it
-/// at the end of output) and its logprobs. `Ok(false)` when the client has gone. When the
-/// request allows one tool call, the adapter's report of a second ends the reply before it
-/// (`finish` becomes `ToolCalls`).
+/// A request's started plugin instances.
+#[derive(Default)]
+struct Plugins {
+    sampler: Option<Box<dyn super::ExternalSampler>>,
+    /// Stop rules: (instance, characters to hold back, fallback allowed).
+    stops: Vec<(Instance, usize, bool)>,
+    tools: Option<PluginTools>,
+    reasoning: Option<PluginReasoning>,
+}
+
+/// Sends a token's text down the parsers and out with its logprobs: the reasoning parser
+/// (thinking goes out as `Event::Reasoning`), then the tool adapter over the rest (the
+/// reply's forced opening first), each flushed at the end of output. `Ok(false)` when the
+/// client has gone. When the request allows one tool call, the adapter's report of a second
+/// ends the reply before it (`finish` becomes `ToolCalls`).
 fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: bool) -> Result<bool> {
-    let mut events = Vec::new();
-    let mut content = match a.reply_prefix.take() {
-        Some(prefix) => prefix + &text,
-        None => text,
-    };
-    let one_call = a.job.request.plugins.one_tool_call;
-    let mut cut = false;
-    if let Some(tools) = a.tools.as_mut() {
-        let mut out = if content.is_empty() { Vec::new() } else { tools.adapter.feed(&content)? };
-        if last {
-            out.extend(tools.adapter.finish()?);
+    let mut pieces = match a.reasoning.as_mut() {
+        Some(parser) => {
+            let mut out = if text.is_empty() { Vec::new() } else { parser.feed(&text)? };
+            if last {
+                out.extend(parser.finish()?);
+            }
+            out
         }
-        content = String::new();
-        for o in out {
-            match o {
-                ToolOutput::Content(c) => content.push_str(&c),
-                // A second call where one was asked for: the reply ends before it.
-                ToolOutput::Call { .. } if one_call && tools.calls > 0 => {
+        None => vec![ReasoningOutput::Content(text)],
+    };
+    if let Some(prefix) = a.reply_prefix.take() {
+        pieces.insert(0, ReasoningOutput::Content(prefix));
+    }
+    let one_call = a.job.request.plugins.one_tool_call;
+    let (mut events, mut content, mut cut) = (Vec::new(), String::new(), false);
+    for piece in pieces {
+        match (piece, a.tools.as_mut()) {
+            (ReasoningOutput::Reasoning(r), _) => {
+                flush(&mut events, &mut content);
+                events.push(Event::Reasoning { text: r });
+            }
+            (ReasoningOutput::Content(c), None) => content.push_str(&c),
+            (ReasoningOutput::Content(c), Some(tools)) if !c.is_empty() => {
+                let out = tools.adapter.feed(&c)?;
+                if route(tools, out, one_call, &mut events, &mut content) {
                     cut = true;
                     break;
                 }
-                ToolOutput::Call { index, id, name } => {
-                    if !content.is_empty() {
-                        events.push(Event::Delta { text: std::mem::take(&mut content), logprobs: vec![] });
-                    }
-                    tools.calls += 1;
-                    events.push(Event::ToolCall { index, id, name });
-                }
-                ToolOutput::Args { index, delta } => events.push(Event::ToolArgs { index, delta }),
             }
+            _ => {}
         }
+    }
+    if let (Some(tools), true, false) = (a.tools.as_mut(), last, cut) {
+        let out = tools.adapter.finish()?;
+        cut = route(tools, out, one_call, &mut events, &mut content);
     }
     if cut {
         a.finish = Some(Finish::ToolCalls);
@@ -1242,6 +1262,37 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
         events.push(Event::Delta { text: content, logprobs });
     }
     Ok(events.into_iter().all(|e| a.job.events.send(e).is_ok()))
+}
+
+/// Moves pending content into a `Delta` event.
+fn flush(events: &mut Vec<Event>, content: &mut String) {
+    if !content.is_empty() {
+        events.push(Event::Delta { text: std::mem::take(content), logprobs: vec![] });
+    }
+}
+
+/// Turns a tool adapter's output into events (content gathers in `content`). `true` when a
+/// second call arrives where one was asked for: the reply ends before it.
+fn route(
+    tools: &mut Tools,
+    out: Vec<ToolOutput>,
+    one_call: bool,
+    events: &mut Vec<Event>,
+    content: &mut String,
+) -> bool {
+    for o in out {
+        match o {
+            ToolOutput::Content(c) => content.push_str(&c),
+            ToolOutput::Call { .. } if one_call && tools.calls > 0 => return true,
+            ToolOutput::Call { index, id, name } => {
+                flush(events, content);
+                tools.calls += 1;
+                events.push(Event::ToolCall { index, id, name });
+            }
+            ToolOutput::Args { index, delta } => events.push(Event::ToolArgs { index, delta }),
+        }
+    }
+    false
 }
 
 /// The chosen token's log-probability and the `k` most likely tokens.

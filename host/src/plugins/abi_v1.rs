@@ -19,6 +19,7 @@ pub enum Kind {
     Stop,
     Tool,
     Scheduler,
+    Reasoning,
 }
 
 impl std::fmt::Display for Kind {
@@ -28,6 +29,7 @@ impl std::fmt::Display for Kind {
             Kind::Stop => "stop",
             Kind::Tool => "tool",
             Kind::Scheduler => "scheduler",
+            Kind::Reasoning => "reasoning",
         })
     }
 }
@@ -104,7 +106,10 @@ impl Manifest {
             bail!("plugin name {:?} is invalid: use [a-z0-9][a-z0-9_-]*, at most 64 bytes", self.name);
         }
         if self.kinds.is_empty() {
-            bail!("plugin {} declares no kinds; give at least one of sampler, stop, tool, scheduler", self.name);
+            bail!(
+                "plugin {} declares no kinds; give at least one of sampler, stop, tool, scheduler, reasoning",
+                self.name
+            );
         }
         let k = self.sampler().k;
         if !(1..=1024).contains(&k) {

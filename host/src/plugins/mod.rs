@@ -39,6 +39,9 @@ pub struct Selection {
     pub stops: Vec<Selected>,
     /// The tool-call adapter over the output (its params carry the request's tools).
     pub tool: Option<Selected>,
+    /// The reasoning parser over the output (ahead of the tool adapter): the model's
+    /// thinking split from its answer.
+    pub reasoning: Option<Selected>,
     /// Text that opens the reply: a call the request forces (`tool_choice`), already at the
     /// end of the prompt; fed to the tool adapter ahead of the output.
     pub reply_prefix: Option<String>,
@@ -49,7 +52,7 @@ pub struct Selection {
 
 impl Selection {
     pub fn is_empty(&self) -> bool {
-        self.sampler.is_none() && self.stops.is_empty() && self.tool.is_none()
+        self.sampler.is_none() && self.stops.is_empty() && self.tool.is_none() && self.reasoning.is_none()
     }
 }
 
@@ -345,18 +348,56 @@ pub enum ToolOutput {
     Args { index: usize, delta: String },
 }
 
-/// A tool-adapter instance on one request's output. With a fallback allowed, a fault turns
-/// it off and the text passes through as content from then on.
-pub struct PluginTools {
+/// A streaming text-parser instance (a tool adapter or a reasoning parser) on one request's
+/// output. With a fallback allowed, a fault turns it off and the text passes through as
+/// content from then on.
+struct TextParser {
     instance: Option<Instance>,
     fallback: bool,
+}
+
+impl TextParser {
+    /// Runs `call` (one entry point) and `parse` over its JSON lines; `plain` wraps the text
+    /// that passes through once the parser is off.
+    fn run<E>(
+        &mut self,
+        text: &str,
+        entry: &str,
+        call: impl FnOnce(&mut Instance) -> Result<String>,
+        parse: impl FnOnce(&str, &str, &str) -> Result<Vec<E>, String>,
+        plain: impl Fn(String) -> E,
+    ) -> Result<Vec<E>> {
+        let passthrough = || if text.is_empty() { vec![] } else { vec![plain(text.to_string())] };
+        let Some(instance) = self.instance.as_mut() else { return Ok(passthrough()) };
+        let result = call(instance).and_then(|lines| {
+            let name = instance.plugin().name().to_string();
+            parse(&name, entry, &lines).map_err(|m| {
+                instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
+                anyhow::Error::new(runtime::PluginFault(m))
+            })
+        });
+        match result {
+            Ok(events) => Ok(events),
+            Err(e) if self.fallback => {
+                tracing::warn!("{entry}: plugin dropped for this request, passing text through: {e:#}");
+                self.instance = None;
+                Ok(passthrough())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A tool-adapter instance on one request's output.
+pub struct PluginTools {
+    parser: TextParser,
     /// Calls reported so far: the next call's index.
     calls: usize,
 }
 
 impl PluginTools {
     pub fn new(instance: Instance, fallback: bool) -> PluginTools {
-        PluginTools { instance: Some(instance), fallback, calls: 0 }
+        PluginTools { parser: TextParser { instance: Some(instance), fallback }, calls: 0 }
     }
 
     /// Feeds the next piece of output text.
@@ -375,27 +416,71 @@ impl PluginTools {
         entry: &str,
         call: impl FnOnce(&mut Instance) -> Result<String>,
     ) -> Result<Vec<ToolOutput>> {
-        let passthrough = || if text.is_empty() { vec![] } else { vec![ToolOutput::Content(text.to_string())] };
-        let Some(instance) = self.instance.as_mut() else { return Ok(passthrough()) };
-        let result = call(instance).and_then(|lines| {
-            let name = instance.plugin().name().to_string();
-            let (events, calls) = parse_tool_events(&name, entry, &lines, self.calls).map_err(|m| {
-                instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
-                anyhow::Error::new(runtime::PluginFault(m))
-            })?;
-            self.calls = calls;
+        let calls = &mut self.calls;
+        let parse = |name: &str, entry: &str, lines: &str| {
+            let (events, n) = parse_tool_events(name, entry, lines, *calls)?;
+            *calls = n;
             Ok(events)
-        });
-        match result {
-            Ok(events) => Ok(events),
-            Err(e) if self.fallback => {
-                tracing::warn!("tool adapter dropped for this request, passing text through: {e:#}");
-                self.instance = None;
-                Ok(passthrough())
-            }
-            Err(e) => Err(e),
+        };
+        self.parser.run(text, entry, call, parse, ToolOutput::Content)
+    }
+}
+
+/// What a reasoning parser reports (ABI.md §5.5), checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReasoningOutput {
+    Content(String),
+    Reasoning(String),
+}
+
+/// A reasoning-parser instance on one request's output: splits the model's thinking from
+/// its answer.
+pub struct PluginReasoning {
+    parser: TextParser,
+}
+
+impl PluginReasoning {
+    pub fn new(instance: Instance, fallback: bool) -> PluginReasoning {
+        PluginReasoning { parser: TextParser { instance: Some(instance), fallback } }
+    }
+
+    /// Feeds the next piece of output text.
+    pub fn feed(&mut self, text: &str) -> Result<Vec<ReasoningOutput>> {
+        self.parser.run(
+            text,
+            "reasoning_feed",
+            |i| i.reasoning_feed(text),
+            parse_reasoning_events,
+            ReasoningOutput::Content,
+        )
+    }
+
+    /// End of output: what the parser still holds.
+    pub fn finish(&mut self) -> Result<Vec<ReasoningOutput>> {
+        self.parser.run(
+            "",
+            "reasoning_finish",
+            Instance::reasoning_finish,
+            parse_reasoning_events,
+            ReasoningOutput::Content,
+        )
+    }
+}
+
+/// Parses a reasoning parser's JSON-lines events: `{"content": ..}` or `{"reasoning": ..}`.
+fn parse_reasoning_events(plugin: &str, entry: &str, lines: &str) -> Result<Vec<ReasoningOutput>, String> {
+    let mut out = Vec::new();
+    for line in lines.lines().filter(|l| !l.trim().is_empty()) {
+        let bad = |why: &str| format!("plugin {plugin} returned a bad reasoning event from {entry}: {line:?}: {why}");
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
+        let text = |key: &str| v.get(key).and_then(Value::as_str).map(str::to_string);
+        match (text("content"), text("reasoning")) {
+            (Some(c), None) => out.push(ReasoningOutput::Content(c)),
+            (None, Some(r)) => out.push(ReasoningOutput::Reasoning(r)),
+            _ => return Err(bad("expected an object with one string, content or reasoning")),
         }
     }
+    Ok(out)
 }
 
 /// Parses and checks a tool adapter's JSON-lines events: call indexes must count up from
@@ -546,6 +631,17 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reasoning_events_are_checked() {
+        let ok = "{\"reasoning\": \"hm\"}\n\n{\"content\": \"yes\"}\n";
+        let events = parse_reasoning_events("p", "reasoning_feed", ok).unwrap();
+        assert_eq!(events, vec![ReasoningOutput::Reasoning("hm".into()), ReasoningOutput::Content("yes".into())]);
+        for bad in ["garbage", r#"{"reasoning": 1}"#, r#"{"content": "a", "reasoning": "b"}"#, r#"{"tool_call": {}}"#] {
+            let e = parse_reasoning_events("p", "reasoning_finish", bad).unwrap_err();
+            assert!(e.starts_with("plugin p returned a bad reasoning event from reasoning_finish"), "{e}");
+        }
+    }
 
     #[test]
     fn tool_events_are_checked() {

@@ -122,6 +122,7 @@ fn required_exports(kind: Kind) -> &'static [(&'static str, &'static [ValType], 
         Kind::Stop => &[("stop_check", &[I32, I32, I32], &[I32])],
         Kind::Tool => &[("tool_feed", &[I32, I32], &[I64]), ("tool_finish", &[], &[I64])],
         Kind::Scheduler => &[("schedule", &[I32, I32], &[I64])],
+        Kind::Reasoning => &[("reasoning_feed", &[I32, I32], &[I64]), ("reasoning_finish", &[], &[I64])],
     }
 }
 
@@ -261,6 +262,8 @@ impl PluginRuntime {
             tool_finish: optional(&instance, &mut store, "tool_finish", &name)?,
             tool_render: optional(&instance, &mut store, "tool_render", &name)?,
             tool_force: optional(&instance, &mut store, "tool_force", &name)?,
+            reasoning_feed: optional(&instance, &mut store, "reasoning_feed", &name)?,
+            reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
         };
         let mut inst =
@@ -382,6 +385,8 @@ struct Funcs {
     tool_finish: Option<TypedFunc<(), i64>>,
     tool_render: Option<TypedFunc<(i32, i32), i64>>,
     tool_force: Option<TypedFunc<(i32, i32), i64>>,
+    reasoning_feed: Option<TypedFunc<(i32, i32), i64>>,
+    reasoning_finish: Option<TypedFunc<(), i64>>,
     schedule: Option<TypedFunc<(i32, i32), i64>>,
 }
 
@@ -587,13 +592,24 @@ impl Instance {
 
     /// `tool_finish`: the adapter's last events.
     pub fn tool_finish(&mut self) -> Result<String> {
-        let f = self
-            .funcs
-            .tool_finish
-            .clone()
-            .with_context(|| format!("plugin {} is not a tool adapter", self.plugin.manifest.name))?;
-        let packed = self.call(&f, (), self.plugin.settings.deadline(), "tool_finish")?;
-        self.packed_text(packed, "tool_finish", MAX_RESULT_BYTES)
+        self.finish_call(self.funcs.tool_finish.clone(), "tool_finish", "a tool adapter")
+    }
+
+    /// `reasoning_feed`: the parser's events (JSON lines) for the next piece of output text.
+    pub fn reasoning_feed(&mut self, text: &str) -> Result<String> {
+        self.tool_call(self.funcs.reasoning_feed.clone(), text.as_bytes(), "reasoning_feed")
+    }
+
+    /// `reasoning_finish`: the parser's last events.
+    pub fn reasoning_finish(&mut self) -> Result<String> {
+        self.finish_call(self.funcs.reasoning_finish.clone(), "reasoning_finish", "a reasoning parser")
+    }
+
+    /// A `() -> packed slice` entry point: its text.
+    fn finish_call(&mut self, f: Option<TypedFunc<(), i64>>, entry: &str, kind: &str) -> Result<String> {
+        let f = f.with_context(|| format!("plugin {} is not {kind}", self.plugin.manifest.name))?;
+        let packed = self.call(&f, (), self.plugin.settings.deadline(), entry)?;
+        self.packed_text(packed, entry, MAX_RESULT_BYTES)
     }
 
     /// `tool_render`, if exported: system-prompt text for `tools`; `None` when the plugin
@@ -697,6 +713,32 @@ mod tests {
         assert_eq!(force(adapter(empty), "f"), None);
         assert_eq!(force(adapter(opener), "get_weather"), Some("<call name=get_weather".into()));
         assert_eq!(force(adapter(opener), ""), Some("<call name=".into()));
+    }
+
+    #[test]
+    fn a_reasoning_parser_needs_both_exports_and_returns_json_lines() {
+        let parser = |finish: &str| {
+            format!(
+                r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"r\", \"kinds\": [\"reasoning\"]}}")
+                (memory (export "memory") 1)
+                (data (i32.const 16) "{{\"reasoning\":\"hm\"}}\n")
+                (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+                (func (export "reasoning_feed") (param i32 i32) (result i64)
+                    (i64.or (i64.shl (i64.const 16) (i64.const 32)) (i64.const 19)))
+                {finish})"#
+            )
+        };
+        let runtime = PluginRuntime::new().unwrap();
+        let load = |wat: String| {
+            runtime.load(&wat::parse_str(&wat).unwrap(), Path::new("r.wat"), false, PluginSettings::default())
+        };
+        let e = load(parser("")).unwrap_err();
+        assert!(format!("{e:#}").contains("reasoning_finish"), "{e:#}");
+        let plugin =
+            Arc::new(load(parser(r#"(func (export "reasoning_finish") (result i64) (i64.const 0))"#)).unwrap());
+        let mut instance = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap();
+        assert_eq!(instance.reasoning_feed("<think>hm").unwrap(), "{\"reasoning\":\"hm\"}\n");
+        assert_eq!(instance.reasoning_finish().unwrap(), "");
     }
 
     #[test]

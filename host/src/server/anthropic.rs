@@ -210,7 +210,7 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
         match m.get("content") {
             Some(Value::String(s)) => out.push(json!({"role": role, "content": s})),
             Some(Value::Array(blocks)) => {
-                let mut text = String::new();
+                let (mut text, mut thinking) = (String::new(), String::new());
                 let mut calls = Vec::new();
                 for (j, b) in blocks.iter().enumerate() {
                     let bparam = format!("{param}.content[{j}]");
@@ -228,7 +228,12 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
                             };
                             out.push(json!({"role": "tool", "tool_call_id": b.get("tool_use_id").cloned().unwrap_or(Value::Null), "content": content}));
                         }
-                        Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                        // Thinking goes back to the template as `reasoning_content` (Qwen3's
+                        // keeps it within a tool loop); redacted thinking is opaque.
+                        Some("thinking") if role == "assistant" => {
+                            thinking.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or_default())
+                        }
+                        Some("redacted_thinking") if role == "assistant" => {}
                         Some(other) => return Err(unreadable(&bparam, other)),
                         None => return Err(invalid(&bparam, "a content block needs a `type`")),
                     }
@@ -237,6 +242,9 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
                     let mut msg = json!({"role": role, "content": text});
                     if !calls.is_empty() {
                         msg["tool_calls"] = Value::Array(calls);
+                    }
+                    if !thinking.is_empty() {
+                        msg["reasoning_content"] = json!(thinking);
                     }
                     out.push(msg);
                 }

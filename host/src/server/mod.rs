@@ -48,6 +48,11 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         Some(name) => Some(name.to_string()),
         None => plugins.as_ref().map(|_| detect_tool_adapter(engine.tokenizer.chat_template()).to_string()),
     };
+    let reasoning_parser = match config.reasoning_parser.as_deref() {
+        Some("none" | "off") => None,
+        Some(name) => Some(openai::PluginRef { name: name.into(), config: None, params: None, fallback: false }),
+        None => plugins.as_ref().and_then(|_| detect_reasoning_parser(engine.tokenizer.chat_template())),
+    };
     let budget = memory_budget(config, &engine);
     let free = budget.saturating_sub(engine.baseline_memory as u64);
     let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
@@ -67,6 +72,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         default_plugins: config.default_plugins.clone(),
         speculative: config.spec().unwrap_or_default(),
         tool_adapter,
+        reasoning_parser,
         responses: Default::default(),
     })
 }
@@ -89,6 +95,22 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
     } else {
         "hermes"
     }
+}
+
+/// The reasoning parser that fits a chat template, by its thinking markers: the built-in
+/// `think` (`<think>`...`</think>`, or Mistral's `[THINK]`...`[/THINK]` by config); `None`
+/// for templates without them. Runs with `fallback` on: if it faults, the text passes
+/// through as content.
+pub fn detect_reasoning_parser(template: Option<&str>) -> Option<openai::PluginRef> {
+    let t = template.unwrap_or("");
+    let config = if t.contains("<think>") {
+        None
+    } else if t.contains("[THINK]") {
+        Some(serde_json::json!({"open": "[THINK]", "close": "[/THINK]"}))
+    } else {
+        return None;
+    };
+    Some(openai::PluginRef { name: "think".into(), config, params: None, fallback: true })
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -122,9 +144,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
         named.extend(d.sampler.iter().map(|r| ("default_plugins.sampler", Kind::Sampler, &r.name)));
         named.extend(d.stop.iter().map(|r| ("default_plugins.stop", Kind::Stop, &r.name)));
         named.extend(d.tool.iter().map(|r| ("default_plugins.tool", Kind::Tool, &r.name)));
+        named.extend(
+            d.reasoning
+                .iter()
+                .filter(|r| r.name != "none")
+                .map(|r| ("default_plugins.reasoning", Kind::Reasoning, &r.name)),
+        );
     }
     let adapters = config.tool_adapter.iter().chain(config.models.values().filter_map(|m| m.tool_adapter.as_ref()));
     named.extend(adapters.filter(|n| !matches!(n.as_str(), "none" | "off")).map(|n| ("tool_adapter", Kind::Tool, n)));
+    let parsers =
+        config.reasoning_parser.iter().chain(config.models.values().filter_map(|m| m.reasoning_parser.as_ref()));
+    named.extend(
+        parsers.filter(|n| !matches!(n.as_str(), "none" | "off")).map(|n| ("reasoning_parser", Kind::Reasoning, n)),
+    );
     for (key, kind, name) in named {
         match registry.get(name) {
             None => {

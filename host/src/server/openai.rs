@@ -34,6 +34,9 @@ pub struct PluginsField {
     /// The tool-call adapter for requests with tools (default: the server's, chosen from
     /// the model's chat template).
     pub tool: Option<PluginRef>,
+    /// The reasoning parser for chat replies (default: the server's, chosen from the
+    /// model's chat template); `{"name": "none"}` leaves the thinking in the text.
+    pub reasoning: Option<PluginRef>,
 }
 
 /// `stop`: a string or a list of strings.
@@ -338,6 +341,11 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             if let Some(v) = obj.get(key) {
                 msg[key] = v.clone();
             }
+        }
+        // An assistant turn's thinking, for templates that keep it (Qwen3's, in a tool loop).
+        let reasoning = ["reasoning_content", "reasoning"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str));
+        if let (Some(r), "assistant") = (reasoning.filter(|r| !r.is_empty()), role) {
+            msg["reasoning_content"] = json!(r);
         }
         out.push(msg);
     }

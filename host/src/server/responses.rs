@@ -133,6 +133,8 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
         _ => return Err(ApiError::invalid("input", "`input` must be a string or a list of input items")),
     };
     let mut out: Vec<Value> = Vec::new();
+    // A reasoning item's text, for the assistant turn it precedes (as `reasoning_content`).
+    let mut reasoning = String::new();
     for (i, item) in items.iter().enumerate() {
         let param = format!("input[{i}]");
         let kind =
@@ -153,6 +155,9 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                 };
                 let content = content_text(item.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
                 out.push(json!({"role": role, "content": content}));
+                if role == "assistant" && !reasoning.is_empty() {
+                    out.last_mut().unwrap()["reasoning_content"] = json!(std::mem::take(&mut reasoning));
+                }
             }
             "function_call" => {
                 let arguments = field("arguments")?;
@@ -164,6 +169,9 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                     }
                     _ => out.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
                 }
+                if !reasoning.is_empty() {
+                    out.last_mut().unwrap()["reasoning_content"] = json!(std::mem::take(&mut reasoning));
+                }
             }
             "function_call_output" => {
                 let output = match item.get("output") {
@@ -172,7 +180,14 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                 };
                 out.push(json!({"role": "tool", "tool_call_id": field("call_id")?, "content": output}));
             }
-            "reasoning" => {}
+            "reasoning" => {
+                // Raw reasoning text (`content`), else its summary.
+                let parts = item.get("content").and_then(Value::as_array).filter(|c| !c.is_empty());
+                let parts = parts.or_else(|| item.get("summary").and_then(Value::as_array));
+                for p in parts.into_iter().flatten() {
+                    reasoning.push_str(p.get("text").and_then(Value::as_str).unwrap_or_default());
+                }
+            }
             "" => return Err(ApiError::invalid(&param, format!("{param} needs a `type` (message, function_call, function_call_output)"))),
             other => {
                 return Err(ApiError::invalid(&param, format!("input items of type {other:?} are not supported; use message, function_call or function_call_output")))
@@ -287,6 +302,7 @@ pub fn usage_json(u: &Usage) -> Value {
 /// The item being written: a message's text or a function call's arguments.
 enum Open {
     Text { id: String, text: String },
+    Reasoning { id: String, text: String },
     Call { id: String, call_id: String, name: String, arguments: String },
 }
 
@@ -390,6 +406,23 @@ impl Output {
                     self.event("response.output_item.done", json!({"output_index": index, "item": item})),
                 ]
             }
+            Some(Open::Reasoning { id, text }) => {
+                let part = json!({"type": "reasoning_text", "text": text});
+                let item =
+                    json!({"id": id, "type": "reasoning", "status": "completed", "summary": [], "content": [part]});
+                self.items.push(item.clone());
+                vec![
+                    self.event(
+                        "response.reasoning_text.done",
+                        json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                    ),
+                    self.event(
+                        "response.content_part.done",
+                        json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+                    ),
+                    self.event("response.output_item.done", json!({"output_index": index, "item": item})),
+                ]
+            }
             Some(Open::Call { id, call_id, name, arguments }) => {
                 let item = json!({"id": id, "type": "function_call", "status": "completed", "call_id": call_id, "name": name, "arguments": arguments});
                 self.items.push(item.clone());
@@ -426,6 +459,25 @@ impl Output {
                 out.push(self.event(
                     "response.output_text.delta",
                     json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []}),
+                ));
+                out
+            }
+            Event::Reasoning { text } => {
+                let mut out = vec![];
+                if !matches!(self.open, Some(Open::Reasoning { .. })) {
+                    out = self.close();
+                    let (id, index) = (self.item_id("rs"), self.items.len());
+                    out.push(self.event("response.output_item.added", json!({"output_index": index, "item": {"id": id, "type": "reasoning", "status": "in_progress", "summary": [], "content": []}})));
+                    out.push(self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}})));
+                    self.open = Some(Open::Reasoning { id, text: String::new() });
+                }
+                let Some(Open::Reasoning { id, text: all }) = &mut self.open else { unreachable!() };
+                all.push_str(text);
+                let id = id.clone();
+                let index = self.items.len();
+                out.push(self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text}),
                 ));
                 out
             }
@@ -481,6 +533,10 @@ impl Output {
                 Some("message") => {
                     let text = item.pointer("/content/0/text").and_then(Value::as_str).unwrap_or_default();
                     msg["content"] = json!(format!("{}{text}", msg["content"].as_str().unwrap_or_default()));
+                }
+                Some("reasoning") => {
+                    let text = item.pointer("/content/0/text").and_then(Value::as_str).unwrap_or_default();
+                    msg["reasoning_content"] = json!(text);
                 }
                 Some("function_call") => {
                     let args = item["arguments"].as_str().unwrap_or("{}");
@@ -584,7 +640,7 @@ mod tests {
         let input = json!([
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
             {"role": "user", "content": "weather?"},
-            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
             {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{\"city\": \"Oslo\"}"},
             {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{\"city\": \"Rome\"}"},
             {"type": "function_call_output", "call_id": "c1", "output": "cold"},
@@ -595,6 +651,7 @@ mod tests {
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(m[2]["tool_calls"].as_array().unwrap().len(), 2);
         assert_eq!(m[2]["tool_calls"][1]["function"]["arguments"], json!({"city": "Rome"}));
+        assert_eq!(m[2]["reasoning_content"], "look it up");
         assert_eq!(m[4], json!({"role": "tool", "tool_call_id": "c2", "content": "warm"}));
         for (bad, want) in [
             (
@@ -619,6 +676,8 @@ mod tests {
         let mut kinds: Vec<&str> = o.opening().iter().map(|e| e.0).collect();
         let events = [
             Event::Started { prompt_tokens: 3, cached_tokens: 0 },
+            Event::Reasoning { text: "hm".into() },
+            Event::Reasoning { text: "m".into() },
             Event::Delta { text: "a".into(), logprobs: vec![] },
             Event::Delta { text: "b".into(), logprobs: vec![] },
             Event::ToolCall { index: 0, id: "call_1".into(), name: "f".into() },
@@ -643,6 +702,13 @@ mod tests {
                 "response.in_progress",
                 "response.output_item.added",
                 "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
                 "response.output_text.delta",
                 "response.output_text.delta",
                 "response.output_text.done",
@@ -658,11 +724,13 @@ mod tests {
         assert!(sequence.windows(2).all(|w| w[1] == w[0] + 1), "{sequence:?}");
         let done = o.done.as_ref().unwrap();
         assert_eq!(done["status"], "completed");
-        assert_eq!(done["output"][0]["content"][0]["text"], "ab");
-        assert_eq!(done["output"][1]["call_id"], "call_1");
+        assert_eq!(done["output"][0]["type"], "reasoning");
+        assert_eq!(done["output"][0]["content"][0], json!({"type": "reasoning_text", "text": "hmm"}));
+        assert_eq!(done["output"][1]["content"][0]["text"], "ab");
+        assert_eq!(done["output"][2]["call_id"], "call_1");
         assert_eq!(done["usage"]["total_tokens"], 7);
         let m = o.as_messages();
-        assert_eq!(m[0]["content"], "ab");
+        assert_eq!((m[0]["content"].as_str(), m[0]["reasoning_content"].as_str()), (Some("ab"), Some("hmm")));
         assert_eq!(m[0]["tool_calls"][0]["function"]["arguments"], json!({}));
     }
 

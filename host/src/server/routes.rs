@@ -48,6 +48,8 @@ pub struct AppState {
     /// The tool-call adapter for requests with tools that do not name one (configured, or
     /// chosen from the chat template); `None`: tool calls stay in the text.
     pub tool_adapter: Option<String>,
+    /// The default reasoning parser of chat turns (`reasoning_parser`, else the template's).
+    pub reasoning_parser: Option<openai::PluginRef>,
     /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
     pub responses: responses::Store,
 }
@@ -235,6 +237,8 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
 /// A finished non-streamed generation.
 struct Completion {
     text: String,
+    /// The model's thinking, as the reasoning parser split it off.
+    reasoning: String,
     logprobs: Vec<TokenLogprob>,
     tool_calls: Vec<openai::ToolCall>,
     finish: Finish,
@@ -243,7 +247,7 @@ struct Completion {
 
 async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Flavor) -> Result<Completion, ApiError> {
     let start = Instant::now();
-    let (mut text, mut logprobs, mut first) = (String::new(), Vec::new(), true);
+    let (mut text, mut reasoning, mut logprobs, mut first) = (String::new(), String::new(), Vec::new(), true);
     let mut tool_calls: Vec<openai::ToolCall> = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
@@ -264,6 +268,13 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                 text.push_str(&t);
                 logprobs.extend(l);
             }
+            Event::Reasoning { text: t } => {
+                if first {
+                    state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
+                    first = false;
+                }
+                reasoning.push_str(&t);
+            }
             Event::Done { finish, usage } => {
                 tracing::info!(
                     prompt = usage.prompt_tokens,
@@ -272,7 +283,7 @@ async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Fla
                     finish = finish.reason(),
                     "generation"
                 );
-                return Ok(Completion { text, logprobs, tool_calls, finish, usage });
+                return Ok(Completion { text, reasoning, logprobs, tool_calls, finish, usage });
             }
             e => return Err(failure(&e, flavor).expect("a failure event")),
         }
@@ -473,6 +484,11 @@ async fn chat_completions(
         let logprobs =
             if top_logprobs.is_some() { json!({"content": openai::chat_logprobs(&c.logprobs)}) } else { Value::Null };
         let mut message = json!({"role": "assistant", "content": c.text});
+        if !c.reasoning.is_empty() {
+            // `reasoning_content` as vLLM and DeepSeek name it, `reasoning` as mlx-lm does.
+            message["reasoning_content"] = json!(c.reasoning);
+            message["reasoning"] = json!(c.reasoning);
+        }
         if !c.tool_calls.is_empty() {
             if c.text.is_empty() {
                 message["content"] = Value::Null;
@@ -510,6 +526,9 @@ async fn chat_completions(
             Event::Delta { text, logprobs } => {
                 let lp = if want_logprobs { json!({"content": openai::chat_logprobs(logprobs)}) } else { Value::Null };
                 vec![chunk(json!({"content": text}), lp, Value::Null)]
+            }
+            Event::Reasoning { text } => {
+                vec![chunk(json!({"reasoning_content": text, "reasoning": text}), Value::Null, Value::Null)]
             }
             Event::ToolCall { index, id, name } => vec![chunk(
                 json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
@@ -569,7 +588,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let max_tokens = state.admit(prompt.len(), Some(max))?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let plugins = state.plugins(req.plugins, None, Flavor::OpenAi)?;
+    let plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
     let stop = openai::stops(req.stop)?;
     let (priority, client) = (openai::priority(req.priority)?, req.user.clone());
@@ -618,8 +637,8 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
                 }
                 out
             }
-            // A completion has no tools, so no adapter reports calls.
-            Event::ToolCall { .. } | Event::ToolArgs { .. } => vec![],
+            // A completion has no tools and no reasoning parser (`plugins` refuses one).
+            Event::ToolCall { .. } | Event::ToolArgs { .. } | Event::Reasoning { .. } => vec![],
             e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
                 vec![stream_error(e, Flavor::OpenAi)]
             }
@@ -640,6 +659,9 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         let c = collect(&state, rx, a).await?;
         let (reason, sequence) = anthropic::stop_reason(&c.finish);
         let mut content = Vec::new();
+        if !c.reasoning.is_empty() {
+            content.push(json!({"type": "thinking", "thinking": c.reasoning, "signature": ""}));
+        }
         if !c.text.is_empty() || c.tool_calls.is_empty() {
             content.push(json!({"type": "text", "text": c.text}));
         }
@@ -652,10 +674,11 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
         }))
         .into_response());
     }
-    // Content blocks in order, each opened by what first needs it: a text block for text, a
-    // block per tool call, a new text block if text follows a call (as in the non-streamed
-    // reply, a call at the very start is block 0). `open` is the open block: (index, is text).
-    let mut open: Option<(usize, bool)> = None;
+    // Content blocks in order, each opened by what first needs it: a thinking block for
+    // reasoning, a text block for text, a block per tool call, a new text block if text
+    // follows a call (as in the non-streamed reply, a call at the very start is block 0).
+    // `open` is the open block: (index, kind).
+    let mut open: Option<(usize, Block)> = None;
     stream(
         state.clone(),
         rx,
@@ -674,8 +697,8 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
             Event::Delta { text, .. } if text.is_empty() => vec![],
             Event::Delta { text, .. } => {
                 let mut out = vec![];
-                if !matches!(open, Some((_, true))) {
-                    out = open_block(&mut open, true, json!({"type": "text", "text": ""}));
+                if !matches!(open, Some((_, Block::Text))) {
+                    out = open_block(&mut open, Block::Text, json!({"type": "text", "text": ""}));
                 }
                 let index = open.map_or(0, |(i, _)| i);
                 out.push(named(
@@ -684,11 +707,24 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
                 ));
                 out
             }
+            Event::Reasoning { text } => {
+                let mut out = vec![];
+                if !matches!(open, Some((_, Block::Thinking))) {
+                    let start = json!({"type": "thinking", "thinking": "", "signature": ""});
+                    out = open_block(&mut open, Block::Thinking, start);
+                }
+                let index = open.map_or(0, |(i, _)| i);
+                out.push(named(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": text}}),
+                ));
+                out
+            }
             Event::ToolCall { id, name, .. } => {
                 let call = openai::ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() };
                 let mut start = anthropic::tool_use_block(&call);
                 start["input"] = json!({});
-                open_block(&mut open, false, start)
+                open_block(&mut open, Block::Tool, start)
             }
             Event::ToolArgs { delta, .. } => vec![named(
                 "content_block_delta",
@@ -696,10 +732,11 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
             )],
             Event::Done { finish, usage } => {
                 let (reason, sequence) = anthropic::stop_reason(finish);
-                // An empty reply is one empty text block, as the non-streamed one.
+                // A reply with no text and no call ends with an empty text block, as the
+                // non-streamed one.
                 let mut out = match open {
-                    Some(_) => vec![],
-                    None => open_block(&mut open, true, json!({"type": "text", "text": ""})),
+                    Some((_, Block::Text | Block::Tool)) => vec![],
+                    _ => open_block(&mut open, Block::Text, json!({"type": "text", "text": ""})),
                 };
                 let index = open.map_or(0, |(i, _)| i);
                 out.extend([
@@ -727,8 +764,16 @@ fn named(name: &str, v: Value) -> SseEvent {
     SseEvent::default().event(name).data(v.to_string())
 }
 
-/// Closes the open content block, if any, and opens the next with `start`.
-fn open_block(open: &mut Option<(usize, bool)>, text: bool, start: Value) -> Vec<SseEvent> {
+/// The kind of an Anthropic stream's content block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Text,
+    Thinking,
+    Tool,
+}
+
+/// Closes the open content block, if any, and opens the next (of `kind`) with `start`.
+fn open_block(open: &mut Option<(usize, Block)>, kind: Block, start: Value) -> Vec<SseEvent> {
     let mut out = vec![];
     let index = match *open {
         Some((i, _)) => {
@@ -737,7 +782,7 @@ fn open_block(open: &mut Option<(usize, bool)>, text: bool, start: Value) -> Vec
         }
         None => 0,
     };
-    *open = Some((index, text));
+    *open = Some((index, kind));
     out.push(named(
         "content_block_start",
         json!({"type": "content_block_start", "index": index, "content_block": start}),
@@ -1272,6 +1317,30 @@ mod tests {
         assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");
         assert_eq!(detect(Some("<|im_start|>{{ m }}<|im_end|>")), "hermes");
         assert_eq!(detect(None), "hermes");
+    }
+
+    #[test]
+    fn the_reasoning_parser_follows_the_chat_templates_markers() {
+        use crate::server::detect_reasoning_parser as detect;
+        let qwen3 = detect(Some("{%- if enable_thinking is false %}<think>\n\n</think>{% endif %}")).unwrap();
+        assert_eq!((qwen3.name.as_str(), qwen3.config, qwen3.fallback), ("think", None, true));
+        let magistral = detect(Some("[SYSTEM_PROMPT]{{ s }}[/SYSTEM_PROMPT][THINK]")).unwrap();
+        assert_eq!(magistral.config, Some(json!({"open": "[THINK]", "close": "[/THINK]"})));
+        assert!(detect(Some("<|im_start|>{{ m }}<|im_end|>")).is_none());
+        assert!(detect(None).is_none());
+    }
+
+    #[test]
+    fn earlier_thinking_goes_back_to_the_template_as_reasoning_content() {
+        let chat = json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r1"},
+            {"role": "user", "content": "q2", "reasoning_content": "not an assistant's"}]);
+        let m = openai::template_messages(chat.as_array().unwrap()).unwrap();
+        assert_eq!((m[1]["reasoning_content"].as_str(), m[2].get("reasoning_content")), (Some("r1"), None));
+        let body = json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "r2", "signature": "s"}, {"type": "text", "text": "a"}]}]});
+        let req: anthropic::MessagesRequest = serde_json::from_value(body).unwrap();
+        let turn = anthropic::turn(&req, false).unwrap();
+        assert_eq!(turn.messages[1]["reasoning_content"], "r2");
     }
 
     #[tokio::test]

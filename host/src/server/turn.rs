@@ -72,7 +72,7 @@ impl AppState {
     pub async fn begin(&self, mut turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
         let flavor = turn.flavor;
         self.check_sampling(&turn.sampling, flavor)?;
-        let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor)?;
+        let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor, true)?;
         plugins.one_tool_call = turn.one_tool_call;
         let (messages, tool_count) = (turn.messages.len(), turn.shown_tools().map_or(0, Vec::len));
         let prompt = self.turn_prompt(&mut turn, &mut plugins).await?;
@@ -113,7 +113,7 @@ impl AppState {
     /// The prompt a turn would have, in tokens (Anthropic `count_tokens`; the server's tool
     /// adapter describes the tools, as for the request itself without a `plugins` field).
     pub async fn count(&self, mut turn: Turn) -> Result<usize, ApiError> {
-        let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor)?;
+        let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor, true)?;
         Ok(self.turn_prompt(&mut turn, &mut plugins).await?.len())
     }
 
@@ -196,7 +196,15 @@ impl AppState {
     ) -> Result<Vec<u32>, ApiError> {
         let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
         plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
-        self.chat_prompt(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())
+        let text = self.chat_text(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())?;
+        if let Some(parser) = plugins.reasoning.as_mut() {
+            // Where the prompt leaves the reply: a template may open the thinking itself
+            // (or close it, with thinking off), so the output starts inside or after it.
+            let tail: String =
+                text.chars().rev().take(PROMPT_TAIL_CHARS).collect::<Vec<_>>().into_iter().rev().collect();
+            parser.params = with_param(Some(std::mem::take(&mut parser.params)), "prompt_tail", json!(tail));
+        }
+        self.engine.tokenizer.encode(&text, false).map_err(ApiError::internal)
     }
 
     /// Renders chat messages (and tools) through the model's template and tokenizes them.
@@ -208,12 +216,25 @@ impl AppState {
     /// the assistant's turn.
     pub(super) fn chat_prompt(
         &self,
-        mut messages: Vec<Value>,
+        messages: Vec<Value>,
         tools: Option<Vec<Value>>,
         kwargs: Option<&Value>,
         rendered: Option<String>,
         reply_prefix: Option<&str>,
     ) -> Result<Vec<u32>, ApiError> {
+        let text = self.chat_text(messages, tools, kwargs, rendered, reply_prefix)?;
+        self.engine.tokenizer.encode(&text, false).map_err(ApiError::internal)
+    }
+
+    /// [`chat_prompt`](Self::chat_prompt)'s text, before tokenizing.
+    fn chat_text(
+        &self,
+        mut messages: Vec<Value>,
+        tools: Option<Vec<Value>>,
+        kwargs: Option<&Value>,
+        rendered: Option<String>,
+        reply_prefix: Option<&str>,
+    ) -> Result<String, ApiError> {
         let tokenizer = &self.engine.tokenizer;
         let template_takes_tools = self.template_takes_tools();
         if !template_takes_tools && rendered.is_none() {
@@ -236,7 +257,7 @@ impl AppState {
             .map_err(|e| ApiError::bad_request(format!("{e}")))?,
         };
         text.push_str(reply_prefix.unwrap_or_default());
-        tokenizer.encode(&text, false).map_err(ApiError::internal)
+        Ok(text)
     }
 
     /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
@@ -261,12 +282,14 @@ impl AppState {
     }
 
     /// Resolves the `plugins` extension field to loaded plugins. A request with `tools` gets
-    /// a tool adapter (the field's `tool`, else the server's), with the tools as its params.
+    /// a tool adapter (the field's `tool`, else the server's), with the tools as its params;
+    /// a `chat` request gets a reasoning parser (the field's `reasoning`, else the server's).
     pub(super) fn plugins(
         &self,
         field: Option<openai::PluginsField>,
         tools: Option<&Vec<Value>>,
         flavor: Flavor,
+        chat: bool,
     ) -> Result<Selection, ApiError> {
         let field = field.or_else(|| self.default_plugins.clone()).unwrap_or_default();
         let tool = field.tool.or_else(|| {
@@ -274,7 +297,16 @@ impl AppState {
             tools.filter(|t| !t.is_empty())?;
             Some(openai::PluginRef { name, config: None, params: None, fallback: true })
         });
-        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() {
+        let reasoning = match field.reasoning {
+            Some(r) if r.name == "none" => None,
+            Some(_) if !chat => {
+                let why = "`plugins.reasoning` applies to chat replies; a completion is the model's text as written";
+                return Err(ApiError::invalid("plugins", why).flavor(flavor));
+            }
+            Some(r) => Some(r),
+            None => self.reasoning_parser.clone().filter(|_| chat),
+        };
+        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() && reasoning.is_none() {
             return Ok(Selection::default());
         }
         let registry = self
@@ -288,14 +320,7 @@ impl AppState {
         };
         let tool = tool
             .map(|mut r| {
-                let tools = Value::Array(tools.cloned().unwrap_or_default());
-                r.params = Some(match r.params.take() {
-                    Some(Value::Object(mut p)) => {
-                        p.insert("tools".into(), tools);
-                        Value::Object(p)
-                    }
-                    _ => json!({ "tools": tools }),
-                });
+                r.params = Some(with_param(r.params.take(), "tools", Value::Array(tools.cloned().unwrap_or_default())));
                 pick(Kind::Tool, r)
             })
             .transpose()?;
@@ -303,6 +328,7 @@ impl AppState {
             sampler: field.sampler.map(|r| pick(Kind::Sampler, r)).transpose()?,
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
             tool,
+            reasoning: reasoning.map(|r| pick(Kind::Reasoning, r)).transpose()?,
             reply_prefix: None,
             one_tool_call: false,
         })
@@ -340,6 +366,20 @@ impl AppState {
 
 /// For templates that ignore `tools`: describe them in the system message, with the
 /// adapter's `rendered` text or in the Hermes `<tool_call>` convention.
+/// How much of the prompt's end a reasoning parser gets (`prompt_tail`, ABI.md §5.5).
+const PROMPT_TAIL_CHARS: usize = 256;
+
+/// Plugin params with `key` set (params that are not an object are replaced).
+fn with_param(params: Option<Value>, key: &str, value: Value) -> Value {
+    match params {
+        Some(Value::Object(mut p)) => {
+            p.insert(key.into(), value);
+            Value::Object(p)
+        }
+        _ => json!({ key: value }),
+    }
+}
+
 fn inject_tools(messages: &mut Vec<Value>, tools: &[Value], rendered: Option<String>) {
     let text = rendered.unwrap_or_else(|| {
         let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();

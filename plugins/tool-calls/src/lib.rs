@@ -76,14 +76,6 @@ pub struct Adapter<F: Format> {
     streamed: Vec<(usize, usize)>,
 }
 
-/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
-}
-
 impl<F: Format> Adapter<F> {
     fn content(out: &mut Vec<ToolEvent>, text: &str) {
         if !text.is_empty() {
@@ -171,7 +163,7 @@ impl<F: Format> Adapter<F> {
                             continue;
                         }
                         None => {
-                            let hold = if finished { 0 } else { partial_suffix(&self.pending, close) };
+                            let hold = if finished { 0 } else { plugin_util::partial_suffix(&self.pending, close) };
                             let take = self.pending.len() - hold;
                             text.extend(self.pending.drain(..take));
                         }
@@ -224,7 +216,12 @@ impl<F: Format> Adapter<F> {
                     let hold = if finished {
                         0
                     } else {
-                        self.format.open().iter().map(|(m, _)| partial_suffix(&self.pending, m)).max().unwrap_or(0)
+                        self.format
+                            .open()
+                            .iter()
+                            .map(|(m, _)| plugin_util::partial_suffix(&self.pending, m))
+                            .max()
+                            .unwrap_or(0)
                     };
                     let take = self.pending.len() - hold;
                     let text: String = self.pending.drain(..take).collect();

@@ -41,6 +41,15 @@ pub fn check(plugin: &str, field: &str, value: f32, ok: bool, want: &str) -> Res
     }
 }
 
+/// The length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+/// streaming parser holds back while it may still become the marker.
+pub fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
