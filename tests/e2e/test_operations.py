@@ -2,6 +2,7 @@
 import concurrent.futures
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -193,6 +194,32 @@ def test_streams_open_while_waiting_or_prefilling_and_a_disconnect_stops_the_pre
         assert time.time() < deadline, "the abandoned prefill went on"
         time.sleep(0.2)
     assert not any("generation" in line for line in s.log), "".join(s.log[-20:])
+
+
+def test_request_logs_name_the_path_the_turn_and_an_abandoned_request(fresh):
+    """Each request's log line has its method, path and status (an unknown route's path too);
+    a chat turn's line its API, model, stream flag, tool count and prompt tokens; a request
+    the client gives up on before the response starts gets a line of its own, and its
+    generation is dropped."""
+    s = fresh("--prompt-cache-bytes", "0", "--max-batch", "1")
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+        "model": "some-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert r.status_code == 200, r.text
+    assert httpx.get(s.url + "/v2/nowhere", timeout=10).status_code == 404
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/chat/completions", timeout=3,
+                   json={"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 4})
+    deadline = time.time() + 60
+    while gauge(s, "host_requests_running") or not any("abandoned" in line for line in s.log):
+        assert time.time() < deadline, "".join(s.log[-20:])
+        time.sleep(0.2)
+    log = "".join(s.log)
+    assert re.search(r'chat turn api="chat" model="some-model" stream=false messages=1 tools=1 prompt=\d+', log), log
+    assert re.search(r'request method=POST path="/v1/chat/completions" route="/v1/chat/completions" status=200', log), log
+    assert re.search(r'request method=GET path="/v2/nowhere" route="unmatched" status=404', log), log
+    assert re.search(r'request abandoned by the client before the response started method="POST" path="/v1/chat/completions"', log), log
+    assert len(re.findall(r"generation prompt=", log)) == 1, log
 
 
 def hostile_requests():
