@@ -202,6 +202,11 @@ macro_rules! export_tool_adapter {
                 let opener = $crate::ToolAdapter::force(state(), text(ptr, len)).unwrap_or_default();
                 $crate::abi::packed(out(), opener.into_bytes())
             }
+            #[no_mangle]
+            extern "C" fn tool_render_calls(ptr: i32, len: i32) -> i64 {
+                let written = $crate::ToolAdapter::render_calls(state(), text(ptr, len)).unwrap_or_default();
+                $crate::abi::packed(out(), written.into_bytes())
+            }
         };
     };
 }

@@ -124,6 +124,12 @@ pub trait ToolAdapter: Default {
     fn force(&mut self, _name: &str) -> Option<String> {
         None
     }
+    /// An assistant turn's earlier calls (a JSON array of `{"name", "arguments"}`, arguments
+    /// an object) as the model writes them, for templates that ignore tools: the host writes
+    /// the text into that turn. `None` leaves it to the host (the Hermes form).
+    fn render_calls(&mut self, _calls: &str) -> Option<String> {
+        None
+    }
 }
 
 /// What a reasoning parser reports: the model's output split into its thinking and the rest.

@@ -86,6 +86,32 @@ def test_every_builtin_is_loaded_without_a_plugins_folder():
         assert listed[name]["source"] == f"builtin:{name}" and listed[name]["state"] == "ready", listed[name]
 
 
+def test_earlier_calls_are_written_in_the_adapters_own_format(srv):
+    """SmolLM2's template ignores tools: an assistant turn's earlier call reaches the prompt
+    as the adapter writes calls (`tool_render_calls`), ahead of its result — Hermes for the
+    server's default adapter, Gemma's tool_code under `--tool-adapter gemma`."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "cold"}]
+
+    def prompt(server):
+        r = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}, timeout=30)
+        assert r.status_code == 200, r.text
+        return httpx.post(server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+
+    hermes = prompt(srv)
+    call = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    assert call in hermes and hermes.index(call) < hermes.index("cold"), hermes
+    s = Server("--prompt-cache-bytes", "0", "--tool-adapter", "gemma")
+    try:
+        gemma = prompt(s)
+    finally:
+        s.stop()
+    call = 'Checking.\n```tool_code\nget_weather(city="Oslo", days=2)\n```'
+    assert call in gemma and gemma.index(call) < gemma.index("cold") and "<tool_call>" not in gemma, gemma
+
+
 @pytest.mark.parametrize("adapter", list(FORMATS))
 def test_each_tool_adapter_gives_tool_calls_in_both_apis_streamed_and_not(srv, adapter):
     prose, call = FORMATS[adapter]

@@ -262,6 +262,7 @@ impl PluginRuntime {
             tool_finish: optional(&instance, &mut store, "tool_finish", &name)?,
             tool_render: optional(&instance, &mut store, "tool_render", &name)?,
             tool_force: optional(&instance, &mut store, "tool_force", &name)?,
+            tool_render_calls: optional(&instance, &mut store, "tool_render_calls", &name)?,
             reasoning_feed: optional(&instance, &mut store, "reasoning_feed", &name)?,
             reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
@@ -385,6 +386,7 @@ struct Funcs {
     tool_finish: Option<TypedFunc<(), i64>>,
     tool_render: Option<TypedFunc<(i32, i32), i64>>,
     tool_force: Option<TypedFunc<(i32, i32), i64>>,
+    tool_render_calls: Option<TypedFunc<(i32, i32), i64>>,
     reasoning_feed: Option<TypedFunc<(i32, i32), i64>>,
     reasoning_finish: Option<TypedFunc<(), i64>>,
     schedule: Option<TypedFunc<(i32, i32), i64>>,
@@ -622,6 +624,12 @@ impl Instance {
     /// empty) in the adapter's format; `None` when the plugin lacks it or returns nothing.
     pub fn tool_force(&mut self, name: &str) -> Result<Option<String>> {
         self.optional_text(self.funcs.tool_force.clone(), name.as_bytes(), "tool_force")
+    }
+
+    /// `tool_render_calls`, if exported: an assistant turn's `calls` (a JSON array of
+    /// `{"name", "arguments"}`) as the model writes them; `None` when absent or empty.
+    pub fn tool_render_calls(&mut self, calls: &str) -> Result<Option<String>> {
+        self.optional_text(self.funcs.tool_render_calls.clone(), calls.as_bytes(), "tool_render_calls")
     }
 
     /// An optional export that returns text: `None` when the plugin lacks it or returns

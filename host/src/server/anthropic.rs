@@ -175,7 +175,8 @@ fn blocks_text(v: &Value, param: &str) -> Result<String, ApiError> {
 /// Anthropic messages (and system prompt) as chat-template messages. System messages among
 /// `messages` (Claude Code's mid-conversation system beta) stay in place; the prompt builder
 /// moves them into the first system message for templates that refuse them there.
-/// Thinking blocks of earlier turns are dropped (as Claude's own API does for earlier turns).
+/// Thinking blocks of earlier turns reach the template as the turn's `reasoning_content`
+/// (templates that keep it, Qwen3's within a tool loop, show it; others drop it).
 pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(invalid("messages", "`messages` must contain at least one message"));

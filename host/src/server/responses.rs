@@ -123,8 +123,8 @@ fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
 
 /// Input items as chat-template messages: messages (roles user, system, developer,
 /// assistant), `function_call` items (joined into the assistant turn they follow),
-/// `function_call_output` items (tool messages). Reasoning items of earlier turns are
-/// dropped, as templates drop earlier thinking.
+/// `function_call_output` items (tool messages). A reasoning item's text goes to the
+/// assistant turn it precedes as `reasoning_content` (for templates that keep thinking).
 pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),

@@ -112,9 +112,14 @@ impl AppState {
 
     /// The prompt a turn would have, in tokens (Anthropic `count_tokens`; the server's tool
     /// adapter describes the tools, as for the request itself without a `plugins` field).
-    pub async fn count(&self, mut turn: Turn) -> Result<usize, ApiError> {
+    pub async fn count(&self, turn: Turn) -> Result<usize, ApiError> {
+        Ok(self.prompt(turn).await?.len())
+    }
+
+    /// The prompt a turn would have, as tokens (`/tokenize` with `messages`).
+    pub async fn prompt(&self, mut turn: Turn) -> Result<Vec<u32>, ApiError> {
         let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor, true)?;
-        Ok(self.turn_prompt(&mut turn, &mut plugins).await?.len())
+        self.turn_prompt(&mut turn, &mut plugins).await
     }
 
     /// A turn's prompt tokens under `plugins` (whose `reply_prefix` it sets for a forced
@@ -134,17 +139,47 @@ impl AppState {
 
     /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
     /// fault is the adapter's (a 502 naming it).
-    async fn on_adapter(
+    async fn on_adapter<T: Send + 'static>(
         &self,
         adapter: &Selected,
-        call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<String>> + Send + 'static,
-    ) -> Result<Option<String>, ApiError> {
+        call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<T>> + Send + 'static,
+    ) -> Result<Option<T>, ApiError> {
         let Some(registry) = self.plugins.clone() else { return Ok(None) };
         let adapter = adapter.clone();
         tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
             .await
             .map_err(ApiError::internal)?
             .map_err(|e| super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+    }
+
+    /// For templates that ignore tools: each assistant turn's earlier calls written into its
+    /// text in the tool adapter's own format (`tool_render_calls`), where it has one.
+    async fn write_calls(&self, adapter: Option<&Selected>, mut messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+        let Some(adapter) = adapter.filter(|_| !self.template_takes_tools()) else { return Ok(messages) };
+        let turns: Vec<(usize, String)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m["role"] == "assistant")
+            .filter_map(|(i, m)| Some((i, Value::Array(call_objects(m.get("tool_calls")?.as_array()?)).to_string())))
+            .collect();
+        if turns.is_empty() {
+            return Ok(messages);
+        }
+        let written = self
+            .on_adapter(adapter, move |instance| {
+                let written: anyhow::Result<Vec<_>> =
+                    turns.into_iter().map(|(i, calls)| Ok((i, instance.tool_render_calls(&calls)?))).collect();
+                written.map(Some)
+            })
+            .await?
+            .unwrap_or_default();
+        for (i, text) in written {
+            if let Some(text) = text {
+                messages[i].as_object_mut().map(|m| m.remove("tool_calls"));
+                append_calls(&mut messages[i], &text);
+            }
+        }
+        Ok(messages)
     }
 
     /// For templates that ignore `tools`: the tool adapter's own description of them
@@ -196,6 +231,7 @@ impl AppState {
     ) -> Result<Vec<u32>, ApiError> {
         let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
         plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        let messages = self.write_calls(plugins.tool.as_ref(), messages).await?;
         let text = self.chat_text(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())?;
         if let Some(parser) = plugins.reasoning.as_mut() {
             // Where the prompt leaves the reply: a template may open the thinking itself
@@ -207,26 +243,14 @@ impl AppState {
         self.engine.tokenizer.encode(&text, false).map_err(ApiError::internal)
     }
 
-    /// Renders chat messages (and tools) through the model's template and tokenizes them.
-    /// A template that ignores `tools` gets them described in the system message: `rendered`
-    /// (the tool adapter's text) or the Hermes convention, in which the assistant's earlier
-    /// calls are then written into its turns (the template would drop them). System messages
+    /// Renders chat messages (and tools) through the model's template, as text. A template
+    /// that ignores `tools` gets them described in the system message: `rendered` (the tool
+    /// adapter's text) or the Hermes convention, in which the assistant's earlier calls not
+    /// yet written (`write_calls`) are then written into its turns (the template would drop
+    /// them). System messages
     /// after the first stay where they are when the template takes them, else they join the
     /// first. `reply_prefix` (a forced tool call's opening) follows the template's start of
     /// the assistant's turn.
-    pub(super) fn chat_prompt(
-        &self,
-        messages: Vec<Value>,
-        tools: Option<Vec<Value>>,
-        kwargs: Option<&Value>,
-        rendered: Option<String>,
-        reply_prefix: Option<&str>,
-    ) -> Result<Vec<u32>, ApiError> {
-        let text = self.chat_text(messages, tools, kwargs, rendered, reply_prefix)?;
-        self.engine.tokenizer.encode(&text, false).map_err(ApiError::internal)
-    }
-
-    /// [`chat_prompt`](Self::chat_prompt)'s text, before tokenizing.
     fn chat_text(
         &self,
         mut messages: Vec<Value>,
@@ -416,17 +440,31 @@ fn merge_system(messages: &[Value]) -> Option<Vec<Value>> {
 fn write_hermes_calls(messages: &mut [Value]) {
     for m in messages.iter_mut().filter(|m| m["role"] == "assistant") {
         let Some(Value::Array(calls)) = m.as_object_mut().and_then(|o| o.remove("tool_calls")) else { continue };
-        let mut text = m["content"].as_str().unwrap_or_default().to_string();
-        for call in &calls {
-            let f = call.get("function").unwrap_or(call);
-            let call = json!({"name": f.get("name"), "arguments": f.get("arguments").cloned().unwrap_or(json!({}))});
-            if !text.is_empty() {
-                text.push('\n');
-            }
-            text.push_str(&format!("<tool_call>{call}</tool_call>"));
-        }
-        m["content"] = json!(text);
+        let written: Vec<String> =
+            call_objects(&calls).iter().map(|call| format!("<tool_call>{call}</tool_call>")).collect();
+        append_calls(m, &written.join("\n"));
     }
+}
+
+/// Template-message tool calls as `{"name", "arguments"}` objects (arguments an object).
+fn call_objects(calls: &[Value]) -> Vec<Value> {
+    calls
+        .iter()
+        .map(|call| {
+            let f = call.get("function").unwrap_or(call);
+            json!({"name": f.get("name"), "arguments": f.get("arguments").cloned().unwrap_or(json!({}))})
+        })
+        .collect()
+}
+
+/// Appends written calls to an assistant message's text, on a line of their own.
+fn append_calls(message: &mut Value, written: &str) {
+    let mut text = message["content"].as_str().unwrap_or_default().to_string();
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    text.push_str(written);
+    message["content"] = json!(text);
 }
 
 #[cfg(test)]

@@ -28,6 +28,26 @@ fn named_call(v: &Value) -> Result<Call, String> {
 
 /// `head`, then the quoted name and `tail` (a call to `name`), or just the opening quote of
 /// the name (a call to any function: the model writes the name).
+/// A call as a JSON object `{"name": .., KEY: arguments}`, as the JSON formats write it.
+fn json_call(call: &Call, key: &str) -> String {
+    let arguments = serde_json::from_str::<Value>(&call.arguments).unwrap_or(Value::Null);
+    format!("{{\"name\": {}, \"{key}\": {}}}", Value::String(call.name.clone()), spaced(&arguments))
+}
+
+/// JSON with a space after `:` and `,`, as chat templates' `tojson` (Python's `json.dumps`)
+/// writes it and models learn to.
+fn spaced(v: &Value) -> String {
+    match v {
+        Value::Array(items) => format!("[{}]", items.iter().map(spaced).collect::<Vec<_>>().join(", ")),
+        Value::Object(map) => {
+            let items: Vec<String> =
+                map.iter().map(|(k, v)| format!("{}: {}", Value::String(k.clone()), spaced(v))).collect();
+            format!("{{{}}}", items.join(", "))
+        }
+        v => v.to_string(),
+    }
+}
+
 fn json_opener(head: &str, name: Option<&str>, tail: &str) -> String {
     match name {
         Some(name) => format!("{head}{}{tail}", Value::String(name.to_string())),
@@ -54,6 +74,11 @@ impl Format for Hermes {
     }
     fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
         json_values(region)?.iter().map(named_call).collect()
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let calls: Vec<String> =
+            calls.iter().map(|c| format!("<tool_call>\n{}\n</tool_call>", json_call(c, "arguments"))).collect();
+        Some(calls.join("\n"))
     }
     fn render(&self, tools: &[Value]) -> Option<String> {
         let list: Vec<String> = tools.iter().map(|t| function(t).to_string()).collect();
@@ -108,6 +133,23 @@ impl Format for Qwen3Coder {
             None => "<tool_call>\n<function=".into(),
         })
     }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let mut out = Vec::new();
+        for c in calls {
+            let mut text = format!("<tool_call>\n<function={}>\n", c.name);
+            if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&c.arguments) {
+                for (k, v) in args {
+                    let v = match v {
+                        Value::String(s) => s,
+                        v => v.to_string(),
+                    };
+                    text.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
+                }
+            }
+            out.push(text + "</function>\n</tool_call>");
+        }
+        Some(out.join("\n"))
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
     }
@@ -146,6 +188,9 @@ impl Format for Llama3Json {
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(json_opener("{\"name\": ", name, ", \"parameters\": "))
     }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        Some(calls.iter().map(|c| json_call(c, "parameters")).collect::<Vec<_>>().join("; "))
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<|python_tag|>", false), ("{", true)]
     }
@@ -172,6 +217,12 @@ impl Format for Mistral {
     }
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(json_opener("[TOOL_CALLS][{\"name\": ", name, ", \"arguments\": "))
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        Some(format!(
+            "[TOOL_CALLS][{}]",
+            calls.iter().map(|c| json_call(c, "arguments")).collect::<Vec<_>>().join(", ")
+        ))
     }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("[TOOL_CALLS]", false)]
@@ -211,6 +262,17 @@ pub struct Gemma;
 impl Format for Gemma {
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(format!("```tool_code\n{}", name.map(|n| format!("{n}(")).unwrap_or_default()))
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let mut lines = Vec::new();
+        for c in calls {
+            let args = match serde_json::from_str::<Value>(&c.arguments) {
+                Ok(Value::Object(args)) => args.iter().map(|(k, v)| format!("{k}={}", python(v))).collect(),
+                _ => vec![],
+            };
+            lines.push(format!("{}({})", c.name, args.join(", ")));
+        }
+        Some(format!("```tool_code\n{}\n```", lines.join("\n")))
     }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("```tool_code", false)]
@@ -255,6 +317,35 @@ impl Format for Gemma {
             "You have access to functions. If you decide to invoke any of the function(s), put it in a fenced block tagged tool_code, as Python calls with keyword arguments:\n```tool_code\nfunction_name(parameter=value)\n```\nYou SHOULD NOT include any other text in the response if you call a function.\nThe functions, as JSON schemas:\n{}",
             list.join("\n")
         ))
+    }
+}
+
+/// A JSON value as a Python literal (what `Py` reads back).
+fn python(v: &Value) -> String {
+    match v {
+        Value::Null => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => {
+            let mut out = String::from('"');
+            for c in s.chars() {
+                match c {
+                    '\\' => out.push_str("\\\\"),
+                    '"' => out.push_str("\\\""),
+                    '\n' => out.push_str("\\n"),
+                    '\t' => out.push_str("\\t"),
+                    '\r' => out.push_str("\\r"),
+                    c => out.push(c),
+                }
+            }
+            out + "\""
+        }
+        Value::Array(items) => format!("[{}]", items.iter().map(python).collect::<Vec<_>>().join(", ")),
+        Value::Object(map) => {
+            let items: Vec<String> =
+                map.iter().map(|(k, v)| format!("{}: {}", python(&Value::String(k.clone())), python(v))).collect();
+            format!("{{{}}}", items.join(", "))
+        }
     }
 }
 
@@ -412,6 +503,31 @@ mod tests {
 
     fn call(name: &str, args: Value) -> (String, Value) {
         (name.to_string(), args)
+    }
+
+    /// Calls written by `write` (the assistant's earlier calls in the prompt) read back as the
+    /// same calls, with nothing but line breaks between them, in every format, whatever the
+    /// argument values hold.
+    #[test]
+    fn written_calls_parse_back_as_the_same_calls() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "text": {"type": "string"}, "n": {"type": "integer"}, "opts": {"type": "object"}}}}}),
+        ];
+        let args =
+            json!({"path": "a \"b\".rs", "text": "line 1\n\tline 2 \\ é", "n": 3, "opts": {"deep": [1, true, null]}});
+        let calls = [Call::new("edit", &args), Call::new("edit", &json!({"n": 4}))];
+        let want = vec![call("edit", args.clone()), call("edit", json!({"n": 4}))];
+        fn back<F: Format>(calls: &[Call], tools: &[Value]) -> (String, Vec<(String, Value)>) {
+            let text = F::default().write(calls).expect("every built-in format writes calls");
+            let (content, calls) = check::<F>(&text, tools);
+            (content.trim().to_string(), calls) // the line breaks between calls
+        }
+        assert_eq!(back::<Hermes>(&calls, &tools), (String::new(), want.clone()), "hermes");
+        assert_eq!(back::<Qwen3Coder>(&calls, &tools), (String::new(), want.clone()), "qwen3-coder");
+        assert_eq!(back::<Llama3Json>(&calls, &tools), (String::new(), want.clone()), "llama3-json");
+        assert_eq!(back::<Mistral>(&calls, &tools), (String::new(), want.clone()), "mistral");
+        assert_eq!(back::<Gemma>(&calls, &tools), (String::new(), want), "gemma");
     }
 
     /// A forced call: the opener the host puts at the start of the reply, then what a model

@@ -57,6 +57,11 @@ pub trait Format: Default {
     fn force(&self, _name: Option<&str>) -> Option<String> {
         None
     }
+    /// `calls` as the model writes them: the assistant's earlier calls in the prompt, for
+    /// templates that ignore tools (the template would drop them).
+    fn write(&self, _calls: &[Call]) -> Option<String> {
+        None
+    }
 }
 
 /// A [`Format`] as a streaming [`ToolAdapter`].
@@ -256,6 +261,14 @@ impl<F: Format> ToolAdapter for Adapter<F> {
     }
     fn force(&mut self, name: &str) -> Option<String> {
         self.format.force(Some(name).filter(|n| !n.is_empty()))
+    }
+    fn render_calls(&mut self, calls: &str) -> Option<String> {
+        let calls: Vec<Value> = serde_json::from_str(calls).ok()?;
+        let calls: Vec<Call> = calls
+            .iter()
+            .filter_map(|c| Some(Call::new(c.get("name")?.as_str()?, c.get("arguments").unwrap_or(&Value::Null))))
+            .collect();
+        self.format.write(&calls)
     }
 }
 
