@@ -20,6 +20,12 @@ pub struct ServeConfig {
     pub port: u16,
     /// Required bearer token / x-api-key, if set. Default: none (or $HOST_API_KEY).
     pub api_key: Option<String>,
+    /// Host names (besides IP addresses and `localhost`) the server answers to, e.g. the
+    /// machine's name on the LAN; `"*"`: any. Default: none (a guard against DNS rebinding).
+    pub allowed_hosts: Vec<String>,
+    /// Web origins whose pages may call the server (CORS), e.g. `"http://localhost:3000"`;
+    /// `"*"`: any. Default: none (cross-origin browser requests are refused).
+    pub cors_origins: Vec<String>,
     /// Default: auto (the GPU when there is one).
     pub device: DeviceChoice,
     /// Requests waiting beyond the running ones; more get 429. Default: 64.
@@ -36,6 +42,11 @@ pub struct ServeConfig {
     /// Default: 80% of GPU memory, or 60% of system RAM on the CPU.
     #[serde(deserialize_with = "opt_bytes")]
     pub memory_budget: Option<u64>,
+    /// The longest sequence (prompt + completion) a request may have, in tokens. Default: the
+    /// model's context length (its config's `max_position_embeddings`, a GGUF's
+    /// `context_length`); longer is allowed, with a warning (past its training the model's
+    /// output degrades).
+    pub context_length: Option<usize>,
     /// Largest request body. Default: 4 MiB.
     #[serde(deserialize_with = "bytes")]
     pub max_body_bytes: u64,
@@ -43,6 +54,14 @@ pub struct ServeConfig {
     pub default_max_tokens: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM. Default: 10.
     pub shutdown_grace_secs: u64,
+    /// Seconds a client has to send a request's headers; slower connections are closed.
+    /// Default: 30.
+    pub header_timeout_secs: u64,
+    /// Seconds a client has to send a request's body once its headers are in; then 408.
+    /// Default: 60.
+    pub body_timeout_secs: u64,
+    /// Open connections at most; more are closed as they arrive (logged). Default: 1024.
+    pub max_connections: usize,
     /// Folder of `*.wasm` plugins loaded at start and watched for changes. Default: none.
     pub plugins: Option<PathBuf>,
     /// Plugins for requests that carry no `plugins` field (same shape as that field).
@@ -99,15 +118,21 @@ impl Default for ServeConfig {
             host: IpAddr::from([127, 0, 0, 1]),
             port: 8080,
             api_key: None,
+            allowed_hosts: Vec::new(),
+            cors_origins: Vec::new(),
             device: DeviceChoice::Auto,
             queue_limit: 64,
             max_batch: 32,
             step_token_budget: 512,
             prompt_cache_bytes: 1 << 30,
             memory_budget: None,
+            context_length: None,
             max_body_bytes: 4 << 20,
             default_max_tokens: 2048,
             shutdown_grace_secs: 10,
+            header_timeout_secs: 30,
+            body_timeout_secs: 60,
+            max_connections: 1024,
             plugins: None,
             default_plugins: None,
             draft_model: None,
@@ -180,6 +205,14 @@ pub struct ServeArgs {
     /// Require this key (Authorization: Bearer or x-api-key).
     #[arg(long, env = "HOST_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// A host name the server answers to besides IP addresses and localhost (repeatable;
+    /// "*" for any).
+    #[arg(long = "allowed-host")]
+    pub allowed_hosts: Vec<String>,
+    /// A web origin whose pages may call the server, e.g. http://localhost:3000 (repeatable;
+    /// "*" for any).
+    #[arg(long = "cors-origin")]
+    pub cors_origins: Vec<String>,
     #[arg(long, value_enum)]
     pub device: Option<DeviceChoice>,
     /// Waiting requests beyond which new ones get 429 (default 64).
@@ -197,6 +230,9 @@ pub struct ServeArgs {
     /// Memory the model and a request may use, e.g. 8G (default: a safe fraction of the device's).
     #[arg(long, value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
+    /// The longest prompt + completion in tokens (default: the model's context length).
+    #[arg(long)]
+    pub context_length: Option<usize>,
     /// Largest request body, e.g. 4M (default 4M).
     #[arg(long, value_parser = parse_bytes)]
     pub max_body_bytes: Option<u64>,
@@ -312,8 +348,16 @@ impl ServeConfig {
         if args.reasoning_parser.is_some() {
             config.reasoning_parser = args.reasoning_parser.clone();
         }
+        config.allowed_hosts.extend(args.allowed_hosts.iter().cloned());
+        config.cors_origins.extend(args.cors_origins.iter().cloned());
         if args.api_key.is_some() {
             config.api_key = args.api_key.clone();
+        }
+        if args.context_length.is_some() {
+            config.context_length = args.context_length;
+        }
+        if config.context_length == Some(0) {
+            bail!("`context_length` (--context-length) must be at least 1 token; leave it out to use the model's");
         }
         if args.memory_budget.is_some() {
             config.memory_budget = args.memory_budget;
@@ -333,8 +377,8 @@ impl ServeConfig {
         if args.spec.draft_candidates.is_some() {
             config.draft_candidates = args.spec.draft_candidates;
         }
-        if config.api_key.as_deref() == Some("") {
-            config.api_key = None;
+        if config.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            bail!("the API key (--api-key, $HOST_API_KEY or api_key) is empty: give a key, or leave it unset to serve without one");
         }
         if config.max_batch == 0 {
             bail!("`max_batch` (--max-batch) must be at least 1, got 0; 1 serves one request at a time");

@@ -87,10 +87,28 @@ pub struct Launch {
     pub files: Vec<(PathBuf, String)>,
 }
 
-/// The configuration for `harness` against the server at `url` serving `model`.
-pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &Path) -> Launch {
+/// The most output a launched harness asks for per turn, from the served context length:
+/// a quarter of it, between 256 and 8,192 tokens (harnesses otherwise ask for their cloud
+/// models' 16k-128k, which a local model's context cannot hold beside the prompt).
+pub fn output_tokens(context: usize) -> usize {
+    (context / 4).clamp(256, 8192)
+}
+
+/// The configuration for `harness` against the server at `url` serving `model` with
+/// `context` tokens of prompt + output (`None`: unknown, the harness's defaults stand).
+pub fn configure(
+    harness: Harness,
+    url: &str,
+    model: &str,
+    context: Option<usize>,
+    api_key: &str,
+    dir: &Path,
+) -> Launch {
     let url = url.trim_end_matches('/');
-    let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let output = context.map(output_tokens);
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    };
     match harness {
         // Every role (main loop, sub-agents, the "haiku" background calls) is the served model.
         Harness::Claude => Launch {
@@ -104,7 +122,10 @@ pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &
                 ("ANTHROPIC_SMALL_FAST_MODEL", model),
                 ("CLAUDE_CODE_SUBAGENT_MODEL", model),
                 ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
-            ]),
+            ])
+            .into_iter()
+            .chain(output.map(|n| ("CLAUDE_CODE_MAX_OUTPUT_TOKENS".to_string(), n.to_string())))
+            .collect(),
             ..Launch::default()
         },
         // `-c` overrides (TOML values) leave ~/.codex/config.toml as it is.
@@ -121,6 +142,10 @@ pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &
                 args.push("-c".to_string());
                 args.push(format!("{key}={value}"));
             }
+            if let (Some(context), Some(output)) = (context, output) {
+                args.extend(["-c".into(), format!("model_context_window={context}")]);
+                args.extend(["-c".into(), format!("model_max_output_tokens={output}")]);
+            }
             Launch { args, env: env(&[("HOST_LAUNCH_API_KEY", api_key)]), ..Launch::default() }
         }
         // OPENCODE_CONFIG is merged over the user's own configuration.
@@ -132,7 +157,7 @@ pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &
                     "npm": "@ai-sdk/openai-compatible",
                     "name": "host",
                     "options": {"baseURL": format!("{url}/v1"), "apiKey": api_key},
-                    "models": {model: {"name": model, "tool_call": true}},
+                    "models": {model: opencode_model(model, context, output)},
                 }},
                 "model": format!("host/{model}"),
                 "small_model": format!("host/{model}"),
@@ -151,7 +176,7 @@ pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &
                 "api": "openai-completions",
                 "apiKey": api_key,
                 "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
-                "models": [{"id": model}],
+                "models": [pi_model(model, context, output)],
             }}});
             Launch {
                 args: vec!["--provider".into(), "host".into(), "--model".into(), model.into()],
@@ -160,6 +185,25 @@ pub fn configure(harness: Harness, url: &str, model: &str, api_key: &str, dir: &
             }
         }
     }
+}
+
+/// opencode's entry for the served model, with its limits when known.
+fn opencode_model(model: &str, context: Option<usize>, output: Option<usize>) -> Value {
+    let mut m = json!({"name": model, "tool_call": true});
+    if let (Some(context), Some(output)) = (context, output) {
+        m["limit"] = json!({"context": context, "output": output});
+    }
+    m
+}
+
+/// pi's entry for the served model, with its limits when known.
+fn pi_model(model: &str, context: Option<usize>, output: Option<usize>) -> Value {
+    let mut m = json!({"id": model});
+    if let (Some(context), Some(output)) = (context, output) {
+        m["contextWindow"] = json!(context);
+        m["maxTokens"] = json!(output);
+    }
+    m
 }
 
 /// `GET path` on `http://host:port` with the standard library; the body, for a 200.
@@ -177,10 +221,14 @@ fn http_get(url: &str, path: &str) -> Result<String> {
     Ok(body.to_string())
 }
 
-/// The served model's id, if a host server answers at `url`.
-fn served_model(url: &str) -> Option<String> {
+/// The served model's id and context length (`max_model_len`), if a host server answers
+/// at `url`.
+fn served_model(url: &str) -> Option<(String, Option<usize>)> {
     let health: Value = serde_json::from_str(&http_get(url, "/health").ok()?).ok()?;
-    health.get("model")?.as_str().map(str::to_string)
+    let model = health.get("model")?.as_str()?.to_string();
+    let models: Option<Value> = http_get(url, "/v1/models").ok().and_then(|b| serde_json::from_str(&b).ok());
+    let context = models.as_ref().and_then(|m| m.pointer("/data/0/max_model_len")).and_then(Value::as_u64);
+    Some((model, context.map(|c| c as usize)))
 }
 
 /// A `host serve` started for the harness; stopped when dropped.
@@ -272,21 +320,21 @@ pub fn run(args: Args) -> Result<()> {
     let port = serve_args.iter().position(|a| a == "--port").and_then(|i| serve_args.get(i + 1)).cloned();
     let guess = args.url.clone().unwrap_or_else(|| format!("http://127.0.0.1:{}", port.as_deref().unwrap_or("8080")));
     let api_key = std::env::var("HOST_API_KEY").unwrap_or_else(|_| "host-local".into());
-    let (_server, url, model) = match served_model(&guess) {
-        Some(model) => {
-            eprintln!("host launch: using the server at {guess} ({model})");
-            (None, guess, model)
+    let (_server, url, (model, context)) = match served_model(&guess) {
+        Some(served) => {
+            eprintln!("host launch: using the server at {guess} ({})", served.0);
+            (None, guess, served)
         }
         None if args.url.is_some() => bail!("no host server answers at {guess}"),
         None => {
             eprintln!("host launch: starting host serve {}", serve_args.join(" "));
             let (server, url) = start_server(serve_args)?;
-            let model = served_model(&url).with_context(|| format!("the server at {url} did not answer /health"))?;
-            eprintln!("host launch: serving {model} on {url} (its log: {})", server_log().display());
-            (Some(server), url, model)
+            let served = served_model(&url).with_context(|| format!("the server at {url} did not answer /health"))?;
+            eprintln!("host launch: serving {} on {url} (its log: {})", served.0, server_log().display());
+            (Some(server), url, served)
         }
     };
-    let launch = configure(args.harness, &url, &model, &api_key, &config_dir());
+    let launch = configure(args.harness, &url, &model, context, &api_key, &config_dir());
     for (path, text) in &launch.files {
         std::fs::create_dir_all(path.parent().unwrap()).with_context(|| format!("creating {}", path.display()))?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -351,7 +399,7 @@ mod tests {
     #[test]
     fn each_harness_points_every_model_role_at_the_served_model() {
         let dir = Path::new("/cfg");
-        let claude = configure(Harness::Claude, "http://h:1/", "m", "k", dir);
+        let claude = configure(Harness::Claude, "http://h:1/", "m", Some(8192), "k", dir);
         let env: std::collections::HashMap<_, _> = claude.env.iter().cloned().collect();
         assert_eq!(env["ANTHROPIC_BASE_URL"], "http://h:1");
         for role in [
@@ -363,7 +411,7 @@ mod tests {
         ] {
             assert_eq!(env[role], "m", "{role}");
         }
-        let codex = configure(Harness::Codex, "http://h:1", "m", "k", dir);
+        let codex = configure(Harness::Codex, "http://h:1", "m", Some(8192), "k", dir);
         assert!(
             codex.args.contains(&"model_providers.host.base_url=\"http://h:1/v1\"".to_string()),
             "{:?}",
@@ -371,14 +419,27 @@ mod tests {
         );
         assert!(codex.args.contains(&"model_providers.host.wire_api=\"responses\"".to_string()));
         assert!(codex.files.is_empty(), "codex gets flags only");
-        let opencode = configure(Harness::Opencode, "http://h:1", "m", "k", dir);
+        let opencode = configure(Harness::Opencode, "http://h:1", "m", Some(8192), "k", dir);
         let (path, text) = &opencode.files[0];
         assert!(path.starts_with(dir));
         let config: Value = serde_json::from_str(text).unwrap();
         assert_eq!(config["model"], "host/m");
         assert_eq!(config["provider"]["host"]["options"]["baseURL"], "http://h:1/v1");
-        let pi = configure(Harness::Pi, "http://h:1", "m", "k", dir);
+        let pi = configure(Harness::Pi, "http://h:1", "m", Some(8192), "k", dir);
         assert_eq!(pi.args, ["--provider", "host", "--model", "m"]);
         assert!(pi.files[0].0.starts_with(dir));
+        // The served context (8,192) and a quarter of it as the output per turn, so the
+        // harness does not ask for its cloud model's 16k-128k.
+        assert_eq!(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"], "2048");
+        assert!(codex.args.contains(&"model_context_window=8192".to_string()), "{:?}", codex.args);
+        assert!(codex.args.contains(&"model_max_output_tokens=2048".to_string()));
+        assert_eq!(config["provider"]["host"]["models"]["m"]["limit"], json!({"context": 8192, "output": 2048}));
+        let models: Value = serde_json::from_str(&pi.files[0].1).unwrap();
+        assert_eq!(
+            models["providers"]["host"]["models"][0],
+            json!({"id": "m", "contextWindow": 8192, "maxTokens": 2048})
+        );
+        assert!(configure(Harness::Pi, "http://h:1", "m", None, "k", dir).files[0].1.contains("\"id\": \"m\"\n"));
+        assert_eq!((output_tokens(1000), output_tokens(1 << 20)), (256, 8192));
     }
 }

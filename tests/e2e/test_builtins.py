@@ -112,6 +112,32 @@ def test_earlier_calls_are_written_in_the_adapters_own_format(srv):
     assert call in gemma and gemma.index(call) < gemma.index("cold") and "<tool_call>" not in gemma, gemma
 
 
+def test_hostile_tool_definitions_and_plugin_configs_are_400s_that_leave_the_builtins_healthy():
+    """A 1 MB tool name, a schema of 20,000 properties, a 1 MB regex-stop pattern: each
+    refused with a 400 naming the field before any plugin sees it (they used to fault the
+    built-in tool adapters and regex-stop, 500s that marked them unhealthy for everyone)."""
+    s = Server("--prompt-cache-bytes", "0")
+    try:
+        huge_name = [{"type": "function", "function": {"name": "f" * (1 << 20), "parameters": {"type": "object"}}}]
+        props = {f"p{i}": {"type": "string"} for i in range(20_000)}
+        wide = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+        for tools, param in [(huge_name, "tools[0].function.name"), (wide, "tools[0].function.parameters")]:
+            r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2, "tools": tools}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+            anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in tools]
+            for route in ["/v1/messages", "/v1/messages/count_tokens"]:
+                r = httpx.post(s.url + route, timeout=60,
+                               json={"model": "m", "max_tokens": 2, "messages": Q, "tools": anthropic_tools})
+                assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]
+        stop = {"stop": [{"name": "regex-stop", "config": {"pattern": "a" * (1 << 20)}}]}
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2, "plugins": stop}, timeout=60)
+        assert r.status_code == 400 and "at most" in r.json()["error"]["message"], r.text[:300]
+        listed = httpx.get(s.url + "/v1/plugins", timeout=30).json()["data"]
+        assert all(p["state"] == "ready" and p["faults"] == 0 for p in listed), [p for p in listed if p["faults"]]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("adapter", list(FORMATS))
 def test_each_tool_adapter_gives_tool_calls_in_both_apis_streamed_and_not(srv, adapter):
     prose, call = FORMATS[adapter]
@@ -405,7 +431,9 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
 
 
 def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the_memory_budget():
-    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0")
+    # A budget below SmolLM2's context (~5,600 tokens of KV beside the weights), so that
+    # `max_model_len` is the memory budget's.
+    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0", "--memory-budget", "800M")
     try:
         t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
         # The running request alone may reach the whole budget, so no other fits beside it.

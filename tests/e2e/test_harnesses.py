@@ -83,7 +83,8 @@ def test_the_harness_round_trips_a_tool_call_and_replies_unscripted(name, server
     config = script_config(server, call, tmp_path / "host.toml")
     home = tmp_path / "home"
     (home / "work").mkdir(parents=True)
-    s = Server("--plugins", str(script_dir), "--config", str(config))
+    # Claude Code's first prompt (~12,000 tokens) is past SmolLM2's 8,192-token context.
+    s = Server("--plugins", str(script_dir), "--config", str(config), "--context-length", "32768")
     try:
         scripted = launch(name, s.url, home, "Run the check with your shell tool, then say what happened.")
         assert scripted.returncode == 0, f"{name} exit {scripted.returncode}\n{scripted.stdout}\n{scripted.stderr[-4000:]}"

@@ -1,6 +1,7 @@
 """The OpenAI API through the official `openai` SDK (and raw HTTP where the SDK hides
 the wire): chat and completions, streaming, stop strings, prompt cache, tools, logprobs."""
 import json
+import re
 
 import openai
 import pytest
@@ -102,9 +103,17 @@ def test_errors_are_in_the_openai_shape(openai_client, http):
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == "messages"
     r = http.post("/v1/chat/completions", json={"messages": Q, "n": 3})
     assert r.status_code == 400 and "`n` must be 1" in r.json()["error"]["message"]
-    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 100000000})
+    # Past SmolLM2's context length (8,192 tokens): both numbers in the message.
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 8190})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "fit in this server's memory budget" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "max_tokens (8190)" in message and "the model's context length of 8192 tokens" in message, message
+    assert re.search(r"the prompt \(\d+ tokens\)", message), message
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 9000}]})
+    assert r.status_code == 400 and "context length of 8192" in r.json()["error"]["message"], r.text
+    models = http.get("/v1/models").json()["data"]
+    assert models[0]["max_model_len"] == 8192
+    assert http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 8192
     r = http.post("/v1/chat/completions", content=b"x" * (10 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 

@@ -222,6 +222,91 @@ def test_request_logs_name_the_path_the_turn_and_an_abandoned_request(fresh):
     assert len(re.findall(r"generation prompt=", log)) == 1, log
 
 
+def test_health_answers_while_large_prompts_are_tokenized(fresh):
+    """Tokenizing runs off the async runtime's threads: two 3.9 MB `/tokenize` calls (many
+    seconds of work on this CPU) do not hold up `/health`. (Measured with a generous bound:
+    before, /health waited for the tokenizers, ~27 s.)"""
+    s = fresh("--prompt-cache-bytes", "0")
+    text = "The quick brown fox jumps over the lazy dog. " * 87_000  # ~3.9 MB
+    started = time.time()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(httpx.post, s.url + "/tokenize", json={"prompt": text}, timeout=600) for _ in range(2)]
+        time.sleep(0.3)  # both bodies sent, tokenizing
+        waits = []
+        while not all(c.done() for c in calls):
+            t = time.time()
+            assert httpx.get(s.url + "/health", timeout=60).status_code == 200
+            waits.append(time.time() - t)
+            time.sleep(0.2)
+        results = [c.result() for c in calls]
+    assert all(r.status_code == 200 and r.json()["count"] > 500_000 for r in results), [r.text[:200] for r in results]
+    print(f"tokenizing took {time.time() - started:.1f} s; /health answered in at most {max(waits or [0]) * 1000:.0f} ms")
+    assert waits and max(waits) < 2.0, waits
+
+
+def test_slow_headers_short_bodies_and_surplus_connections_are_cut_off(fresh, tmp_path):
+    """A request line that never ends and a body shorter than its Content-Length hold a
+    connection only until the header and body timeouts (here 2 s each, from the config
+    file); connections past `max_connections` are closed at once; the server serves on."""
+    config = tmp_path / "host.toml"
+    config.write_text("header_timeout_secs = 2\nbody_timeout_secs = 2\nmax_connections = 4\n")
+    s = fresh("--prompt-cache-bytes", "0", "--config", str(config))
+    host, port = s.url[7:].split(":")
+
+    def closed_within(sock, seconds):
+        sock.settimeout(seconds)
+        data = b""
+        try:
+            while chunk := sock.recv(4096):
+                data += chunk
+        except socket.timeout:
+            return None
+        except ConnectionResetError:
+            pass  # closed at once, before reading what was sent
+        return data
+
+    started = time.time()
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never end
+        assert closed_within(slow, 10) is not None, "the connection stayed open"
+    assert time.time() - started < 8
+    with socket.create_connection((host, int(port))) as short:
+        short.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"messages\": ")
+        reply = closed_within(short, 10)
+        assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
+    held = [socket.create_connection((host, int(port))) for _ in range(4)]
+    try:
+        time.sleep(0.5)
+        with socket.create_connection((host, int(port))) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert closed_within(extra, 5) == b"", "a fifth connection was served"
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(0.5)
+    assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+
+
+def test_web_pages_cannot_drive_the_server(server):
+    """A browser's "simple" cross-site POST (text/plain, with the page's Origin) and a
+    DNS-rebinding page's foreign Host are refused; the same request from a client passes."""
+    body = json.dumps({"messages": Q, "max_tokens": 1})
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"content-type": "text/plain", "origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json", "host": "evil.example:8080"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30, headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
+    r = httpx.options(server.url + "/v1/chat/completions", timeout=30,
+                      headers={"origin": "http://evil.example", "access-control-request-method": "POST"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                      headers={"content-type": "application/json"}).status_code == 200
+
+
 def hostile_requests():
     """(method, path, body bytes, headers) for at least 200 malformed or hostile requests."""
     j = {"content-type": "application/json"}
@@ -315,6 +400,30 @@ def test_sigterm_lets_an_in_flight_stream_finish(fresh):
         lines.extend(it)
     assert [l for l in lines if l.startswith("data: ")][-1] == "data: [DONE]"
     assert s.proc.wait(timeout=30) == 0
+
+
+def test_sigterm_during_an_orphaned_prefill_exits_within_the_grace_period(fresh, tmp_path):
+    """A ~5,000-token prompt whose client is gone (before, its prefill ran on for minutes, and
+    SIGTERM waited for it) and a second client's long prefill still running at SIGTERM: the
+    server exits within the grace period plus one prefill chunk."""
+    config = tmp_path / "grace.toml"
+    config.write_text("shutdown_grace_secs = 2\n")
+    s = fresh("--config", str(config), "--prompt-cache-bytes", "0", "--max-batch", "1")
+    long = {"messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/chat/completions", json=long, timeout=2)  # the client gives up
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, s.url + "/v1/chat/completions", json=long, timeout=120)
+        time.sleep(3)  # its prefill under way
+        started = time.time()
+        s.proc.terminate()
+        assert s.proc.wait(timeout=60) == 0
+        took = time.time() - started
+        r = pending.result()
+    print(f"exit {took:.1f} s after SIGTERM")
+    # Grace (2 s) + one 512-token prefill chunk (~8 s on this CPU) + the engine's stop.
+    assert took < 25, took
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
 
 
 def test_requests_still_running_after_the_grace_period_are_stopped_with_a_clear_error(fresh, tmp_path):

@@ -74,6 +74,31 @@ impl PluginSettings {
 pub struct StoreState {
     limits: StoreLimits,
     plugin: String,
+    /// `host.log` lines and bytes written by this instance (bounded: [`LOG_LINES`], [`LOG_BYTES`]).
+    logged: (usize, usize),
+    /// The last error or warning the plugin logged: the reason a refused config gives.
+    last_complaint: Option<String>,
+}
+
+/// The most `host.log` lines one instance writes; later ones are dropped (one line says so).
+pub const LOG_LINES: usize = 100;
+/// The most bytes of `host.log` text one instance writes.
+pub const LOG_BYTES: usize = 64 << 10;
+/// The longest `host.log` message kept (longer ones are cut).
+const LOG_MESSAGE_BYTES: usize = 4096;
+
+/// A plugin's log message as one line: control characters (newlines included) escaped, so a
+/// plugin cannot write lines that look like the server's.
+fn log_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// A compiled, validated plugin, ready to instantiate.
@@ -139,18 +164,36 @@ impl PluginRuntime {
             .func_wrap(
                 abi_v1::IMPORT_MODULE,
                 abi_v1::IMPORT_LOG,
-                |mut caller: Caller<'_, StoreState>, level: i32, ptr: i32, len: i32| {
-                    let Some(Extern::Memory(mem)) = caller.get_export("memory") else { return };
-                    let data = mem.data(&caller);
-                    let (start, end) = (ptr as u32 as usize, ptr as u32 as usize + (len as u32 as usize).min(4096));
-                    let text = data.get(start..end).map(String::from_utf8_lossy).unwrap_or_default().into_owned();
-                    let plugin = &caller.data().plugin;
+                |mut caller: Caller<'_, StoreState>, level: i32, ptr: i32, len: i32| -> wasmtime::Result<()> {
+                    let Some(Extern::Memory(mem)) = caller.get_export("memory") else { return Ok(()) };
+                    if len < 0 || ptr < 0 {
+                        wasmtime::bail!("host.log called with a negative pointer or length ({ptr}, {len})");
+                    }
+                    let (start, n) = (ptr as usize, (len as usize).min(LOG_MESSAGE_BYTES));
+                    let Some(bytes) = mem.data(&caller).get(start..start + len as usize) else {
+                        wasmtime::bail!("host.log called with {len} bytes at {ptr}, outside the plugin's memory");
+                    };
+                    let text = log_line(&String::from_utf8_lossy(&bytes[..n]));
+                    let state = caller.data_mut();
+                    if level <= 1 {
+                        state.last_complaint = Some(text.clone());
+                    }
+                    let (lines, logged) = state.logged;
+                    state.logged = (lines + 1, logged + text.len());
+                    let plugin = &state.plugin;
+                    if lines == LOG_LINES || (logged < LOG_BYTES && logged + text.len() >= LOG_BYTES) {
+                        tracing::warn!(plugin, "this request's further log messages from the plugin are dropped (over {LOG_LINES} lines or {LOG_BYTES} bytes)");
+                    }
+                    if lines >= LOG_LINES || logged + text.len() > LOG_BYTES {
+                        return Ok(());
+                    }
                     match level {
                         0 => tracing::error!(plugin, "{text}"),
                         1 => tracing::warn!(plugin, "{text}"),
                         2 => tracing::info!(plugin, "{text}"),
                         _ => tracing::debug!(plugin, "{text}"),
                     }
+                    Ok(())
                 },
             )
             .map_err(|e| anyhow!("linking host.log: {e}"))?;
@@ -241,7 +284,10 @@ impl PluginRuntime {
             .instances(1)
             .trap_on_grow_failure(true)
             .build();
-        let mut store = Store::new(&self.engine, StoreState { limits, plugin: plugin.manifest.name.clone() });
+        let mut store = Store::new(
+            &self.engine,
+            StoreState { limits, plugin: plugin.manifest.name.clone(), logged: (0, 0), last_complaint: None },
+        );
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(SETUP_DEADLINE.as_millis() as u64 * TICKS_PER_MS);
         let name = plugin.manifest.name.clone();
@@ -274,7 +320,9 @@ impl PluginRuntime {
             let (ptr, len) = inst.write(Slot::Json, &config)?;
             let status = inst.call(&init, (ptr, len), SETUP_DEADLINE, "host_init")?;
             if status != 0 {
-                bail!(PluginRefused(format!("plugin {name} refused its config (host_init returned {status}); see the server log for its message")));
+                let why = inst.store.data_mut().last_complaint.take();
+                let why = why.map(|w| format!(": {w}")).unwrap_or_else(|| " (it logged no reason)".into());
+                bail!(PluginRefused(format!("plugin {name} refused its config (host_init returned {status}){why}")));
             }
         }
         Ok(inst)
@@ -438,7 +486,9 @@ impl Instance {
             let alloc = self.alloc.clone();
             ptr = self.call(&alloc, want as i32, SETUP_DEADLINE, "host_alloc")?;
             if ptr == 0 {
-                bail!("plugin {} could not allocate {want} bytes (host_alloc returned 0)", self.plugin.manifest.name);
+                self.plugin.faults.fetch_add(1, Ordering::Relaxed);
+                let name = &self.plugin.manifest.name;
+                bail!(PluginFault(format!("plugin {name} could not allocate {want} bytes (host_alloc returned 0)")));
             }
             self.buffers[slot as usize] = (ptr, want);
         }
@@ -447,7 +497,10 @@ impl Instance {
         self.memory
             .data_mut(&mut self.store)
             .get_mut(start..start + bytes.len())
-            .with_context(|| format!("plugin {name}: host_alloc returned {ptr}, outside its memory"))?
+            .ok_or_else(|| {
+                self.plugin.faults.fetch_add(1, Ordering::Relaxed);
+                PluginFault(format!("plugin {name}: host_alloc returned {ptr}, outside its memory"))
+            })?
             .copy_from_slice(bytes);
         Ok((ptr, bytes.len() as i32))
     }
@@ -468,8 +521,10 @@ impl Instance {
         let (ptr, len) = self.write(Slot::Json, &serde_json::to_vec(params).expect("JSON serializes"))?;
         let status = self.call(&begin, (ptr, len, seed as i64), SETUP_DEADLINE, "host_begin")?;
         if status != 0 {
+            let why = self.store.data_mut().last_complaint.take();
+            let why = why.map(|w| format!(": {w}")).unwrap_or_else(|| " (it logged no reason)".into());
             bail!(PluginRefused(format!(
-                "plugin {} refused the request's params (host_begin returned {status})",
+                "plugin {} refused the request's params (host_begin returned {status}){why}",
                 self.plugin.manifest.name
             )));
         }
@@ -747,6 +802,54 @@ mod tests {
         let mut instance = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap();
         assert_eq!(instance.reasoning_feed("<think>hm").unwrap(), "{\"reasoning\":\"hm\"}\n");
         assert_eq!(instance.reasoning_finish().unwrap(), "");
+    }
+
+    /// `host.log`: a message is one escaped line (no forged server lines); an instance's
+    /// messages are bounded; a negative length faults; a refused config names the reason
+    /// the plugin logged.
+    #[test]
+    fn plugin_logs_are_sanitized_bounded_and_give_the_refusal_reason() {
+        assert_eq!(
+            log_line("ok\nERROR host::server: forged\r\u{1b}[31m"),
+            "ok\\nERROR host::server: forged\\r\\u{1b}[31m"
+        );
+        let wat = |init: &str, check: &str| {
+            format!(
+                r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"noisy\", \"kinds\": [\"stop\"]}}")
+                (import "host" "log" (func $log (param i32 i32 i32)))
+                (memory (export "memory") 1)
+                (data (i32.const 16) "bad config: n must be > 0\nERROR forged")
+                (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+                (func (export "host_init") (param i32 i32) (result i32) {init})
+                (func (export "stop_check") (param i32 i32 i32) (result i32) {check}))"#
+            )
+        };
+        let runtime = PluginRuntime::new().unwrap();
+        let load = |w: String| {
+            Arc::new(
+                runtime
+                    .load(&wat::parse_str(&w).unwrap(), Path::new("noisy.wat"), false, PluginSettings::default())
+                    .unwrap(),
+            )
+        };
+        let refusing =
+            load(wat("(call $log (i32.const 0) (i32.const 16) (i32.const 25)) (i32.const 1)", "(i32.const -1)"));
+        let e = runtime.instantiate(&refusing, &serde_json::json!({})).err().unwrap();
+        assert!(
+            format!("{e:#}").ends_with("refused its config (host_init returned 1): bad config: n must be > 0"),
+            "{e:#}"
+        );
+        // 10,000 messages from one call: the instance stops logging after its budget.
+        let looping = "(local $i i32) (loop $l (call $log (i32.const 2) (i32.const 16) (i32.const 38))
+            (local.set $i (i32.add (local.get $i) (i32.const 1))) (br_if $l (i32.lt_u (local.get $i) (i32.const 10000)))) (i32.const -1)";
+        let mut instance = runtime.instantiate(&load(wat("(i32.const 0)", looping)), &serde_json::json!({})).unwrap();
+        assert_eq!(instance.stop_check(1, "x").unwrap(), None);
+        assert_eq!(instance.store.data().logged.0, 10_000, "every call counted");
+        let negative =
+            load(wat("(i32.const 0)", "(call $log (i32.const 2) (i32.const 16) (i32.const -1)) (i32.const -1)"));
+        let e = runtime.instantiate(&negative, &serde_json::json!({})).unwrap().stop_check(1, "x").unwrap_err();
+        assert!(e.downcast_ref::<PluginFault>().is_some() && format!("{e:#}").contains("negative"), "{e:#}");
+        assert_eq!(negative.faults.load(Ordering::Relaxed), 1);
     }
 
     #[test]

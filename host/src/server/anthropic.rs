@@ -38,10 +38,12 @@ pub struct MessagesRequest {
     pub thinking: Option<Value>,
     /// `{"effort": ..., "format": ...}`: a JSON-schema `format` is refused (no structured output).
     pub output_config: Option<Value>,
+    #[serde(default, deserialize_with = "super::openai::object")]
     pub plugins: Option<super::openai::PluginsField>,
     /// Speculative decoding for this request (extension; see `openai::speculative`).
     pub speculative: Option<Value>,
     /// `metadata.user_id` is the request's client for the scheduling policy.
+    #[serde(default, deserialize_with = "super::openai::object")]
     pub metadata: Option<Value>,
     /// Scheduling priority (extension; see `openai::priority`).
     pub priority: Option<i64>,
@@ -210,6 +212,12 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
         }
         match m.get("content") {
             Some(Value::String(s)) => out.push(json!({"role": role, "content": s})),
+            Some(Value::Array(blocks)) if blocks.is_empty() => {
+                return Err(invalid(
+                    &format!("{param}.content"),
+                    format!("{param}.content is an empty list; give at least one content block"),
+                ));
+            }
             Some(Value::Array(blocks)) => {
                 let (mut text, mut thinking) = (String::new(), String::new());
                 let mut calls = Vec::new();

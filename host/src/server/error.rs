@@ -86,7 +86,11 @@ impl IntoResponse for ApiError {
                 json!({"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}})
             }
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 
@@ -97,8 +101,85 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesReje
     if body.is_empty() {
         return Err(ApiError::bad_request("the request body is empty; send a JSON object"));
     }
-    serde_json::from_slice(&body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() { "malformed JSON" } else { "invalid request" };
-        ApiError::bad_request(format!("{what}: {e}"))
+    let mut json = serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::bad_request(format!("malformed JSON: {}", readable(&inner.to_string())));
+        }
+        let param = (path != ".").then_some(path);
+        let at = param.as_ref().map(|p| format!("`{p}`: ")).unwrap_or_default();
+        ApiError { param, ..ApiError::bad_request(format!("invalid request: {at}{}", readable(&inner.to_string()))) }
     })
+}
+
+/// Longest message text taken from a parser error (which may quote a client's value whole).
+const MAX_ERROR_CHARS: usize = 300;
+
+/// A serde error message in the API's words: no Rust type names, and a value the client sent
+/// cut short rather than echoed whole.
+fn readable(message: &str) -> String {
+    let mut text = message.to_string();
+    if let Some(at) = text.find("data did not match any variant of untagged enum") {
+        text.replace_range(at.., "the value has the wrong type or shape for this field");
+    }
+    for (rust, api) in [("expected struct ", "expected an object ("), ("a sequence", "a list"), ("a map", "an object")]
+    {
+        text = text.replace(rust, api);
+        if api.ends_with('(') {
+            // `expected an object (PluginsField at ...` -> drop the type name.
+            while let Some(at) = text.find(api) {
+                let start = at + api.len();
+                let end =
+                    text[start..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(text.len(), |e| start + e);
+                text.replace_range(at..end, "expected an object");
+            }
+        }
+    }
+    // A quoted value comes before ", expected ...": cut the value, keep what was expected.
+    let (head, tail) = match text.rfind(", expected ") {
+        Some(at) => (text[..at].to_string(), text[at..].to_string()),
+        None => (text.clone(), String::new()),
+    };
+    let head = match head.chars().count() > MAX_ERROR_CHARS {
+        true => head.chars().take(MAX_ERROR_CHARS).collect::<String>() + "…",
+        false => head,
+    };
+    let tail = match tail.chars().count() > MAX_ERROR_CHARS {
+        true => tail.chars().take(MAX_ERROR_CHARS).collect::<String>() + "…",
+        false => tail,
+    };
+    head + &tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
+    struct Inner {
+        n: u32,
+    }
+
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
+    struct Req {
+        items: Vec<Inner>,
+        inner: Option<Inner>,
+    }
+
+    #[test]
+    fn parse_errors_name_the_field_and_no_rust_types() {
+        let parse = |body: String| parse_body::<Req>(Ok(body.into_bytes().into())).unwrap_err();
+        let e = parse(r#"{"items": [{"n": 1}, {"n": "x"}]}"#.into());
+        assert_eq!(e.param.as_deref(), Some("items[1].n"), "{e:?}");
+        assert!(e.message.starts_with("invalid request: `items[1].n`: invalid type: string"), "{}", e.message);
+        let e = parse(r#"{"items": [], "inner": "x"}"#.into());
+        assert!(!e.message.contains("Inner") && e.message.contains("expected an object"), "{}", e.message);
+        let e = parse(format!(r#"{{"items": "{}"}}"#, "x".repeat(1 << 20)));
+        assert!(e.message.len() < 1000 && e.message.contains("expected a list"), "{}", e.message);
+        assert!(parse("{".into()).message.starts_with("malformed JSON"));
+    }
 }

@@ -3,6 +3,7 @@
 
 pub mod anthropic;
 pub mod error;
+pub mod guard;
 pub mod metrics;
 pub mod openai;
 pub mod responses;
@@ -56,9 +57,23 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let budget = memory_budget(config, &engine);
     let free = budget.saturating_sub(engine.baseline_memory as u64);
     let per_token = engine.info.kv_bytes_per_token.max(1) as u64;
-    let max_sequence_tokens = (free / per_token) as usize;
-    tracing::info!(budget, max_sequence_tokens, model = model_id, "memory budget");
-    engine.set_kv_budget_tokens(max_sequence_tokens);
+    let memory_tokens = (free / per_token) as usize;
+    let trained = engine.info.max_position_embeddings;
+    let context_tokens = match (config.context_length, trained) {
+        (Some(n), Some(t)) if n > t => {
+            tracing::warn!(
+                context_length = n,
+                trained = t,
+                "context_length is past the model's own; its output degrades there"
+            );
+            n
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => memory_tokens,
+    };
+    let max_sequence_tokens = memory_tokens.min(context_tokens);
+    tracing::info!(budget, memory_tokens, context_tokens, max_sequence_tokens, model = model_id, "memory budget");
+    engine.set_kv_budget_tokens(memory_tokens);
     Arc::new(AppState {
         engine,
         metrics: Default::default(),
@@ -67,12 +82,15 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         default_max_tokens: config.default_max_tokens,
         max_body_bytes: config.max_body_bytes,
         max_sequence_tokens,
+        context_tokens,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         plugins,
         default_plugins: config.default_plugins.clone(),
         speculative: config.spec().unwrap_or_default(),
         tool_adapter,
         reasoning_parser,
+        guard: guard::Policy::new(&config.allowed_hosts, &config.cors_origins),
+        body_timeout: std::time::Duration::from_secs(config.body_timeout_secs.max(1)),
         responses: Default::default(),
     })
 }
@@ -194,10 +212,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let addr = std::net::SocketAddr::new(config.host, config.port);
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
+        if !config.host.is_loopback() && config.api_key.is_none() {
+            tracing::warn!(
+                host = %config.host,
+                "listening beyond this machine without an API key: anyone who can reach the port can use the server; set --api-key"
+            );
+        }
         eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
         let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
-        axum::serve(listener, routes::app(state))
-            .with_graceful_shutdown(async move {
+        let limits = Limits {
+            header_timeout: std::time::Duration::from_secs(config.header_timeout_secs.max(1)),
+            max_connections: config.max_connections.max(1),
+        };
+        serve(listener, routes::app(state), limits, async move {
                 shutdown_signal().await;
                 eprintln!("host: shutting down; in-flight requests get {}s to finish", grace.as_secs());
                 tokio::spawn(async move {
@@ -218,9 +245,64 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     std::process::exit(0);
                 });
             })
-            .await
-            .context("serving HTTP")
+            .await;
+        Ok(())
     })
+}
+
+/// What a connection may take: how long its request headers may take to arrive, and how
+/// many connections may be open at once.
+struct Limits {
+    header_timeout: std::time::Duration,
+    max_connections: usize,
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then lets the open connections
+/// finish (each ends after its in-flight request). A connection past `max_connections` is
+/// closed on arrival; one whose request headers do not arrive within `header_timeout` is
+/// closed (hyper's HTTP/1 header timeout).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: Limits,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    let open = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut refused = 0u64;
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, then go on.
+                    tracing::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            refused += 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(%peer, refused, max = limits.max_connections, "too many open connections; closing new ones");
+            }
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _ = connection.await;
+            drop(permit);
+        });
+    }
+    graceful.shutdown().await;
 }
 
 async fn shutdown_signal() {

@@ -62,6 +62,25 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// For a field that must be a JSON object (serde would also read a struct from an array,
+/// which no client means): absent or `null` is `None`.
+pub fn object<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
+    use serde::de::Error;
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => serde_json::from_value(v).map(Some).map_err(D::Error::custom),
+        Some(other) => {
+            let kind = match other {
+                Value::Array(_) => "a list",
+                Value::String(_) => "a string",
+                Value::Number(_) => "a number",
+                _ => "a boolean",
+            };
+            Err(D::Error::custom(format!("expected an object, got {kind}")))
+        }
+    }
+}
+
 /// Sampling fields shared by both OpenAI routes.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
@@ -153,6 +172,7 @@ pub struct ChatRequest {
     pub stop: Option<Stop>,
     #[serde(default)]
     pub stream: bool,
+    #[serde(default, deserialize_with = "object")]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub logprobs: bool,
@@ -165,6 +185,7 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<Value>,
     pub modalities: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "object")]
     pub plugins: Option<PluginsField>,
     /// Speculative decoding for this request (extension; see `speculative`).
     pub speculative: Option<Value>,
@@ -220,11 +241,13 @@ pub struct CompletionRequest {
     pub stop: Option<Stop>,
     #[serde(default)]
     pub stream: bool,
+    #[serde(default, deserialize_with = "object")]
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<i64>,
     #[serde(default)]
     pub echo: bool,
     pub n: Option<i64>,
+    #[serde(default, deserialize_with = "object")]
     pub plugins: Option<PluginsField>,
     pub speculative: Option<Value>,
     pub user: Option<String>,
@@ -400,6 +423,10 @@ impl ToolChoice {
 /// "description"?, "parameters"?}}`, names unique.
 pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
     let mut seen = std::collections::HashSet::new();
+    let count = tools.map_or(0, Vec::len);
+    if count > MAX_TOOLS {
+        return Err(ApiError::invalid("tools", format!("{count} tools; at most {MAX_TOOLS} per request")));
+    }
     for (i, t) in tools.into_iter().flatten().enumerate() {
         let param = format!("tools[{i}]");
         let kind = t.get("type").and_then(Value::as_str);
@@ -419,6 +446,12 @@ pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
                 format!("{param}.function needs a non-empty string `name`"),
             )
         })?;
+        if name.len() > MAX_TOOL_NAME || name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return Err(ApiError::invalid(
+                &format!("{param}.function.name"),
+                format!("a tool name is at most {MAX_TOOL_NAME} bytes, without spaces or control characters (e.g. get_weather)"),
+            ));
+        }
         if !seen.insert(name) {
             return Err(ApiError::invalid(&param, format!("two tools are named {name:?}; tool names must be unique")));
         }
@@ -431,9 +464,39 @@ pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
         if f.get("description").is_some_and(|d| !d.is_string()) {
             return Err(ApiError::invalid(&format!("{param}.function.description"), "`description` must be a string"));
         }
+        let described = f.get("description").and_then(Value::as_str).map_or(0, str::len);
+        if described > MAX_TOOL_DESCRIPTION {
+            return Err(ApiError::invalid(
+                &format!("{param}.function.description"),
+                format!("the description is {described} bytes; at most {MAX_TOOL_DESCRIPTION}"),
+            ));
+        }
+        let schema = f.get("parameters").map_or(0, |p| p.to_string().len());
+        if schema > MAX_TOOL_SCHEMA {
+            return Err(ApiError::invalid(
+                &format!("{param}.function.parameters"),
+                format!("the parameters schema is {schema} bytes of JSON; at most {MAX_TOOL_SCHEMA}"),
+            ));
+        }
+    }
+    let total = tools.map_or(0, |t| Value::Array(t.clone()).to_string().len());
+    if total > MAX_TOOLS_BYTES {
+        return Err(ApiError::invalid(
+            "tools",
+            format!("the tools are {total} bytes of JSON; at most {MAX_TOOLS_BYTES} per request"),
+        ));
     }
     Ok(())
 }
+
+/// Limits on a request's tools (all three APIs), so what reaches the tool adapter's
+/// `tool_render` (and the prompt) is bounded. Agent harnesses send a few dozen tools of a few
+/// KiB each (Claude Code 2.1: 24 tools, 80 KiB).
+pub const MAX_TOOLS: usize = 256;
+pub const MAX_TOOLS_BYTES: usize = 512 << 10;
+pub const MAX_TOOL_NAME: usize = 128;
+pub const MAX_TOOL_DESCRIPTION: usize = 32 << 10;
+pub const MAX_TOOL_SCHEMA: usize = 64 << 10;
 
 /// OpenAI's `tool_choice`: `"auto"` (the default), `"none"`, `"required"` or `{"type":
 /// "function", "function": {"name": ...}}`.
@@ -605,7 +668,7 @@ pub fn tool_calls_json(calls: &[ToolCall]) -> Value {
 pub fn priority(p: Option<i64>) -> Result<i64, ApiError> {
     match p {
         None => Ok(0),
-        Some(p) if p.abs() <= 1_000_000 => Ok(p),
+        Some(p) if (-1_000_000..=1_000_000).contains(&p) => Ok(p),
         Some(p) => {
             Err(ApiError::invalid("priority", format!("`priority` must be between -1000000 and 1000000, got {p}")))
         }

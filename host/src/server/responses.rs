@@ -46,6 +46,7 @@ pub struct ResponsesRequest {
     pub user: Option<String>,
     pub safety_identifier: Option<String>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    #[serde(default, deserialize_with = "super::openai::object")]
     pub plugins: Option<PluginsField>,
     pub speculative: Option<Value>,
     pub priority: Option<i64>,

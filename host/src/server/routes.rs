@@ -39,6 +39,8 @@ pub struct AppState {
     pub max_body_bytes: u64,
     /// Longest prompt + completion one request may have within the memory budget.
     pub max_sequence_tokens: usize,
+    /// The context length requests are held to (the model's, or `context_length`).
+    pub context_tokens: usize,
     pub created: u64,
     pub plugins: Option<Arc<PluginRegistry>>,
     /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
@@ -50,11 +52,15 @@ pub struct AppState {
     pub tool_adapter: Option<String>,
     /// The default reasoning parser of chat turns (`reasoning_parser`, else the template's).
     pub reasoning_parser: Option<openai::PluginRef>,
+    /// Which hosts and web origins may use the server.
+    pub guard: super::guard::Policy,
+    /// How long a request body may take to arrive.
+    pub body_timeout: std::time::Duration,
     /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
     pub responses: responses::Store,
 }
 
-type Shared = Arc<AppState>;
+pub(super) type Shared = Arc<AppState>;
 
 pub fn app(state: Shared) -> Router {
     Router::new()
@@ -73,8 +79,10 @@ pub fn app(state: Shared) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), bounded_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), super::guard::guard))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         // `bounded_body` enforces the limit (and reads what is over it); the extractors'
         // own limit (2 MB by default) would cut below it.
@@ -116,7 +124,26 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
     let (parts, body) = req.into_parts();
     let mut stream = body.into_data_stream();
     let (mut kept, mut total) = (Vec::new(), 0u64);
-    while let Some(chunk) = stream.next().await {
+    // The whole body must arrive within the timeout: a client that declares more than it
+    // sends, or trickles it, does not hold the connection.
+    let deadline = tokio::time::Instant::now() + state.body_timeout;
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(_) => {
+                let secs = state.body_timeout.as_secs();
+                let e = ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("the request body did not arrive within {secs} s ({total} bytes came)"),
+                );
+                let mut response = e.flavor(flavor).into_response();
+                response
+                    .headers_mut()
+                    .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+                return response;
+            }
+        };
         let chunk = match chunk {
             Ok(chunk) => chunk,
             Err(e) => {
@@ -189,7 +216,11 @@ async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, nex
     if req.uri().path() == "/health" {
         return next.run(req).await;
     }
-    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // The scheme is case-insensitive (RFC 7235): `Bearer`, `bearer`.
+    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start())
+    });
     let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
     if bearer == Some(key) || x_api_key == Some(key) {
         return next.run(req).await;
@@ -206,6 +237,14 @@ async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, nex
 
 async fn not_found(req: Request) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, format!("no route {} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    let (method, path) = (req.method(), req.uri().path());
+    let flavor = if path.starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("{path} does not take {method}"))
+        .with_code("method_not_allowed")
+        .flavor(flavor)
 }
 
 /// `GET /` (and `HEAD /`, which clients such as Claude Code probe on start): what this is.
@@ -230,7 +269,7 @@ async fn list_plugins(State(state): State<Shared>) -> Json<Value> {
 
 async fn models(State(state): State<Shared>) -> Json<Value> {
     Json(
-        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host"}]}),
+        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host", "max_model_len": state.max_sequence_tokens}]}),
     )
 }
 
@@ -448,13 +487,12 @@ async fn chat_completions(
         Some(_) => Some(openai::max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)?),
         None => req.max_tokens.map(|_| openai::max_tokens(req.max_tokens, "max_tokens", 1)).transpose()?,
     };
+    if let Some(k) = req.top_logprobs.filter(|k| !(0..=20).contains(k)) {
+        return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and 20, got {k}")));
+    }
     let top_logprobs = match (req.logprobs, req.top_logprobs) {
         (false, _) => None,
-        (true, None) => Some(0),
-        (true, Some(k)) if (0..=20).contains(&k) => Some(k as usize),
-        (true, Some(k)) => {
-            return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and 20, got {k}")))
-        }
+        (true, k) => Some(k.unwrap_or(0) as usize),
     };
     let messages = openai::template_messages(&req.messages)?;
     openai::check_tools(req.tools.as_ref())?;
@@ -564,8 +602,11 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     let max = openai::max_tokens(req.max_tokens, "max_tokens", 16)?;
     let tokenizer = &state.engine.tokenizer;
     let (prompt, prompt_text) = match req.prompt {
-        Prompt::Text(t) => (tokenizer.encode(&t, true).map_err(ApiError::internal)?, t),
-        Prompt::Texts(v) if v.len() == 1 => (tokenizer.encode(&v[0], true).map_err(ApiError::internal)?, v[0].clone()),
+        Prompt::Text(t) => (state.encode(t.clone(), true).await?, t),
+        Prompt::Texts(mut v) if v.len() == 1 => {
+            let t = v.remove(0);
+            (state.encode(t.clone(), true).await?, t)
+        }
         Prompt::Texts(v) => {
             return Err(ApiError::invalid("prompt", format!("`prompt` must hold exactly one string, got {}", v.len())))
         }
@@ -900,7 +941,7 @@ async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     let _ = req.model;
     let tokens = match (req.prompt, req.messages) {
         (Some(text), None) if req.tools.is_none() && req.chat_template_kwargs.is_none() => {
-            state.engine.tokenizer.encode(&text, req.add_special_tokens).map_err(ApiError::internal)?
+            state.encode(text, req.add_special_tokens).await?
         }
         (Some(_), None) => {
             return Err(ApiError::invalid("prompt", "`tools` and `chat_template_kwargs` go with `messages`"))
@@ -1009,6 +1050,110 @@ mod tests {
         let status = response.status().as_u16();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
         (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// A request with exactly these headers; the status, the response headers and the body.
+    async fn sent(
+        router: Router,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> (u16, axum::http::HeaderMap, Value) {
+        let mut req = Request::builder().method(method).uri(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let response = router.oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let (status, headers) = (response.status().as_u16(), response.headers().clone());
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    /// Input that used to pass or to be answered badly: each a 4xx naming its field.
+    #[tokio::test]
+    async fn odd_values_are_refused_with_the_field_named() {
+        let chat =
+            |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 1{extra}}}"#);
+        for (extra, param) in [
+            (r#", "priority": -9223372036854775808"#, "priority"),
+            (r#", "top_logprobs": 99"#, "top_logprobs"),
+            (r#", "top_logprobs": -1"#, "top_logprobs"),
+            (r#", "stream_options": [true]"#, "stream_options"),
+            (r#", "plugins": [null]"#, "plugins"),
+        ] {
+            let (status, v) = check(router(None), "POST", "/v1/chat/completions", &chat(extra), &[]).await;
+            assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{extra}: {v}");
+            assert!(!v["error"]["message"].as_str().unwrap().contains("PluginsField"), "{v}");
+        }
+        for body in [
+            r#"{"model": "m", "max_tokens": 1, "metadata": "x", "messages": [{"role": "user", "content": "hi"}]}"#,
+            r#"{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": []}]}"#,
+        ] {
+            let (status, v) = check(router(None), "POST", "/v1/messages", body, &[]).await;
+            assert_eq!((status, v["type"].as_str()), (400, Some("error")), "{body}: {v}");
+        }
+        let (status, v) = check(router(None), "DELETE", "/v1/models", "", &[]).await;
+        assert_eq!((status, v["error"]["code"].as_str()), (405, Some("method_not_allowed")), "{v}");
+        let lower = [("authorization", "bearer k")];
+        assert_eq!(check(router(Some("k")), "POST", "/v1/chat/completions", &chat(""), &lower).await.0, 200);
+        let busy = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "busy").into_response();
+        assert_eq!(busy.headers()["retry-after"], "1");
+    }
+
+    /// The local-server policy: a foreign `Host` (DNS rebinding) and a cross-origin page's
+    /// "simple" POST are refused before any handler runs; a listed origin gets CORS headers
+    /// and its preflight answered; a POST must declare JSON.
+    #[tokio::test]
+    async fn web_pages_cannot_drive_the_server() {
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}"#;
+        let json = ("content-type", "application/json");
+        let r = || router(None);
+        let (status, _, v) =
+            sent(r(), "POST", "/v1/chat/completions", &[("host", "evil.example:8080"), json], body).await;
+        assert_eq!((status, v["error"]["code"].as_str()), (403, Some("host_not_allowed")), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("--allowed-host"), "{v}");
+        let simple = [("host", "127.0.0.1:8080"), ("origin", "http://evil.example"), ("content-type", "text/plain")];
+        let (status, _, v) = sent(r(), "POST", "/v1/chat/completions", &simple, body).await;
+        assert_eq!((status, v["error"]["code"].as_str()), (403, Some("origin_not_allowed")), "{v}");
+        let (status, _, v) =
+            sent(r(), "POST", "/v1/messages", &[("host", "localhost:8080"), ("content-type", "text/plain")], body)
+                .await;
+        assert_eq!((status, v["type"].as_str()), (415, Some("error")), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("application/json"), "{v}");
+        let (status, _, _) = sent(r(), "POST", "/v1/chat/completions", &[("host", "localhost:8080"), json], body).await;
+        assert_eq!(status, 200);
+        // Allowed by configuration: a LAN name and a local web app's origin.
+        let config = ServeConfig {
+            allowed_hosts: vec!["box.lan".into()],
+            cors_origins: vec!["http://localhost:3000".into()],
+            ..Default::default()
+        };
+        let open = || app(crate::server::state(&config, engine(), None));
+        let app_origin = [("host", "box.lan:8080"), ("origin", "http://localhost:3000")];
+        let (status, headers, _) =
+            sent(open(), "POST", "/v1/chat/completions", &[app_origin[0], app_origin[1], json], body).await;
+        assert_eq!(status, 200);
+        assert_eq!(headers["access-control-allow-origin"], "http://localhost:3000");
+        let preflight = [
+            app_origin[0],
+            app_origin[1],
+            ("access-control-request-method", "POST"),
+            ("access-control-request-headers", "content-type, authorization"),
+        ];
+        let (status, headers, _) = sent(open(), "OPTIONS", "/v1/chat/completions", &preflight, "").await;
+        assert_eq!(status, 204);
+        assert_eq!(headers["access-control-allow-headers"], "content-type, authorization");
+        assert!(headers["access-control-allow-methods"].to_str().unwrap().contains("POST"));
+        let (status, _, _) = sent(
+            open(),
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[("host", "box.lan"), ("origin", "http://evil.example")],
+            "",
+        )
+        .await;
+        assert_eq!(status, 403);
     }
 
     /// The `data` of each SSE event of a stream body.
@@ -1251,7 +1396,10 @@ mod tests {
         // 40 chunks of 16 KiB: 640 KiB against the 64 KiB limit.
         for declared in [None, Some(40 << 14)] {
             read.store(0, Ordering::SeqCst);
-            let mut req = Request::builder().method("POST").uri("/v1/chat/completions");
+            let mut req = Request::builder()
+                .method("POST")
+                .uri("/v1/chat/completions")
+                .header("content-type", "application/json");
             if let Some(n) = declared {
                 req = req.header("content-length", n.to_string());
             }
@@ -1262,7 +1410,11 @@ mod tests {
         }
         // Declared beyond what is worth reading: refused before reading.
         read.store(0, Ordering::SeqCst);
-        let req = Request::builder().method("POST").uri("/v1/chat/completions").header("content-length", "1000000000");
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/chat/completions")
+            .header("content-type", "application/json")
+            .header("content-length", "1000000000");
         let response =
             router(None).oneshot(req.body(Body::from_stream(chunks(4, read.clone()))).unwrap()).await.unwrap();
         assert_eq!(response.status().as_u16(), 413);
@@ -1270,7 +1422,8 @@ mod tests {
         // Exactly at the limit (4 chunks = 64 KiB of spaces): read whole and parsed (as JSON,
         // which spaces alone are not: a 400, not a 413).
         let body = Body::from_stream(chunks(4, read.clone()));
-        let response = router(None).oneshot(Request::post("/v1/chat/completions").body(body).unwrap()).await.unwrap();
+        let req = Request::post("/v1/chat/completions").header("content-type", "application/json");
+        let response = router(None).oneshot(req.body(body).unwrap()).await.unwrap();
         assert_eq!(response.status().as_u16(), 400);
     }
 

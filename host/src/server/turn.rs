@@ -8,7 +8,7 @@
 use super::error::{ApiError, Flavor};
 use super::openai::{self, PluginsField, ToolChoice};
 use super::routes::AppState;
-use crate::engine::worker::{Event, JobRequest, SubmitError};
+use crate::engine::worker::{Engine, Event, JobRequest, SubmitError};
 use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::runtime::Instance;
@@ -125,16 +125,25 @@ impl AppState {
     /// A turn's prompt tokens under `plugins` (whose `reply_prefix` it sets for a forced
     /// call); takes the turn's messages and tools.
     async fn turn_prompt(&self, turn: &mut Turn, plugins: &mut Selection) -> Result<Vec<u32>, ApiError> {
+        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(turn.flavor))?;
         let kwargs = turn.template_kwargs.take().map(Value::Object);
         let tools = turn.tool_choice.tools(turn.tools.take());
         let messages = std::mem::take(&mut turn.messages);
-        self.tool_chat_prompt(messages, tools, &turn.tool_choice, kwargs.as_ref(), plugins)
+        self.tool_chat_prompt(messages, tools, &turn.tool_choice, kwargs, plugins)
             .await
             .map_err(|e| e.flavor(turn.flavor))
     }
 
+    /// Tokenizes `text` off the async runtime's threads (a prompt may be megabytes).
+    pub async fn encode(&self, text: String, special: bool) -> Result<Vec<u32>, ApiError> {
+        let engine = self.engine.clone();
+        tokio::task::spawn_blocking(move || engine.tokenizer.encode(&text, special).map_err(ApiError::internal))
+            .await
+            .map_err(ApiError::internal)?
+    }
+
     fn template_takes_tools(&self) -> bool {
-        self.engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
+        takes_tools(&self.engine)
     }
 
     /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
@@ -226,72 +235,43 @@ impl AppState {
         messages: Vec<Value>,
         tools: Option<Vec<Value>>,
         choice: &ToolChoice,
-        kwargs: Option<&Value>,
+        kwargs: Option<Value>,
         plugins: &mut Selection,
     ) -> Result<Vec<u32>, ApiError> {
         let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
         plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
         let messages = self.write_calls(plugins.tool.as_ref(), messages).await?;
-        let text = self.chat_text(messages, tools, kwargs, rendered, plugins.reply_prefix.as_deref())?;
+        // Rendering and tokenizing a long prompt takes a while: off the async runtime's
+        // threads, so other requests (and /health) are not held up.
+        let (engine, prefix) = (self.engine.clone(), plugins.reply_prefix.clone());
+        let (tail, tokens) = tokio::task::spawn_blocking(move || {
+            let text = chat_text(&engine, messages, tools, kwargs.as_ref(), rendered, prefix.as_deref())?;
+            let tail: String =
+                text.chars().rev().take(PROMPT_TAIL_CHARS).collect::<Vec<_>>().into_iter().rev().collect();
+            Ok::<_, ApiError>((tail, engine.tokenizer.encode(&text, false).map_err(ApiError::internal)?))
+        })
+        .await
+        .map_err(ApiError::internal)??;
         if let Some(parser) = plugins.reasoning.as_mut() {
             // Where the prompt leaves the reply: a template may open the thinking itself
             // (or close it, with thinking off), so the output starts inside or after it.
-            let tail: String =
-                text.chars().rev().take(PROMPT_TAIL_CHARS).collect::<Vec<_>>().into_iter().rev().collect();
             parser.params = with_param(Some(std::mem::take(&mut parser.params)), "prompt_tail", json!(tail));
         }
-        self.engine.tokenizer.encode(&text, false).map_err(ApiError::internal)
-    }
-
-    /// Renders chat messages (and tools) through the model's template, as text. A template
-    /// that ignores `tools` gets them described in the system message: `rendered` (the tool
-    /// adapter's text) or the Hermes convention, in which the assistant's earlier calls not
-    /// yet written (`write_calls`) are then written into its turns (the template would drop
-    /// them). System messages
-    /// after the first stay where they are when the template takes them, else they join the
-    /// first. `reply_prefix` (a forced tool call's opening) follows the template's start of
-    /// the assistant's turn.
-    fn chat_text(
-        &self,
-        mut messages: Vec<Value>,
-        tools: Option<Vec<Value>>,
-        kwargs: Option<&Value>,
-        rendered: Option<String>,
-        reply_prefix: Option<&str>,
-    ) -> Result<String, ApiError> {
-        let tokenizer = &self.engine.tokenizer;
-        let template_takes_tools = self.template_takes_tools();
-        if !template_takes_tools && rendered.is_none() {
-            write_hermes_calls(&mut messages);
-        }
-        let tools = tools.filter(|t| !t.is_empty());
-        if let (Some(tools), false) = (&tools, template_takes_tools) {
-            inject_tools(&mut messages, tools, rendered);
-        }
-        let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
-        let render = |messages: &[Value]| {
-            tokenizer.apply_chat_template(&Value::Array(messages.to_vec()), tools_value.as_ref(), true, kwargs)
-        };
-        let mut text = match render(&messages) {
-            Ok(text) => text,
-            Err(first) => match merge_system(&messages) {
-                Some(merged) => render(&merged),
-                None => Err(first),
-            }
-            .map_err(|e| ApiError::bad_request(format!("{e}")))?,
-        };
-        text.push_str(reply_prefix.unwrap_or_default());
-        Ok(text)
+        Ok(tokens)
     }
 
     /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
     pub(super) fn admit(&self, prompt: usize, requested: Option<usize>) -> Result<usize, ApiError> {
         let fit = self.max_sequence_tokens;
+        let limit = match self.context_tokens <= fit {
+            true => format!("the model's context length of {fit} tokens"),
+            false => format!("the {fit} tokens that fit in this server's memory budget"),
+        };
         let too_long = |max: usize| {
             ApiError::invalid(
                 "max_tokens",
                 format!(
-                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds the {fit} tokens that fit in this server's memory budget; shorten the prompt or lower max_tokens (at most {} here)",
+                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds {limit}; shorten the prompt or lower max_tokens (at most {} here)",
                     fit.saturating_sub(prompt)
                 ),
             )
@@ -338,6 +318,13 @@ impl AppState {
             .as_ref()
             .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
         let pick = |kind: Kind, r: openai::PluginRef| {
+            for (what, v) in [("config", &r.config), ("params", &r.params)] {
+                let size = v.as_ref().map_or(0, |v| v.to_string().len());
+                if size > MAX_PLUGIN_JSON {
+                    let why = format!("plugin {}'s {what} is {size} bytes of JSON; at most {MAX_PLUGIN_JSON}", r.name);
+                    return Err(ApiError::invalid("plugins", why).flavor(flavor));
+                }
+            }
             registry
                 .select(kind, &r.name, r.config, r.params, r.fallback)
                 .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
@@ -390,6 +377,54 @@ impl AppState {
 
 /// For templates that ignore `tools`: describe them in the system message, with the
 /// adapter's `rendered` text or in the Hermes `<tool_call>` convention.
+/// Renders chat messages (and tools) through the model's template, as text. A template
+/// that ignores `tools` gets them described in the system message: `rendered` (the tool
+/// adapter's text) or the Hermes convention, in which the assistant's earlier calls not
+/// yet written (`write_calls`) are then written into its turns (the template would drop
+/// them). System messages after the first stay where they are when the template takes
+/// them, else they join the first. `reply_prefix` (a forced tool call's opening) follows
+/// the template's start of the assistant's turn.
+fn chat_text(
+    engine: &Engine,
+    mut messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    kwargs: Option<&Value>,
+    rendered: Option<String>,
+    reply_prefix: Option<&str>,
+) -> Result<String, ApiError> {
+    let tokenizer = &engine.tokenizer;
+    let template_takes_tools = takes_tools(engine);
+    if !template_takes_tools && rendered.is_none() {
+        write_hermes_calls(&mut messages);
+    }
+    let tools = tools.filter(|t| !t.is_empty());
+    if let (Some(tools), false) = (&tools, template_takes_tools) {
+        inject_tools(&mut messages, tools, rendered);
+    }
+    let tools_value = tools.filter(|_| template_takes_tools).map(Value::Array);
+    let render = |messages: &[Value]| {
+        tokenizer.apply_chat_template(&Value::Array(messages.to_vec()), tools_value.as_ref(), true, kwargs)
+    };
+    let mut text = match render(&messages) {
+        Ok(text) => text,
+        Err(first) => match merge_system(&messages) {
+            Some(merged) => render(&merged),
+            None => Err(first),
+        }
+        .map_err(|e| ApiError::bad_request(format!("{e}")))?,
+    };
+    text.push_str(reply_prefix.unwrap_or_default());
+    Ok(text)
+}
+
+/// Whether the model's chat template renders `tools` itself.
+fn takes_tools(engine: &Engine) -> bool {
+    engine.tokenizer.chat_template().is_some_and(|t| t.contains("tools"))
+}
+
+/// The largest `config` or `params` a request may give a plugin.
+const MAX_PLUGIN_JSON: usize = 64 << 10;
+
 /// How much of the prompt's end a reasoning parser gets (`prompt_tail`, ABI.md §5.5).
 const PROMPT_TAIL_CHARS: usize = 256;
 
