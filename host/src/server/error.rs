@@ -124,6 +124,12 @@ fn readable(message: &str) -> String {
     if let Some(at) = text.find("data did not match any variant of untagged enum") {
         text.replace_range(at.., "the value has the wrong type or shape for this field");
     }
+    for t in ["f32", "f64"] {
+        text = text.replace(&format!("expected {t}"), "expected a number");
+    }
+    for t in ["u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64", "isize"] {
+        text = text.replace(&format!("expected {t}"), "expected an integer");
+    }
     for (rust, api) in [("expected struct ", "expected an object ("), ("a sequence", "a list"), ("a map", "an object")]
     {
         text = text.replace(rust, api);
@@ -176,6 +182,8 @@ mod tests {
         let e = parse(r#"{"items": [{"n": 1}, {"n": "x"}]}"#.into());
         assert_eq!(e.param.as_deref(), Some("items[1].n"), "{e:?}");
         assert!(e.message.starts_with("invalid request: `items[1].n`: invalid type: string"), "{}", e.message);
+        let e = parse(r#"{"items": [{"n": 1.5}], "inner": "x"}"#.into());
+        assert!(e.message.contains("expected an integer") && !e.message.contains("u32"), "{}", e.message);
         let e = parse(r#"{"items": [], "inner": "x"}"#.into());
         assert!(!e.message.contains("Inner") && e.message.contains("expected an object"), "{}", e.message);
         let e = parse(format!(r#"{{"items": "{}"}}"#, "x".repeat(1 << 20)));

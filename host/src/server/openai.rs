@@ -81,51 +81,96 @@ pub fn object<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(
     }
 }
 
-/// Sampling fields shared by both OpenAI routes.
+/// Sampling fields shared by the OpenAI routes and Responses. They are flattened into each
+/// request, where the parser cannot say which field failed: read as any JSON here, and
+/// type-checked by [`to_params`](Self::to_params) with the field named.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub logit_bias: Option<BTreeMap<String, f32>>,
-    pub seed: Option<i64>,
+    temperature: Option<Value>,
+    top_p: Option<Value>,
+    top_k: Option<Value>,
+    min_p: Option<Value>,
+    presence_penalty: Option<Value>,
+    frequency_penalty: Option<Value>,
+    repetition_penalty: Option<Value>,
+    logit_bias: Option<Value>,
+    seed: Option<Value>,
+}
+
+/// A JSON value's kind, for error messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A number field (`null` or absent: `None`).
+fn number(v: &Option<Value>, name: &str) -> Result<Option<f32>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64().map(|x| x as f32)),
+        Some(other) => Err(ApiError::invalid(name, format!("`{name}` must be a number, got {}", kind(other)))),
+    }
+}
+
+/// An integer field (`null` or absent: `None`).
+fn integer(v: &Option<Value>, name: &str) -> Result<Option<i64>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) if n.is_i64() => Ok(n.as_i64()),
+        Some(Value::Number(n)) if n.is_u64() => Ok(Some(i64::MAX)), // past i64: out of every range
+        Some(other) => Err(ApiError::invalid(name, format!("`{name}` must be an integer, got {}", kind(other)))),
+    }
 }
 
 impl SamplingFields {
-    /// The engine's sampling parameters, range-checked as OpenAI documents them.
+    pub fn temperature(&self) -> Option<f32> {
+        number(&self.temperature, "temperature").ok().flatten()
+    }
+
+    pub fn top_p(&self) -> Option<f32> {
+        number(&self.top_p, "top_p").ok().flatten()
+    }
+
+    /// The engine's sampling parameters, type- and range-checked as OpenAI documents them.
     pub fn to_params(&self, default_temperature: f32) -> Result<SamplingParams, ApiError> {
-        let temperature = self.temperature.unwrap_or(default_temperature);
+        let temperature = number(&self.temperature, "temperature")?.unwrap_or(default_temperature);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::invalid(
                 "temperature",
                 format!("`temperature` must be between 0 and 2, got {temperature}"),
             ));
         }
-        let top_p = self.top_p.unwrap_or(1.0);
+        let top_p = number(&self.top_p, "top_p")?.unwrap_or(1.0);
         if !(0.0..=1.0).contains(&top_p) {
             return Err(ApiError::invalid("top_p", format!("`top_p` must be between 0 and 1, got {top_p}")));
         }
-        let top_k = match self.top_k {
+        let top_k = match integer(&self.top_k, "top_k")? {
             None | Some(-1) => 0,
             Some(k) if k >= 0 => k as usize,
             Some(k) => return Err(ApiError::invalid("top_k", format!("`top_k` must be 0 (off) or positive, got {k}"))),
         };
-        let min_p = self.min_p.unwrap_or(0.0);
+        let min_p = number(&self.min_p, "min_p")?.unwrap_or(0.0);
+        let presence_penalty = number(&self.presence_penalty, "presence_penalty")?;
+        let frequency_penalty = number(&self.frequency_penalty, "frequency_penalty")?;
+        let repetition_penalty = number(&self.repetition_penalty, "repetition_penalty")?;
+        let seed = integer(&self.seed, "seed")?;
         if !(0.0..=1.0).contains(&min_p) {
             return Err(ApiError::invalid("min_p", format!("`min_p` must be between 0 and 1, got {min_p}")));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
             if let Some(v) = v {
                 if !(-2.0..=2.0).contains(&v) {
                     return Err(ApiError::invalid(name, format!("`{name}` must be between -2 and 2, got {v}")));
                 }
             }
         }
-        if let Some(p) = self.repetition_penalty {
+        if let Some(p) = repetition_penalty {
             if !(p > 0.0 && p <= 10.0) {
                 return Err(ApiError::invalid(
                     "repetition_penalty",
@@ -134,28 +179,39 @@ impl SamplingFields {
             }
         }
         let mut logit_bias = BTreeMap::new();
-        for (k, v) in self.logit_bias.iter().flatten() {
+        let bias = match &self.logit_bias {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(m)) => m.clone(),
+            Some(other) => {
+                let why = format!("`logit_bias` must be an object of token id -> bias, got {}", kind(other));
+                return Err(ApiError::invalid("logit_bias", why));
+            }
+        };
+        for (k, v) in &bias {
+            let v = v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                ApiError::invalid("logit_bias", format!("`logit_bias` values must be numbers, got {}", kind(v)))
+            })?;
             let id: u32 = k.parse().map_err(|_| {
                 ApiError::invalid("logit_bias", format!("`logit_bias` keys must be token ids, got {k:?}"))
             })?;
-            if !(-100.0..=100.0).contains(v) {
+            if !(-100.0..=100.0).contains(&v) {
                 return Err(ApiError::invalid(
                     "logit_bias",
                     format!("`logit_bias` values must be between -100 and 100, got {v}"),
                 ));
             }
-            logit_bias.insert(id, *v);
+            logit_bias.insert(id, v);
         }
         Ok(SamplingParams {
             temperature,
             top_p,
             top_k,
             min_p,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
             logit_bias,
-            seed: self.seed.map(|s| s as u64),
+            seed: seed.map(|s| s as u64),
             ..SamplingParams::default()
         })
     }

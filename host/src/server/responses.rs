@@ -342,7 +342,7 @@ impl Output {
             "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": r.reasoning.as_ref().and_then(|v| v.get("effort")).cloned(), "summary": null},
             "store": r.store.unwrap_or(true),
-            "temperature": r.sampling.temperature.unwrap_or(1.0), "top_p": r.sampling.top_p.unwrap_or(1.0),
+            "temperature": r.sampling.temperature().unwrap_or(1.0), "top_p": r.sampling.top_p().unwrap_or(1.0),
             "text": {"format": {"type": "text"}},
             "tool_choice": r.tool_choice.clone().unwrap_or(json!("auto")),
             "tools": tools, "truncation": "disabled",
