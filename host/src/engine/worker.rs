@@ -1160,32 +1160,26 @@ impl Worker {
         let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
         // A plugin that faults while starting is skipped when the request allows a fallback
         // (a refused config is still the client's error).
-        let start = |selected: &crate::plugins::Selected| match registry.start(selected, seed) {
-            Ok(instance) => Ok(Some(instance)),
-            Err(e) => {
-                let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
-                if selected.fallback && !refused {
-                    tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
-                    Ok(None)
-                } else {
-                    Err(e)
-                }
+        let skip = |selected: &crate::plugins::Selected, e: anyhow::Error| {
+            let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
+            if selected.fallback && !refused {
+                tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                Ok(None)
+            } else {
+                Err(e)
             }
         };
+        let start = |selected| registry.start(selected, seed).map(Some).or_else(|e| skip(selected, e));
         let mut plugins = Plugins::default();
         if let Some(selected) = &selection.sampler {
-            if let Some(mut instance) = start(selected)? {
-                match instance.accept(prompt) {
-                    Ok(()) => {
-                        let sampler =
-                            PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
-                        plugins.sampler = Some(Box::new(sampler));
-                    }
-                    Err(e) if selected.fallback && e.downcast_ref::<PluginRefused>().is_none() => {
-                        tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
-                    }
-                    Err(e) => return Err(e),
-                }
+            // The sampler is fed the whole prompt as part of starting.
+            let started = registry.start(selected, seed).and_then(|mut instance| {
+                instance.accept(prompt)?;
+                Ok(instance)
+            });
+            if let Some(instance) = started.map(Some).or_else(|e| skip(selected, e))? {
+                let sampler = PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
+                plugins.sampler = Some(Box::new(sampler));
             }
         }
         for selected in &selection.stops {

@@ -130,33 +130,25 @@ fn readable(message: &str) -> String {
     for t in ["u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64", "isize"] {
         text = text.replace(&format!("expected {t}"), "expected an integer");
     }
-    for (rust, api) in [("expected struct ", "expected an object ("), ("a sequence", "a list"), ("a map", "an object")]
-    {
-        text = text.replace(rust, api);
-        if api.ends_with('(') {
-            // `expected an object (PluginsField at ...` -> drop the type name.
-            while let Some(at) = text.find(api) {
-                let start = at + api.len();
-                let end =
-                    text[start..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(text.len(), |e| start + e);
-                text.replace_range(at..end, "expected an object");
-            }
-        }
+    // `expected struct PluginsField` -> `expected an object`.
+    while let Some(at) = text.find("expected struct ") {
+        let name = at + "expected struct ".len();
+        let end = text[name..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(text.len(), |e| name + e);
+        text.replace_range(at..end, "expected an object");
     }
+    text = text.replace("a sequence", "a list").replace("a map", "an object");
     // A quoted value comes before ", expected ...": cut the value, keep what was expected.
-    let (head, tail) = match text.rfind(", expected ") {
-        Some(at) => (text[..at].to_string(), text[at..].to_string()),
-        None => (text.clone(), String::new()),
-    };
-    let head = match head.chars().count() > MAX_ERROR_CHARS {
-        true => head.chars().take(MAX_ERROR_CHARS).collect::<String>() + "…",
-        false => head,
-    };
-    let tail = match tail.chars().count() > MAX_ERROR_CHARS {
-        true => tail.chars().take(MAX_ERROR_CHARS).collect::<String>() + "…",
-        false => tail,
-    };
-    head + &tail
+    let at = text.rfind(", expected ").unwrap_or(text.len());
+    let (head, tail) = text.split_at(at);
+    shorten(head) + &shorten(tail)
+}
+
+/// `text`, cut to [`MAX_ERROR_CHARS`] characters.
+fn shorten(text: &str) -> String {
+    match text.chars().count() > MAX_ERROR_CHARS {
+        true => text.chars().take(MAX_ERROR_CHARS).collect::<String>() + "…",
+        false => text.to_string(),
+    }
 }
 
 #[cfg(test)]
