@@ -1,6 +1,7 @@
 """Wasm plugins (ABI v1) in a live server: the example plugins change real generations, and
 hostile plugins fail only their own request (or are refused at load) while the server keeps
 serving."""
+import json
 import os
 import shutil
 import subprocess
@@ -50,6 +51,11 @@ HOSTILE = {
     "bad-token": sampler("bad-token", "(i32.const 99999999)"),
     "trap-stop": f"""(module {manifest("trap-stop", '["stop"]')} {ALLOC}
       (func (export "stop_check") (param i32 i32 i32) (result i32) unreachable))""",
+    # A stop rule that traps at its fourth token: after a stream has started.
+    "late-trap": f"""(module {manifest("late-trap", '["stop"]')} {ALLOC} (global $n (mut i32) (i32.const 0))
+      (func (export "stop_check") (param i32 i32 i32) (result i32)
+        (global.set $n (i32.add (global.get $n) (i32.const 1)))
+        (if (i32.gt_u (global.get $n) (i32.const 3)) (then unreachable)) (i32.const -1)))""",
     "refuse-config": sampler("refuse-config", "(i32.const 0)", '(func (export "host_init") (param i32 i32) (result i32) (i32.const 3))'),
     # A tool adapter that returns garbage, memory it does not have, or too much.
     "bad-tool": f"""(module {manifest("bad-tool", '["tool"]')} {ALLOC} (data (i32.const 1024) "garbage")
@@ -70,9 +76,15 @@ HOSTILE = {
       {manifest("wasi")} {ALLOC} (func (export "sampler_sample") (param i32 i32 i32) (result i32) (i32.const 0)))""",
     "no-manifest": f"(module {ALLOC})",
     "missing-export": f"(module {manifest('missing-export')} {ALLOC})",
+    # A start function that never returns; initial memory over the 64 MiB cap.
+    "spin-start": sampler("spin-start", "(i32.const 0)", "(func $spin (loop $l (br $l))) (start $spin)"),
+    "big-memory": f"""(module {manifest("big-memory")} (memory (export "memory") 2048)
+      (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "sampler_sample") (param i32 i32 i32) (result i32) (i32.const 0)))""",
 }
 REFUSED = {"wrong-abi": "ABI v9", "wasi": "wasi_snapshot_preview1.fd_write", "no-manifest": "no `host.plugin` custom section",
-           "missing-export": "lacks the export `sampler_sample`"}
+           "missing-export": "lacks the export `sampler_sample`",
+           "spin-start": "exceeded its deadline in instantiation", "big-memory": "exceeded its memory limit of 64 MiB"}
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +181,17 @@ def test_a_rust_sdk_sampler_with_config_and_seeded_randomness(plugged):
 
 def test_unknown_or_wrong_kind_plugins_are_400(plugged):
     r = chat(plugged, {"sampler": {"name": "nope"}})
-    assert r.status_code == 400 and "unknown sampler plugin \"nope\"" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "unknown sampler plugin \"nope\"; loaded sampler plugins: " in message
+    # Only samplers are offered (no stop rules, tool adapters or schedulers).
+    offered = message.split("loaded sampler plugins: ")[1].split(", ")
+    assert "scripted" in offered and not {"first-sentence", "hermes", "fcfs", "think"} & set(offered), offered
     r = chat(plugged, {"sampler": {"name": "first-sentence"}})
-    assert r.status_code == 400 and "is not a sampler plugin" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "is not a sampler plugin (it is a stop plugin)" in r.json()["error"]["message"]
+    # A plugin whose file was refused: the request is told so, with the reason.
+    r = chat(plugged, {"sampler": {"name": "spin-start"}})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "spin-start.wasm was refused" in message and "deadline" in message, message
     r = chat(plugged, {"sampler": {"name": "refuse-config"}})
     assert r.status_code == 400 and "refused its config" in r.json()["error"]["message"]
     r = chat(plugged, {"sampler": {"nam": "x"}})
@@ -256,11 +276,40 @@ def test_broken_modules_are_refused_at_load_with_their_reason(plugged):
         assert status[name]["state"] == "refused", status[name]
         assert reason in status[name]["error"], status[name]["error"]
     assert status["scripted"]["state"] == "ready" and len(status["scripted"]["sha256"]) == 64
-    # Repeated faults mark a plugin unhealthy.
-    for _ in range(3):
-        chat(plugged, {"sampler": {"name": "trap-sample"}})
+
+
+def test_a_plugin_that_keeps_faulting_is_quarantined(plugged):
+    """Three faults in a row quarantine a plugin file: requests for it get a 503 with
+    Retry-After (or run without it when they allow a fallback) instead of running it."""
+    for _ in range(4):
+        r = chat(plugged, {"sampler": {"name": "trap-sample"}})
+        if r.status_code == 503:
+            break
+        assert r.status_code == 500, r.text
+    assert r.status_code == 503 and r.json()["error"]["code"] == "plugin_quarantined", r.text
+    assert 1 <= int(r.headers["retry-after"]) <= 30 and "trapped in sampler_sample" in r.json()["error"]["message"]
     status = {p["name"]: p for p in httpx.get(plugged.url + "/v1/plugins").json()["data"]}
-    assert status["trap-sample"]["state"] == "unhealthy" and status["trap-sample"]["faults"] >= 3
+    assert status["trap-sample"]["state"] == "quarantined" and "quarantined for" in status["trap-sample"]["error"]
+    faults = status["trap-sample"]["faults"]
+    r = chat(plugged, {"sampler": {"name": "trap-sample", "fallback": True}}, max_tokens=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    status = {p["name"]: p for p in httpx.get(plugged.url + "/v1/plugins").json()["data"]}
+    assert status["trap-sample"]["faults"] == faults, "a quarantined plugin does not run"
+
+
+def test_a_fault_after_the_stream_started_is_an_error_event_with_its_code(plugged):
+    r = chat(plugged, {"stop": [{"name": "late-trap"}]}, stream=True, max_tokens=20)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert any(e.get("choices") for e in events), events[:2]
+    error = events[-1]["error"]
+    assert error["code"] == "plugin_error" and error["type"] == "server_error" and "late-trap" in error["message"], error
+    # The Responses API: response.failed carries the same code.
+    body = {"input": "What is the capital of France?", "max_output_tokens": 20, "stream": True,
+            "plugins": {"stop": [{"name": "late-trap"}]}}
+    text = httpx.post(plugged.url + "/v1/responses", json=body, timeout=60).text
+    failed = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and "response.failed" in line]
+    assert failed and failed[0]["response"]["error"]["code"] == "plugin_error", text[-500:]
 
 
 def test_hot_reload_under_load(tmp_path, plugins_dir):
@@ -358,6 +407,59 @@ def test_server_default_plugins_from_the_config_file(tmp_path, plugins_dir):
         assert r.json()["choices"][0]["message"]["content"] == " Paris."
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 30, "temperature": 0, "plugins": {}}, timeout=60)
         assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    finally:
+        s.stop()
+
+
+def test_one_file_per_name_settings_by_name_and_the_way_back_from_quarantine(tmp_path, plugins_dir):
+    """In a live folder: a second file declaring a taken name is refused (and deleting it
+    changes nothing else); NAME.toml is matched by the plugin's name, not the file's, and
+    reloads the plugin when it changes; a quarantined plugin comes back when its time is up
+    (quarantine_secs) and at once when its file is replaced."""
+    live = tmp_path / "live"
+    live.mkdir()
+    scripted = (plugins_dir / "scripted.wasm").read_bytes()
+    (live / "scripted.wasm").write_bytes(scripted)
+    (live / "zz-copy.wasm").write_bytes(scripted)
+    (live / "tns_file.wasm").write_bytes((plugins_dir / "top-n-sigma.wasm").read_bytes())
+    (live / "top-n-sigma.toml").write_text("config = { n = 0.0001 }\n")
+    (live / "trap-sample.wasm").write_bytes((plugins_dir / "trap-sample.wasm").read_bytes())
+    (live / "trap-sample.toml").write_text("quarantine_secs = 2\n")
+    s = Server("--plugins", str(live), "--prompt-cache-bytes", "0")
+
+    def status():
+        return [p for p in httpx.get(s.url + "/v1/plugins").json()["data"] if not p["source"].startswith("builtin:")]
+
+    def until(predicate, limit=3):
+        start = time.time()
+        while not predicate():
+            assert time.time() - start < limit, status()
+            time.sleep(0.05)
+
+    try:
+        refused = [p for p in status() if p["state"] == "refused"]
+        assert [(p["name"], p["source"].endswith("zz-copy.wasm")) for p in refused] == [("scripted", True)], refused
+        assert "already provides" in refused[0]["error"] and "scripted.wasm" in refused[0]["error"]
+        (live / "zz-copy.wasm").unlink()
+        until(lambda: not any(p["state"] == "refused" for p in status()))
+        assert chat(s, {"sampler": {"name": "scripted"}}).json()["choices"][0]["message"]["content"] == " Paris. Paris. Paris."
+        # top-n-sigma.toml belongs to tns_file.wasm (whose plugin is top-n-sigma).
+        r = chat(s, {"sampler": {"name": "top-n-sigma"}}, max_tokens=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        (live / "top-n-sigma.toml").write_text("config = { n = -1 }\n")
+        until(lambda: chat(s, {"sampler": {"name": "top-n-sigma"}}).status_code == 400)
+        # Quarantined after three faults, back after its two seconds.
+        for _ in range(3):
+            assert chat(s, {"sampler": {"name": "trap-sample"}}).status_code == 500
+        assert chat(s, {"sampler": {"name": "trap-sample"}}).status_code == 503
+        until(lambda: chat(s, {"sampler": {"name": "trap-sample"}}).status_code == 500, limit=5)
+        # Quarantined again; replacing the file brings it back at once.
+        for _ in range(3):
+            chat(s, {"sampler": {"name": "trap-sample"}})
+        assert chat(s, {"sampler": {"name": "trap-sample"}}).status_code == 503
+        (live / "trap-sample.wasm").write_bytes((plugins_dir / "trap-sample.wasm").read_bytes() + b"")
+        os.utime(live / "trap-sample.wasm")
+        until(lambda: chat(s, {"sampler": {"name": "trap-sample"}}).status_code == 500, limit=1.5)
     finally:
         s.stop()
 

@@ -163,6 +163,53 @@ pub fn custom_section<'a>(wasm: &'a [u8], name: &str) -> Result<Option<&'a [u8]>
     Ok(None)
 }
 
+/// `wasm` with its manifest set to `manifest` (JSON, validated first): any `host.plugin`
+/// section it had is dropped and the new one appended, for toolchains that cannot emit
+/// custom sections (clang, Zig, AssemblyScript, `wat2wasm`, which drops `@custom`).
+pub fn with_manifest(wasm: &[u8], manifest: &str) -> Result<Vec<u8>> {
+    let parsed: Manifest =
+        serde_json::from_str(manifest).context("the manifest is not valid JSON of the shape ABI.md §2 gives")?;
+    parsed.validate()?;
+    custom_section(wasm, MANIFEST_SECTION)?; // Checks the header and the section layout.
+    let mut out = wasm[..8].to_vec();
+    let mut pos = 8;
+    while pos < wasm.len() {
+        let start = pos;
+        let id = wasm[pos];
+        pos += 1;
+        let size = leb_u32(wasm, &mut pos)? as usize;
+        let end = pos + size;
+        let mut p = pos;
+        let ours = id == 0 && {
+            let len = leb_u32(wasm, &mut p)? as usize;
+            wasm.get(p..p + len) == Some(MANIFEST_SECTION.as_bytes())
+        };
+        if !ours {
+            out.extend_from_slice(&wasm[start..end]);
+        }
+        pos = end;
+    }
+    let mut body = leb(MANIFEST_SECTION.len() as u32);
+    body.extend_from_slice(MANIFEST_SECTION.as_bytes());
+    body.extend_from_slice(manifest.trim().as_bytes());
+    out.push(0);
+    out.extend(leb(body.len() as u32));
+    out.extend(body);
+    Ok(out)
+}
+
+fn leb(mut n: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let b = (n & 0x7f) as u8;
+        n >>= 7;
+        out.push(if n == 0 { b } else { b | 0x80 });
+        if n == 0 {
+            return out;
+        }
+    }
+}
+
 /// Reads and validates the manifest of a module.
 pub fn manifest(wasm: &[u8]) -> Result<Manifest> {
     let payload = custom_section(wasm, MANIFEST_SECTION)?.with_context(|| {

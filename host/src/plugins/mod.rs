@@ -72,11 +72,49 @@ pub struct PluginStatus {
 
 /// Loaded plugins by name, and the files that failed to load with their reasons. A plugin
 /// loaded from a file replaces a built-in one of the same name (until the file goes away).
+/// A name has one file: a second file that declares a name another file already provides
+/// is refused (and loads if the first one goes away or renames its plugin).
 pub struct PluginRegistry {
     runtime: Arc<PluginRuntime>,
     builtins: BTreeMap<String, Arc<Plugin>>,
     plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
-    failed: RwLock<BTreeMap<PathBuf, String>>,
+    failed: RwLock<BTreeMap<PathBuf, Refusal>>,
+}
+
+/// Why a file was refused, and the plugin name its manifest declares (when readable).
+#[derive(Debug, Clone)]
+struct Refusal {
+    name: Option<String>,
+    error: String,
+    /// Refused because another file provides the name.
+    duplicate: bool,
+}
+
+impl Refusal {
+    /// The name a refused file goes by: its manifest's, else its file stem.
+    fn shown_name(&self, path: &Path) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default())
+    }
+}
+
+/// The settings file of the plugin `name` loaded from `path`: `NAME.toml` beside it, or one
+/// named like the `.wasm` file; both at once is an error.
+fn settings_for(path: &Path, name: Option<&str>) -> Result<PluginSettings> {
+    let by_stem = path.with_extension("toml");
+    let by_name = name.map(|n| path.with_file_name(format!("{n}.toml"))).filter(|p| p.is_file());
+    match (by_name, by_stem.is_file()) {
+        (Some(a), true) if a != by_stem => bail!(
+            "two settings files for plugin {}: {} and {}; keep one (NAME.toml, named after the plugin)",
+            name.unwrap_or_default(),
+            a.display(),
+            by_stem.display()
+        ),
+        (Some(a), _) => PluginSettings::from_file(&a),
+        (None, true) => PluginSettings::from_file(&by_stem),
+        (None, false) => Ok(PluginSettings::default()),
+    }
 }
 
 impl std::fmt::Debug for PluginRegistry {
@@ -125,36 +163,87 @@ impl PluginRegistry {
         &self.runtime
     }
 
-    /// Validates and loads one `.wasm` file; on success it replaces a plugin of the same name.
+    /// Validates and loads one `.wasm` file (with its settings file, see [`settings_for`]);
+    /// on success it replaces the plugin of the same name that this file provided before.
+    /// Refused when another file already provides the name.
     pub fn load_file(&self, path: &Path) -> Result<Arc<Plugin>> {
-        let settings_path = path.with_extension("toml");
-        let settings = if settings_path.is_file() {
-            PluginSettings::from_file(&settings_path)
-        } else {
-            Ok(PluginSettings::default())
-        };
-        let result = settings.and_then(|settings| {
-            let wasm = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut name = None;
+        let result = std::fs::read(path).with_context(|| format!("reading {}", path.display())).and_then(|wasm| {
+            name = abi_v1::manifest(&wasm).ok().map(|m| m.name);
+            let settings = settings_for(path, name.as_deref())?;
             self.runtime.load(&wasm, path, false, settings)
         });
-        match result {
-            Ok(plugin) => {
-                let plugin = Arc::new(plugin);
-                self.failed.write().expect("registry lock").remove(path);
-                let mut plugins = self.plugins.write().expect("registry lock");
-                // A file that now declares another name no longer provides the old one.
-                plugins.retain(|name, p| p.source != path || *name == plugin.manifest.name);
-                plugins.insert(plugin.manifest.name.clone(), plugin.clone());
-                drop(plugins);
-                tracing::info!(plugin = plugin.name(), file = %path.display(), "plugin loaded");
-                Ok(plugin)
-            }
-            Err(e) => {
-                tracing::warn!(file = %path.display(), "plugin refused: {e:#}");
-                self.failed.write().expect("registry lock").insert(path.to_path_buf(), format!("{e:#}"));
-                Err(e)
+        let plugin = match result {
+            Ok(plugin) => Arc::new(plugin),
+            Err(e) => return Err(self.refuse(path, name, e, false)),
+        };
+        let name = plugin.manifest.name.clone();
+        let mut plugins = self.plugins.write().expect("registry lock");
+        if let Some(owner) = plugins.get(&name).filter(|p| p.source != path) {
+            let e = anyhow::anyhow!(
+                "{} declares the plugin name {name:?}, which {} already provides; one file per name: rename the plugin in one manifest or remove one file",
+                path.display(),
+                owner.source.display()
+            );
+            drop(plugins);
+            return Err(self.refuse(path, Some(name), e, true));
+        }
+        // A file that now declares another name no longer provides the old one.
+        let renamed: Vec<String> =
+            plugins.iter().filter(|(n, p)| p.source == path && **n != name).map(|(n, _)| n.clone()).collect();
+        for old in &renamed {
+            plugins.remove(old);
+        }
+        plugins.insert(name, plugin.clone());
+        drop(plugins);
+        self.failed.write().expect("registry lock").remove(path);
+        tracing::info!(plugin = plugin.name(), file = %path.display(), "plugin loaded");
+        self.load_waiting_for(&renamed);
+        Ok(plugin)
+    }
+
+    /// Records a refused file (the reason shows at `/v1/plugins` and in requests that name it).
+    fn refuse(&self, path: &Path, name: Option<String>, e: anyhow::Error, duplicate: bool) -> anyhow::Error {
+        tracing::warn!(file = %path.display(), "plugin refused: {e:#}");
+        let refusal = Refusal { name, error: format!("{e:#}"), duplicate };
+        self.failed.write().expect("registry lock").insert(path.to_path_buf(), refusal);
+        e
+    }
+
+    /// Loads the files refused only because another file provided one of `names`, now free.
+    fn load_waiting_for(&self, names: &[String]) {
+        let waiting: Vec<PathBuf> = self
+            .failed
+            .read()
+            .expect("registry lock")
+            .iter()
+            .filter(|(_, r)| r.duplicate && r.name.as_ref().is_some_and(|n| names.contains(n)))
+            .map(|(p, _)| p.clone())
+            .collect();
+        for path in waiting {
+            let _ = self.load_file(&path);
+        }
+    }
+
+    /// The `.wasm` files a settings file `toml` may belong to: those whose plugin is named
+    /// after it and the one named like it.
+    pub fn files_for_settings(&self, toml: &Path) -> Vec<PathBuf> {
+        let Some(stem) = toml.file_stem().map(|s| s.to_string_lossy().into_owned()) else { return vec![] };
+        let dir = toml.parent();
+        let mut files: Vec<PathBuf> = vec![toml.with_extension("wasm")];
+        for (name, p) in self.plugins.read().expect("registry lock").iter() {
+            if *name == stem && p.source.parent() == dir {
+                files.push(p.source.clone());
             }
         }
+        for (path, r) in self.failed.read().expect("registry lock").iter() {
+            if r.name.as_deref() == Some(stem.as_str()) && path.parent() == dir {
+                files.push(path.clone());
+            }
+        }
+        files.sort();
+        files.dedup();
+        files
     }
 
     /// Loads every `*.wasm` in `dir`; files that fail are recorded (see `status`) and skipped.
@@ -168,15 +257,18 @@ impl PluginRegistry {
         Ok(files.iter().filter(|f| self.load_file(f).is_ok()).count())
     }
 
-    /// Drops whatever was loaded from `path` (the file was deleted).
+    /// Drops whatever was loaded from `path` (the file was deleted); a file refused because
+    /// this one had its name loads now.
     pub fn remove_file(&self, path: &Path) {
         self.failed.write().expect("registry lock").remove(path);
         let mut plugins = self.plugins.write().expect("registry lock");
         let gone: Vec<String> = plugins.iter().filter(|(_, p)| p.source == path).map(|(n, _)| n.clone()).collect();
-        for name in gone {
-            plugins.remove(&name);
+        for name in &gone {
+            plugins.remove(name);
             tracing::info!(plugin = name, file = %path.display(), "plugin removed");
         }
+        drop(plugins);
+        self.load_waiting_for(&gone);
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Plugin>> {
@@ -194,31 +286,38 @@ impl PluginRegistry {
     /// Every plugin (a built-in replaced by a file shows as `overridden`) and refused file.
     pub fn status(&self) -> Vec<PluginStatus> {
         let user = self.plugins.read().expect("registry lock");
-        let show = |p: &Plugin, state: &'static str| PluginStatus {
-            name: p.manifest.name.clone(),
-            kinds: p.manifest.kinds.clone(),
-            version: p.manifest.version.clone(),
-            source: p.source.display().to_string(),
-            sha256: p.sha256.clone(),
-            state: if state == "ready" && !p.healthy() { "unhealthy" } else { state },
-            error: None,
-            calls: p.calls.load(Ordering::Relaxed),
-            faults: p.faults.load(Ordering::Relaxed),
+        let show = |p: &Plugin, state: &'static str| {
+            let quarantine = p.quarantine().filter(|_| state == "ready");
+            PluginStatus {
+                name: p.manifest.name.clone(),
+                kinds: p.manifest.kinds.clone(),
+                version: p.manifest.version.clone(),
+                source: p.source.display().to_string(),
+                sha256: p.sha256.clone(),
+                state: match &quarantine {
+                    Some(_) => "quarantined",
+                    None if state == "ready" && !p.healthy() => "unhealthy",
+                    None => state,
+                },
+                error: quarantine.map(|q| q.message).or_else(|| p.last_fault().filter(|_| !p.healthy())),
+                calls: p.calls.load(Ordering::Relaxed),
+                faults: p.faults.load(Ordering::Relaxed),
+            }
         };
         let mut out: Vec<PluginStatus> = user.values().map(|p| show(p, "ready")).collect();
         for (name, p) in &self.builtins {
             out.push(show(p, if user.contains_key(name) { "overridden" } else { "ready" }));
         }
         drop(user);
-        for (path, error) in self.failed.read().expect("registry lock").iter() {
+        for (path, refusal) in self.failed.read().expect("registry lock").iter() {
             out.push(PluginStatus {
-                name: path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+                name: refusal.shown_name(path),
                 kinds: vec![],
                 version: String::new(),
                 source: path.display().to_string(),
                 sha256: String::new(),
                 state: "refused",
-                error: Some(error.clone()),
+                error: Some(refusal.error.clone()),
                 calls: 0,
                 faults: 0,
             });
@@ -237,22 +336,44 @@ impl PluginRegistry {
         fallback: bool,
     ) -> Result<Selected> {
         let Some(plugin) = self.get(name) else {
-            let names = self.names();
+            if let Some((path, refusal)) =
+                self.failed.read().expect("registry lock").iter().find(|(p, r)| r.shown_name(p) == name)
+            {
+                bail!(
+                    "{kind} plugin {name:?} is not loaded: its file {} was refused: {} (GET /v1/plugins lists every refusal)",
+                    path.display(),
+                    refusal.error
+                );
+            }
+            let names = self.names_of(kind);
             bail!(
-                "unknown {kind} plugin {name:?}; loaded plugins: {}",
+                "unknown {kind} plugin {name:?}; loaded {kind} plugins: {}",
                 if names.is_empty() { "none".into() } else { names.join(", ") }
             );
         };
         if !plugin.manifest.has(kind) {
-            bail!("plugin {name:?} is not a {kind} plugin (it is: {:?})", plugin.manifest.kinds);
+            let kinds: Vec<String> = plugin.manifest.kinds.iter().map(|k| format!("a {k} plugin")).collect();
+            bail!("plugin {name:?} is not a {kind} plugin (it is {})", kinds.join(" and "));
+        }
+        if let Some(q) = plugin.quarantine().filter(|_| !fallback) {
+            return Err(anyhow::Error::new(q));
         }
         let config = config.or_else(|| plugin.settings.config.clone()).unwrap_or_else(|| serde_json::json!({}));
         let params = params.or_else(|| plugin.settings.params.clone()).unwrap_or_else(|| serde_json::json!({}));
         Ok(Selected { plugin, config, params, fallback })
     }
 
+    /// The loaded plugins of `kind`.
+    fn names_of(&self, kind: Kind) -> Vec<String> {
+        self.names().into_iter().filter(|n| self.get(n).is_some_and(|p| p.manifest.has(kind))).collect()
+    }
+
     /// A started instance for one request: `host_init(config)` then `host_begin(params, seed)`.
+    /// A quarantined plugin does not start.
     pub fn start(&self, selected: &Selected, seed: u64) -> Result<Instance> {
+        if let Some(q) = selected.plugin.quarantine() {
+            bail!(runtime::PluginFault(q.message));
+        }
         let mut instance = self.runtime.instantiate(&selected.plugin, &selected.config)?;
         instance.begin(&selected.params, seed)?;
         Ok(instance)
@@ -278,9 +399,8 @@ impl PluginSampler {
     }
 
     /// A fault of this plugin: counted, and failing only the request.
-    fn fault(&self, message: String) -> anyhow::Error {
-        self.instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
-        anyhow::Error::new(runtime::PluginFault(message))
+    fn fault(&mut self, message: String) -> anyhow::Error {
+        self.instance.fault(message)
     }
 }
 
@@ -371,10 +491,7 @@ impl TextParser {
         let Some(instance) = self.instance.as_mut() else { return Ok(passthrough()) };
         let result = call(instance).and_then(|lines| {
             let name = instance.plugin().name().to_string();
-            parse(&name, entry, &lines).map_err(|m| {
-                instance.plugin().faults.fetch_add(1, Ordering::Relaxed);
-                anyhow::Error::new(runtime::PluginFault(m))
-            })
+            parse(&name, entry, &lines).map_err(|m| instance.fault(m))
         });
         match result {
             Ok(events) => Ok(events),
@@ -525,8 +642,12 @@ fn parse_tool_events(
 
 /// A short-lived instance of a tool adapter (`host_init` only, no `host_begin`), for what it
 /// contributes while the prompt is built: `tool_render`, `tool_force` (ABI.md §5.3).
+/// Its input is the request's own data (see `Instance::fault`).
 pub fn prompt_instance(registry: &PluginRegistry, selected: &Selected) -> Result<runtime::Instance> {
-    registry.runtime.instantiate(&selected.plugin, &selected.config)
+    if let Some(q) = selected.plugin.quarantine() {
+        bail!(runtime::PluginFault(q.message));
+    }
+    Ok(registry.runtime.instantiate(&selected.plugin, &selected.config)?.on_request_data())
 }
 
 /// The scheduling policy as a plugin: one long-lived instance, replaced when hot reload
@@ -536,11 +657,13 @@ pub struct PluginScheduler {
     name: String,
     config: Value,
     current: Option<(Arc<Plugin>, Instance)>,
+    /// The log has said the policy is quarantined.
+    quarantine_told: bool,
 }
 
 impl PluginScheduler {
     pub fn new(registry: Arc<PluginRegistry>, name: String, config: Value) -> PluginScheduler {
-        PluginScheduler { registry, name, config, current: None }
+        PluginScheduler { registry, name, config, current: None, quarantine_told: false }
     }
 }
 
@@ -555,6 +678,14 @@ impl crate::engine::queue::Policy for PluginScheduler {
             .get(&self.name)
             .filter(|p| p.manifest.has(Kind::Scheduler))
             .with_context(|| format!("scheduling policy {:?} is not loaded", self.name))?;
+        if let Some(q) = plugin.quarantine() {
+            // First come, first served until it is back (said once, not at every decision).
+            if !std::mem::replace(&mut self.quarantine_told, true) {
+                tracing::warn!("{q}; serving first come first served meanwhile");
+            }
+            return Ok(crate::engine::queue::Decision::default());
+        }
+        self.quarantine_told = false;
         if !self.current.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, &plugin)) {
             let instance = self.registry.runtime.instantiate(&plugin, &self.config)?;
             tracing::info!(policy = self.name, version = plugin.manifest.version, "scheduling policy instance started");
@@ -563,13 +694,14 @@ impl crate::engine::queue::Policy for PluginScheduler {
         let (plugin, instance) = self.current.as_mut().expect("set above");
         let result = instance.schedule(&serde_json::to_string(view).expect("JSON serializes")).and_then(|text| {
             serde_json::from_str(&text).map_err(|e| {
-                plugin.faults.fetch_add(1, Ordering::Relaxed);
-                anyhow::anyhow!("plugin {} returned a bad decision from schedule: {e}", plugin.name())
+                instance.fault(format!("plugin {} returned a bad decision from schedule: {e}", plugin.name()))
             })
         });
-        if result.is_err() {
+        match &result {
+            // A long-lived instance: each good decision counts as a use without a fault.
+            Ok(_) => plugin.succeeded(),
             // A fresh instance next time: a trapped one may be in any state.
-            self.current = None;
+            Err(_) => self.current = None,
         }
         result
     }
@@ -578,12 +710,38 @@ impl crate::engine::queue::Policy for PluginScheduler {
 /// `host plugins ...`: offline validation and listing.
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginsCommand {
-    /// Validate a plugin against ABI v1: manifest, imports, exports, compilation, instantiation.
-    Check { file: PathBuf },
+    /// Validate a plugin the way the server loads it: manifest, imports, exports,
+    /// compilation, its settings file (NAME.toml beside it), instantiation under the memory
+    /// cap and deadline, then host_init with a config and host_begin with params.
+    Check {
+        file: PathBuf,
+        /// The config (JSON) for host_init, as a request's `plugins` entry gives it.
+        /// Default: the settings file's `config`, else `{}`.
+        #[arg(long)]
+        config: Option<String>,
+        /// The params (JSON) for host_begin. Default: the settings file's `params`, else `{}`.
+        #[arg(long)]
+        params: Option<String>,
+    },
     /// Show the built-in plugins and what a plugins folder holds (and why any file is refused).
     List { dir: PathBuf },
-    /// Assemble a hand-written WebAssembly text plugin (.wat) into a .wasm file.
+    /// Assemble a hand-written WebAssembly text plugin (.wat) into a .wasm file, keeping its
+    /// `(@custom "host.plugin" ...)` manifest (which wabt's wat2wasm drops).
     BuildWat { input: PathBuf, output: PathBuf },
+    /// Set a module's `host.plugin` manifest (from a JSON file), replacing any it has: for
+    /// toolchains that cannot emit custom sections (clang, Zig, AssemblyScript, wat2wasm).
+    AddManifest {
+        wasm: PathBuf,
+        /// A JSON file with the manifest (ABI.md §2).
+        manifest: PathBuf,
+        /// Where to write the result. Default: over WASM.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
+}
+
+fn json_arg(flag: &str, text: Option<String>) -> Result<Option<Value>> {
+    text.map(|t| serde_json::from_str(&t).with_context(|| format!("--{flag} is not valid JSON: {t}"))).transpose()
 }
 
 pub fn run_command(command: PluginsCommand) -> Result<()> {
@@ -593,10 +751,9 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
         PluginRegistry::new()?
     };
     match command {
-        PluginsCommand::Check { file } => {
+        PluginsCommand::Check { file, config, params } => {
+            let (config, params) = (json_arg("config", config)?, json_arg("params", params)?);
             let plugin = registry.load_file(&file)?;
-            // Instantiating runs the start function and host_init with an empty config.
-            drop(registry.runtime().instantiate(&plugin, &serde_json::json!({}))?);
             let m = &plugin.manifest;
             let kinds: Vec<String> = m.kinds.iter().map(Kind::to_string).collect();
             println!(
@@ -607,6 +764,25 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
                 kinds.join(", "),
                 plugin.sha256
             );
+            let s = &plugin.settings;
+            println!(
+                "limits: deadline {} ms of CPU time per call, memory {} MiB, quarantine {} s",
+                s.deadline_ms, s.memory_mib, s.quarantine_secs
+            );
+            let given = config.is_some() || s.config.is_some();
+            let config = config.or_else(|| s.config.clone()).unwrap_or_else(|| serde_json::json!({}));
+            let mut instance = match registry.runtime().instantiate(&plugin, &config) {
+                Ok(instance) => instance,
+                Err(e) if !given && e.downcast_ref::<runtime::PluginRefused>().is_some() => {
+                    println!("note: {e:#}; requests must give it a config: check one with --config JSON");
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            println!("host_init: accepted {config}");
+            let params = params.or_else(|| s.params.clone()).unwrap_or_else(|| serde_json::json!({}));
+            instance.begin(&params, 0)?;
+            println!("host_begin: accepted {params}");
             Ok(())
         }
         PluginsCommand::BuildWat { input, output } => {
@@ -614,13 +790,21 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
             std::fs::write(&output, wasm).with_context(|| format!("writing {}", output.display()))?;
             Ok(())
         }
+        PluginsCommand::AddManifest { wasm, manifest, output } => {
+            let module = std::fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
+            let json = std::fs::read_to_string(&manifest).with_context(|| format!("reading {}", manifest.display()))?;
+            let out = abi_v1::with_manifest(&module, &json).with_context(|| manifest.display().to_string())?;
+            let output = output.unwrap_or(wasm);
+            std::fs::write(&output, out).with_context(|| format!("writing {}", output.display()))?;
+            Ok(())
+        }
         PluginsCommand::List { dir } => {
             registry.load_dir(&dir)?;
             for s in registry.status() {
                 let kinds: Vec<String> = s.kinds.iter().map(Kind::to_string).collect();
                 match &s.error {
-                    None => println!("{:<24} {:<10} {:<16} {}", s.name, s.version, kinds.join(","), s.source),
-                    Some(e) => println!("{:<24} refused: {e} ({})", s.name, s.source),
+                    Some(e) if s.state == "refused" => println!("{:<24} refused: {e} ({})", s.name, s.source),
+                    _ => println!("{:<24} {:<10} {:<16} {}", s.name, s.version, kinds.join(","), s.source),
                 }
             }
             Ok(())
@@ -631,6 +815,121 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn plugin_wasm(name: &str, kind: &str, version: &str) -> Vec<u8> {
+        let export = match kind {
+            "stop" => r#"(func (export "stop_check") (param i32 i32 i32) (result i32) (i32.const -1))"#,
+            _ => r#"(func (export "sampler_sample") (param i32 i32 i32) (result i32) (i32.const 0))"#,
+        };
+        wat::parse_str(format!(
+            r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"{name}\", \"version\": \"{version}\", \"kinds\": [\"{kind}\"]}}")
+            (memory (export "memory") 1)
+            (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+            {export})"#
+        ))
+        .unwrap()
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("registry-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// One file per name: a second file declaring a taken name is refused and shown under
+    /// that name; deleting it changes nothing else; deleting the owner lets it load.
+    #[test]
+    fn a_plugin_name_has_one_file() {
+        let dir = temp_dir("dup");
+        std::fs::write(dir.join("a.wasm"), plugin_wasm("dup", "stop", "1")).unwrap();
+        std::fs::write(dir.join("b.wasm"), plugin_wasm("dup", "stop", "2")).unwrap();
+        let registry = PluginRegistry::new().unwrap();
+        assert_eq!(registry.load_dir(&dir).unwrap(), 1);
+        assert_eq!(registry.get("dup").unwrap().manifest.version, "1");
+        let status = registry.status();
+        let refused = status.iter().find(|s| s.state == "refused").unwrap();
+        assert_eq!(refused.name, "dup");
+        let error = refused.error.as_deref().unwrap();
+        assert!(error.contains("already provides") && error.contains("a.wasm"), "{error}");
+        // Reloading the refused file keeps it refused; deleting it leaves the owner serving.
+        assert!(registry.load_file(&dir.join("b.wasm")).is_err());
+        std::fs::remove_file(dir.join("b.wasm")).unwrap();
+        registry.remove_file(&dir.join("b.wasm"));
+        assert_eq!(registry.get("dup").unwrap().manifest.version, "1");
+        assert!(registry.status().iter().all(|s| s.state != "refused"));
+        // Back again, then the owner goes: the waiting file takes the name.
+        std::fs::write(dir.join("b.wasm"), plugin_wasm("dup", "stop", "2")).unwrap();
+        assert!(registry.load_file(&dir.join("b.wasm")).is_err());
+        std::fs::remove_file(dir.join("a.wasm")).unwrap();
+        registry.remove_file(&dir.join("a.wasm"));
+        assert_eq!(registry.get("dup").unwrap().manifest.version, "2");
+        // The owner renaming its plugin frees the name too.
+        std::fs::write(dir.join("a.wasm"), plugin_wasm("dup", "stop", "3")).unwrap();
+        assert!(registry.load_file(&dir.join("a.wasm")).is_err());
+        std::fs::write(dir.join("b.wasm"), plugin_wasm("other", "stop", "4")).unwrap();
+        registry.load_file(&dir.join("b.wasm")).unwrap();
+        assert_eq!(registry.get("dup").unwrap().manifest.version, "3");
+        assert_eq!(registry.get("other").unwrap().manifest.version, "4");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Settings are matched by the plugin's name (or the file's stem; both is an error), and
+    /// a settings file maps back to the files it may belong to.
+    #[test]
+    fn settings_files_are_matched_by_plugin_name() {
+        let dir = temp_dir("settings");
+        let wasm = dir.join("dl_spin.wasm");
+        std::fs::write(&wasm, plugin_wasm("dl-spin", "stop", "1")).unwrap();
+        std::fs::write(dir.join("dl-spin.toml"), "deadline_ms = 7\n").unwrap();
+        let registry = PluginRegistry::new().unwrap();
+        assert_eq!(registry.load_file(&wasm).unwrap().settings.deadline_ms, 7);
+        assert_eq!(
+            registry.files_for_settings(&dir.join("dl-spin.toml")),
+            vec![dir.join("dl-spin.wasm"), wasm.clone()]
+        );
+        std::fs::write(dir.join("dl_spin.toml"), "deadline_ms = 8\n").unwrap();
+        let e = registry.load_file(&wasm).unwrap_err();
+        assert!(format!("{e:#}").contains("two settings files for plugin dl-spin"), "{e:#}");
+        std::fs::remove_file(dir.join("dl-spin.toml")).unwrap();
+        assert_eq!(registry.load_file(&wasm).unwrap().settings.deadline_ms, 8);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Errors for a request's plugin name: a refused file is named with its reason; the
+    /// list of loaded plugins holds only the kind asked for; a wrong kind says which it is.
+    #[test]
+    fn selecting_a_plugin_explains_what_is_wrong() {
+        let dir = temp_dir("select");
+        std::fs::write(dir.join("stopper.wasm"), plugin_wasm("stopper", "stop", "1")).unwrap();
+        std::fs::write(dir.join("picker.wasm"), plugin_wasm("picker", "sampler", "1")).unwrap();
+        let mut broken = plugin_wasm("broken", "stop", "1");
+        broken.truncate(broken.len() - 3);
+        std::fs::write(dir.join("broken.wasm"), broken).unwrap();
+        let registry = PluginRegistry::new().unwrap();
+        registry.load_dir(&dir).unwrap();
+        let e = |kind, name: &str| format!("{:#}", registry.select(kind, name, None, None, false).unwrap_err());
+        let refused = e(Kind::Stop, "broken");
+        assert!(refused.contains("broken.wasm was refused"), "{refused}");
+        assert_eq!(e(Kind::Sampler, "nope"), "unknown sampler plugin \"nope\"; loaded sampler plugins: picker");
+        assert_eq!(e(Kind::Sampler, "stopper"), "plugin \"stopper\" is not a sampler plugin (it is a stop plugin)");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn add_manifest_replaces_the_section_and_checks_it() {
+        let wasm = plugin_wasm("first", "stop", "1");
+        let renamed = abi_v1::with_manifest(&wasm, r#"{"abi": 1, "name": "second", "kinds": ["stop"]}"#).unwrap();
+        assert_eq!(abi_v1::manifest(&renamed).unwrap().name, "second");
+        let runtime = PluginRuntime::new().unwrap();
+        runtime.load(&renamed, Path::new("second.wasm"), false, PluginSettings::default()).unwrap();
+        let bare = wat::parse_str(r#"(module (memory (export "memory") 1))"#).unwrap();
+        assert!(abi_v1::manifest(&bare).is_err());
+        let added = abi_v1::with_manifest(&bare, r#"{"abi": 1, "name": "x", "kinds": ["stop"]}"#).unwrap();
+        assert_eq!(abi_v1::manifest(&added).unwrap().name, "x");
+        let e = abi_v1::with_manifest(&bare, r#"{"abi": 1, "name": "Bad Name", "kinds": ["stop"]}"#).unwrap_err();
+        assert!(format!("{e:#}").contains("is invalid"), "{e:#}");
+    }
 
     #[test]
     fn reasoning_events_are_checked() {

@@ -1,8 +1,9 @@
 //! Hot reload: one thread owns updates to the registry. It watches the plugins folder
 //! (`notify`), waits until writes go quiet (debounce), then loads added or changed `.wasm`
-//! files (or those whose `NAME.toml` settings changed) and drops deleted ones. A file that fails to load leaves the previous version of its
-//! plugin serving; the reason shows in `GET /v1/plugins`. Requests in flight keep the
-//! `Arc<Plugin>` they started with, so they finish on their version.
+//! files (or those whose `NAME.toml` settings changed) and drops deleted ones. A file that
+//! fails to load leaves the previous version of its plugin serving; the reason shows in
+//! `GET /v1/plugins`. Requests in flight keep the `Arc<Plugin>` they started with, so they
+//! finish on their version.
 
 use super::PluginRegistry;
 use anyhow::{Context, Result};
@@ -57,18 +58,22 @@ fn collect(event: notify::Result<notify::Event>, changed: &mut BTreeSet<PathBuf>
                 e.kind,
                 EventKind::Access(_) | EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime))
             ) => {}
-        // A settings file change reloads its plugin.
-        Ok(e) => changed.extend(e.paths.into_iter().filter_map(|p| match p.extension().and_then(|x| x.to_str()) {
-            Some("wasm") => Some(p),
-            Some("toml") => Some(p.with_extension("wasm")),
-            _ => None,
-        })),
+        // A settings file change reloads its plugin (see `apply`).
+        Ok(e) => changed.extend(
+            e.paths.into_iter().filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("wasm" | "toml"))),
+        ),
         Err(e) => tracing::warn!("plugin watcher: {e}"),
     }
 }
 
 fn apply(registry: &PluginRegistry, path: &Path) {
-    if path.is_file() {
+    if path.extension().is_some_and(|x| x == "toml") {
+        // Settings are matched by plugin name (or the file's stem): reload each file it may
+        // belong to that is still there.
+        for wasm in registry.files_for_settings(path).into_iter().filter(|w| w.is_file()) {
+            let _ = registry.load_file(&wasm);
+        }
+    } else if path.is_file() {
         // `load_file` logs and records a failure; the previous version stays.
         let _ = registry.load_file(path);
     } else {

@@ -8,24 +8,31 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use wasmtime::{
-    Caller, Config, Engine, Extern, ExternType, InstancePre, Linker, Memory, Module, Store, StoreLimits,
-    StoreLimitsBuilder, Trap, TypedFunc, ValType,
+    Caller, Config, Engine, Extern, ExternType, InstancePre, Linker, Memory, Module, ResourceLimiter, Store, Trap,
+    TypedFunc, UpdateDeadline, ValType,
 };
 
 /// Epoch ticks per second (one tick per millisecond).
 const TICKS_PER_MS: u64 = 1;
-/// Deadlines: per-token calls, and `host_init`/`host_begin`.
+/// Deadlines, in CPU time of the calling thread: per-token calls, and setup (instantiation,
+/// `host_init`, `host_begin`, the prompt-time tool calls).
 pub const CALL_DEADLINE: Duration = Duration::from_millis(50);
 pub const SETUP_DEADLINE: Duration = Duration::from_millis(1000);
+/// A call also ends after this many times its deadline in wall-clock time, however little
+/// CPU it got (a starved machine delays a request; it does not hang one).
+const WALL_FACTOR: u32 = 20;
 /// Linear memory per instance.
 pub const MEMORY_LIMIT: usize = 64 << 20;
 /// Largest result a plugin may return through a packed slice.
 pub const MAX_RESULT_BYTES: usize = 1 << 20;
-/// Faults after which a plugin is reported unhealthy.
-pub const UNHEALTHY_AFTER: u64 = 3;
+/// Faults in a row after which a plugin file is quarantined.
+pub const UNHEALTHY_AFTER: u32 = 3;
+/// The first quarantine's length; each further one in a row doubles it, up to [`QUARANTINE_MAX`].
+pub const QUARANTINE: Duration = Duration::from_secs(30);
+const QUARANTINE_MAX: Duration = Duration::from_secs(600);
 
 /// A plugin's optional settings file, `NAME.toml` next to `NAME.wasm`.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -39,6 +46,9 @@ pub struct PluginSettings {
     pub deadline_ms: u64,
     /// Linear memory cap per instance, in MiB (1 to 4096). Default: 64.
     pub memory_mib: usize,
+    /// Seconds a plugin is quarantined after [`UNHEALTHY_AFTER`] faults in a row (doubling
+    /// while it keeps faulting, at most 600); 0 never quarantines it. Default: 30.
+    pub quarantine_secs: u64,
 }
 
 impl Default for PluginSettings {
@@ -48,6 +58,7 @@ impl Default for PluginSettings {
             params: None,
             deadline_ms: CALL_DEADLINE.as_millis() as u64,
             memory_mib: MEMORY_LIMIT >> 20,
+            quarantine_secs: QUARANTINE.as_secs(),
         }
     }
 }
@@ -64,6 +75,9 @@ impl PluginSettings {
         if !(1..=4096).contains(&settings.memory_mib) {
             bail!("{}: memory_mib must be between 1 and 4096, got {}", path.display(), settings.memory_mib);
         }
+        if settings.quarantine_secs > QUARANTINE_MAX.as_secs() {
+            bail!("{}: quarantine_secs must be between 0 and 600, got {}", path.display(), settings.quarantine_secs);
+        }
         Ok(settings)
     }
     fn deadline(&self) -> Duration {
@@ -72,7 +86,10 @@ impl PluginSettings {
 }
 
 pub struct StoreState {
-    limits: StoreLimits,
+    limits: Limiter,
+    /// The call under way: when it started, in thread CPU time and wall-clock time, and its
+    /// deadline.
+    budget: Budget,
     plugin: String,
     /// `host.log` lines and bytes written by this instance (bounded: [`LOG_LINES`], [`LOG_BYTES`]).
     logged: (usize, usize),
@@ -101,6 +118,81 @@ fn log_line(text: &str) -> String {
     out
 }
 
+/// The memory cap of one instance. A `memory.grow` past the cap returns -1 to the plugin
+/// (which may handle it: `host_alloc` may return 0); the denial is remembered, so a trap that
+/// follows is reported as the memory limit.
+struct Limiter {
+    max_bytes: usize,
+    denied: bool,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let ok = desired <= self.max_bytes;
+        self.denied |= !ok;
+        Ok(ok)
+    }
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+    fn instances(&self) -> usize {
+        1
+    }
+    fn memories(&self) -> usize {
+        1
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Budget {
+    cpu_start: Duration,
+    wall_start: Instant,
+    deadline: Duration,
+}
+
+impl Budget {
+    fn start(deadline: Duration) -> Budget {
+        Budget { cpu_start: thread_cpu_time(), wall_start: Instant::now(), deadline }
+    }
+
+    /// At an epoch deadline: go on for the CPU time left, or stop the call.
+    fn check(&self) -> UpdateDeadline {
+        let used = thread_cpu_time().saturating_sub(self.cpu_start);
+        if used >= self.deadline || self.wall_start.elapsed() >= self.deadline * WALL_FACTOR {
+            UpdateDeadline::Interrupt
+        } else {
+            UpdateDeadline::Continue(ticks(self.deadline - used))
+        }
+    }
+}
+
+fn ticks(d: Duration) -> u64 {
+    (d.as_millis() as u64 * TICKS_PER_MS).max(1)
+}
+
+/// CPU time of the calling thread (where wasmtime runs the plugin and the epoch callback).
+#[cfg(unix)]
+fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+#[cfg(not(unix))]
+fn thread_cpu_time() -> Duration {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed()
+}
+
+/// A plugin file's health: faults in a row, and the quarantine they led to.
+#[derive(Debug, Default)]
+struct Health {
+    in_a_row: u32,
+    /// Quarantines in a row (each doubles the next one's length).
+    strikes: u32,
+    until: Option<Instant>,
+    last_fault: Option<String>,
+}
+
 /// A compiled, validated plugin, ready to instantiate.
 pub struct Plugin {
     pub manifest: Manifest,
@@ -110,7 +202,12 @@ pub struct Plugin {
     pub builtin: bool,
     pre: InstancePre<StoreState>,
     pub calls: AtomicU64,
+    /// Faults of the plugin itself (traps, deadlines, memory, bad results).
     pub faults: AtomicU64,
+    /// Faults of a built-in plugin caused by a request's own data (its config, params or
+    /// tools): that request's 400, not counted against the plugin.
+    pub request_faults: AtomicU64,
+    health: Mutex<Health>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -123,10 +220,79 @@ impl Plugin {
     pub fn name(&self) -> &str {
         &self.manifest.name
     }
+
+    /// Counts a fault of the plugin and returns it as an error for the request. After
+    /// [`UNHEALTHY_AFTER`] in a row a plugin file is quarantined (a built-in never is: it is
+    /// part of the server).
+    pub fn fault(&self, message: String) -> anyhow::Error {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        let mut health = self.health.lock().expect("plugin health lock");
+        health.in_a_row += 1;
+        health.last_fault = Some(message.clone());
+        let cooldown = Duration::from_secs(self.settings.quarantine_secs);
+        if !self.builtin && health.in_a_row >= UNHEALTHY_AFTER && !cooldown.is_zero() {
+            let length = (cooldown * 2u32.saturating_pow(health.strikes)).min(QUARANTINE_MAX);
+            health.until = Some(Instant::now() + length);
+            health.strikes += 1;
+            health.in_a_row = 0;
+            tracing::warn!(
+                plugin = self.name(),
+                "plugin quarantined for {} s after {UNHEALTHY_AFTER} faults in a row (last: {message}); replace its file to bring it back sooner",
+                length.as_secs()
+            );
+        }
+        anyhow::Error::new(PluginFault(message))
+    }
+
+    /// A use that ended without a fault: the faults in a row start again from zero.
+    pub fn succeeded(&self) {
+        let mut health = self.health.lock().expect("plugin health lock");
+        if health.until.is_none_or(|t| Instant::now() >= t) {
+            *health = Health { last_fault: health.last_fault.take(), ..Health::default() };
+        }
+    }
+
+    /// While quarantined: how long it still lasts and why.
+    pub fn quarantine(&self) -> Option<Quarantined> {
+        let health = self.health.lock().expect("plugin health lock");
+        let left = health.until?.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?;
+        Some(Quarantined {
+            message: format!(
+                "plugin {} is quarantined for {} s more after {UNHEALTHY_AFTER} faults in a row (last: {}); it comes back when the time is up or when its file is replaced",
+                self.name(),
+                left.as_secs_f64().ceil() as u64,
+                health.last_fault.as_deref().unwrap_or("unknown")
+            ),
+            retry_after: left,
+        })
+    }
+
+    /// Not quarantined, and fewer than [`UNHEALTHY_AFTER`] faults in a row.
     pub fn healthy(&self) -> bool {
-        self.faults.load(Ordering::Relaxed) < UNHEALTHY_AFTER
+        self.quarantine().is_none() && self.health.lock().expect("plugin health lock").in_a_row < UNHEALTHY_AFTER
+    }
+
+    /// The last fault's message, if it faulted.
+    pub fn last_fault(&self) -> Option<String> {
+        self.health.lock().expect("plugin health lock").last_fault.clone()
     }
 }
+
+/// A request selected a quarantined plugin: a 503 with `Retry-After`, unless the request
+/// allows a fallback (then it runs without the plugin).
+#[derive(Debug)]
+pub struct Quarantined {
+    pub message: String,
+    pub retry_after: Duration,
+}
+
+impl std::fmt::Display for Quarantined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Quarantined {}
 
 /// The wasmtime engine, the linker with the `host.log` import, and the epoch ticker.
 pub struct PluginRuntime {
@@ -154,6 +320,7 @@ fn required_exports(kind: Kind) -> &'static [(&'static str, &'static [ValType], 
 impl PluginRuntime {
     pub fn new() -> Result<Arc<PluginRuntime>> {
         let mut config = Config::new();
+        // Deadlines: the epoch ticker wakes each call's check of its thread CPU time.
         config.epoch_interruption(true);
         if let Some(cache) = module_cache() {
             config.cache(Some(cache));
@@ -264,6 +431,16 @@ impl PluginRuntime {
             }
         }
         let pre = self.linker.instantiate_pre(&module).map_err(|e| anyhow!("plugin {}: {e}", manifest.name))?;
+        if !builtin {
+            // Instantiate once as a request would (start function, initial memory against the
+            // cap, under the setup deadline), so a module that cannot start is refused here
+            // instead of failing every request.
+            let mut store = self.store(&manifest.name, &settings);
+            if let Err(e) = pre.instantiate(&mut store) {
+                let denied = store.data().limits.denied;
+                bail!("{:#}", describe(&manifest.name, settings.memory_mib, denied, "instantiation", e));
+            }
+        }
         let sha256 = Sha256::digest(wasm).iter().map(|b| format!("{b:02x}")).collect();
         Ok(Plugin {
             manifest,
@@ -274,24 +451,41 @@ impl PluginRuntime {
             pre,
             calls: AtomicU64::new(0),
             faults: AtomicU64::new(0),
+            request_faults: AtomicU64::new(0),
+            health: Mutex::default(),
         })
     }
 
-    /// A fresh sandboxed instance of `plugin`, with its config passed to `host_init`.
-    pub fn instantiate(&self, plugin: &Arc<Plugin>, config: &serde_json::Value) -> Result<Instance> {
-        let limits = StoreLimitsBuilder::new()
-            .memory_size(plugin.settings.memory_mib << 20)
-            .instances(1)
-            .trap_on_grow_failure(true)
-            .build();
-        let mut store = Store::new(
-            &self.engine,
-            StoreState { limits, plugin: plugin.manifest.name.clone(), logged: (0, 0), last_complaint: None },
-        );
+    /// A store for one instance of the plugin `name`: its memory cap and its deadline clock.
+    fn store(&self, name: &str, settings: &PluginSettings) -> Store<StoreState> {
+        let state = StoreState {
+            limits: Limiter { max_bytes: settings.memory_mib << 20, denied: false },
+            budget: Budget::start(SETUP_DEADLINE),
+            plugin: name.to_string(),
+            logged: (0, 0),
+            last_complaint: None,
+        };
+        let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
-        store.set_epoch_deadline(SETUP_DEADLINE.as_millis() as u64 * TICKS_PER_MS);
+        store.epoch_deadline_callback(|ctx| Ok(ctx.data().budget.check()));
+        store.set_epoch_deadline(ticks(SETUP_DEADLINE));
+        store
+    }
+
+    /// A fresh sandboxed instance of `plugin`, with its config passed to `host_init`.
+    /// `request_data`: the config (and what follows) comes from a request, so a built-in
+    /// plugin's fault is that request's (see [`Instance::fault`]).
+    pub fn instantiate(&self, plugin: &Arc<Plugin>, config: &serde_json::Value) -> Result<Instance> {
+        let mut store = self.store(&plugin.manifest.name, &plugin.settings);
         let name = plugin.manifest.name.clone();
-        let instance = plugin.pre.instantiate(&mut store).map_err(|e| fault(plugin, "instantiation", e))?;
+        let instance = match plugin.pre.instantiate(&mut store) {
+            Ok(instance) => instance,
+            Err(e) => {
+                let denied = store.data().limits.denied;
+                let message = describe(&name, plugin.settings.memory_mib, denied, "instantiation", e);
+                return Err(blame(plugin, true, format!("{message:#}")));
+            }
+        };
         let memory =
             instance.get_memory(&mut store, "memory").with_context(|| format!("plugin {name} has no memory"))?;
         let alloc =
@@ -313,8 +507,18 @@ impl PluginRuntime {
             reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
         };
-        let mut inst =
-            Instance { plugin: plugin.clone(), store, memory, alloc, funcs, buffers: [(0, 0); 3], serving: false };
+        let mut inst = Instance {
+            plugin: plugin.clone(),
+            store,
+            memory,
+            alloc,
+            funcs,
+            buffers: [(0, 0); 3],
+            serving: false,
+            request_data: true,
+            used: false,
+            faulted: false,
+        };
         let config = serde_json::to_vec(config).expect("JSON serializes");
         if let Some(init) = inst.funcs.init.clone() {
             let (ptr, len) = inst.write(Slot::Json, &config)?;
@@ -325,6 +529,7 @@ impl PluginRuntime {
                 bail!(PluginRefused(format!("plugin {name} refused its config (host_init returned {status}){why}")));
             }
         }
+        inst.request_data = false;
         Ok(inst)
     }
 }
@@ -389,25 +594,40 @@ impl std::fmt::Display for PluginFault {
 
 impl std::error::Error for PluginFault {}
 
-/// Turns a wasmtime error into one that names the plugin and the entry point, and counts it.
-fn fault(plugin: &Plugin, entry: &str, e: wasmtime::Error) -> anyhow::Error {
-    plugin.faults.fetch_add(1, Ordering::Relaxed);
-    anyhow::Error::new(PluginFault(format!("{:#}", describe(plugin, entry, e))))
+/// A fault while the plugin worked on a request's own data: for a built-in plugin that is
+/// the request's error (a 400, counted in `request_faults`); otherwise the plugin's fault.
+fn blame(plugin: &Plugin, request_data: bool, message: String) -> anyhow::Error {
+    if request_data && plugin.builtin {
+        plugin.request_faults.fetch_add(1, Ordering::Relaxed);
+        anyhow::Error::new(PluginRefused(format!(
+            "{message}: this request's own data (its tools, plugin config or params) made the built-in plugin fail; send less or simpler data"
+        )))
+    } else {
+        plugin.fault(message)
+    }
 }
 
-fn describe(plugin: &Plugin, entry: &str, e: wasmtime::Error) -> anyhow::Error {
-    let name = &plugin.manifest.name;
+/// A wasmtime error as a message that names the plugin and the entry point. `denied`: a
+/// `memory.grow` past the cap was refused in this instance, so a trap is the memory limit.
+fn describe(name: &str, memory_mib: usize, denied: bool, entry: &str, e: wasmtime::Error) -> anyhow::Error {
+    let over_memory = || {
+        anyhow!(
+            "plugin {name} exceeded its memory limit of {memory_mib} MiB in {entry} (raise memory_mib in its settings file if it needs more)"
+        )
+    };
     match e.downcast_ref::<Trap>() {
-        Some(Trap::Interrupt) => anyhow!("plugin {name} exceeded its deadline in {entry}"),
+        Some(Trap::Interrupt) if denied => anyhow!(
+            "plugin {name} exceeded its deadline in {entry} after reaching its memory limit of {memory_mib} MiB (memory.grow returned -1)"
+        ),
+        Some(Trap::Interrupt) => anyhow!("plugin {name} exceeded its deadline in {entry} (CPU time; deadline_ms in its settings file sets it)"),
+        Some(Trap::AllocationTooLarge) => over_memory(),
+        Some(_) if denied => over_memory(),
         Some(Trap::MemoryOutOfBounds) => anyhow!("plugin {name} accessed memory out of bounds in {entry}"),
-        Some(Trap::AllocationTooLarge) => {
-            anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", plugin.settings.memory_mib)
-        }
         Some(trap) => anyhow!("plugin {name} trapped in {entry}: {trap}"),
         None => {
             let text = format!("{e:#}");
-            if text.contains("memory") && (text.contains("limit") || text.contains("grow")) {
-                anyhow!("plugin {name} exceeded its memory limit of {} MiB in {entry}", plugin.settings.memory_mib)
+            if denied || (text.contains("memory") && (text.contains("limit") || text.contains("grow"))) {
+                over_memory()
             } else {
                 anyhow!("plugin {name} failed in {entry}: {text}")
             }
@@ -451,19 +671,42 @@ pub struct Instance {
     buffers: [(i32, usize); 3],
     /// Between `begin` and `end`: the request is under way, so `host_end` is owed.
     serving: bool,
+    /// The instance is working on a request's own data (its config, params or tools).
+    request_data: bool,
+    /// A call returned; a fault happened.
+    used: bool,
+    faulted: bool,
 }
 
 /// An instance that served a request gets its `host_end` however the request ended
-/// (finished, failed, cancelled, paused and dropped).
+/// (finished, failed, cancelled, paused and dropped); one that served without a fault
+/// clears the plugin's faults in a row.
 impl Drop for Instance {
     fn drop(&mut self) {
         self.end();
+        if self.used && !self.faulted {
+            self.plugin.succeeded();
+        }
     }
 }
 
 impl Instance {
     pub fn plugin(&self) -> &Arc<Plugin> {
         &self.plugin
+    }
+
+    /// A fault of this instance (a trap, a deadline, the memory cap, a bad result), counted
+    /// against the plugin; for a built-in working on the request's own data, the request's
+    /// error instead (see [`blame`]).
+    pub fn fault(&mut self, message: String) -> anyhow::Error {
+        self.faulted = true;
+        blame(&self.plugin, self.request_data, message)
+    }
+
+    /// This instance works on the request's own data from now on (a prompt-time tool adapter).
+    pub fn on_request_data(mut self) -> Instance {
+        self.request_data = true;
+        self
     }
 
     fn call<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
@@ -474,8 +717,20 @@ impl Instance {
         entry: &str,
     ) -> Result<R> {
         self.plugin.calls.fetch_add(1, Ordering::Relaxed);
-        self.store.set_epoch_deadline(deadline.as_millis() as u64 * TICKS_PER_MS);
-        f.call(&mut self.store, args).map_err(|e| fault(&self.plugin, entry, e))
+        self.store.data_mut().budget = Budget::start(deadline);
+        self.store.set_epoch_deadline(ticks(deadline));
+        match f.call(&mut self.store, args) {
+            Ok(r) => {
+                self.used = true;
+                Ok(r)
+            }
+            Err(e) => {
+                let (name, mib, denied) =
+                    (&self.plugin.manifest.name, self.plugin.settings.memory_mib, self.store.data().limits.denied);
+                let message = format!("{:#}", describe(name, mib, denied, entry, e));
+                Err(self.fault(message))
+            }
+        }
     }
 
     /// Copies `bytes` into the slot's buffer (allocating a larger one when needed).
@@ -486,22 +741,27 @@ impl Instance {
             let alloc = self.alloc.clone();
             ptr = self.call(&alloc, want as i32, SETUP_DEADLINE, "host_alloc")?;
             if ptr == 0 {
-                self.plugin.faults.fetch_add(1, Ordering::Relaxed);
                 let name = &self.plugin.manifest.name;
-                bail!(PluginFault(format!("plugin {name} could not allocate {want} bytes (host_alloc returned 0)")));
+                let limit = self.plugin.settings.memory_mib;
+                let message = format!(
+                    "plugin {name} could not allocate {want} bytes (host_alloc returned 0; its memory limit is {limit} MiB)"
+                );
+                return Err(self.fault(message));
             }
             self.buffers[slot as usize] = (ptr, want);
         }
-        let name = &self.plugin.manifest.name;
         let start = ptr as u32 as usize;
-        self.memory
-            .data_mut(&mut self.store)
-            .get_mut(start..start + bytes.len())
-            .ok_or_else(|| {
-                self.plugin.faults.fetch_add(1, Ordering::Relaxed);
-                PluginFault(format!("plugin {name}: host_alloc returned {ptr}, outside its memory"))
-            })?
-            .copy_from_slice(bytes);
+        match self.memory.data_mut(&mut self.store).get_mut(start..start + bytes.len()) {
+            Some(buffer) => buffer.copy_from_slice(bytes),
+            None => {
+                let message = format!(
+                    "plugin {}: host_alloc returned {ptr}, outside its memory, for {} bytes",
+                    self.plugin.manifest.name,
+                    bytes.len()
+                );
+                return Err(self.fault(message));
+            }
+        }
         Ok((ptr, bytes.len() as i32))
     }
 
@@ -519,7 +779,10 @@ impl Instance {
         self.serving = true;
         let Some(begin) = self.funcs.begin.clone() else { return Ok(()) };
         let (ptr, len) = self.write(Slot::Json, &serde_json::to_vec(params).expect("JSON serializes"))?;
-        let status = self.call(&begin, (ptr, len, seed as i64), SETUP_DEADLINE, "host_begin")?;
+        self.request_data = true;
+        let status = self.call(&begin, (ptr, len, seed as i64), SETUP_DEADLINE, "host_begin");
+        self.request_data = false;
+        let status = status?;
         if status != 0 {
             let why = self.store.data_mut().last_complaint.take();
             let why = why.map(|w| format!(": {w}")).unwrap_or_else(|| " (it logged no reason)".into());
@@ -550,7 +813,10 @@ impl Instance {
             let status =
                 self.call(&accept, (ptr, chunk.len() as i32), self.plugin.settings.deadline(), "sampler_accept")?;
             if status != 0 {
-                bail!("plugin {} failed in sampler_accept (status {status})", self.plugin.manifest.name);
+                return Err(self.fault(format!(
+                    "plugin {} failed in sampler_accept (it returned {status}; ABI v1 expects 0)",
+                    self.plugin.manifest.name
+                )));
             }
         }
         Ok(())
@@ -561,7 +827,10 @@ impl Instance {
         let Some(rollback) = self.funcs.rollback.clone() else { return Ok(false) };
         let status = self.call(&rollback, n as i32, self.plugin.settings.deadline(), "sampler_rollback")?;
         if status != 0 {
-            bail!("plugin {} failed in sampler_rollback (status {status})", self.plugin.manifest.name);
+            return Err(self.fault(format!(
+                "plugin {} failed in sampler_rollback (it returned {status}; ABI v1 expects 0)",
+                self.plugin.manifest.name
+            )));
         }
         Ok(true)
     }
@@ -598,40 +867,34 @@ impl Instance {
         match self.call(&stop, (token as i32, ptr, len), self.plugin.settings.deadline(), "stop_check")? {
             -1 => Ok(None),
             r if r >= 0 => Ok(Some(r as usize)),
-            r => bail!(
+            r => Err(self.fault(format!(
                 "plugin {} returned {r} from stop_check; ABI v1 allows -1 or a count >= 0",
                 self.plugin.manifest.name
-            ),
+            ))),
         }
     }
 
     /// Copies out a packed slice (`ptr << 32 | len`) the plugin returned, at most `limit` bytes.
-    fn packed(&self, packed: i64, entry: &str, limit: usize) -> Result<Vec<u8>> {
+    fn packed(&mut self, packed: i64, entry: &str, limit: usize) -> Result<Vec<u8>> {
         let (ptr, len) = ((packed as u64 >> 32) as i32, (packed as u64 & 0xffff_ffff) as usize);
         if len > limit {
-            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
-            bail!(PluginFault(format!(
-                "plugin {} returned {len} bytes from {entry}, more than the {limit} allowed",
-                self.plugin.manifest.name
-            )));
+            let name = &self.plugin.manifest.name;
+            return Err(
+                self.fault(format!("plugin {name} returned {len} bytes from {entry}, more than the {limit} allowed"))
+            );
         }
         if len == 0 {
             return Ok(Vec::new());
         }
-        self.read(ptr, len).map_err(|e| {
-            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
-            anyhow::Error::new(PluginFault(format!("{e:#} (the packed slice returned from {entry})")))
-        })
+        self.read(ptr, len).map_err(|e| self.fault(format!("{e:#} (the packed slice returned from {entry})")))
     }
 
     /// A packed-slice result as UTF-8 text.
-    fn packed_text(&self, packed: i64, entry: &str, limit: usize) -> Result<String> {
-        String::from_utf8(self.packed(packed, entry, limit)?).map_err(|_| {
-            self.plugin.faults.fetch_add(1, Ordering::Relaxed);
-            anyhow::Error::new(PluginFault(format!(
-                "plugin {} returned text that is not UTF-8 from {entry}",
-                self.plugin.manifest.name
-            )))
+    fn packed_text(&mut self, packed: i64, entry: &str, limit: usize) -> Result<String> {
+        let bytes = self.packed(packed, entry, limit)?;
+        String::from_utf8(bytes).map_err(|_| {
+            let name = &self.plugin.manifest.name;
+            self.fault(format!("plugin {name} returned text that is not UTF-8 from {entry}"))
         })
     }
 
@@ -850,6 +1113,153 @@ mod tests {
         let e = runtime.instantiate(&negative, &serde_json::json!({})).unwrap().stop_check(1, "x").unwrap_err();
         assert!(e.downcast_ref::<PluginFault>().is_some() && format!("{e:#}").contains("negative"), "{e:#}");
         assert_eq!(negative.faults.load(Ordering::Relaxed), 1);
+    }
+
+    fn stop_rule(name: &str, extra: &str, check: &str) -> Vec<u8> {
+        wat::parse_str(format!(
+            r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"{name}\", \"kinds\": [\"stop\"]}}")
+            {extra}
+            (func (export "stop_check") (param i32 i32 i32) (result i32) {check}))"#
+        ))
+        .unwrap()
+    }
+
+    const SIMPLE: &str = r#"(memory (export "memory") 1)
+        (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))"#;
+
+    /// The deadline counts the calling thread's CPU time: a trivial call on a starved machine
+    /// (more busy threads than cores) never trips a 1 ms deadline, which a wall-clock
+    /// deadline does, while a looping call still ends.
+    #[test]
+    fn the_deadline_is_cpu_time_so_a_starved_machine_does_not_fail_trivial_calls() {
+        let runtime = PluginRuntime::new().unwrap();
+        let settings = PluginSettings { deadline_ms: 1, ..PluginSettings::default() };
+        let load = |check: &str| {
+            let wasm = stop_rule("quick", SIMPLE, check);
+            Arc::new(runtime.load(&wasm, Path::new("quick.wat"), false, settings.clone()).unwrap())
+        };
+        let trivial = load("(i32.const -1)");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let spinners: Vec<_> = (0..cores * 4)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                    }
+                })
+            })
+            .collect();
+        let mut instance = runtime.instantiate(&trivial, &serde_json::json!({})).unwrap();
+        let started = Instant::now();
+        let mut calls = 0;
+        while started.elapsed() < Duration::from_millis(1500) {
+            assert_eq!(instance.stop_check(1, "x").unwrap(), None, "after {calls} calls");
+            calls += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        spinners.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(trivial.faults.load(Ordering::Relaxed), 0);
+        let looping = load("(loop $l (br $l)) (i32.const -1)");
+        let e = runtime.instantiate(&looping, &serde_json::json!({})).unwrap().stop_check(1, "x").unwrap_err();
+        assert!(format!("{e:#}").contains("exceeded its deadline in stop_check (CPU time"), "{e:#}");
+        // The decision itself: much wall time with little CPU goes on; used CPU, or twenty
+        // times the deadline in wall time, stops.
+        let budget = |cpu_ago: Duration, wall_ago: Duration| Budget {
+            cpu_start: thread_cpu_time().saturating_sub(cpu_ago),
+            wall_start: Instant::now() - wall_ago,
+            deadline: Duration::from_millis(50),
+        };
+        let ms = Duration::from_millis;
+        assert!(matches!(budget(ms(0), ms(400)).check(), UpdateDeadline::Continue(t) if t >= 40));
+        assert!(matches!(budget(ms(60), ms(60)).check(), UpdateDeadline::Interrupt));
+        assert!(matches!(budget(ms(0), ms(1001)).check(), UpdateDeadline::Interrupt));
+    }
+
+    /// Modules that cannot start are refused at load (a looping start function, initial
+    /// memory over the cap); a `memory.grow` past the cap returns -1 to the plugin, so an
+    /// allocator that handles it makes `host_alloc` return 0: a fault naming the plugin.
+    #[test]
+    fn memory_and_start_failures_are_the_plugins_and_name_it() {
+        let runtime = PluginRuntime::new().unwrap();
+        let settings = PluginSettings { memory_mib: 2, ..PluginSettings::default() };
+        let load = |extra: &str| {
+            runtime.load(&stop_rule("mem", extra, "(i32.const -1)"), Path::new("mem.wat"), false, settings.clone())
+        };
+        let alloc = r#"(func (export "host_alloc") (param i32) (result i32) (i32.const 1024))"#;
+        let e = load(&format!(r#"(memory (export "memory") 64) {alloc}"#)).unwrap_err();
+        assert!(format!("{e:#}").contains("exceeded its memory limit of 2 MiB in instantiation"), "{e:#}");
+        let e = load(&format!(r#"(memory (export "memory") 1) {alloc} (func $spin (loop $l (br $l))) (start $spin)"#))
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("exceeded its deadline in instantiation"), "{e:#}");
+        // host_alloc grows memory by the pages asked for and returns 0 when that fails.
+        let growing = r#"(memory (export "memory") 1)
+            (func (export "host_alloc") (param $n i32) (result i32) (local $old i32)
+                (local.set $old (memory.grow (i32.add (i32.shr_u (local.get $n) (i32.const 16)) (i32.const 1))))
+                (if (result i32) (i32.eq (local.get $old) (i32.const -1))
+                    (then (i32.const 0))
+                    (else (i32.shl (local.get $old) (i32.const 16)))))"#;
+        let plugin = Arc::new(load(growing).unwrap());
+        let mut instance = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap();
+        assert_eq!(instance.stop_check(1, "small").unwrap(), None);
+        let e = instance.stop_check(1, &"x".repeat(3 << 20)).unwrap_err();
+        let message = format!("{e:#}");
+        assert!(e.downcast_ref::<PluginFault>().is_some(), "{message}");
+        assert!(message.contains("plugin mem could not allocate") && message.contains("limit is 2 MiB"), "{message}");
+        assert_eq!(plugin.faults.load(Ordering::Relaxed), 1);
+    }
+
+    /// Three faults in a row quarantine a plugin file (a use without a fault in between
+    /// starts the count again); `quarantine_secs = 0` turns it off; a built-in is never
+    /// quarantined, and its fault on a request's own data is that request's refusal.
+    #[test]
+    fn faults_in_a_row_quarantine_a_plugin_file_but_not_a_built_in() {
+        let runtime = PluginRuntime::new().unwrap();
+        // Faults when the text is "bad" (its first byte is 'b').
+        let check = "(if (i32.eq (i32.load8_u (local.get 1)) (i32.const 98)) (then unreachable)) (i32.const -1)";
+        let wasm = stop_rule("flaky", SIMPLE, check);
+        let load = |builtin: bool, quarantine_secs: u64| {
+            let settings = PluginSettings { quarantine_secs, ..PluginSettings::default() };
+            Arc::new(runtime.load(&wasm, Path::new("flaky.wat"), builtin, settings).unwrap())
+        };
+        let request = |plugin: &Arc<Plugin>, text: &str| {
+            runtime.instantiate(plugin, &serde_json::json!({})).unwrap().stop_check(1, text).map(|_| ())
+        };
+        let plugin = load(false, 30);
+        for _ in 0..2 {
+            assert!(request(&plugin, "bad").is_err());
+        }
+        request(&plugin, "good").unwrap();
+        assert!(plugin.quarantine().is_none() && plugin.healthy());
+        for _ in 0..3 {
+            assert!(request(&plugin, "bad").is_err());
+        }
+        let q = plugin.quarantine().expect("quarantined after three faults in a row");
+        assert!(q.retry_after > Duration::from_secs(25), "{q:?}");
+        assert!(q.message.contains("quarantined for 30 s more") && q.message.contains("trapped in stop_check"), "{q}");
+        assert!(!plugin.healthy());
+        let off = load(false, 0);
+        for _ in 0..5 {
+            assert!(request(&off, "bad").is_err());
+        }
+        assert!(off.quarantine().is_none());
+        let builtin = load(true, 30);
+        for _ in 0..5 {
+            assert!(request(&builtin, "bad").is_err());
+        }
+        assert!(builtin.quarantine().is_none());
+        // A built-in working on the request's data: the request's error, not the plugin's.
+        let e = runtime
+            .instantiate(&builtin, &serde_json::json!({}))
+            .unwrap()
+            .on_request_data()
+            .stop_check(1, "bad")
+            .unwrap_err();
+        assert!(e.downcast_ref::<PluginRefused>().is_some(), "{e:#}");
+        assert!(format!("{e:#}").contains("this request's own data"), "{e:#}");
+        assert_eq!((builtin.faults.load(Ordering::Relaxed), builtin.request_faults.load(Ordering::Relaxed)), (5, 1));
     }
 
     #[test]

@@ -25,11 +25,13 @@ pub struct ApiError {
     pub param: Option<String>,
     pub code: Option<&'static str>,
     pub flavor: Flavor,
+    /// Seconds for a `Retry-After` header (a 429 always has one).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), param: None, code: None, flavor: Flavor::OpenAi }
+        ApiError { status, message: message.into(), param: None, code: None, flavor: Flavor::OpenAi, retry_after: None }
     }
     /// 400 about one request field.
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
@@ -45,6 +47,10 @@ impl ApiError {
     }
     pub fn with_code(mut self, code: &'static str) -> ApiError {
         self.code = Some(code);
+        self
+    }
+    pub fn with_retry_after(mut self, seconds: u64) -> ApiError {
+        self.retry_after = Some(seconds.max(1));
         self
     }
     pub fn flavor(mut self, flavor: Flavor) -> ApiError {
@@ -87,8 +93,9 @@ impl IntoResponse for ApiError {
             }
         };
         let mut response = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
-            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        let retry_after = self.retry_after.or((self.status == StatusCode::TOO_MANY_REQUESTS).then_some(1));
+        if let Some(seconds) = retry_after {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(seconds));
         }
         response
     }

@@ -517,7 +517,8 @@ impl Output {
                 let message = super::routes::stream_error_message(event);
                 let mut out = self.close();
                 let mut r = self.response("failed", Value::Null);
-                r["error"] = json!({"code": "server_error", "message": message});
+                let code = super::routes::stream_error_code(event).1.unwrap_or("server_error");
+                r["error"] = json!({"code": code, "message": message});
                 out.push(self.event("response.failed", json!({"response": r})));
                 self.done = Some(r);
                 out

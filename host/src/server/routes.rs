@@ -463,12 +463,27 @@ pub(super) fn stream_error_message(event: &Event) -> String {
     }
 }
 
+/// The OpenAI `type` and `code` of a failure after the stream started (as the same failure
+/// before it would have had).
+pub(super) fn stream_error_code(event: &Event) -> (&'static str, Option<&'static str>) {
+    match event {
+        Event::PluginFault(_) => ("server_error", Some("plugin_error")),
+        Event::Refused(_) => ("invalid_request_error", Some("plugin_refused")),
+        Event::Cancelled(c) if c.shutdown => ("server_error", Some("server_shutting_down")),
+        Event::Cancelled(_) => ("invalid_request_error", Some("cancelled_by_scheduler")),
+        _ => ("server_error", None),
+    }
+}
+
 /// An error after the stream started: internal details go to the log; plugin faults and
 /// refusals are shown as they are (they name the plugin).
 fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
     let message = stream_error_message(event);
     match flavor {
-        Flavor::OpenAi => data(json!({"error": {"message": message, "type": "server_error"}})),
+        Flavor::OpenAi => {
+            let (kind, code) = stream_error_code(event);
+            data(json!({"error": {"message": message, "type": kind, "param": null, "code": code}}))
+        }
         Flavor::Anthropic => SseEvent::default()
             .event("error")
             .data(json!({"type": "error", "error": {"type": "api_error", "message": message}}).to_string()),

@@ -11,7 +11,7 @@ use super::routes::AppState;
 use crate::engine::worker::{Engine, Event, JobRequest, SubmitError};
 use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
-use crate::plugins::runtime::Instance;
+use crate::plugins::runtime::{Instance, PluginRefused, Quarantined};
 use crate::plugins::{Selected, Selection};
 use axum::http::StatusCode;
 use serde_json::{json, Value};
@@ -146,8 +146,9 @@ impl AppState {
         takes_tools(&self.engine)
     }
 
-    /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime; a
-    /// fault is the adapter's (a 502 naming it).
+    /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime. A
+    /// fault is the adapter's (a 500 naming it), but a built-in adapter failing on the
+    /// request's own tools is the request's 400.
     async fn on_adapter<T: Send + 'static>(
         &self,
         adapter: &Selected,
@@ -158,7 +159,10 @@ impl AppState {
         tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
             .await
             .map_err(ApiError::internal)?
-            .map_err(|e| super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi))
+            .map_err(|e| match e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
+                Some(refused) => ApiError::invalid("tools", refused.0.clone()),
+                None => super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi),
+            })
     }
 
     /// For templates that ignore tools: each assistant turn's earlier calls written into its
@@ -325,9 +329,15 @@ impl AppState {
                     return Err(ApiError::invalid("plugins", why).flavor(flavor));
                 }
             }
-            registry
-                .select(kind, &r.name, r.config, r.params, r.fallback)
-                .map_err(|e| ApiError::invalid("plugins", format!("{e:#}")).flavor(flavor))
+            registry.select(kind, &r.name, r.config, r.params, r.fallback).map_err(|e| {
+                match e.downcast_ref::<Quarantined>() {
+                    Some(q) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, q.message.clone())
+                        .with_code("plugin_quarantined")
+                        .with_retry_after(q.retry_after.as_secs_f64().ceil() as u64),
+                    None => ApiError::invalid("plugins", format!("{e:#}")),
+                }
+                .flavor(flavor)
+            })
         };
         let tool = tool
             .map(|mut r| {
