@@ -3,6 +3,7 @@
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
 #   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest
 #   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
+#   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3},
 #                                      tiny-qwen3-q4, tiny-llama-q8 (MLX-quantized); the SmolLM2 GGUF
 #   $HOST_CACHE_DIR/harness/           the agent harnesses from npm at pinned versions (pi,
@@ -35,6 +36,18 @@ if ! PYTHONPATH=$ZIG_DIR "$PY" -m ziglang version >/dev/null 2>&1; then
   log "installing Zig 0.14.1 (PyPI ziglang) into $ZIG_DIR"
   rm -rf "$ZIG_DIR"
   "$PY" -m pip install --quiet --disable-pip-version-check --target "$ZIG_DIR" 'ziglang==0.14.1' >&2
+fi
+
+# AssemblyScript, for the AssemblyScript example plugin and skeletons, from npm.
+ASC_DIR=$CACHE/assemblyscript-0.28.20
+if [ ! -x "$ASC_DIR/node_modules/.bin/asc" ]; then
+  if command -v npm >/dev/null; then
+    log "installing AssemblyScript 0.28.20 (npm) into $ASC_DIR"
+    rm -rf "$ASC_DIR" && mkdir -p "$ASC_DIR"
+    (cd "$ASC_DIR" && npm install --no-audit --no-fund --loglevel=error assemblyscript@0.28.20 >&2)
+  else
+    log "npm is not installed: the AssemblyScript plugin tests will fail (apt-get install nodejs npm)"
+  fi
 fi
 
 if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
@@ -105,6 +118,7 @@ done
 
 echo "export HOST_TEST_MODELS='$MODELS'"
 echo "export HOST_ZIG_DIR='$ZIG_DIR'"
+echo "export HOST_ASC='$ASC_DIR/node_modules/.bin/asc'"
 echo "export HOST_TEST_GGUF='$GGUF'"
 echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
 echo "export HOST_E2E_PYTHON='$E2E/bin/python'"

@@ -116,6 +116,14 @@ def plugins_dir(tmp_path_factory):
         subprocess.run([os.path.join(ROOT, "examples", "zig", "build.sh"), str(d / "scripted-zig.wasm")], check=True, env=env)
     elif os.environ.get("CI"):
         pytest.fail("Zig is needed to build examples/zig under CI (scripts/test-fixtures.sh installs it)")
+    # And in AssemblyScript (from npm; scripts/test-fixtures.sh installs it).
+    asc = os.environ.get("HOST_ASC")
+    if asc and os.path.exists(asc):
+        env = dict(os.environ, ASC=asc, HOST=binary)
+        subprocess.run([os.path.join(ROOT, "examples", "assemblyscript", "build.sh"), str(d / "scripted-as.wasm")],
+                       check=True, env=env)
+    elif os.environ.get("CI"):
+        pytest.fail("AssemblyScript is needed to build examples/assemblyscript under CI (scripts/test-fixtures.sh installs it)")
     return d
 
 
@@ -143,13 +151,35 @@ def test_a_scripted_sampler_forces_its_tokens_in_both_apis(plugged):
     assert m.json()["content"][0]["text"] == " Paris. Paris."
 
 
-@pytest.mark.parametrize("language", ["c", "zig"])
-def test_the_same_sampler_written_in_c_and_zig(plugged, plugins_dir, language):
+@pytest.mark.parametrize("language", ["c", "zig", "as"])
+def test_the_same_sampler_written_in_c_zig_and_assemblyscript(plugged, plugins_dir, language):
     if not (plugins_dir / f"scripted-{language}.wasm").exists():
         pytest.skip(f"no {language} toolchain")
     r = chat(plugged, {"sampler": {"name": f"scripted-{language}"}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris. Paris."
+
+
+def test_the_example_samplers_read_a_prompt_longer_than_one_accept_call(plugins_dir):
+    """The host hands a sampler the prompt in calls of at most 4,096 tokens (ABI.md §5.1):
+    the examples in every language still count generated tokens right on a longer prompt."""
+    s = Server("--plugins", str(plugins_dir))  # With the prompt cache: one long prefill in all.
+    try:
+        def prompt(words):
+            text = "Repeat after me. " + "the cat sat on the mat " * 700 + "cat " * words + "\nWhat is the capital of France?"
+            return [{"role": "user", "content": text}]
+        count = lambda m: httpx.post(s.url + "/tokenize", json={"messages": m}, timeout=120).json()["count"]
+        # An odd number of tokens past the first 4,096: a sampler that took the first call
+        # for the whole prompt would be off by one (and force "." first).
+        long = next(m for m in (prompt(w) for w in range(4)) if count(m) > 4096 and (count(m) - 4096) % 2 == 1)
+        for name in ["scripted", "scripted-c", "scripted-zig", "scripted-as"]:
+            if not (plugins_dir / f"{name}.wasm").exists():
+                continue
+            r = chat(s, {"sampler": {"name": name}}, messages=long, max_tokens=4)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris.", name
+    finally:
+        s.stop()
 
 
 def test_a_stop_rule_plugin_ends_generation(plugged):
