@@ -14,7 +14,7 @@ HOST_EXPORT(host_alloc) int32_t host_alloc(int32_t size) {
     uintptr_t ptr = (heap + 7) & ~(uintptr_t)7;
     uintptr_t end = ptr + (uintptr_t)size;
     uintptr_t have = __builtin_wasm_memory_size(0) * 65536;
-    if (end > have && __builtin_wasm_memory_grow(0, (end - have + 65535) / 65536) < 0) return 0;
+    if (end > have && __builtin_wasm_memory_grow(0, (end - have + 65535) / 65536) == (uintptr_t)-1) return 0;
     heap = end;
     return (int32_t)ptr;
 }

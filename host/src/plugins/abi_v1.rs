@@ -89,7 +89,7 @@ impl Manifest {
         self.kinds.contains(&kind)
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if !(MIN_ABI_VERSION..=ABI_VERSION).contains(&self.abi) {
             bail!(
                 "plugin {} was built for ABI v{}, this host supports v{MIN_ABI_VERSION}..=v{ABI_VERSION}; rebuild it against plugin-sdk {}",

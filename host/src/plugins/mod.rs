@@ -3,6 +3,7 @@
 //! an instance into the engine (a sampler) or the text pipeline (a stop rule).
 
 pub mod abi_v1;
+pub mod new;
 pub mod reload;
 pub mod runtime;
 
@@ -728,6 +729,21 @@ pub enum PluginsCommand {
     /// Assemble a hand-written WebAssembly text plugin (.wat) into a .wasm file, keeping its
     /// `(@custom "host.plugin" ...)` manifest (which wabt's wat2wasm drops).
     BuildWat { input: PathBuf, output: PathBuf },
+    /// Write a buildable plugin skeleton (source, manifest, build.sh that ends with `host
+    /// plugins check`) into a new folder.
+    New {
+        /// The plugin's name (its manifest's): [a-z0-9][a-z0-9_-]*.
+        name: String,
+        /// sampler, stop, tool, reasoning or scheduler (C, Zig, AssemblyScript and WAT:
+        /// sampler or stop).
+        #[arg(long, value_parser = new::parse_kind)]
+        kind: Kind,
+        #[arg(long, value_enum)]
+        lang: new::Lang,
+        /// Where to write it. Default: ./NAME.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Set a module's `host.plugin` manifest (from a JSON file), replacing any it has: for
     /// toolchains that cannot emit custom sections (clang, Zig, AssemblyScript, wat2wasm).
     AddManifest {
@@ -788,6 +804,16 @@ pub fn run_command(command: PluginsCommand) -> Result<()> {
         PluginsCommand::BuildWat { input, output } => {
             let wasm = wat::parse_file(&input).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
             std::fs::write(&output, wasm).with_context(|| format!("writing {}", output.display()))?;
+            Ok(())
+        }
+        PluginsCommand::New { name, kind, lang, dir } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let written = new::write(&name, kind, lang, &dir)?;
+            println!("wrote {}: {}", dir.display(), written.join(", "));
+            println!(
+                "next: {}/build.sh (it builds {name}.wasm and runs host plugins check), then copy {name}.wasm into the server's plugins folder",
+                dir.display()
+            );
             Ok(())
         }
         PluginsCommand::AddManifest { wasm, manifest, output } => {
