@@ -227,6 +227,22 @@ def test_request_logs_name_the_path_the_turn_and_an_abandoned_request(fresh):
     assert len(re.findall(r"generation prompt=", log)) == 2, log
 
 
+def test_an_abandoned_speculative_prefill_stops_within_a_chunk(fresh):
+    """Speculative requests decode alone, but they prefill in the engine loop's chunks like
+    batched ones: an abandoned one stops between chunks (it used to run its whole prefill)."""
+    s = fresh("--prompt-cache-bytes", "0", "--max-batch", "1")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/chat/completions", timeout=3, json={
+            "messages": [{"role": "user", "content": "hello " * 4000}], "max_tokens": 4, "speculative": "prompt-lookup"})
+    # The abandoned prefill (~30 s of work left) stops at its next chunk: the next request
+    # is served at once.
+    started = time.time()
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "speculative": "prompt-lookup"})
+    assert r.status_code == 200 and r.json()["usage"]["speculative"]["method"] == "prompt-lookup", r.text
+    assert time.time() - started < 12, time.time() - started
+
+
 def test_health_answers_while_large_prompts_are_tokenized(fresh):
     """Tokenizing runs off the async runtime's threads: two 3.9 MB `/tokenize` calls (many
     seconds of work on this CPU) do not hold up `/health`. (Measured with a generous bound:

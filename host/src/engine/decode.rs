@@ -257,8 +257,8 @@ impl<'m> Generation<'m> {
         Self::start_with_cache(model, cache, prompt, sampler, options)
     }
 
-    /// As `start`, continuing from `cache` (which already holds a prefix of the sequence);
-    /// `prompt` is the part not yet in the cache.
+    /// As `start`, continuing from `cache`, which may already hold a prefix of `prompt` (the
+    /// whole prompt: what the cache holds is not run again).
     pub fn start_with_cache(
         model: &'m dyn CausalLm,
         cache: Vec<KvCache>,
@@ -295,6 +295,9 @@ impl<'m> Generation<'m> {
         let started = Instant::now();
         memory::reset_peak();
         let cached = cache.first().map_or(0, KvCache::offset);
+        if cached >= prompt.len() {
+            bail!("the cache holds {cached} positions, not fewer than the prompt's {}", prompt.len());
+        }
         let mut generation = Generation {
             model,
             external,
@@ -307,17 +310,18 @@ impl<'m> Generation<'m> {
             history: None,
             pending: None,
             abandoned_step: false,
-            prompt_len: cached + prompt.len(),
+            prompt_len: prompt.len(),
             generated: 0,
             started,
             first_token_at: None,
-            stats: DecodeStats { prompt_tokens: prompt.len(), ..Default::default() },
+            stats: DecodeStats { prompt_tokens: prompt.len() - cached, ..Default::default() },
         };
         let (head, last) = prompt.split_at(prompt.len() - 1);
         if generation.sampler.params().needs_history() {
             generation.history = Some(tokens_array(head)?);
         }
-        prefill(model, &mut generation.cache, head, generation.options.prefill_step_size).context("prefill")?;
+        prefill(model, &mut generation.cache, &head[cached..], generation.options.prefill_step_size)
+            .context("prefill")?;
         let first = generation.step(&tokens_array(last)?, generation.prompt_len)?;
         mlx::async_eval(&[&first.0, &first.1])?;
         generation.pending = Some(first);

@@ -525,13 +525,22 @@ struct Tools {
 enum Source<'m> {
     /// Decoded alone: speculation, or a model that does not batch (tensor parallelism).
     Solo(Box<Generation<'m>>),
-    /// Its prompt being prefilled into `cache` in chunks (`todo` is what is left of it, but
-    /// the last token); then `row` joins the batch.
-    Prefill { cache: Vec<KvCache>, todo: Vec<u32>, row: Box<Row<'m>> },
+    /// Its prompt being prefilled into `cache` in chunks between the batch's steps (`todo`
+    /// is what is left of it, but the last token; a request that leaves stops it between
+    /// chunks); then it joins the batch or starts decoding alone.
+    Prefill { cache: Vec<KvCache>, todo: Vec<u32>, then: Then<'m> },
     /// A row of the batch, keyed by the job's `seq`.
     Batched,
     /// Paused out of the batch; it rejoins with its row and cache.
     Parked(Box<Left<'m>>),
+}
+
+/// What a prefilled request becomes.
+enum Then<'m> {
+    /// A row of the batch.
+    Batch(Box<Row<'m>>),
+    /// A generation of its own, started from the prefilled cache.
+    Solo(Box<(Sampler, DecodeOptions, Hooks<'m>)>),
 }
 
 /// A request being served: its generation and its text pipeline.
@@ -826,10 +835,18 @@ impl Worker {
                 continue;
             }
             if todo.is_empty() {
-                let Source::Prefill { cache, row, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
+                let Source::Prefill { cache, then, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
                     unreachable!("matched above")
                 };
-                if let Err(e) = batch.join(*row, &cache) {
+                let joined = match then {
+                    Then::Batch(row) => batch.join(*row, &cache),
+                    Then::Solo(start) => {
+                        let (sampler, options, hooks) = *start;
+                        Generation::start_with(m.model, cache, &a.job.request.prompt, sampler, options, hooks)
+                            .map(|g| a.source = Source::Solo(Box::new(g)))
+                    }
+                };
+                if let Err(e) = joined {
                     ended.push((i, Some(e)));
                 }
             }
@@ -976,18 +993,17 @@ impl Worker {
                 SpecMethod::Off => None,
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
-            let source = if speculation.is_none() && m.model.batches() {
-                let vocab = self.info.vocab_size;
-                if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-                    bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
-                }
-                let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
-                Source::Prefill { cache, todo: prompt[reused..prompt.len() - 1].to_vec(), row: Box::new(row) }
+            let vocab = self.info.vocab_size;
+            if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+                bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
+            }
+            // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
+            let then = if speculation.is_none() && m.model.batches() {
+                Then::Batch(Box::new(Row::new(job.seq, prompt, sampler, options)?.with_external(external)))
             } else {
-                let hooks = Hooks { external, speculation };
-                let generation = Generation::start_with(m.model, cache, &prompt[reused..], sampler, options, hooks)?;
-                Source::Solo(Box::new(generation))
+                Then::Solo(Box::new((sampler, options, Hooks { external, speculation })))
             };
+            let source = Source::Prefill { cache, todo: prompt[reused..prompt.len() - 1].to_vec(), then };
             Ok((source, rest))
         })();
         let (source, (stop_rules, tools, reasoning)) = match started {
