@@ -115,9 +115,17 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesReje
         if inner.is_syntax() || inner.is_eof() {
             return ApiError::bad_request(format!("malformed JSON: {}", readable(&inner.to_string())));
         }
-        let param = (path != ".").then_some(path);
-        let at = param.as_ref().map(|p| format!("`{p}`: ")).unwrap_or_default();
-        ApiError { param, ..ApiError::bad_request(format!("invalid request: {at}{}", readable(&inner.to_string()))) }
+        let message = inner.to_string();
+        // A missing field is named by its own path (the parser gives its parent's).
+        let missing = message.strip_prefix("missing field `").and_then(|m| m.split('`').next());
+        let param = match (path.as_str(), missing) {
+            (".", Some(field)) => Some(field.to_string()),
+            (_, Some(field)) => Some(format!("{path}.{field}")),
+            (".", None) => None,
+            _ => Some(path),
+        };
+        let at = param.as_ref().filter(|_| missing.is_none()).map(|p| format!("`{p}`: ")).unwrap_or_default();
+        ApiError { param, ..ApiError::bad_request(format!("invalid request: {at}{}", readable(&message))) }
     })
 }
 

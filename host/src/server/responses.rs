@@ -204,26 +204,39 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
 /// and the response's `tools` lists what was used.
 pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError> {
     let Some(tools) = tools else { return Ok(None) };
-    let chat: Vec<Value> = tools
+    let (at, chat): (Vec<usize>, Vec<Value>) = tools
         .iter()
-        .filter(|t| {
+        .enumerate()
+        .filter(|(_, t)| {
             let function = t.get("type").and_then(Value::as_str) == Some("function");
             if !function {
                 tracing::debug!(tool = %t["type"], "non-function tool left out");
             }
             function
         })
-        .map(|t| {
+        .map(|(i, t)| {
             let mut f = Map::new();
             for key in ["name", "description", "parameters"] {
                 if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
                     f.insert(key.into(), v.clone());
                 }
             }
-            json!({"type": "function", "function": f})
+            (i, json!({"type": "function", "function": f}))
         })
-        .collect();
-    openai::check_tools(Some(&chat))?;
+        .unzip();
+    // An error names the tool as the request wrote it (flat, and counting every tool).
+    openai::check_tools(Some(&chat)).map_err(|mut e| {
+        for (j, &i) in at.iter().enumerate() {
+            let (chat_name, ours) = (format!("tools[{j}]"), format!("tools[{i}]"));
+            let rename = |t: &str| t.replace(&format!("{chat_name}.function"), &ours).replace(&chat_name, &ours);
+            if e.param.as_deref().is_some_and(|p| p == chat_name || p.starts_with(&format!("{chat_name}."))) {
+                e.param = e.param.as_deref().map(rename);
+                e.message = rename(&e.message);
+                break;
+            }
+        }
+        e
+    })?;
     Ok(Some(chat))
 }
 

@@ -1101,6 +1101,15 @@ mod tests {
             assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{extra}: {v}");
             assert!(!v["error"]["message"].as_str().unwrap().contains("PluginsField"), "{v}");
         }
+        // A missing field is named (the parser gives only its parent's path).
+        for (route, body, param) in [
+            ("/v1/chat/completions", r#"{"max_tokens": 1}"#, "messages"),
+            ("/v1/completions", r#"{"max_tokens": 1}"#, "prompt"),
+            ("/detokenize", r#"{}"#, "tokens"),
+        ] {
+            let (status, v) = check(router(None), "POST", route, body, &[]).await;
+            assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+        }
         for body in [
             r#"{"model": "m", "max_tokens": 1, "metadata": "x", "messages": [{"role": "user", "content": "hi"}]}"#,
             r#"{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": []}]}"#,
