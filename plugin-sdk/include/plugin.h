@@ -1,10 +1,16 @@
 /* host plugin ABI v1 for C (and anything that can include a C header).
  * The contract is plugin-sdk/ABI.md; this header mirrors it. If they differ, ABI.md is right.
  *
- * Build a plugin (clang, no libc needed):
+ * Start from a skeleton: `host plugins new NAME --kind sampler|stop --lang c` writes one with
+ * its build.sh. Build a plugin by hand (clang, no libc needed):
  *   clang --target=wasm32 -O2 -nostdlib -Wl,--no-entry -Wl,--export-dynamic -o my.wasm my.c
- * then append the `host.plugin` manifest section (ABI.md §2): clang cannot emit custom
- * sections from C, so examples/c/build.sh appends it from a JSON file after linking.
+ * then add the `host.plugin` manifest section (ABI.md §2), which clang cannot emit from C:
+ *   host plugins add-manifest my.wasm my.json
+ * and check it the way the server loads it: host plugins check my.wasm [--config JSON].
+ *
+ * Memory: at the plugin's cap (64 MiB unless its NAME.toml says otherwise)
+ * __builtin_wasm_memory_grow returns (size_t)-1; host_alloc should then return 0 (a fault of
+ * that call, naming the plugin). sampler_accept may bring a long prompt in several calls.
  */
 #ifndef HOST_PLUGIN_H
 #define HOST_PLUGIN_H
