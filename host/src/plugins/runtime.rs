@@ -21,9 +21,11 @@ const TICKS_PER_MS: u64 = 1;
 /// `host_init`, `host_begin`, the prompt-time tool calls).
 pub const CALL_DEADLINE: Duration = Duration::from_millis(50);
 pub const SETUP_DEADLINE: Duration = Duration::from_millis(1000);
-/// A call also ends after this many times its deadline in wall-clock time, however little
-/// CPU it got (a starved machine delays a request; it does not hang one).
+/// A call also ends after this many times its deadline in wall-clock time (and at least
+/// [`WALL_MIN`]), however little CPU it got: a starved machine delays a request; it does not
+/// hang one.
 const WALL_FACTOR: u32 = 20;
+const WALL_MIN: Duration = Duration::from_secs(1);
 /// Linear memory per instance.
 pub const MEMORY_LIMIT: usize = 64 << 20;
 /// Largest result a plugin may return through a packed slice.
@@ -158,7 +160,7 @@ impl Budget {
     /// At an epoch deadline: go on for the CPU time left, or stop the call.
     fn check(&self) -> UpdateDeadline {
         let used = thread_cpu_time().saturating_sub(self.cpu_start);
-        if used >= self.deadline || self.wall_start.elapsed() >= self.deadline * WALL_FACTOR {
+        if used >= self.deadline || self.wall_start.elapsed() >= (self.deadline * WALL_FACTOR).max(WALL_MIN) {
             UpdateDeadline::Interrupt
         } else {
             UpdateDeadline::Continue(ticks(self.deadline - used))
@@ -1139,11 +1141,18 @@ mod tests {
             Arc::new(runtime.load(&wasm, Path::new("quick.wat"), false, settings.clone()).unwrap())
         };
         let trivial = load("(i32.const -1)");
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        /// Stops the busy threads however the test ends (a panic must not leave them running).
+        struct Stop(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let stop = Stop(Arc::new(std::sync::atomic::AtomicBool::new(false)));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let spinners: Vec<_> = (0..cores * 4)
+        let spinners: Vec<_> = (0..cores * 3)
             .map(|_| {
-                let stop = stop.clone();
+                let stop = stop.0.clone();
                 std::thread::spawn(move || {
                     let mut x = 0u64;
                     while !stop.load(Ordering::Relaxed) {
@@ -1159,14 +1168,14 @@ mod tests {
             assert_eq!(instance.stop_check(1, "x").unwrap(), None, "after {calls} calls");
             calls += 1;
         }
-        stop.store(true, Ordering::Relaxed);
+        drop(stop);
         spinners.into_iter().for_each(|t| t.join().unwrap());
         assert_eq!(trivial.faults.load(Ordering::Relaxed), 0);
         let looping = load("(loop $l (br $l)) (i32.const -1)");
         let e = runtime.instantiate(&looping, &serde_json::json!({})).unwrap().stop_check(1, "x").unwrap_err();
         assert!(format!("{e:#}").contains("exceeded its deadline in stop_check (CPU time"), "{e:#}");
         // The decision itself: much wall time with little CPU goes on; used CPU, or twenty
-        // times the deadline in wall time, stops.
+        // times the deadline (at least a second) in wall time, stops.
         let budget = |cpu_ago: Duration, wall_ago: Duration| Budget {
             cpu_start: thread_cpu_time().saturating_sub(cpu_ago),
             wall_start: Instant::now() - wall_ago,

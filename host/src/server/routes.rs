@@ -1223,7 +1223,7 @@ mod tests {
                 r#"{"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]}"#,
                 "input[0].content[0]",
             ),
-            (r#"{"input": "x", "tools": [{"type": "function", "name": ""}]}"#, "tools[0].function.name"),
+            (r#"{"input": "x", "tools": [{"type": "function", "name": ""}]}"#, "tools[0].name"),
             (r#"{"input": "x", "tool_choice": {"type": "function", "name": "nope"}}"#, "tool_choice"),
             (r#"{"max_output_tokens": 3}"#, "input"),
         ] {
