@@ -98,6 +98,18 @@ if [ ! -f "$MODELS/tiny-llama3/model.safetensors" ]; then
     --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 >&2
 fi
 
+# GGUF files of K-quants and every other type the host's own reader knows, with gguf-py's
+# dequantization of them (tests/fixtures/make-kquant-gguf.py), and a tiny K-quant Llama.
+if ! "$ORACLE/bin/python" -c 'import gguf' 2>/dev/null; then
+  log "installing gguf-py (PyPI gguf) into the oracle virtualenv"
+  "$ORACLE/bin/pip" install --quiet --disable-pip-version-check 'gguf==0.19.0' >&2
+fi
+if [ ! -f "$MODELS/kquant-llama/model.safetensors" ] || [ ! -f "$MODELS/kquants/kquants-expected.gguf" ]; then
+  log "making the K-quant GGUF fixtures"
+  "$ORACLE/bin/python" "$ROOT/tests/fixtures/make-kquant-gguf.py" "$MODELS/kquants" \
+    --model "$GGUF" "$MODELS/smollm2-f32" "$MODELS" >&2
+fi
+
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
 if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
   log "making the SmolLM2 layer-truncated draft"

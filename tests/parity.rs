@@ -1,8 +1,9 @@
 //! Parity with the reference: `host generate --json` gives the same greedy token ids as
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
 //! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
-//! GGUF file, and tiny random Llama, Llama-3-RoPE, Qwen2 and Qwen3 models (float32, and
-//! MLX-quantized 4-bit and 8-bit as `mlx_lm.convert -q` writes them).
+//! GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
+//! tiny random Llama, Llama-3-RoPE, Qwen2 and Qwen3 models (float32, and MLX-quantized 4-bit
+//! and 8-bit as `mlx_lm.convert -q` writes them).
 //!
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
 //! missing fixture is a failure, elsewhere the tests say they were skipped.
@@ -166,6 +167,14 @@ fn smollm2_greedy_ids_equal_the_shared_golden_file() {
 fn smollm2_gguf_loaded_directly_equals_mlx_lm_on_the_dequantized_folder() {
     let Some(f) = fixtures() else { return };
     check_ids(&f, f.gguf.clone(), "smollm2-f32", 48);
+}
+
+/// A file of K-quants and other types MLX's reader refuses (read by models'
+/// gguf_reader.rs): the same greedy ids as mlx-lm on the weights gguf-py dequantizes.
+#[test]
+fn a_k_quant_gguf_loaded_directly_equals_mlx_lm_on_its_dequantized_folder() {
+    let Some(f) = fixtures() else { return };
+    check_ids(&f, f.models.join("kquant-llama.gguf"), "kquant-llama", 16);
 }
 
 #[test]

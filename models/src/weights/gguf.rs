@@ -3,6 +3,8 @@
 //! GGUF's vocabulary, merges and chat template).
 //!
 //! MLX maps Q4_0/Q4_1/Q8_0 blocks to its affine format (group 32); F16/F32 stay as they are.
+//! A file with any other type (the K-quants of most hub files, Q5_0, BF16, ...) is read by
+//! `gguf_reader.rs` instead and dequantized (to float32 on the CPU, else bfloat16).
 //! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
 //! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
 
@@ -104,18 +106,36 @@ fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
     Ok(w.reshape(&split)?.transpose(&axes)?.reshape(&shape)?)
 }
 
+/// The file's tensors and metadata: MLX's reader where it reads every tensor type (it keeps
+/// quantized blocks quantized), else ours, dequantized.
+fn read(path: &Path, header: &super::gguf_reader::Header, dequantize: bool) -> Result<mlx::io::Tensors> {
+    if header.mlx_reads_all() {
+        return mlx::io::load_gguf(path).map_err(|e| Error::Gguf {
+            path: path.to_path_buf(),
+            message: format!("{e}; is this a complete GGUF file?"),
+        });
+    }
+    let file = super::gguf_reader::GgufFile::read(path)?;
+    let mut arrays = HashMap::new();
+    for t in &file.header.tensors {
+        let a = Array::from_f32(&file.dequantize(t), &t.shape)?;
+        arrays.insert(t.name.clone(), if dequantize { a } else { a.astype(Dtype::Bfloat16)? });
+    }
+    Ok(mlx::io::Tensors { arrays, metadata: HashMap::new(), gguf: file.header.metadata })
+}
+
 pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
-    let file = mlx::io::load_gguf(path).map_err(|e| Error::Gguf {
-        path: path.to_path_buf(),
-        message: format!("{e}; is this a complete GGUF file?"),
-    })?;
-    let meta = Meta { map: &file.gguf, path };
-    let arch = meta
+    // The architecture is checked from the header, before any weight is read.
+    let header = super::gguf_reader::header(path)?;
+    let head = Meta { map: &header.metadata, path };
+    let arch = head
         .string("general.architecture")
-        .ok_or_else(|| meta.err("missing metadata key \"general.architecture\"".into()))?;
+        .ok_or_else(|| head.err("missing metadata key \"general.architecture\"".into()))?;
     let model_type = ARCHS.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
-        meta.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3"))
+        head.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3"))
     })?;
+    let file = read(path, &header, dequantize)?;
+    let meta = Meta { map: &file.gguf, path };
     let key = |k: &str| format!("{arch}.{k}");
     let n_head = meta.required(&key("attention.head_count"))? as usize;
     let n_kv = meta.number(&key("attention.head_count_kv"))?.map_or(n_head, |v| v as usize);

@@ -1,7 +1,9 @@
 //! Named weight arrays loaded from a checkpoint, with the lookups the model files use.
-//! Formats: `safetensors.rs` (Hugging Face folders), `gguf.rs` (llama.cpp files).
+//! Formats: `safetensors.rs` (Hugging Face folders), `gguf.rs` (llama.cpp files, read by MLX
+//! or, for the K-quants MLX refuses, by `gguf_reader.rs`).
 
 pub mod gguf;
+pub mod gguf_reader;
 pub mod safetensors;
 
 use crate::{Error, Result};
