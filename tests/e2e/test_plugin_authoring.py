@@ -140,12 +140,14 @@ def test_the_generated_rust_scheduler_serves_the_shortest_prompt_first(skeletons
     try:
         done = {}
 
-        def go(key, messages, max_tokens):
+        def go(key, messages, max_tokens, **extra):
             r = httpx.post(s.url + "/v1/chat/completions", timeout=300,
-                           json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                           json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
             done[key] = (time.time(), r.status_code)
         essay = [{"role": "user", "content": "Summarize this: " + "The quick brown fox jumps over the lazy dog. " * 40}]
-        threads = [threading.Thread(target=go, args=("first", MOON, 60))]
+        # The first request cannot end early (end-of-sequence banned): it holds the slot for
+        # seconds after the other two arrive, however fast the machine.
+        threads = [threading.Thread(target=go, args=("first", MOON, 100), kwargs={"logit_bias": {"2": -100}})]
         threads[0].start()
         time.sleep(1.0)  # The first request holds the only slot ...
         threads.append(threading.Thread(target=go, args=("long", essay, 3)))
