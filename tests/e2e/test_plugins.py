@@ -67,6 +67,11 @@ HOSTILE = {
     "huge-tool": f"""(module {manifest("huge-tool", '["tool"]')} {ALLOC}
       (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0x000004007fffffff))
       (func (export "tool_finish") (result i64) (i64.const 0)))""",
+    # A tool adapter that traps while the prompt is built (tool_render).
+    "trap-render": f"""(module {manifest("trap-render", '["tool"]')} {ALLOC}
+      (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0))
+      (func (export "tool_finish") (result i64) (i64.const 0))
+      (func (export "tool_render") (param i32 i32) (result i64) unreachable))""",
     # A scheduling policy that traps on every decision.
     "trap-sched": f"""(module {manifest("trap-sched", '["scheduler"]')} {ALLOC}
       (func (export "schedule") (param i32 i32) (result i64) unreachable))""",
@@ -278,6 +283,13 @@ def test_a_hostile_tool_adapter_fails_only_its_request_or_falls_back_to_text(plu
     # The text passes through untouched, the piece the adapter failed on included.
     assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
     assert chat(plugged, {}).status_code == 200
+
+
+def test_a_tool_adapter_faulting_while_the_prompt_is_built_is_left_out_when_the_request_allows(plugged):
+    r = chat(plugged, {"tool": {"name": "trap-render"}}, tools=TOOLS)
+    assert r.status_code == 500 and "trapped in tool_render" in r.json()["error"]["message"], r.text
+    r = chat(plugged, {"tool": {"name": "trap-render", "fallback": True}}, tools=TOOLS)
+    assert r.status_code == 200, r.text
 
 
 def test_a_trapping_scheduler_leaves_the_queue_first_come_first_served(plugins_dir):

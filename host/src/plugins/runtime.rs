@@ -271,7 +271,8 @@ impl Plugin {
 
     /// Not quarantined, and fewer than [`UNHEALTHY_AFTER`] faults in a row.
     pub fn healthy(&self) -> bool {
-        self.quarantine().is_none() && self.health.lock().expect("plugin health lock").in_a_row < UNHEALTHY_AFTER
+        let health = self.health.lock().expect("plugin health lock");
+        health.in_a_row < UNHEALTHY_AFTER && health.until.is_none_or(|t| Instant::now() >= t)
     }
 
     /// The last fault's message, if it faulted.

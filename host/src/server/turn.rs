@@ -147,22 +147,31 @@ impl AppState {
     }
 
     /// Runs `call` on a short-lived instance of the tool adapter, off the async runtime. A
-    /// fault is the adapter's (a 500 naming it), but a built-in adapter failing on the
-    /// request's own tools is the request's 400.
+    /// fault is the adapter's (a 500 naming it; with `fallback`, the prompt is built without
+    /// its part, as for an adapter without that export), but a built-in adapter failing on
+    /// the request's own tools is the request's 400.
     async fn on_adapter<T: Send + 'static>(
         &self,
         adapter: &Selected,
         call: impl FnOnce(&mut Instance) -> anyhow::Result<Option<T>> + Send + 'static,
     ) -> Result<Option<T>, ApiError> {
         let Some(registry) = self.plugins.clone() else { return Ok(None) };
-        let adapter = adapter.clone();
-        tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &adapter)?))
-            .await
-            .map_err(ApiError::internal)?
-            .map_err(|e| match e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
-                Some(refused) => ApiError::invalid("tools", refused.0.clone()),
-                None => super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi),
-            })
+        let (selected, fallback) = (adapter.clone(), adapter.fallback);
+        let result =
+            tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &selected)?))
+                .await
+                .map_err(ApiError::internal)?;
+        match result {
+            Ok(value) => Ok(value),
+            Err(e) => match e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
+                Some(refused) => Err(ApiError::invalid("tools", refused.0.clone())),
+                None if fallback => {
+                    tracing::warn!("tool adapter {} left out of this prompt: {e:#}", adapter.plugin.name());
+                    Ok(None)
+                }
+                None => Err(super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi)),
+            },
+        }
     }
 
     /// For templates that ignore tools: each assistant turn's earlier calls written into its
