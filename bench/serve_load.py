@@ -2,7 +2,7 @@
 """`host serve` against `mlx_lm.server` under N concurrent streaming clients, in one run.
 
     bench/serve_load.py --model DIR [--host target/release/host] [--oracle-python PY]
-        [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--join 31]
+        [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--api chat|completions] [--join 31 [--join-samples 5]]
 
 Starts each server on a free loopback port (mlx-lm with Debian's OpenBLAS preloaded when
 the host binary links it, so both run the same BLAS), warms it up, then for each client
@@ -10,8 +10,9 @@ count sends that many streaming chat completions at once (different prompts, gre
 `max_tokens` each) and prints a markdown table: aggregate generation tok/s (tokens streamed
 by all clients over the wall time from the first request to the last token), mean
 per-stream tok/s (after each stream's first token), TTFT p50/p95, and host/mlx-lm ratios.
-`--join N`: N streams decode, then one more request arrives; its TTFT against the same
-request alone (the issue's "joining a running batch" figure).
+`--join N`: N streams decode, then `--join-samples` more requests arrive one after another;
+their TTFT p50/p95 against the same requests alone (the issue's "joining a running batch"
+figure).
 
 Tokens are counted from each server's `usage` (stream_options.include_usage), else from
 the content chunks. Run it with the e2e virtualenv's Python (it needs httpx).
@@ -71,12 +72,27 @@ class Server:
             self.proc.kill()
 
 
+API = "chat"  # or "completions": the prompt as plain text (a model without a chat template)
+
+
+def request(server, text, max_tokens, **extra):
+    """(url, body) of a streamed greedy request for `text` in the API chosen."""
+    body = {"model": server.model, "temperature": 0, "max_tokens": max_tokens, "stream": True, **extra}
+    if API == "completions":
+        return server.url + "/v1/completions", {**body, "prompt": text}
+    return server.url + "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+
+
+def content(choice):
+    """A stream chunk choice's new text (chat delta or completion text)."""
+    return (choice.get("delta") or {}).get("content") or choice.get("text")
+
+
 def stream(server, text, max_tokens):
     """One streamed request: (start, first token time, end, tokens)."""
-    body = {"model": server.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    url, body = request(server, text, max_tokens, stream_options={"include_usage": True})
     start, first, chunks, usage = time.time(), None, 0, None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
+    with httpx.stream("POST", url, json=body, timeout=1800) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -85,7 +101,7 @@ def stream(server, text, max_tokens):
             if event.get("usage"):
                 usage = event["usage"].get("completion_tokens")
             for c in event.get("choices") or []:
-                if (c.get("delta") or {}).get("content"):
+                if content(c):
                     chunks += 1
                     first = first or time.time()
     return start, first or time.time(), time.time(), usage or chunks
@@ -103,32 +119,42 @@ def load(server, clients, max_tokens, offset):
             "tokens": tokens}
 
 
-def join(server, running, max_tokens):
-    """TTFT of one request alone, then of the same request arriving while `running` stream
-    (each of `max_tokens`, read to their end, so they still decode when it arrives)."""
-    alone = stream(server, prompt(999), 4)
-    firsts = set()
+def join(server, running, max_tokens, samples):
+    """TTFTs of `samples` requests alone, one after another, then of the same requests arriving
+    one after another while `running` stream (each of `max_tokens`, read to their end, so they
+    still decode while the joiners come): (alone p50, alone p95, joined p50, joined p95, how
+    many joiners arrived while all `running` still decoded)."""
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(len(xs) * q))]
+    alone = [stream(server, prompt(999 + k), 4) for k in range(samples)]
+    alone = [r[1] - r[0] for r in alone]
+    firsts, done = set(), set()
 
     def background(i):
-        body = {"model": server.model, "messages": [{"role": "user", "content": prompt(i)}], "temperature": 0,
-                "max_tokens": max_tokens, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
+        url, body = request(server, prompt(i), max_tokens)
+        with httpx.stream("POST", url, json=body, timeout=1800) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
                 # A token, not the opening chunk (sent before the prompt is prefilled).
-                if any((c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices") or []):
+                if any(content(c) for c in json.loads(line[6:]).get("choices") or []):
                     firsts.add(i)
+        done.add(i)
     threads = [threading.Thread(target=background, args=(i,)) for i in range(running)]
     for t in threads:
         t.start()
     deadline = time.time() + 1800
     while len(firsts) < running and time.time() < deadline:
         time.sleep(0.05)
-    joined = stream(server, prompt(999), 4)
+    joined, inside = [], 0
+    for k in range(samples):
+        r = stream(server, prompt(999 + k), 4)
+        joined.append(r[1] - r[0])
+        inside += not done
     for t in threads:
         t.join()
-    return alone[1] - alone[0], joined[1] - joined[0]
+    return pct(alone, 0.5), pct(alone, 0.95), pct(joined, 0.5), pct(joined, 0.95), inside
 
 
 def main():
@@ -141,8 +167,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--join", type=int, default=0)
+    ap.add_argument("--join-samples", type=int, default=5, help="joining requests (and as many alone)")
     ap.add_argument("--only", choices=["host", "mlx-lm"], help="run one server only")
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat",
+                    help="completions for a model without a chat template (the device kit's random ones)")
     args = ap.parse_args()
+    global API
+    API = args.api
     counts = [int(c) for c in args.clients.split(",")]
     blas = OPENBLAS if os.path.exists(OPENBLAS) else None
     servers = {
@@ -164,7 +195,7 @@ def main():
                 results[(name, n)] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
                 print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
             if args.join:
-                results[(name, "join")] = join(server, args.join, args.max_tokens)
+                results[(name, "join")] = join(server, args.join, args.max_tokens, args.join_samples)
         finally:
             server.stop()
     print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
@@ -187,9 +218,10 @@ def main():
                   "its single stream")
     for name in servers:
         if (name, "join") in results:
-            alone, joined = results[(name, "join")]
-            print(f"\n{name}: TTFT alone {alone:.2f} s, joining {args.join} running streams {joined:.2f} s "
-                  f"({joined / alone:.2f}x)")
+            a50, a95, j50, j95, inside = results[(name, "join")]
+            print(f"\n{name}: TTFT alone p50 {a50:.3f} s p95 {a95:.3f} s; joining {args.join} running streams "
+                  f"p50 {j50:.3f} s p95 {j95:.3f} s ({j95 / a95:.2f}x at p95; {inside} of {args.join_samples} "
+                  "joiners arrived while every running stream still decoded)")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def kernel_source(name="qmv4"):
     """The header and source strings of shim.cc's kernel `name` (between its BEGIN/END lines)."""
     text = SHIM.read_text()
     block = text[text.index(f"// BEGIN {name}"):text.index(f"// END {name}")]
-    header, source = re.findall(r'R"CUDA\((.*?)\)CUDA"', block, re.S)
-    return header, source
+    found = re.findall(r'R"CUDA\((.*?)\)CUDA"', block, re.S)
+    # qmv4 has a header and a source; qmm4 only a source (it uses qmv4's header).
+    return (found[0], found[1]) if len(found) == 2 else (None, found[0])
 
 
 HEADER, SOURCE = kernel_source()

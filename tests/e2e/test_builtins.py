@@ -379,7 +379,7 @@ def timed(server, results, key, **body):
 
 
 def start_long(server, results, max_tokens, **kw):
-    """Starts a long streamed request; returns once its first token arrived."""
+    """Starts a long streamed request; returns once its first text arrived."""
     first = threading.Event()
 
     def go():
@@ -390,7 +390,8 @@ def start_long(server, results, max_tokens, **kw):
                 if line.startswith("data: {"):
                     delta = json.loads(line[6:])["choices"]
                     text += delta[0]["delta"].get("content") or "" if delta else ""
-                    first.set()
+                    if text:
+                        first.set()
         results["long"] = (time.time(), 200, text)
     t = threading.Thread(target=go)
     t.start()
@@ -430,9 +431,58 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
         s.stop()
 
 
-def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the_memory_budget():
+@pytest.mark.parametrize("prompt_cache", ["256M", "0"])
+def test_the_priority_policy_drops_the_running_request_when_memory_is_short_and_it_recomputes_the_same_text(
+        prompt_cache):
     # A budget below SmolLM2's context (~5,600 tokens of KV beside the weights), so that
     # `max_model_len` is the memory budget's.
+    s = Server("--scheduler", "priority", "--memory-budget", "800M", "--prompt-cache-bytes", prompt_cache)
+    try:
+        t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
+        # The running request alone may reach nearly the whole budget, so no other fits beside
+        # it with its KV kept. It ends early at a stop string taken from its own greedy text.
+        long_max = t["max_model_len"] - t["count"] - 8
+        probe = chat(s, messages=LONG, max_tokens=40)["choices"][0]["message"]["content"]
+        stop = " ".join(probe.split()[-3:])
+        body = {"max_tokens": long_max, "stop": [stop]}
+        alone = chat(s, messages=LONG, **body)["choices"][0]["message"]["content"]
+        assert alone and stop not in alone
+        results = race_one(s, body)
+        # The high-priority request ran while the long one waited without its KV...
+        assert results["high"][0] < results["long"][0]
+        assert any("dropped for a waiting request (memory is short)" in line for line in s.log)
+        assert not any("paused for a waiting request" in line for line in s.log)
+        # ...which came back from the prompt cache, or, with none, was computed again from
+        # its tokens (prompt and generated): either way its text is what it generates alone.
+        resumed = [re.search(r"from_prompt_cache=(\d+) recomputed=(\d+)", line)
+                   for line in s.log if "resumed a dropped request" in line]
+        assert len(resumed) == 1 and resumed[0], s.log[-20:]
+        cached, recomputed = int(resumed[0][1]), int(resumed[0][2])
+        if prompt_cache == "0":
+            assert cached == 0 and recomputed >= t["count"], (cached, recomputed)
+        else:
+            assert cached >= t["count"] and recomputed == 0, (cached, recomputed)
+        assert results["long"][2] == alone
+        m = httpx.get(s.url + "/metrics", timeout=30).text
+        assert re.search(r"^host_preemptions_total [1-9]", m, re.M), m
+    finally:
+        s.stop()
+
+
+def race_one(server, long_body):
+    """A long streamed request runs; a priority-10 request arrives. {key: (time, status, text)}."""
+    results = {}
+    long = start_long(server, results, long_body["max_tokens"], stop=long_body["stop"])
+    high = timed(server, results, "high", max_tokens=5, priority=10)
+    for t in (long, high):
+        t.join(300)
+    assert results["high"][1] == 200, results
+    return results
+
+
+def test_the_priority_policy_does_not_pause_a_request_decoding_alone_when_memory_is_short():
+    # As above, but the running request decodes alone (speculation): its state cannot be
+    # dropped and recomputed, and keeping it beside the next could outgrow the budget.
     s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0", "--memory-budget", "800M")
     try:
         t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
@@ -443,7 +493,8 @@ def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the
 
         def long():
             with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=300, json={
-                    "messages": LONG, "temperature": 0, "max_tokens": long_max, "stream": True}) as r:
+                    "messages": LONG, "temperature": 0, "max_tokens": long_max, "stream": True,
+                    "speculative": "prompt-lookup"}) as r:
                 for line in r.iter_lines():
                     first.set()
                     if stop.is_set():
@@ -462,7 +513,7 @@ def test_the_priority_policy_does_not_pause_when_both_requests_could_outgrow_the
         high.join(120)
         assert results["high"][1] == 200
         assert any("not paused" in line and "memory budget" in line for line in s.log)
-        assert not any("paused for a waiting request" in line for line in s.log)
+        assert not any("paused for a waiting request" in line or "dropped" in line for line in s.log)
     finally:
         s.stop()
 

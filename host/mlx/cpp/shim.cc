@@ -257,6 +257,41 @@ bool qmv4_applies(const array& x, const array& w, const array& scales, const arr
   return cuda && mx::default_device() == mx::Device::gpu;
 }
 
+// ---- Batched 4-bit products: dequantize, then multiply (issue 19) ---------------------------
+// From a few activation rows up (sequences decoding together, prefill chunks), MLX CUDA's
+// quantized_matmul and the shim's qmm4 both re-read activations per weight row and run far
+// below the bandwidth: on the H200 the 8B's 4-bit step at 32 rows took ~88 ms with qmm4 and
+// ~117 ms with MLX's kernel against ~8 ms in bf16. Dequantizing each weight to the activation
+// dtype and running MLX's (cuBLAS) matmul reads 4 bits, writes and reads 16 per weight, once
+// per step whatever the batch. Measured on the H200 (bench/RESULTS.md, `host bench --batch`
+// with HOST_QDEQUANT_ROWS=0/4/8): the 8B's 32-row step 24 ms against 89 ms with qmm4, 16 rows
+// 22.5 ms against 45; at 8 rows qmm4 is as fast (20 ms) and below that faster, hence 9.
+// Prefill chunks take this path too (about 2x the prefill tok/s of MLX's kernel). The cost is
+// memory: MLX CUDA frees a step's temporaries when its work completes, so the dequantized
+// copies of a whole step are held at once (the 8B at 32 rows peaked at 27.6 GB against
+// 14.5 GB); the engine's warm-up measures that peak and keeps it out of the KV budget.
+// HOST_QDEQUANT_ROWS=N moves the threshold (0 turns it off); read once.
+constexpr int kQdequantMinRows = 9;
+int qdequant_min_rows() {
+  static const int rows = [] {
+    const char* v = std::getenv("HOST_QDEQUANT_ROWS");
+    return v ? std::atoi(v) : kQdequantMinRows;
+  }();
+  return rows;
+}
+
+bool dequant_applies(const array& x, const array& w, bool transpose, int bits) {
+  const int min_rows = qdequant_min_rows();
+  // 4 bits only: the 8-bit crossover has not been measured.
+  if (min_rows <= 0 || !transpose || bits != 4 || x.ndim() < 1 || w.ndim() != 2) return false;
+  const auto dt = x.dtype();
+  if (dt != mx::bfloat16 && dt != mx::float16) return false;
+  const int in = x.shape(-1);
+  if (in <= 0 || x.size() / in < static_cast<size_t>(min_rows)) return false;
+  static const bool cuda = mx::cu::is_available();
+  return cuda && mx::default_device() == mx::Device::gpu;
+}
+
 array qmv4(const array& x, const array& w, const array& scales, const array& biases, int group_size) {
   static const auto kernel = mx::fast::cuda_kernel("host_qmv4", {"x", "w", "scales", "biases"}, {"y"},
                                                    kQmv4Source, kQmv4Header);
@@ -611,6 +646,10 @@ Ptr addmm(const array& c, const array& a, const array& b, float alpha, float bet
 }
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                      bool transpose, int32_t group_size, int32_t bits, bool host_kernels) {
+  if (host_kernels && dequant_applies(x, w, transpose, bits)) {
+    const auto wd = mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, x.dtype());
+    return wrap(mx::matmul(x, mx::swapaxes(wd, 0, 1)));
+  }
   if (host_kernels && qmv4_applies(x, w, scales, biases, transpose, group_size, bits)) {
     return wrap(qmv4(x, w, scales, biases, group_size));
   }

@@ -274,7 +274,8 @@ pub struct Engine {
     pub info: ModelInfo,
     pub device: Device,
     pub stats: Arc<EngineStats>,
-    /// Bytes of memory held once the model is loaded (weights and runtime).
+    /// Bytes of memory held once the model is loaded (weights and runtime), and, when the
+    /// warm-up ran, the most a step needed beyond them.
     pub baseline_memory: usize,
     /// Whether a draft model is loaded (requests may ask for `draft` speculation).
     pub has_draft: bool,
@@ -320,7 +321,9 @@ impl Engine {
                     let loaded = load_model_split(config.model.as_deref(), config.tensor_parallel, config.device)?;
                     let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
                     let mut warmed = None;
+                    let mut working = 0;
                     if config.warm_up.unwrap_or(device == Device::Gpu) {
+                        memory::reset_peak();
                         let took = warm_up(
                             loaded.model.as_ref(),
                             draft.as_ref().map(|d| d.model.as_ref()),
@@ -328,18 +331,27 @@ impl Engine {
                             config.prefill_step_size,
                             config.max_batch,
                         )?;
-                        tracing::info!(ms = took.as_millis() as u64, "warm-up done (kernels compiled)");
+                        // What a step needs beyond the weights (activations; on GPUs, the
+                        // dequantized copies of quantized weights for batches, which MLX
+                        // frees only when the step's work completes) is kept out of the KV
+                        // budget: the warm-up ran batches up to `max_batch`.
+                        working = memory::peak().saturating_sub(memory::active());
+                        tracing::info!(
+                            ms = took.as_millis() as u64,
+                            step_working_bytes = working,
+                            "warm-up done (kernels compiled)"
+                        );
                         warmed = Some(took);
                     }
-                    Ok((device, loaded, draft, warmed))
+                    Ok((device, loaded, draft, warmed, working))
                 })();
                 match loaded {
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                     }
-                    Ok((device, loaded, draft, warmed)) => {
+                    Ok((device, loaded, draft, warmed, working)) => {
                         let tokenizer = Arc::new(loaded.tokenizer);
-                        let baseline = memory::active();
+                        let baseline = memory::active() + working;
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline, warmed)));
                         let policy = match (&config.scheduler, &config.plugins) {
                             (Some((name, cfg)), Some(registry)) => {
@@ -474,8 +486,14 @@ impl Active<'_> {
         let prompt = self.job.request.prompt.len();
         match &self.source {
             Source::Prefill { todo, .. } => prompt - todo.len() - 1,
+            Source::Dropped { .. } => 0,
             _ => prompt + self.generated.len(),
         }
+    }
+
+    /// Whether it keeps KV of its own while it waits (a dropped request does not).
+    fn holds_kv(&self) -> bool {
+        !matches!(self.source, Source::Dropped { .. })
     }
 }
 
@@ -533,6 +551,10 @@ enum Source<'m> {
     Batched,
     /// Paused out of the batch; it rejoins with its row and cache.
     Parked(Box<Left<'m>>),
+    /// Preempted when memory was short: its KV went to the prompt cache and was freed. On
+    /// resuming, `sequence` (the tokens it had, the last one still to feed) is prefilled again
+    /// from whatever prefix the prompt cache still holds, and it goes on as `then`.
+    Dropped { sequence: Vec<u32>, then: Then<'m> },
 }
 
 /// What a prefilled request becomes.
@@ -783,12 +805,18 @@ impl Worker {
             }
             match waiting.remove(0) {
                 Waiting::Paused(mut active) => {
-                    if let Source::Parked(left) = std::mem::replace(&mut active.source, Source::Batched) {
-                        let Left { row, cache } = *left;
-                        if let Err(e) = batch.join(row, &cache) {
-                            let _ = active.job.events.send(failure(e));
-                            continue;
+                    match std::mem::replace(&mut active.source, Source::Batched) {
+                        Source::Parked(left) => {
+                            let Left { row, cache } = *left;
+                            if let Err(e) = batch.join(row, &cache) {
+                                let _ = active.job.events.send(failure(e));
+                                continue;
+                            }
                         }
+                        Source::Dropped { sequence, then } => {
+                            active.source = self.recompute(m, &active.job, sequence, then)
+                        }
+                        other => active.source = other,
                     }
                     running.push(*active);
                 }
@@ -830,9 +858,14 @@ impl Worker {
             let n = todo.len().min(budget);
             let chunk: Vec<u32> = todo.drain(..n).collect();
             budget -= n;
-            if let Err(e) = super::decode::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill") {
-                ended.push((i, Some(e)));
-                continue;
+            // (A resumed request whose KV the prompt cache held whole has nothing to prefill.)
+            if !chunk.is_empty() {
+                if let Err(e) =
+                    super::decode::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill")
+                {
+                    ended.push((i, Some(e)));
+                    continue;
+                }
             }
             if todo.is_empty() {
                 let Source::Prefill { cache, then, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
@@ -917,7 +950,7 @@ impl Worker {
             }
         }
         waiting.extend(order.into_iter().filter_map(|i| slots[i].take()));
-        let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(_))).count();
+        let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(a) if a.holds_kv())).count();
         let preempted = running.iter().position(|a| decision.preempt.contains(&a.job.key()));
         // Only when the first waiting request has no room: every slot taken, or no memory
         // for it beside the running ones.
@@ -926,45 +959,117 @@ impl Worker {
         let preempt = preempted.is_some() && no_room;
         // Pausing keeps the running request's KV while the next one grows its own: only when
         // every paused request, the running one and the next could all reach their maximum
-        // length within the memory budget.
+        // length within the memory budget (and at most MAX_PAUSED wait so). Otherwise the
+        // preempted request is dropped: its KV goes to the prompt cache (which may evict it)
+        // and is recomputed when it resumes. A request decoding alone (speculation, tensor
+        // parallelism) keeps its own generation's state, so it is only ever paused.
         let held = || -> usize {
             running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
                 + waiting
                     .iter()
-                    .filter(|w| matches!(w, Waiting::Paused(_)))
+                    .filter(|w| matches!(w, Waiting::Paused(a) if a.holds_kv()))
                     .map(|w| kv_reserved(w.job()))
                     .sum::<usize>()
                 + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()))
         };
-        if preempt && budget > 0 && held() > budget {
-            let a = &running[preempted.expect("checked above")];
+        let Some(index) = preempted.filter(|_| preempt && !waiting.is_empty()) else { return };
+        let reserved_tokens = held();
+        let short = budget > 0 && reserved_tokens > budget;
+        let keep = !short && paused < MAX_PAUSED;
+        let droppable = matches!(running[index].source, Source::Batched | Source::Prefill { .. });
+        if !keep && !droppable {
+            let a = &running[index];
             let key = Some(a.job.key());
-            if self.not_paused != key {
+            if short && self.not_paused != key {
                 tracing::info!(
                     request = a.job.key(),
                     policy = name,
-                    reserved_tokens = held(),
+                    reserved_tokens,
                     budget_tokens = budget,
-                    "not paused: the paused, running and next requests together could outgrow the memory budget"
+                    "not paused: it decodes alone (its state cannot be recomputed), and the paused, running and next requests together could outgrow the memory budget"
                 );
             }
             self.not_paused = key;
-        } else if preempt && !waiting.is_empty() && paused < MAX_PAUSED {
-            let mut active = running.remove(preempted.expect("checked above"));
-            if matches!(active.source, Source::Batched) {
-                match batch.leave(active.job.seq) {
-                    Ok(Some(left)) => active.source = Source::Parked(Box::new(left)),
-                    Ok(None) => {}
-                    Err(e) => {
-                        let _ = active.job.events.send(failure(e));
-                        return;
-                    }
-                }
-            }
-            tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
-            self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
-            waiting.insert(1, Waiting::Paused(Box::new(active)));
+            return;
         }
+        let mut active = running.remove(index);
+        let outcome = if keep { self.park(&mut active, batch) } else { self.drop_kv(&mut active, batch) };
+        if let Err(e) = outcome {
+            let _ = active.job.events.send(failure(e));
+            return;
+        }
+        if keep {
+            tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
+        } else {
+            let why = if short { "memory is short" } else { "the most requests that wait with their KV already do" };
+            tracing::info!(
+                request = active.job.key(),
+                policy = name,
+                reserved_tokens,
+                budget_tokens = budget,
+                "dropped for a waiting request ({why}): its KV went to the prompt cache and is recomputed when it resumes"
+            );
+        }
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        waiting.insert(1, Waiting::Paused(Box::new(active)));
+    }
+
+    /// Pauses a preempted request with its KV: a batch row leaves the batch with its cache.
+    fn park<'m>(&mut self, active: &mut Active<'m>, batch: &mut Batch<'m>) -> Result<()> {
+        if matches!(active.source, Source::Batched) {
+            if let Some(left) = batch.leave(active.job.seq)? {
+                active.source = Source::Parked(Box::new(left));
+            }
+        }
+        Ok(())
+    }
+
+    /// Preempts a batch row or a prefilling request by dropping its KV: the cache goes to the
+    /// prompt cache under the tokens it holds, and the request keeps the sequence to recompute.
+    fn drop_kv<'m>(&mut self, active: &mut Active<'m>, batch: &mut Batch<'m>) -> Result<()> {
+        let (sequence, cache, then) = match std::mem::replace(&mut active.source, Source::Batched) {
+            Source::Batched => {
+                let left = batch.leave(active.job.seq)?.context("a running row was not in the batch")?;
+                let mut sequence = active.job.request.prompt.clone();
+                sequence.extend(&active.generated);
+                (sequence, left.cache, Then::Batch(Box::new(left.row)))
+            }
+            Source::Prefill { cache, then, .. } => (active.job.request.prompt.clone(), cache, then),
+            other => {
+                active.source = other;
+                bail!("only a batch row or a prefilling request can be dropped")
+            }
+        };
+        // The cache holds the sequence but its last token (or, prefilling, a prefix of it).
+        let held = cache.first().map_or(0, models::KvCache::offset);
+        if held >= sequence.len() {
+            bail!("a preempted request's cache holds {held} positions for a sequence of {}", sequence.len());
+        }
+        if held > 0 {
+            let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
+            mlx::eval(&state)?;
+            self.cache.insert(sequence[..held].to_vec(), cache);
+        }
+        active.source = Source::Dropped { sequence, then };
+        self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A dropped request resuming: its KV again from the longest prefix the prompt cache
+    /// holds, the rest prefilled in the engine loop's chunks before it goes on as `then`.
+    fn recompute<'m>(&mut self, m: Models<'m>, job: &Job, sequence: Vec<u32>, then: Then<'m>) -> Source<'m> {
+        let (cache, reused) = match self.cache.take(&sequence) {
+            Some(r) => (r.cache, r.reused),
+            None => (m.model.make_cache(), 0),
+        };
+        let todo = sequence[reused..sequence.len() - 1].to_vec();
+        tracing::info!(
+            request = job.key(),
+            from_prompt_cache = reused,
+            recomputed = todo.len(),
+            "resumed a dropped request"
+        );
+        Source::Prefill { cache, todo, then }
     }
 
     /// Starts a job: prompt-cache lookup, plugins, prefill; sends `Started`.
@@ -1109,7 +1214,7 @@ impl Worker {
             Source::Solo(generation) => Some(generation.into_cache()),
             Source::Batched => batch.leave(key)?.map(|left| left.cache),
             Source::Parked(left) => Some(left.cache),
-            Source::Prefill { .. } => None,
+            Source::Prefill { .. } | Source::Dropped { .. } => None,
         })
     }
 
