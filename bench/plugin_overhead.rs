@@ -1,6 +1,6 @@
 //! Per-token cost of sampler plugins next to the native sampler, same model, same run.
 //!
-//!     cargo run --release -p host --example plugin_overhead -- MODEL CANDIDATE.wasm FULL.wasm [TOKENS] [RUNS]
+//!     cargo run --release -p host --example plugin_overhead -- MODEL CANDIDATE.wasm FULL.wasm [TOKENS] [RUNS] [BATCH]
 //!
 //! CANDIDATE.wasm is a candidate-tier sampler (e.g. examples/rust-sampler, top-64 candidates),
 //! FULL.wasm a full-vocabulary one (e.g. bench/plugins/argmax-full.wat, assembled with
@@ -9,6 +9,12 @@
 //! against native sampling in microseconds and as % of a native decode step. The plugin paths
 //! also lose the pipelining of the native loop (each step's logits are read back before the
 //! next step is built), which is part of what they cost.
+//!
+//! With BATCH (e.g. 8), a second table: the server's batch step (`engine::batch::Batch`) with
+//! BATCH rows of different prompts, all sampled natively, then with one row, then with every
+//! row, sampled by each plugin. The batch reads back the candidates of all its plugin rows in
+//! one host round trip per step, so one plugin row costs the step that round trip and the lost
+//! pipelining, and more plugin rows add only their calls.
 
 use anyhow::{Context, Result};
 use host::engine::{DecodeOptions, ExternalSampler, Generation, Sampler, SamplingParams};
@@ -104,6 +110,18 @@ fn main() -> Result<()> {
         per_call.sort_by(f64::total_cmp);
         Ok((per_token[per_token.len() / 2], per_call[per_call.len() / 2]))
     };
+    if let Some(b) = rest.get(2).map(|s| s.parse::<usize>()).transpose()? {
+        batched(
+            &loaded,
+            &registry,
+            &[("candidate-tier plugin (top-64)", &cand), ("full-vocabulary plugin", &full)],
+            &config,
+            b,
+            tokens,
+            runs,
+        )?;
+        println!();
+    }
     let (native, _) = measure(None)?;
     let (cand_t, cand_call) = measure(Some(&cand))?;
     let (full_t, full_call) = measure(Some(&full))?;
@@ -130,6 +148,102 @@ fn main() -> Result<()> {
             call.map_or_else(dash, |c| format!("{:.2}%", c / native * 100.0)),
             call.map_or_else(dash, |_| format!("{:.0}", (t - native) * 1e6)),
         );
+    }
+    Ok(())
+}
+
+/// The batch table: median ms per step and plugin µs per step for `b` rows with 0, 1 and `b`
+/// plugin rows, for each plugin.
+fn batched(
+    loaded: &models::Loaded,
+    registry: &PluginRegistry,
+    plugins: &[(&str, &std::sync::Arc<host::plugins::runtime::Plugin>)],
+    config: &serde_json::Value,
+    b: usize,
+    tokens: usize,
+    runs: usize,
+) -> Result<()> {
+    use host::engine::batch::{Batch, Row};
+    let model = loaded.model.as_ref();
+    let vocab = loaded.info.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..b)
+        .map(|i| {
+            let text = format!("Write a long story about dragon number {i}.");
+            host::generate::prompt_tokens(loaded, text.as_bytes(), None, false)
+        })
+        .collect::<Result<_>>()?;
+    // (seconds per step after the first, plugin seconds per step) for `k` plugin rows.
+    let measure = |plugin: Option<&std::sync::Arc<host::plugins::runtime::Plugin>>, k: usize| -> Result<(f64, f64)> {
+        let mut per_step = Vec::new();
+        let mut per_call = Vec::new();
+        for _ in 0..runs + 1 {
+            let in_plugin = Rc::new(Cell::new(0.0));
+            let mut batch = Batch::new(model);
+            for (key, prompt) in prompts.iter().enumerate() {
+                let mut cache = model.make_cache();
+                host::engine::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 2048)?;
+                let external: Option<Box<dyn ExternalSampler>> = match plugin.filter(|_| key < k) {
+                    None => None,
+                    Some(p) => {
+                        let selected = host::plugins::Selected {
+                            plugin: p.clone(),
+                            config: config.clone(),
+                            params: serde_json::json!({}),
+                            fallback: false,
+                        };
+                        let mut instance = registry.start(&selected, 1)?;
+                        instance.accept(prompt)?;
+                        Some(Box::new(Timed { inner: PluginSampler::new(instance, vocab), seconds: in_plugin.clone() }))
+                    }
+                };
+                let sampler = Sampler::new(SamplingParams::default(), vocab)?;
+                let options = DecodeOptions { max_tokens: tokens, eos_token_ids: vec![], prefill_step_size: 2048 };
+                batch.join(Row::new(key as u64, prompt, sampler, options)?.with_external(external), &cache)?;
+            }
+            batch.step()?;
+            let before = in_plugin.get();
+            let start = Instant::now();
+            let mut steps = 0;
+            while !batch.is_empty() {
+                let out = batch.step()?;
+                steps += !out.is_empty() as usize;
+                for (key, token) in out {
+                    if token?.finish.is_some() {
+                        batch.leave(key)?;
+                    }
+                }
+            }
+            per_step.push(start.elapsed().as_secs_f64() / steps.max(1) as f64);
+            per_call.push((in_plugin.get() - before) / steps.max(1) as f64);
+        }
+        per_step.remove(0); // Warm-up run.
+        per_call.remove(0);
+        per_step.sort_by(f64::total_cmp);
+        per_call.sort_by(f64::total_cmp);
+        Ok((per_step[per_step.len() / 2], per_call[per_call.len() / 2]))
+    };
+    let (native, _) = measure(None, 0)?;
+    println!(
+        "batch of {b} rows ({} to {} prompt tokens); {tokens} tokens per row; median of {runs} runs; device {}",
+        prompts.iter().map(Vec::len).min().unwrap_or(0),
+        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        mlx::Device::default_device()
+    );
+    println!();
+    println!("| rows sampled by a plugin | plugin | ms / step | rows x tok/s | plugin calls µs / step | step cost over all-native, µs |");
+    println!("|---|---|---|---|---|---|");
+    println!("| 0 of {b} | - | {:.3} | {:.1} | - | - |", native * 1e3, b as f64 / native);
+    for (name, plugin) in plugins {
+        for k in [1, b] {
+            let (t, call) = measure(Some(plugin), k)?;
+            println!(
+                "| {k} of {b} | {name} | {:.3} | {:.1} | {:.1} | {:.0} |",
+                t * 1e3,
+                b as f64 / t,
+                call * 1e6,
+                (t - native) * 1e6
+            );
+        }
     }
     Ok(())
 }
