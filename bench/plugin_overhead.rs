@@ -67,23 +67,9 @@ fn main() -> Result<()> {
         let mut per_call = Vec::new();
         for _ in 0..runs + 1 {
             let in_plugin = Rc::new(Cell::new(0.0));
-            let external: Option<Box<dyn ExternalSampler>> = match plugin {
-                None => None,
-                Some(p) => {
-                    let selected = host::plugins::Selected {
-                        plugin: p.clone(),
-                        config: config.clone(),
-                        params: serde_json::json!({}),
-                        fallback: false,
-                    };
-                    let mut instance = registry.start(&selected, 1)?;
-                    instance.accept(&prompt)?;
-                    Some(Box::new(Timed {
-                        inner: PluginSampler::new(instance, loaded.info.vocab_size),
-                        seconds: in_plugin.clone(),
-                    }))
-                }
-            };
+            let external = plugin
+                .map(|p| timed_sampler(&registry, p, &config, &prompt, loaded.info.vocab_size, &in_plugin))
+                .transpose()?;
             let sampler = Sampler::new(SamplingParams::default(), loaded.info.vocab_size)?;
             let options = DecodeOptions { max_tokens: tokens, eos_token_ids: vec![], prefill_step_size: 2048 };
             let mut g = Generation::start_with(
@@ -152,6 +138,26 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// An instance of `plugin` that has accepted `prompt`, its calls' time added to `seconds`.
+fn timed_sampler(
+    registry: &PluginRegistry,
+    plugin: &std::sync::Arc<host::plugins::runtime::Plugin>,
+    config: &serde_json::Value,
+    prompt: &[u32],
+    vocab: usize,
+    seconds: &Rc<Cell<f64>>,
+) -> Result<Box<dyn ExternalSampler>> {
+    let selected = host::plugins::Selected {
+        plugin: plugin.clone(),
+        config: config.clone(),
+        params: serde_json::json!({}),
+        fallback: false,
+    };
+    let mut instance = registry.start(&selected, 1)?;
+    instance.accept(prompt)?;
+    Ok(Box::new(Timed { inner: PluginSampler::new(instance, vocab), seconds: seconds.clone() }))
+}
+
 /// The batch table: median ms per step and plugin µs per step for `b` rows with 0, 1 and `b`
 /// plugin rows, for each plugin.
 fn batched(
@@ -182,20 +188,10 @@ fn batched(
             for (key, prompt) in prompts.iter().enumerate() {
                 let mut cache = model.make_cache();
                 host::engine::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 2048)?;
-                let external: Option<Box<dyn ExternalSampler>> = match plugin.filter(|_| key < k) {
-                    None => None,
-                    Some(p) => {
-                        let selected = host::plugins::Selected {
-                            plugin: p.clone(),
-                            config: config.clone(),
-                            params: serde_json::json!({}),
-                            fallback: false,
-                        };
-                        let mut instance = registry.start(&selected, 1)?;
-                        instance.accept(prompt)?;
-                        Some(Box::new(Timed { inner: PluginSampler::new(instance, vocab), seconds: in_plugin.clone() }))
-                    }
-                };
+                let external = plugin
+                    .filter(|_| key < k)
+                    .map(|p| timed_sampler(registry, p, config, prompt, vocab, &in_plugin))
+                    .transpose()?;
                 let sampler = Sampler::new(SamplingParams::default(), vocab)?;
                 let options = DecodeOptions { max_tokens: tokens, eos_token_ids: vec![], prefill_step_size: 2048 };
                 batch.join(Row::new(key as u64, prompt, sampler, options)?.with_external(external), &cache)?;

@@ -13,11 +13,10 @@ and reported per layer, plus the head once. Prints a markdown table and the erro
 float32 reference.
 """
 import argparse
-import time
 
 import mlx.core as mx
 
-from qgemv import GROUP, kernel_source
+from qgemv import GROUP, kernel_source, timed
 
 HEADER, _ = kernel_source("qmv4")
 _, SOURCE = kernel_source("qmm4")
@@ -48,19 +47,6 @@ def mlx_q(x, w, scales, biases):
 
 def deq(x, w, scales, biases):
     return x @ mx.dequantize(w, scales, biases, group_size=GROUP, bits=BITS, dtype=x.dtype).T
-
-
-def timed(f, args, iters):
-    def step():
-        mx.eval([f(*a) for a in args])
-    for _ in range(2):
-        step()
-    mx.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        step()
-    mx.synchronize()
-    return (time.perf_counter() - t) / iters / len(args)
 
 
 def main():
@@ -98,7 +84,7 @@ def main():
             if m <= 32 and qmm:
                 fs["qmm4"] = qmm4
             for k, f in fs.items():
-                t = timed(f, [(x, wq, s, b) for x in xs], a.iters)
+                t = timed(lambda x: f(x, wq, s, b), xs, a.iters)
                 if shape == (128256, 4096):
                     head[k] = t
                 else:

@@ -410,6 +410,21 @@ def test_a_request_that_cannot_fit_the_memory_budget_is_told_how_many_tokens_fit
     assert ok.status_code == 200
 
 
+def test_the_warm_up_measures_a_steps_working_memory_and_keeps_it_out_of_the_kv_budget(fresh):
+    """What a step needs beyond the weights (activations; on GPUs the dequantized copies of a
+    4-bit model's weights for batches) is measured by the warm-up and not offered as KV room."""
+    def room(*args):
+        s = fresh("--memory-budget", "800M", "--max-batch", "4", *args)
+        return s, httpx.post(s.url + "/tokenize", json={"messages": Q}, timeout=30).json()["max_model_len"]
+    warm, warm_room = room("--warm-up", "true")
+    _, cold_room = room("--warm-up", "false")
+    working = [int(m[1]) for line in warm.log if (m := re.search(r"step_working_bytes=(\d+)", line))]
+    assert working and working[0] > 0, warm.log[-10:]
+    # SmolLM2 float32 holds ~46 KB of KV per token.
+    assert warm_room < cold_room, (warm_room, cold_room, working)
+    assert cold_room - warm_room >= working[0] // (64 << 10), (warm_room, cold_room, working)
+
+
 def test_sigterm_lets_an_in_flight_stream_finish(fresh):
     s = fresh()
     body = {"messages": Q, "max_tokens": 30, "temperature": 0, "stream": True}

@@ -3,6 +3,7 @@
 // turns them into Rust errors.
 #include "mlx/cpp/shim.h"
 
+#include <cstdio>
 #include <cstdlib>
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -275,7 +276,15 @@ constexpr int kQdequantMinRows = 9;
 int qdequant_min_rows() {
   static const int rows = [] {
     const char* v = std::getenv("HOST_QDEQUANT_ROWS");
-    return v ? std::atoi(v) : kQdequantMinRows;
+    if (!v) return kQdequantMinRows;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || n < 0 || n > (1 << 30)) {
+      std::fprintf(stderr, "HOST_QDEQUANT_ROWS=%s is not a row count (0 turns the path off); using %d\n", v,
+                   kQdequantMinRows);
+      return kQdequantMinRows;
+    }
+    return static_cast<int>(n);
   }();
   return rows;
 }

@@ -1045,23 +1045,38 @@ impl Worker {
         if held >= sequence.len() {
             bail!("a preempted request's cache holds {held} positions for a sequence of {}", sequence.len());
         }
-        if held > 0 {
-            let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
-            mlx::eval(&state)?;
-            self.cache.insert(sequence[..held].to_vec(), cache);
-        }
+        self.keep_cache(&sequence, cache)?;
         active.source = Source::Dropped { sequence, then };
         self.stats.prompt_cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
         Ok(())
     }
 
+    /// Stores `cache` in the prompt cache under the leading tokens of `sequence` it holds (a
+    /// cache holding more positions than `sequence` has tokens is not stored).
+    fn keep_cache(&mut self, sequence: &[u32], cache: Vec<KvCache>) -> Result<()> {
+        let held = cache.first().map_or(0, models::KvCache::offset);
+        if held == 0 || held > sequence.len() {
+            return Ok(());
+        }
+        let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
+        mlx::eval(&state)?;
+        self.cache.insert(sequence[..held].to_vec(), cache);
+        Ok(())
+    }
+
+    /// The prompt cache's longest prefix of `tokens` and how many tokens it holds, or a fresh
+    /// cache and 0.
+    fn cached_prefix(&mut self, m: Models<'_>, tokens: &[u32]) -> (Vec<KvCache>, usize) {
+        match self.cache.take(tokens) {
+            Some(r) => (r.cache, r.reused),
+            None => (m.model.make_cache(), 0),
+        }
+    }
+
     /// A dropped request resuming: its KV again from the longest prefix the prompt cache
     /// holds, the rest prefilled in the engine loop's chunks before it goes on as `then`.
     fn recompute<'m>(&mut self, m: Models<'m>, job: &Job, sequence: Vec<u32>, then: Then<'m>) -> Source<'m> {
-        let (cache, reused) = match self.cache.take(&sequence) {
-            Some(r) => (r.cache, r.reused),
-            None => (m.model.make_cache(), 0),
-        };
+        let (cache, reused) = self.cached_prefix(m, &sequence);
         let todo = sequence[reused..sequence.len() - 1].to_vec();
         tracing::info!(
             request = job.key(),
@@ -1077,10 +1092,7 @@ impl Worker {
     fn start<'m>(&mut self, m: Models<'m>, job: Job) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
         let request = &job.request;
         let prompt = &request.prompt;
-        let (cache, reused) = match self.cache.take(prompt) {
-            Some(r) => (r.cache, r.reused),
-            None => (m.model.make_cache(), 0),
-        };
+        let (cache, reused) = self.cached_prefix(m, prompt);
         if reused > 0 {
             self.stats.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
         }
@@ -1258,17 +1270,10 @@ impl Worker {
         let released = self.release(source, a.job.seq, batch);
         let _ = a.job.events.send(Event::Done { finish, usage });
         // Keep the KV of everything the cache now holds for the next request.
-        let Some(mut cache) = released? else { return Ok(()) };
-        let held = cache.first().map_or(0, models::KvCache::offset);
+        let Some(cache) = released? else { return Ok(()) };
         let mut sequence = a.job.request.prompt.clone();
         sequence.extend(&a.generated);
-        if held <= sequence.len() {
-            sequence.truncate(held);
-            let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
-            mlx::eval(&state)?;
-            self.cache.insert(sequence, std::mem::take(&mut cache));
-        }
-        Ok(())
+        self.keep_cache(&sequence, cache)
     }
 
     /// Starts the request's plugin instances: the sampler (fed the whole prompt), the stop
