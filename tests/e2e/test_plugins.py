@@ -416,6 +416,13 @@ def test_hot_reload_under_load(tmp_path, plugins_dir):
                     assert time.time() - start < 1.0, f"version {tag} not served within 1 s"
                     time.sleep(0.02)
                 current = tag
+                # A stream started after the swap is sampled by the new version (waiting for
+                # one makes "both versions served" a fact, not luck of timing under load).
+                seen = len(results)
+                while texts[tag] not in results[seen:]:
+                    assert not failures, failures[:3]
+                    assert time.time() - start < 30.0, f"no stream sampled by version {tag} within 30 s"
+                    time.sleep(0.02)
             else:
                 bad = broken[(i // 2) % len(broken)]
                 target.write_bytes(bad)
