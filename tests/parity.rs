@@ -2,7 +2,7 @@
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
 //! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
 //! GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
-//! tiny random Llama, Llama-3-RoPE, Qwen2 and Qwen3 models (float32, and MLX-quantized 4-bit
+//! tiny random Llama, Llama-3-RoPE, Qwen2, Qwen3 and Gemma 3 models (float32, and MLX-quantized 4-bit
 //! and 8-bit as `mlx_lm.convert -q` writes them).
 //!
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
@@ -186,8 +186,17 @@ fn smollm2_last_position_logits_match_mlx_lm() {
 #[test]
 fn tiny_random_models_equal_mlx_lm() {
     let Some(f) = fixtures() else { return };
-    for model in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-qwen3-q4", "tiny-llama-q8"] {
-        check_ids(&f, f.models.join(model), model, 16);
+    for model in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-llama3",
+        "tiny-qwen3-q4",
+        "tiny-llama-q8",
+        "tiny-gemma3",
+        "tiny-gemma3-q4",
+    ] {
         check_logits(&f, model, 16);
+        check_ids(&f, f.models.join(model), model, 16);
     }
 }

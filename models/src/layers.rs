@@ -182,6 +182,9 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
+    pub fn new(weight: Array, eps: f64) -> RmsNorm {
+        RmsNorm { weight, eps: eps as f32 }
+    }
     pub fn load(w: &Weights, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
         Ok(RmsNorm { weight: w.get_shaped(&format!("{prefix}.weight"), &[dim])?, eps: eps as f32 })
     }

@@ -2,12 +2,14 @@
 //! Reference: mlx-lm `models/llama.py`; every op mirrors it so outputs are bit-identical.
 
 use crate::cache::{KvCache, LayerCache};
-use crate::layers::{attention, causal_mask, short_query, Embedding, Linear, Positions, RmsNorm, Rope};
+use crate::layers::{
+    attention, attention_unfused, causal_mask, short_query, Embedding, Linear, Positions, RmsNorm, Rope,
+};
 use crate::weights::Weights;
 use crate::BatchKvCache;
 use crate::{CausalLm, LoadOptions, Result};
 use mlx::fast::Mask;
-use mlx::{ops, Array};
+use mlx::{ops, Array, Dtype};
 use serde::Deserialize;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -155,7 +157,7 @@ const FUSED_GATE_UP: &str = "fused_gate_up";
 
 /// Concatenates each layer's q/k/v and gate/up weights where their formats and shapes agree
 /// with `d` (a misfit part stays separate, and loading it names it).
-fn fuse(d: &Dims, w: &mut Weights) -> Result<()> {
+pub(crate) fn fuse(d: &Dims, w: &mut Weights) -> Result<()> {
     for i in 0..d.layers {
         for (module, names, widths, fused) in [
             ("self_attn", &QKV[..], &d.qkv_widths()[..], FUSED_QKV),
@@ -169,7 +171,7 @@ fn fuse(d: &Dims, w: &mut Weights) -> Result<()> {
     Ok(())
 }
 
-struct Attention {
+pub(crate) struct Attention {
     /// q, k, v.
     qkv: Projections,
     o_proj: Linear,
@@ -179,6 +181,9 @@ struct Attention {
     n_heads: i32,
     n_kv_heads: i32,
     scale: f32,
+    /// Sliding-window attention (Gemma 3's local layers): a query sees the last `window`
+    /// positions, itself included.
+    window: Option<usize>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
     reduce: bool,
 }
@@ -193,7 +198,7 @@ fn reduced(y: Array, reduce: bool) -> Result<Array> {
 }
 
 impl Attention {
-    fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
+    pub(crate) fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
         Ok(Attention {
             qkv: Projections::load(w, p, &QKV, &d.qkv_widths(), FUSED_QKV, d.hidden, d.qkv_bias)?,
             o_proj: Linear::load(
@@ -208,11 +213,27 @@ impl Attention {
             n_heads: d.n_heads as i32,
             n_kv_heads: d.n_kv_heads as i32,
             scale: (d.head_dim as f64).powf(-0.5) as f32,
+            window: None,
             reduce: tp.size > 1,
         })
     }
 
-    fn forward(
+    /// Scores scaled by `scale` instead of `head_dim^-0.5`.
+    pub(crate) fn scaled(self, scale: f64) -> Self {
+        Attention { scale: scale as f32, ..self }
+    }
+
+    /// With these per-head norms of q and k (Gemma's scale by `1 + weight`).
+    pub(crate) fn with_qk_norms(self, q_norm: RmsNorm, k_norm: RmsNorm) -> Self {
+        Attention { q_norm: Some(q_norm), k_norm: Some(k_norm), ..self }
+    }
+
+    /// Attending over a sliding window of `window` positions.
+    pub(crate) fn windowed(self, window: Option<usize>) -> Self {
+        Attention { window, ..self }
+    }
+
+    pub(crate) fn forward(
         &self,
         x: &Array,
         mask: &Mask<'_>,
@@ -246,8 +267,46 @@ impl Attention {
             }
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let o = attention(&q, &k, &v, self.scale, mask_ref(mask))?;
+        let o = match self.window {
+            Some(window) if k.dim(2) > window => windowed_attention(&q, &k, &v, self.scale, mask, window)?,
+            _ => attention(&q, &k, &v, self.scale, mask_ref(mask))?,
+        };
         reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
+    }
+}
+
+/// Attention over the last `window` positions of `k`/`v` (`[B, KVH, S, D]`, S > window) for
+/// queries `q` (`[B, H, L, D]`) at the last L of the S positions. `mask` is the forward's
+/// mask over all S positions: causal when L > 1 (a single sequence or a fork of one), and for
+/// one query none or a batch's padding mask. The keys no query can see are sliced off, so a
+/// decode step reads `window` positions whatever the sequence's length.
+fn windowed_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask<'_>, window: usize) -> Result<Array> {
+    let (l, s) = (q.dim(2), k.dim(2));
+    // The first query, at position s - l, sees positions from s - l + 1 - window on.
+    let lo = (s + 1).saturating_sub(l + window);
+    let keep = |a: &Array| -> Result<Array> { Ok(a.slice_axis(2, lo as i32, s as i32)?) };
+    let (k, v) = (keep(k)?, keep(v)?);
+    if l == 1 {
+        return match mask {
+            Mask::Array(m) => {
+                let last = m.ndim() as i32 - 1;
+                attention(q, &k, &v, scale, Mask::Array(&m.slice_axis(last, lo as i32, s as i32)?))
+            }
+            _ => attention(q, &k, &v, scale, Mask::None),
+        };
+    }
+    // Query i (position s - l + i) sees key j (position lo + j) when 0 <= (s - l + i) - (lo + j) < window.
+    let rows = Array::arange((s - l) as f64, s as f64, 1.0, Dtype::Int32)?.expand_dims(&[1])?;
+    let cols = Array::arange(lo as f64, s as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+    let since = rows.subtract(&cols)?;
+    let visible = since
+        .greater_equal(&Array::scalar(0.0, Dtype::Int32)?)?
+        .logical_and(&since.less(&Array::scalar(window as f32, Dtype::Int32)?)?)?;
+    if short_query(l) {
+        // Not the short causal kernel: this mask is not the plain causal one.
+        attention_unfused(q, &k, &v, scale, &visible)
+    } else {
+        Ok(mlx::fast::scaled_dot_product_attention(q, &k, &v, scale, Mask::Array(&visible))?)
     }
 }
 
@@ -257,6 +316,31 @@ fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
         Mask::Causal => Mask::Causal,
         Mask::Array(a) => Mask::Array(a),
     }
+}
+
+/// A short query's explicit causal mask (`layers::short_query`) for a forward of `len` new
+/// positions after `offset` held ones; `None` where [`mask_of`] needs no array.
+pub(crate) fn short_mask(len: usize, offset: usize) -> Result<Option<Array>> {
+    short_query(len).then(|| causal_mask(len, offset)).transpose()
+}
+
+/// The mask of a forward of `len` new positions: `short` (from [`short_mask`]) or
+/// [`attention_mask`]'s.
+pub(crate) fn mask_of(len: usize, short: &Option<Array>) -> Mask<'_> {
+    short.as_ref().map_or(attention_mask(len), Mask::Array)
+}
+
+/// A batch forward's RoPE offsets (each row's length) and padding mask, from its first
+/// layer's cache; `tokens` must be one per row, `[B, 1]`.
+pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Array, Option<Array>)> {
+    if tokens.ndim() != 2 || tokens.dim(1) != 1 {
+        return Err(crate::Error::Invalid(format!(
+            "a batch forward takes one token per row, [B, 1]; got shape {:?}",
+            tokens.shape()
+        )));
+    }
+    let first = cache.first().ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
+    Ok((first.offsets()?, first.mask()?))
 }
 
 /// mlx-lm's mask choice: none for one new token, "causal" for several (but a short query
@@ -269,25 +353,41 @@ fn attention_mask(len: usize) -> Mask<'static> {
     }
 }
 
-struct Mlp {
+/// The gated MLP's activation of its gate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Activation {
+    /// `silu(gate) * up` (Llama, Qwen).
+    Silu,
+    /// `gelu_approx(gate) * up` (Gemma).
+    GeluApprox,
+}
+
+pub(crate) struct Mlp {
     /// gate, up.
     gate_up: Projections,
     down_proj: Linear,
+    activation: Activation,
     /// Tensor parallel: this rank holds some columns; sum `down_proj`'s partial outputs.
     reduce: bool,
 }
 
 impl Mlp {
-    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize, bias: bool, tp: Tp) -> Result<Self> {
+    pub(crate) fn load(w: &Weights, p: &str, d: &Dims, activation: Activation, tp: Tp) -> Result<Self> {
+        let (hidden, ffn, bias) = (d.hidden, d.ffn, d.mlp_bias);
         Ok(Mlp {
             gate_up: Projections::load(w, p, &GATE_UP, &[ffn, ffn], FUSED_GATE_UP, hidden, bias)?,
             down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias && tp.rank == 0)?,
+            activation,
             reduce: tp.size > 1,
         })
     }
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         let gate_up = self.gate_up.forward(x)?;
-        let y = self.down_proj.forward(&ops::swiglu(&gate_up[0], &gate_up[1])?)?;
+        let gated = match self.activation {
+            Activation::Silu => ops::swiglu(&gate_up[0], &gate_up[1])?,
+            Activation::GeluApprox => ops::gelu_approx(&gate_up[0])?.multiply(&gate_up[1])?,
+        };
+        let y = self.down_proj.forward(&gated)?;
         reduced(y, self.reduce)
     }
 }
@@ -338,7 +438,7 @@ impl Model {
     /// `w` is cut down to this rank's shard in place, and its projections fused when
     /// `options` says so.
     pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, options: &LoadOptions) -> Result<Self> {
-        let tp = options.tensor_parallel.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size });
+        let tp = Tp::of(options);
         let d = &if tp.size > 1 { shard(d, w, tp)? } else { d.clone() };
         if options.fuse_projections() {
             fuse(d, w)?;
@@ -349,7 +449,7 @@ impl Model {
                 let p = format!("model.layers.{i}");
                 Ok(Block {
                     self_attn: Attention::load(w, &format!("{p}.self_attn"), d, tp)?,
-                    mlp: Mlp::load(w, &format!("{p}.mlp"), d.hidden, d.ffn, d.mlp_bias, tp)?,
+                    mlp: Mlp::load(w, &format!("{p}.mlp"), d, Activation::Silu, tp)?,
                     input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
                     post_attention_layernorm: RmsNorm::load(
                         w,
@@ -376,16 +476,9 @@ impl Model {
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let h = self.embed_tokens.forward(tokens)?;
-        let len = tokens.dim(-1);
-        let short;
-        let mask = if short_query(len) {
-            short = causal_mask(len, cache.first().map_or(0, KvCache::offset))?;
-            Mask::Array(&short)
-        } else {
-            attention_mask(len)
-        };
-        let at = Positions::From(cache.first().map_or(0, KvCache::offset));
-        self.decoder(h, &mask, cache, &at)
+        let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
+        let short = short_mask(len, offset)?;
+        self.decoder(h, &mask_of(len, &short), cache, &Positions::From(offset))
     }
 
     /// The decoder layers and the final norm over embeddings `h`.
@@ -399,15 +492,7 @@ impl Model {
     /// As `forward_hidden`, for one new token per row of a batch (`tokens` `[B, 1]`): each
     /// row rotated from its own length and masked off its left padding.
     pub fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
-        if tokens.ndim() != 2 || tokens.dim(1) != 1 {
-            return Err(crate::Error::Invalid(format!(
-                "a batch forward takes one token per row, [B, 1]; got shape {:?}",
-                tokens.shape()
-            )));
-        }
-        let first = cache.first().ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
-        let offsets = first.offsets()?;
-        let padding = first.mask()?;
+        let (offsets, padding) = batch_inputs(tokens, cache)?;
         let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
         self.decoder(self.embed_tokens.forward(tokens)?, &mask, cache, &Positions::Rows(&offsets))
     }
@@ -423,9 +508,15 @@ impl Model {
 
 /// This process's rank and the group size (1 when not tensor-parallel).
 #[derive(Debug, Clone, Copy)]
-struct Tp {
-    rank: usize,
-    size: usize,
+pub(crate) struct Tp {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Tp {
+    pub(crate) fn of(options: &LoadOptions) -> Tp {
+        options.tensor_parallel.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size })
+    }
 }
 
 /// Whether a decoder with these widths splits evenly over `n` ranks; the error says which
@@ -449,7 +540,7 @@ pub(crate) fn check_split(n_heads: usize, n_kv_heads: usize, ffn: usize, n: usiz
 /// This rank's dims and weights: q/k/v/gate/up split by output rows (column parallel),
 /// o/down by input columns (row parallel, bias kept on rank 0 only); embeddings, norms and
 /// the head stay whole.
-fn shard(d: &Dims, w: &mut Weights, tp: Tp) -> Result<Dims> {
+pub(crate) fn shard(d: &Dims, w: &mut Weights, tp: Tp) -> Result<Dims> {
     let n = tp.size;
     check_split(d.n_heads, d.n_kv_heads, d.ffn, n)?;
     for i in 0..d.layers {

@@ -22,16 +22,25 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 16;
 const FFN: usize = 128;
 
-/// The `config.json` of a tiny model of `model_type` (llama, qwen2 or qwen3).
+/// Gemma 3's sliding window in the tiny `gemma3_text` (layer 0 slides, layer 1 is global).
+pub const GEMMA_WINDOW: usize = 8;
+
+/// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3 or gemma3_text).
 pub fn config(model_type: &str) -> Value {
-    json!({
+    let mut c = json!({
         "model_type": model_type,
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0,
         "tie_word_embeddings": model_type != "llama",
         "eos_token_id": 2, "bos_token_id": 1,
-    })
+    });
+    if model_type == "gemma3_text" {
+        c["sliding_window"] = json!(GEMMA_WINDOW);
+        c["sliding_window_pattern"] = json!(LAYERS);
+        c["query_pre_attn_scalar"] = json!(HEAD_DIM);
+    }
+    c
 }
 
 /// Deterministic random weights for `config(model_type)`, named as in HF checkpoints.
@@ -68,7 +77,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
             add(format!("{p}.self_attn.k_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.v_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
         }
-        if model_type == "qwen3" {
+        if model_type == "qwen3" || model_type == "gemma3_text" {
             add(format!("{p}.self_attn.q_norm.weight"), &[HEAD_DIM], 1.0)?;
             add(format!("{p}.self_attn.k_norm.weight"), &[HEAD_DIM], 1.0)?;
         }
@@ -77,6 +86,10 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
         add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 1.0)?;
         add(format!("{p}.post_attention_layernorm.weight"), &[HIDDEN], 1.0)?;
+        if model_type == "gemma3_text" {
+            add(format!("{p}.pre_feedforward_layernorm.weight"), &[HIDDEN], 1.0)?;
+            add(format!("{p}.post_feedforward_layernorm.weight"), &[HIDDEN], 1.0)?;
+        }
     }
     add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
     if model_type == "llama" {

@@ -4,7 +4,7 @@ use mlx::{Array, Dtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
+const ARCHS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3_text"];
 
 fn tokens(ids: &[i32]) -> Array {
     Array::from_i32(ids, &[1, ids.len()]).unwrap()
@@ -120,6 +120,29 @@ fn a_forked_batch_scores_rows_over_the_prefix_and_an_adopted_row_continues_the_c
         let err = cache[0].adopt_row(&forks[0], 3, 1).unwrap_err().to_string();
         assert!(err.contains("row 3"), "{err}");
     }
+}
+
+/// With every layer sliding (window 8, two layers: a receptive field of 14 positions), the
+/// last position's logits do not depend on a token 19 positions back, and do on one 13 back.
+#[test]
+fn gemma3_sliding_layers_see_only_their_window() {
+    let mut config = testing::config("gemma3_text");
+    config["sliding_window_pattern"] = json!(10);
+    let arch = crate::Arch::parse(&config, Path::new("<tiny random>")).unwrap();
+    let mut w =
+        crate::weights::Weights::new(testing::weights("gemma3_text", 5).unwrap(), Path::new("<t>"), "gemma3_text");
+    let model = arch.model(&mut w, &Default::default()).unwrap();
+    let ids = prompt(20);
+    let last = |ids: &[i32]| decode_in_pieces(model.as_ref(), ids, &[ids.len()]).0.slice_axis(1, 19, 20).unwrap();
+    let mut far = ids.clone();
+    far[0] = (far[0] + 1) % testing::VOCAB as i32;
+    assert_eq!(max_abs_diff(&last(&ids), &last(&far)), 0.0, "a token outside the window changed the logits");
+    let mut near = ids.clone();
+    near[6] = (near[6] + 1) % testing::VOCAB as i32;
+    assert!(max_abs_diff(&last(&ids), &last(&near)) > 1e-3, "a token inside the window changed nothing");
+    // Decoding step by step (each step slicing the cache to the window) agrees.
+    let (stepped, _) = decode_in_pieces(model.as_ref(), &far, &[1; 20]);
+    assert!(max_abs_diff(&stepped.slice_axis(1, 19, 20).unwrap(), &last(&ids)) < 1e-4);
 }
 
 #[test]

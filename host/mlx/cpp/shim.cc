@@ -613,6 +613,21 @@ Ptr swiglu(const array& gate, const array& x) {
   return wrap(fn({gate, x})[0]);
 }
 
+// `nn.gelu_approx` (mlx.nn, `mx.compile(shapeless=True)`): 0.5 x (1 + tanh(sqrt(2/pi)
+// (x + 0.044715 x^3))), with Python's scalars as arrays of x's dtype and the same compile.
+Ptr gelu_approx(const array& x) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        const array& a = in[0];
+        auto c = [&](double v) { return array(static_cast<float>(v), a.dtype()); };
+        auto cube = mx::power(a, c(3.0));
+        auto inner = mx::multiply(c(0.7978845608028654) /* math.sqrt(2 / math.pi) */, mx::add(a, mx::multiply(c(0.044715), cube)));
+        return {mx::multiply(mx::multiply(c(0.5), a), mx::add(c(1.0), mx::tanh(inner)))};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({x})[0]);
+}
+
 Ptr sum(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::sum(a, to_ints(ax), k)); }
 Ptr max(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::max(a, to_ints(ax), k)); }
 Ptr mean(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::mean(a, to_ints(ax), k)); }

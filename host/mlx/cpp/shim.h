@@ -73,6 +73,7 @@ Ptr sqrt(const array& a);
 Ptr sigmoid(const array& a);
 Ptr where(const array& cond, const array& a, const array& b);
 Ptr swiglu(const array& gate, const array& x);
+Ptr gelu_approx(const array& x);
 
 // Reductions.
 Ptr sum(const array& a, rust::Slice<const int32_t> axes, bool keepdims);

@@ -55,6 +55,7 @@ pub(crate) mod ffi {
         #[cxx_name = "where"]
         fn where_(cond: &array, a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn swiglu(gate: &array, x: &array) -> Result<UniquePtr<array>>;
+        fn gelu_approx(x: &array) -> Result<UniquePtr<array>>;
 
         fn sum(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
         fn max(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;

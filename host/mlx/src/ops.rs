@@ -69,6 +69,11 @@ pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
     wrap(ffi::swiglu(&gate.0, &x.0))
 }
 
+/// `nn.gelu_approx` (GELU with the tanh approximation), compiled as mlx.nn compiles it.
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    wrap(ffi::gelu_approx(&x.0))
+}
+
 /// MLX's fused kernels.
 pub mod fast {
     use super::*;
