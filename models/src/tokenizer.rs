@@ -135,7 +135,9 @@ impl Tokenizer {
         extra: Option<&Value>,
     ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
-            Error::Template("this model has no chat template; pass the prompt raw (--raw) instead".into())
+            Error::Template(
+                "this model has no chat template (a base model): send plain text instead, to /v1/completions or to `host generate --raw`".into(),
+            )
         })?;
         let env = template_env();
         let tmpl = env.template_from_str(template).map_err(|e| Error::Template(format!("{e:#}")))?;

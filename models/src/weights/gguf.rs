@@ -375,11 +375,8 @@ fn sentencepiece_tokenizer(
     let mut merges: Vec<(usize, usize, usize, &str, &str)> = Vec::new();
     for &t in &order {
         let rank = index[t];
-        let mut chars = t.char_indices().skip(1).peekable();
         let total = t.chars().count();
-        let mut left_chars = 0;
-        while let Some((at, _)) = chars.next() {
-            left_chars += 1;
+        for (left_chars, (at, _)) in t.char_indices().enumerate().skip(1) {
             let (l, r) = t.split_at(at);
             if index.contains_key(l) && index.contains_key(r) {
                 merges.push((rank, left_chars, total - left_chars, l, r));
