@@ -86,6 +86,9 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
         // Gemma 3's sliding-window layers, past their window (16), rolled back by trim.
         ("tiny-gemma3", "tiny-qwen3"),
         ("tiny-gemma3-q4", "tiny-gemma3"),
+        // A mixture of experts: a verification routes several tokens at once.
+        ("tiny-qwen3-moe", "tiny-qwen3"),
+        ("tiny-qwen3-moe-q4", "tiny-qwen3-moe"),
     ] {
         let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
         assert!(totals[1].0 > 0, "{target}: the draft model drafted nothing");

@@ -106,6 +106,7 @@ impl Config {
             mlp_bias: false,
             qk_norm: true,
             tied: true,
+            moe: None,
         }
     }
 

@@ -60,6 +60,8 @@ pub(crate) struct Dims {
     /// RMSNorm over each head of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub tied: bool,
+    /// Mixture-of-experts layers (Qwen3-MoE); `None`: every MLP is dense.
+    pub moe: Option<crate::moe::MoeDims>,
 }
 
 impl Dims {
@@ -86,6 +88,7 @@ impl Config {
             mlp_bias: self.mlp_bias,
             qk_norm: false,
             tied: self.tie_word_embeddings,
+            moe: None,
         }
     }
 }
@@ -392,9 +395,24 @@ impl Mlp {
     }
 }
 
+/// A block's feed-forward layer: a dense MLP, or a sparse mixture of experts.
+enum FeedForward {
+    Dense(Mlp),
+    Sparse(crate::moe::SparseMoe),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Sparse(m) => m.forward(x),
+        }
+    }
+}
+
 struct Block {
     self_attn: Attention,
-    mlp: Mlp,
+    mlp: FeedForward,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
 }
@@ -439,6 +457,16 @@ impl Model {
     /// `options` says so.
     pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, options: &LoadOptions) -> Result<Self> {
         let tp = Tp::of(options);
+        if tp.size > 1 && d.moe.is_some() {
+            return Err(crate::Error::Invalid(
+                "tensor parallelism over a mixture-of-experts model is not supported yet; run it on one rank".into(),
+            ));
+        }
+        if let Some(m) = &d.moe {
+            for (i, _) in m.sparse.iter().enumerate().filter(|(_, &s)| s) {
+                crate::moe::stack_experts(w, &format!("model.layers.{i}.mlp"), m.experts)?;
+            }
+        }
         let d = &if tp.size > 1 { shard(d, w, tp)? } else { d.clone() };
         if options.fuse_projections() {
             fuse(d, w)?;
@@ -449,7 +477,12 @@ impl Model {
                 let p = format!("model.layers.{i}");
                 Ok(Block {
                     self_attn: Attention::load(w, &format!("{p}.self_attn"), d, tp)?,
-                    mlp: Mlp::load(w, &format!("{p}.mlp"), d, Activation::Silu, tp)?,
+                    mlp: match &d.moe {
+                        Some(m) if m.sparse[i] => {
+                            FeedForward::Sparse(crate::moe::SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m)?)
+                        }
+                        _ => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), d, Activation::Silu, tp)?),
+                    },
                     input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
                     post_attention_layernorm: RmsNorm::load(
                         w,

@@ -3,14 +3,14 @@
 
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, Quantization, Weights};
-use crate::{gemma3, llama, qwen2, qwen3, CausalLm, Error, Result};
+use crate::{gemma3, llama, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
 use mlx::Device;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, gemma3_text";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -105,6 +105,7 @@ pub enum Arch {
     Llama(llama::Config),
     Qwen2(qwen2::Config),
     Qwen3(qwen3::Config),
+    Qwen3Moe(qwen3_moe::Config),
     Gemma3(gemma3::Config),
 }
 
@@ -119,6 +120,7 @@ impl Arch {
             "llama" | "mistral" => Arch::Llama(parse(config, path)?),
             "qwen2" => Arch::Qwen2(parse(config, path)?),
             "qwen3" => Arch::Qwen3(parse(config, path)?),
+            "qwen3_moe" => Arch::Qwen3Moe(parse(config, path)?),
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
@@ -139,6 +141,7 @@ impl Arch {
             }
             Arch::Qwen2(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
             Arch::Qwen3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Qwen3Moe(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
         }
     }
@@ -154,6 +157,13 @@ impl Arch {
             Arch::Qwen2(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Gemma3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Qwen3Moe(_) if n > 1 => {
+                return Err(Error::Invalid(
+                    "tensor parallelism over a mixture-of-experts model (qwen3_moe) is not supported yet; run it on one rank"
+                        .into(),
+                ))
+            }
+            Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
         };
         llama::check_split(heads, kv, ffn, n)
     }
@@ -163,6 +173,7 @@ impl Arch {
             Arch::Llama(_) => "llama",
             Arch::Qwen2(_) => "qwen2",
             Arch::Qwen3(_) => "qwen3",
+            Arch::Qwen3Moe(_) => "qwen3_moe",
             Arch::Gemma3(_) => "gemma3_text",
         }
     }
@@ -174,6 +185,7 @@ impl Arch {
             Arch::Llama(c) => Box::new(llama::Model::load(c, weights, options)?),
             Arch::Qwen2(c) => Box::new(qwen2::load(c, weights, options)?),
             Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, options)?),
+            Arch::Qwen3Moe(c) => Box::new(qwen3_moe::load(c, weights, options)?),
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
         })
     }

@@ -45,6 +45,7 @@ pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> 
         mlp_bias: false,
         qk_norm: true,
         tied: c.tie_word_embeddings,
+        moe: None,
     };
     llama::Model::load_dims(&dims, rope, weights, options)
 }

@@ -25,7 +25,12 @@ const FFN: usize = 128;
 /// Gemma 3's sliding window in the tiny `gemma3_text` (layer 0 slides, layer 1 is global).
 pub const GEMMA_WINDOW: usize = 8;
 
-/// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3 or gemma3_text).
+/// Experts and their MLP width in the tiny `qwen3_moe`.
+const MOE_EXPERTS: usize = 4;
+const MOE_FFN: usize = 32;
+
+/// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3, qwen3_moe or
+/// gemma3_text).
 pub fn config(model_type: &str) -> Value {
     let mut c = json!({
         "model_type": model_type,
@@ -35,6 +40,15 @@ pub fn config(model_type: &str) -> Value {
         "tie_word_embeddings": model_type != "llama",
         "eos_token_id": 2, "bos_token_id": 1,
     });
+    if model_type == "qwen3_moe" {
+        // Layer 0 is a mixture of 4 experts (2 per token), layer 1 a dense MLP.
+        c["num_experts"] = json!(MOE_EXPERTS);
+        c["num_experts_per_tok"] = json!(2);
+        c["decoder_sparse_step"] = json!(1);
+        c["mlp_only_layers"] = json!([1]);
+        c["moe_intermediate_size"] = json!(MOE_FFN);
+        c["norm_topk_prob"] = json!(true);
+    }
     if model_type == "gemma3_text" {
         c["sliding_window"] = json!(GEMMA_WINDOW);
         c["sliding_window_pattern"] = json!(LAYERS);
@@ -77,13 +91,24 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
             add(format!("{p}.self_attn.k_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.v_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
         }
-        if model_type == "qwen3" || model_type == "gemma3_text" {
+        if matches!(model_type, "qwen3" | "qwen3_moe" | "gemma3_text") {
             add(format!("{p}.self_attn.q_norm.weight"), &[HEAD_DIM], 1.0)?;
             add(format!("{p}.self_attn.k_norm.weight"), &[HEAD_DIM], 1.0)?;
         }
-        add(format!("{p}.mlp.gate_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
-        add(format!("{p}.mlp.up_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
-        add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+        if model_type == "qwen3_moe" && i == 0 {
+            // Hugging Face's layout: one module per expert (loading stacks them).
+            add(format!("{p}.mlp.gate.weight"), &[MOE_EXPERTS, HIDDEN], lin(HIDDEN))?;
+            for e in 0..MOE_EXPERTS {
+                let x = format!("{p}.mlp.experts.{e}");
+                add(format!("{x}.gate_proj.weight"), &[MOE_FFN, HIDDEN], lin(HIDDEN))?;
+                add(format!("{x}.up_proj.weight"), &[MOE_FFN, HIDDEN], lin(HIDDEN))?;
+                add(format!("{x}.down_proj.weight"), &[HIDDEN, MOE_FFN], lin(MOE_FFN))?;
+            }
+        } else {
+            add(format!("{p}.mlp.gate_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.up_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+        }
         add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 1.0)?;
         add(format!("{p}.post_attention_layernorm.weight"), &[HIDDEN], 1.0)?;
         if model_type == "gemma3_text" {

@@ -4,7 +4,7 @@ use mlx::{Array, Dtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-const ARCHS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3_text"];
+const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"];
 
 fn tokens(ids: &[i32]) -> Array {
     Array::from_i32(ids, &[1, ids.len()]).unwrap()
@@ -143,6 +143,62 @@ fn gemma3_sliding_layers_see_only_their_window() {
     // Decoding step by step (each step slicing the cache to the window) agrees.
     let (stepped, _) = decode_in_pieces(model.as_ref(), &far, &[1; 20]);
     assert!(max_abs_diff(&stepped.slice_axis(1, 19, 20).unwrap(), &last(&ids)) < 1e-4);
+}
+
+/// A sparse MoE layer equals its definition computed densely: every expert's SwiGLU MLP over
+/// every token, weighted by the token's renormalized softmax weight where the expert is among
+/// its top 2 by router score and by 0 elsewhere — both for few tokens (experts gathered per
+/// token) and for many (tokens sorted by expert first, from 64 (token, expert) pairs).
+#[test]
+fn a_moe_layer_equals_the_dense_weighted_sum_of_its_top_k_experts() {
+    let mut w = crate::weights::Weights::new(testing::weights("qwen3_moe", 6).unwrap(), Path::new("<t>"), "qwen3_moe");
+    let p = "model.layers.0.mlp";
+    let (experts, ffn) = (4, 32);
+    crate::moe::stack_experts(&mut w, p, experts).unwrap();
+    let dims = crate::moe::MoeDims { experts, top_k: 2, ffn, norm_topk_prob: true, sparse: vec![true] };
+    let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims).unwrap();
+    for n in [3, 40] {
+        let key = mlx::random::key(n as u64).unwrap();
+        let x = mlx::random::uniform(&[1, n, 64], &key).unwrap();
+        let got = moe.forward(&x).unwrap();
+        // The router's weights and each token's top 2 (from a full sort, not a partition).
+        let gate = w.get(&format!("{p}.gate.weight")).unwrap();
+        let probs = mlx::ops::matmul(&x, &gate.transpose(&[1, 0]).unwrap()).unwrap().softmax(&[-1], true).unwrap();
+        let probs = probs.reshape(&[-1]).unwrap().to_vec_f32().unwrap();
+        let mut weight = vec![0f32; n as usize * experts];
+        for t in 0..n as usize {
+            let row = &probs[t * experts..(t + 1) * experts];
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            let total = row[order[0]] + row[order[1]];
+            for &e in &order[..2] {
+                weight[t * experts + e] = row[e] / total;
+            }
+        }
+        let stacked = |name: &str| w.get(&format!("{p}.switch_mlp.{name}.weight")).unwrap();
+        let mut want = Array::zeros(&[1, n as usize, 64], Dtype::Float32).unwrap();
+        for e in 0..experts as i32 {
+            let m = |name: &str| {
+                stacked(name).slice_axis(0, e, e + 1).unwrap().reshape(&[-1, stacked(name).dim(2) as i32]).unwrap()
+            };
+            let lin = |a: &Array, name: &str| mlx::ops::matmul(a, &m(name).transpose(&[1, 0]).unwrap()).unwrap();
+            let y = lin(&mlx::ops::swiglu(&lin(&x, "gate_proj"), &lin(&x, "up_proj")).unwrap(), "down_proj");
+            let we: Vec<f32> = (0..n as usize).map(|t| weight[t * experts + e as usize]).collect();
+            let we = Array::from_f32(&we, &[1, n as usize, 1]).unwrap();
+            want = want.add(&y.multiply(&we).unwrap()).unwrap();
+        }
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1e-5, "{n} tokens: max diff {d}");
+    }
+}
+
+/// Tensor parallelism is refused for a mixture of experts before any rank starts.
+#[test]
+fn tensor_parallelism_over_a_moe_model_is_refused() {
+    let dir = write_model("moe-tp", "qwen3_moe");
+    let err = crate::check_tensor_parallel(&dir, 2).unwrap_err().to_string();
+    assert!(err.contains("mixture-of-experts") && err.contains("one rank"), "{err}");
+    crate::check_tensor_parallel(&dir, 1).unwrap();
 }
 
 #[test]
@@ -536,6 +592,11 @@ fn fused_projections_give_the_separate_projections_logits() {
                 for layer in 0..2 {
                     let p = format!("model.layers.{layer}");
                     assert!(w.contains(&format!("{p}.self_attn.fused_qkv.weight")), "{arch} {bits:?}");
+                    if arch == "qwen3_moe" && layer == 0 {
+                        // Experts are stacked, not fused.
+                        assert!(w.contains(&format!("{p}.mlp.switch_mlp.up_proj.weight")), "{arch} {bits:?}");
+                        continue;
+                    }
                     assert!(
                         w.contains(&format!("{p}.mlp.fused_gate_up.weight"))
                             && !w.contains(&format!("{p}.mlp.up_proj.weight"))

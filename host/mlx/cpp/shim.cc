@@ -589,6 +589,7 @@ BINARY(equal)
 BINARY(logical_and)
 BINARY(logical_or)
 BINARY(power)
+BINARY(floor_divide)
 #undef BINARY
 
 #define UNARY(name) \
@@ -678,6 +679,17 @@ Ptr quantized_matmul(const array& x, const array& w, const array& scales, const 
     return wrap(qmv4(x, w, scales, biases, group_size));
   }
   return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
+}
+// The products of mixture-of-experts layers (mlx-lm's SwitchLinear and QuantizedSwitchLinear):
+// row i of `x` times the expert matrix `rhs_indices[i]` picks.
+Ptr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted_indices) {
+  return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted_indices));
+}
+Ptr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+               const array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
+               bool sorted_indices) {
+  return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, transpose, group_size, bits,
+                             "affine", std::nullopt, sorted_indices));
 }
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                int32_t bits, uint8_t dt) {

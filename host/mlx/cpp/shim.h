@@ -66,6 +66,7 @@ Ptr equal(const array& a, const array& b);
 Ptr logical_and(const array& a, const array& b);
 Ptr logical_or(const array& a, const array& b);
 Ptr power(const array& a, const array& b);
+Ptr floor_divide(const array& a, const array& b);
 Ptr negative(const array& a);
 Ptr exp(const array& a);
 Ptr log(const array& a);
@@ -108,6 +109,10 @@ Ptr addmm(const array& c, const array& a, const array& b, float alpha, float bet
 // shim.cc); MLX's own kernel otherwise.
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                      bool transpose, int32_t group_size, int32_t bits, bool host_kernels);
+Ptr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted_indices);
+Ptr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+               const array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
+               bool sorted_indices);
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                int32_t bits, uint8_t dtype);
 std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits);

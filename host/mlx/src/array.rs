@@ -204,6 +204,10 @@ impl Array {
     pub fn logical_or(&self, o: &Array) -> Result<Array> {
         wrap(ffi::logical_or(&self.0, &o.0))
     }
+    /// `self // o` (integer division rounding down, for integer arrays).
+    pub fn floor_divide(&self, o: &Array) -> Result<Array> {
+        wrap(ffi::floor_divide(&self.0, &o.0))
+    }
     pub fn power(&self, o: &Array) -> Result<Array> {
         wrap(ffi::power(&self.0, &o.0))
     }

@@ -47,6 +47,7 @@ pub(crate) mod ffi {
         fn logical_and(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn logical_or(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn power(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn floor_divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn negative(a: &array) -> Result<UniquePtr<array>>;
         fn exp(a: &array) -> Result<UniquePtr<array>>;
         fn log(a: &array) -> Result<UniquePtr<array>>;
@@ -96,6 +97,18 @@ pub(crate) mod ffi {
             group_size: i32,
             bits: i32,
             host_kernels: bool,
+        ) -> Result<UniquePtr<array>>;
+        fn gather_mm(a: &array, b: &array, rhs_indices: &array, sorted_indices: bool) -> Result<UniquePtr<array>>;
+        fn gather_qmm(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            rhs_indices: &array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            sorted_indices: bool,
         ) -> Result<UniquePtr<array>>;
         fn dequantize(
             w: &array,

@@ -64,6 +64,29 @@ pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
     wrap(ffi::concatenate(&list(arrays), axis))
 }
 
+/// `a @ b[rhs_indices]` batched (`mx.gather_mm` with only right-hand indices): the expert
+/// products of a mixture-of-experts layer. `sorted_indices` promises the indices are sorted.
+pub fn gather_mm(a: &Array, b: &Array, rhs_indices: &Array, sorted_indices: bool) -> Result<Array> {
+    wrap(ffi::gather_mm(&a.0, &b.0, &rhs_indices.0, sorted_indices))
+}
+
+/// `gather_mm` over MLX affine-quantized expert matrices (`mx.gather_qmm`, `transpose` as in
+/// `quantized_matmul`).
+#[allow(clippy::too_many_arguments)]
+pub fn gather_qmm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    rhs_indices: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+    sorted_indices: bool,
+) -> Result<Array> {
+    wrap(ffi::gather_qmm(&x.0, &w.0, &scales.0, &biases.0, &rhs_indices.0, transpose, group_size, bits, sorted_indices))
+}
+
 /// `silu(gate) * x`, compiled as mlx-lm compiles it (same fused kernel, same rounding).
 pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
     wrap(ffi::swiglu(&gate.0, &x.0))

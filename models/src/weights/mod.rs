@@ -173,6 +173,11 @@ impl Weights {
         Ok(a)
     }
 
+    /// Sets module `prefix`'s quantization (a module made at load, like stacked experts).
+    pub fn set_quantization(&mut self, prefix: &str, q: Option<Quantization>) {
+        self.overrides.insert(prefix.to_string(), q);
+    }
+
     /// The quantization of module `prefix`, if its weight is quantized.
     pub fn quantization_of(&self, prefix: &str) -> Result<Option<Quantization>> {
         if !self.contains(&format!("{prefix}.scales")) {
