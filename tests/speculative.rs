@@ -89,6 +89,9 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
         // A mixture of experts: a verification routes several tokens at once.
         ("tiny-qwen3-moe", "tiny-qwen3"),
         ("tiny-qwen3-moe-q4", "tiny-qwen3-moe"),
+        // Sinks, sliding layers and experts together.
+        ("tiny-gpt-oss", "tiny-qwen3"),
+        ("tiny-gpt-oss-q4", "tiny-gpt-oss"),
     ] {
         let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
         assert!(totals[1].0 > 0, "{target}: the draft model drafted nothing");

@@ -107,6 +107,7 @@ impl Config {
             qk_norm: true,
             tied: true,
             moe: None,
+            windows: Vec::new(),
         }
     }
 

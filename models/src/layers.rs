@@ -126,25 +126,38 @@ pub fn causal_mask(len: usize, offset: usize) -> Result<Array> {
     Ok(rows.greater_equal(&cols)?)
 }
 
-/// `fast::scaled_dot_product_attention`, except that a boolean mask over a short query
-/// ([`short_query`]), which is always a [`causal_mask`], runs the host's CUDA kernel for it
-/// where that applies (`fast::short_causal_attention`) and [`attention_unfused`] elsewhere.
-pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
+/// `fast::scaled_dot_product_attention` (with `sinks`, GPT-OSS's per-head sink logits, where
+/// given), except that a boolean mask over a short query ([`short_query`]), which is always a
+/// [`causal_mask`], runs the host's CUDA kernel for it where that applies
+/// (`fast::short_causal_attention`, which has no sinks) and [`attention_unfused`] elsewhere.
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>, sinks: Option<&Array>) -> Result<Array> {
     match mask {
         Mask::Array(m) if short_query(q.dim(2)) && m.dtype() == Dtype::Bool => {
-            match fast::short_causal_attention(q, k, v, scale)? {
+            let fused = if sinks.is_none() { fast::short_causal_attention(q, k, v, scale)? } else { None };
+            match fused {
                 Some(o) => Ok(o),
-                None => attention_unfused(q, k, v, scale, m),
+                None => attention_unfused(q, k, v, scale, m, sinks),
             }
         }
-        mask => Ok(fast::scaled_dot_product_attention(q, k, v, scale, mask)?),
+        mask => Ok(match sinks {
+            Some(sinks) => fast::scaled_dot_product_attention_sinks(q, k, v, scale, mask, sinks)?,
+            None => fast::scaled_dot_product_attention(q, k, v, scale, mask)?,
+        }),
     }
 }
 
 /// Attention of `q` `[B, H, L, D]` over `k`, `v` `[B, KVH, S, D]` with a boolean `mask`
-/// broadcastable to `[L, S]`, op for op as MLX's fallback for the fused op computes it: on the
-/// CPU the result is the fused op's, bit for bit (with [`causal_mask`], the causal one's).
-pub fn attention_unfused(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<Array> {
+/// broadcastable to `[L, S]` (and `sinks`, `[H]`, as one more logit per head in the softmax),
+/// op for op as MLX's fallback for the fused op computes it: on the CPU the result is the
+/// fused op's, bit for bit (with [`causal_mask`], the causal one's).
+pub fn attention_unfused(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Array,
+    sinks: Option<&Array>,
+) -> Result<Array> {
     let (b, h, l, d) = (q.dim(0) as i32, q.dim(1) as i32, q.dim(2) as i32, q.dim(3) as i32);
     let kv_heads = k.dim(1) as i32;
     let dtype = q.dtype();
@@ -161,7 +174,23 @@ pub fn attention_unfused(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Arr
     axes.swap(last - 1, last - 2);
     let scores = ops::matmul(&q, &k.transpose(&axes)?)?;
     let lowest = Array::scalar(lowest_finite(dtype), dtype)?;
-    let scores = ops::where_(mask, &scores, &lowest)?.softmax(&[-1], true)?;
+    let mut scores = ops::where_(mask, &scores, &lowest)?;
+    if let Some(sinks) = sinks {
+        // A first column of each head's sink logit, dropped after the softmax.
+        let mut shape: Vec<i32> = scores.shape().iter().map(|&n| n as i32).collect();
+        let mut per_head = vec![1, h, 1, 1];
+        if repeats > 1 {
+            per_head = vec![1, kv_heads, repeats, 1, 1];
+        }
+        let column = sinks.astype(dtype)?.reshape(&per_head)?;
+        *shape.last_mut().expect("scores have axes") = 1;
+        scores = ops::concatenate(&[&column.broadcast_to(&shape)?, &scores], -1)?;
+    }
+    let mut scores = scores.softmax(&[-1], true)?;
+    if sinks.is_some() {
+        let last = scores.ndim() as i32 - 1;
+        scores = scores.slice_axis(last, 1, scores.dim(-1) as i32)?;
+    }
     let out = ops::matmul(&scores, &v)?;
     Ok(if repeats > 1 { out.reshape(&[b, h, l, d])? } else { out })
 }
@@ -197,8 +226,9 @@ impl RmsNorm {
 pub enum Rope {
     /// `nn.RoPE` (also "linear" scaling, as `scale = 1 / factor`).
     Default { dims: i32, traditional: bool, base: f32, scale: f32 },
-    /// `Llama3RoPE`: explicit per-pair frequencies.
-    Freqs { dims: i32, traditional: bool, freqs: Array },
+    /// `Llama3RoPE` and `YarnRoPE`: explicit per-pair frequencies; YaRN also scales the
+    /// rotated dimensions of its input by `input_scale` (its `mscale`), 1 otherwise.
+    Freqs { dims: i32, traditional: bool, freqs: Array, input_scale: f32 },
 }
 
 fn number(cfg: &Value, key: &str) -> Option<f64> {
@@ -233,10 +263,24 @@ impl Rope {
                     number(s, "high_freq_factor").unwrap_or(4.0) as f32,
                     number(s, "original_max_position_embeddings").unwrap_or(8192.0) as f32,
                 )?;
-                Ok(Rope::Freqs { dims, traditional, freqs })
+                Ok(Rope::Freqs { dims, traditional, freqs, input_scale: 1.0 })
+            }
+            "yarn" => {
+                let s = scaling.expect("yarn rope type comes from a scaling config");
+                let (freqs, mscale) = yarn_freqs(
+                    dims,
+                    base,
+                    factor()?,
+                    number(s, "original_max_position_embeddings").unwrap_or(4096.0),
+                    number(s, "beta_fast").unwrap_or(32.0),
+                    number(s, "beta_slow").unwrap_or(1.0),
+                    number(s, "mscale").unwrap_or(1.0),
+                    number(s, "mscale_all_dim").unwrap_or(0.0),
+                )?;
+                Ok(Rope::Freqs { dims, traditional, freqs, input_scale: mscale as f32 })
             }
             other => Err(Error::Invalid(format!(
-                "rope_scaling type {other:?} is not supported; supported: default, linear, llama3"
+                "rope_scaling type {other:?} is not supported; supported: default, linear, llama3, yarn"
             ))),
         }
     }
@@ -249,9 +293,14 @@ impl Rope {
                 Rope::Default { dims, traditional, base, scale } => {
                     fast::rope_rows(x, *dims, *traditional, *base, *scale, offsets)?
                 }
-                Rope::Freqs { dims, traditional, freqs } => {
-                    fast::rope_rows_with_freqs(x, *dims, *traditional, 1.0, offsets, freqs)?
-                }
+                Rope::Freqs { dims, traditional, freqs, input_scale } => fast::rope_rows_with_freqs(
+                    &scaled_input(x, *dims, *input_scale)?,
+                    *dims,
+                    *traditional,
+                    1.0,
+                    offsets,
+                    freqs,
+                )?,
             }),
         }
     }
@@ -262,8 +311,8 @@ impl Rope {
             Rope::Default { dims, traditional, base, scale } => {
                 fast::rope(x, *dims, *traditional, *base, *scale, offset)?
             }
-            Rope::Freqs { dims, traditional, freqs } => {
-                fast::rope_with_freqs(x, *dims, *traditional, 1.0, offset, freqs)?
+            Rope::Freqs { dims, traditional, freqs, input_scale } => {
+                fast::rope_with_freqs(&scaled_input(x, *dims, *input_scale)?, *dims, *traditional, 1.0, offset, freqs)?
             }
         })
     }
@@ -274,6 +323,57 @@ impl Rope {
 pub enum Positions<'a> {
     From(usize),
     Rows(&'a Array),
+}
+
+/// `x` with its first `dims` features multiplied by `scale` (YaRN's `x.at[..., :dims].multiply`).
+fn scaled_input(x: &Array, dims: i32, scale: f32) -> Result<Array> {
+    if scale == 1.0 {
+        return Ok(x.clone());
+    }
+    let s = Array::scalar(scale, x.dtype())?;
+    let last = x.ndim() as i32 - 1;
+    let width = x.dim(-1) as i32;
+    if dims >= width {
+        return Ok(x.multiply(&s)?);
+    }
+    let head = x.slice_axis(last, 0, dims)?.multiply(&s)?;
+    Ok(ops::concatenate(&[&head, &x.slice_axis(last, dims, width)?], last)?)
+}
+
+/// mlx-lm's `YarnRoPE.__init__`: the frequencies (same MLX ops, same order) and `mscale`.
+#[allow(clippy::too_many_arguments)]
+fn yarn_freqs(
+    dims: i32,
+    base: f64,
+    factor: f64,
+    original_ctx: f64,
+    beta_fast: f64,
+    beta_slow: f64,
+    mscale: f64,
+    mscale_all_dim: f64,
+) -> Result<(Array, f64)> {
+    let d = dims as f64;
+    let correction_dim =
+        |rotations: f64| d * (original_ctx / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+    let low = correction_dim(beta_fast).floor().max(0.0);
+    let high = correction_dim(beta_slow).ceil().min(d - 1.0);
+    let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let input_scale = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
+    let s = |v: f64| Array::scalar(v as f32, Dtype::Float32);
+    let exponents = Array::arange(0.0, d, 2.0, Dtype::Float32)?.divide(&s(d)?)?;
+    let freq_extra = s(base)?.power(&exponents)?;
+    let freq_inter = s(factor)?.multiply(&freq_extra)?;
+    let high = if low == high { high + 0.001 } else { high };
+    let ramp = Array::arange(0.0, (dims / 2) as f64, 1.0, Dtype::Float32)?
+        .subtract(&s(low)?)?
+        .divide(&s(high - low)?)?
+        .maximum(&s(0.0)?)?
+        .minimum(&s(1.0)?)?;
+    let one = s(1.0)?;
+    let freq_mask = one.subtract(&ramp)?;
+    let numerator = freq_inter.multiply(&freq_extra)?;
+    let denominator = freq_inter.multiply(&freq_mask)?.add(&freq_extra.multiply(&one.subtract(&freq_mask)?)?)?;
+    Ok((numerator.divide(&denominator)?, input_scale))
 }
 
 /// mlx-lm's `Llama3RoPE.__init__`, with the same MLX ops in the same order.

@@ -60,8 +60,11 @@ pub(crate) struct Dims {
     /// RMSNorm over each head of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub tied: bool,
-    /// Mixture-of-experts layers (Qwen3-MoE); `None`: every MLP is dense.
+    /// Mixture-of-experts layers (Qwen3-MoE, GPT-OSS); `None`: every MLP is dense.
     pub moe: Option<crate::moe::MoeDims>,
+    /// Each layer's sliding window (GPT-OSS's sliding layers), `None` for full attention;
+    /// empty: every layer attends fully.
+    pub windows: Vec<Option<usize>>,
 }
 
 impl Dims {
@@ -89,6 +92,7 @@ impl Config {
             qk_norm: false,
             tied: self.tie_word_embeddings,
             moe: None,
+            windows: Vec::new(),
         }
     }
 }
@@ -187,6 +191,8 @@ pub(crate) struct Attention {
     /// Sliding-window attention (Gemma 3's local layers): a query sees the last `window`
     /// positions, itself included.
     window: Option<usize>,
+    /// GPT-OSS's attention sinks: a learned logit per head in every softmax.
+    sinks: Option<Array>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
     reduce: bool,
 }
@@ -217,6 +223,7 @@ impl Attention {
             n_kv_heads: d.n_kv_heads as i32,
             scale: (d.head_dim as f64).powf(-0.5) as f32,
             window: None,
+            sinks: None,
             reduce: tp.size > 1,
         })
     }
@@ -229,6 +236,11 @@ impl Attention {
     /// With these per-head norms of q and k (Gemma's scale by `1 + weight`).
     pub(crate) fn with_qk_norms(self, q_norm: RmsNorm, k_norm: RmsNorm) -> Self {
         Attention { q_norm: Some(q_norm), k_norm: Some(k_norm), ..self }
+    }
+
+    /// With attention sinks (`[n_heads]`).
+    pub(crate) fn with_sinks(self, sinks: Option<Array>) -> Self {
+        Attention { sinks, ..self }
     }
 
     /// Attending over a sliding window of `window` positions.
@@ -271,8 +283,10 @@ impl Attention {
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let o = match self.window {
-            Some(window) if k.dim(2) > window => windowed_attention(&q, &k, &v, self.scale, mask, window)?,
-            _ => attention(&q, &k, &v, self.scale, mask_ref(mask))?,
+            Some(window) if k.dim(2) > window => {
+                windowed_attention(&q, &k, &v, self.scale, mask, window, self.sinks.as_ref())?
+            }
+            _ => attention(&q, &k, &v, self.scale, mask_ref(mask), self.sinks.as_ref())?,
         };
         reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
     }
@@ -283,7 +297,15 @@ impl Attention {
 /// mask over all S positions: causal when L > 1 (a single sequence or a fork of one), and for
 /// one query none or a batch's padding mask. The keys no query can see are sliced off, so a
 /// decode step reads `window` positions whatever the sequence's length.
-fn windowed_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask<'_>, window: usize) -> Result<Array> {
+fn windowed_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Mask<'_>,
+    window: usize,
+    sinks: Option<&Array>,
+) -> Result<Array> {
     let (l, s) = (q.dim(2), k.dim(2));
     // The first query, at position s - l, sees positions from s - l + 1 - window on.
     let lo = (s + 1).saturating_sub(l + window);
@@ -293,9 +315,9 @@ fn windowed_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask<'
         return match mask {
             Mask::Array(m) => {
                 let last = m.ndim() as i32 - 1;
-                attention(q, &k, &v, scale, Mask::Array(&m.slice_axis(last, lo as i32, s as i32)?))
+                attention(q, &k, &v, scale, Mask::Array(&m.slice_axis(last, lo as i32, s as i32)?), sinks)
             }
-            _ => attention(q, &k, &v, scale, Mask::None),
+            _ => attention(q, &k, &v, scale, Mask::None, sinks),
         };
     }
     // Query i (position s - l + i) sees key j (position lo + j) when 0 <= (s - l + i) - (lo + j) < window.
@@ -307,9 +329,9 @@ fn windowed_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask<'
         .logical_and(&since.less(&Array::scalar(window as f32, Dtype::Int32)?)?)?;
     if short_query(l) {
         // Not the short causal kernel: this mask is not the plain causal one.
-        attention_unfused(q, &k, &v, scale, &visible)
+        attention_unfused(q, &k, &v, scale, &visible, sinks)
     } else {
-        Ok(mlx::fast::scaled_dot_product_attention(q, &k, &v, scale, Mask::Array(&visible))?)
+        attention(q, &k, &v, scale, Mask::Array(&visible), sinks)
     }
 }
 
@@ -475,8 +497,12 @@ impl Model {
         let layers = (0..d.layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
+                let sinks = format!("{p}.self_attn.sinks");
+                let sinks = w.contains(&sinks).then(|| w.get_shaped(&sinks, &[d.n_heads])).transpose()?;
                 Ok(Block {
-                    self_attn: Attention::load(w, &format!("{p}.self_attn"), d, tp)?,
+                    self_attn: Attention::load(w, &format!("{p}.self_attn"), d, tp)?
+                        .windowed(d.windows.get(i).copied().flatten())
+                        .with_sinks(sinks),
                     mlp: match &d.moe {
                         Some(m) if m.sparse[i] => {
                             FeedForward::Sparse(crate::moe::SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m)?)

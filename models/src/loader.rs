@@ -3,14 +3,14 @@
 
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, Quantization, Weights};
-use crate::{gemma3, llama, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
+use crate::{gemma3, gpt_oss, llama, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
 use mlx::Device;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -107,6 +107,7 @@ pub enum Arch {
     Qwen3(qwen3::Config),
     Qwen3Moe(qwen3_moe::Config),
     Gemma3(gemma3::Config),
+    GptOss(gpt_oss::Config),
 }
 
 impl Arch {
@@ -122,6 +123,7 @@ impl Arch {
             "qwen3" => Arch::Qwen3(parse(config, path)?),
             "qwen3_moe" => Arch::Qwen3Moe(parse(config, path)?),
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
+            "gpt_oss" => Arch::GptOss(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
                     found: other.to_string(),
@@ -143,6 +145,7 @@ impl Arch {
             Arch::Qwen3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Qwen3Moe(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
         }
     }
 
@@ -157,12 +160,13 @@ impl Arch {
             Arch::Qwen2(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Gemma3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
-            Arch::Qwen3Moe(_) if n > 1 => {
-                return Err(Error::Invalid(
-                    "tensor parallelism over a mixture-of-experts model (qwen3_moe) is not supported yet; run it on one rank"
-                        .into(),
-                ))
+            Arch::Qwen3Moe(_) | Arch::GptOss(_) if n > 1 => {
+                return Err(Error::Invalid(format!(
+                    "tensor parallelism over a mixture-of-experts model ({}) is not supported yet; run it on one rank",
+                    self.name()
+                )))
             }
+            Arch::GptOss(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
         };
         llama::check_split(heads, kv, ffn, n)
@@ -175,6 +179,7 @@ impl Arch {
             Arch::Qwen3(_) => "qwen3",
             Arch::Qwen3Moe(_) => "qwen3_moe",
             Arch::Gemma3(_) => "gemma3_text",
+            Arch::GptOss(_) => "gpt_oss",
         }
     }
 
@@ -187,6 +192,7 @@ impl Arch {
             Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, options)?),
             Arch::Qwen3Moe(c) => Box::new(qwen3_moe::load(c, weights, options)?),
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
+            Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
         })
     }
 }
@@ -269,7 +275,9 @@ fn build(
     for n in unused {
         weights.remove(&n);
     }
-    if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
+    // GPT-OSS has its own head whatever the config says (mlx-lm's model always makes one).
+    let tied_by_default = !matches!(arch, Arch::GptOss(_));
+    if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(tied_by_default) && tied_by_default {
         weights.remove("lm_head.weight");
     }
     let model = arch.model(&mut weights, options)?;

@@ -8,13 +8,36 @@ use crate::weights::{Quantization, Weights};
 use crate::{Error, Result};
 use mlx::{ops, Array, Device, Dtype};
 
-/// `SwitchLinear` or `QuantizedSwitchLinear`: one `[out, in]` matrix per expert.
-enum SwitchLinear {
+/// `SwitchLinear` or `QuantizedSwitchLinear`: one `[out, in]` matrix per expert, and one
+/// `[out]` bias per expert where the model has them (GPT-OSS).
+struct SwitchLinear {
+    matrix: SwitchMatrix,
+    bias: Option<Array>,
+}
+
+enum SwitchMatrix {
     Dense { weight: Array },
     Quantized { weight: Array, scales: Array, biases: Array, q: Quantization },
 }
 
 impl SwitchLinear {
+    fn load(w: &Weights, prefix: &str, experts: usize, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
+        let bias = if bias { Some(w.get_shaped(&format!("{prefix}.bias"), &[experts, out_dim])?) } else { None };
+        Ok(SwitchLinear { matrix: SwitchMatrix::load(w, prefix, experts, in_dim, out_dim)?, bias })
+    }
+
+    /// Each row of `x` times its expert's matrix (`indices`, broadcast against x's batch
+    /// axes), plus its expert's bias.
+    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        let y = self.matrix.forward(x, indices, sorted)?;
+        match &self.bias {
+            Some(b) => Ok(y.add(&b.take(indices, 0)?.expand_dims(&[-2])?)?),
+            None => Ok(y),
+        }
+    }
+}
+
+impl SwitchMatrix {
     fn load(w: &Weights, prefix: &str, experts: usize, in_dim: usize, out_dim: usize) -> Result<Self> {
         match w.quantization_of(prefix)? {
             None => {
@@ -24,12 +47,12 @@ impl SwitchLinear {
                     weight = weight.astype(Dtype::Float32)?;
                     weight.eval()?;
                 }
-                Ok(SwitchLinear::Dense { weight })
+                Ok(SwitchMatrix::Dense { weight })
             }
             Some(q) => {
                 let groups = in_dim / q.group_size as usize;
                 let packed = in_dim * q.bits as usize / 32;
-                Ok(SwitchLinear::Quantized {
+                Ok(SwitchMatrix::Quantized {
                     weight: w.get_shaped(&format!("{prefix}.weight"), &[experts, out_dim, packed])?,
                     scales: w.get_shaped(&format!("{prefix}.scales"), &[experts, out_dim, groups])?,
                     biases: w.get_shaped(&format!("{prefix}.biases"), &[experts, out_dim, groups])?,
@@ -39,26 +62,45 @@ impl SwitchLinear {
         }
     }
 
-    /// Each row of `x` times its expert's matrix (`indices`, broadcast against x's batch axes).
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
-            SwitchLinear::Dense { weight } if weight.dtype() != x.dtype() => {
+            SwitchMatrix::Dense { weight } if weight.dtype() != x.dtype() => {
                 let y = ops::gather_mm(&x.astype(weight.dtype())?, &weight.transpose(&[0, 2, 1])?, indices, sorted)?;
                 y.astype(x.dtype())?
             }
-            SwitchLinear::Dense { weight } => ops::gather_mm(x, &weight.transpose(&[0, 2, 1])?, indices, sorted)?,
-            SwitchLinear::Quantized { weight, scales, biases, q } => {
+            SwitchMatrix::Dense { weight } => ops::gather_mm(x, &weight.transpose(&[0, 2, 1])?, indices, sorted)?,
+            SwitchMatrix::Quantized { weight, scales, biases, q } => {
                 ops::gather_qmm(x, weight, scales, biases, indices, true, q.group_size, q.bits, sorted)?
             }
         })
     }
 }
 
-/// `SwitchGLU`: each token through its top-k experts' SwiGLU MLPs.
+/// `SwitchGLU`: each token through its top-k experts' gated MLPs.
 struct SwitchGlu {
     gate_proj: SwitchLinear,
     up_proj: SwitchLinear,
     down_proj: SwitchLinear,
+    activation: ExpertActivation,
+}
+
+/// The experts' gate activation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ExpertActivation {
+    /// `silu(gate) * up` (Qwen).
+    Swiglu,
+    /// GPT-OSS's `swiglu_oai`: the gate clipped above at 7, the linear part to ±7, then
+    /// `(up + 1) * gate * sigmoid(1.702 gate)`.
+    SwigluOai,
+}
+
+impl ExpertActivation {
+    fn apply(self, gate: &Array, up: &Array) -> Result<Array> {
+        match self {
+            ExpertActivation::Swiglu => Ok(ops::swiglu(gate, up)?),
+            ExpertActivation::SwigluOai => Ok(ops::swiglu_oai(gate, up)?),
+        }
+    }
 }
 
 /// From this many (token, expert) pairs up, tokens are sorted by expert first (mlx-lm's
@@ -84,7 +126,7 @@ impl SwitchGlu {
         };
         let up = self.up_proj.forward(&x, &idx, sort)?;
         let gate = self.gate_proj.forward(&x, &idx, sort)?;
-        let y = self.down_proj.forward(&ops::swiglu(&gate, &up)?, &idx, sort)?;
+        let y = self.down_proj.forward(&self.activation.apply(&gate, &up)?, &idx, sort)?;
         let y = match inverse {
             Some(inverse) => {
                 // `_scatter_unsort`: back to token order, then to `[..., k, 1, D]`.
@@ -110,6 +152,38 @@ pub(crate) struct MoeDims {
     pub norm_topk_prob: bool,
     /// Whether each layer is sparse (the others have a dense MLP).
     pub sparse: Vec<bool>,
+    pub router: Router,
+    pub activation: ExpertActivation,
+    /// The router and the experts have biases (GPT-OSS).
+    pub bias: bool,
+    /// Module names under the MLP: the router's and the stacked experts'.
+    pub names: (&'static str, &'static str),
+}
+
+/// How the router's logits become each token's experts and their weights.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Router {
+    /// Softmax over all experts, then the top k (renormalized with `norm_topk_prob`): Qwen.
+    SoftmaxTopK,
+    /// The top k logits, then a softmax over those k: GPT-OSS.
+    TopKSoftmax,
+}
+
+impl MoeDims {
+    /// Qwen MoE's: `gate` and `switch_mlp`, SwiGLU experts, no biases.
+    pub(crate) fn qwen(experts: usize, top_k: usize, ffn: usize, norm_topk_prob: bool, sparse: Vec<bool>) -> Self {
+        MoeDims {
+            experts,
+            top_k,
+            ffn,
+            norm_topk_prob,
+            sparse,
+            router: Router::SoftmaxTopK,
+            activation: ExpertActivation::Swiglu,
+            bias: false,
+            names: ("gate", "switch_mlp"),
+        }
+    }
 }
 
 /// A Qwen MoE block: a softmax router over `experts`, each token through its `top_k`
@@ -119,10 +193,12 @@ pub(crate) struct SparseMoe {
     switch_mlp: SwitchGlu,
     top_k: usize,
     norm_topk_prob: bool,
+    router: Router,
 }
 
 impl SparseMoe {
-    /// The block under `p` (`{p}.gate`, `{p}.switch_mlp.{gate,up,down}_proj`).
+    /// The block under `p` (the router `{p}.gate`, the experts `{p}.switch_mlp.{gate,up,down}_proj`,
+    /// or the names `m` gives).
     pub(crate) fn load(w: &Weights, p: &str, hidden: usize, m: &MoeDims) -> Result<Self> {
         if m.top_k == 0 || m.top_k > m.experts {
             return Err(Error::Invalid(format!(
@@ -130,29 +206,44 @@ impl SparseMoe {
                 m.top_k, m.experts
             )));
         }
-        let s = format!("{p}.switch_mlp");
+        let (router, experts) = m.names;
+        let s = format!("{p}.{experts}");
+        let e = m.experts;
         Ok(SparseMoe {
-            gate: Linear::load(w, &format!("{p}.gate"), hidden, m.experts, false)?,
+            gate: Linear::load(w, &format!("{p}.{router}"), hidden, e, m.bias)?,
             switch_mlp: SwitchGlu {
-                gate_proj: SwitchLinear::load(w, &format!("{s}.gate_proj"), m.experts, hidden, m.ffn)?,
-                up_proj: SwitchLinear::load(w, &format!("{s}.up_proj"), m.experts, hidden, m.ffn)?,
-                down_proj: SwitchLinear::load(w, &format!("{s}.down_proj"), m.experts, m.ffn, hidden)?,
+                gate_proj: SwitchLinear::load(w, &format!("{s}.gate_proj"), e, hidden, m.ffn, m.bias)?,
+                up_proj: SwitchLinear::load(w, &format!("{s}.up_proj"), e, hidden, m.ffn, m.bias)?,
+                down_proj: SwitchLinear::load(w, &format!("{s}.down_proj"), e, m.ffn, hidden, m.bias)?,
+                activation: m.activation,
             },
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
+            router: m.router,
         })
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        let gates = self.gate.forward(x)?.softmax(&[-1], true)?;
-        let last = gates.ndim() as i32 - 1;
-        let experts = gates.dim(-1) as i32;
-        let k = self.top_k as i32;
-        let inds = gates.argpartition(-k, -1)?.slice_axis(last, experts - k, experts)?;
-        let mut scores = gates.take_along_axis(&inds, -1)?;
-        if self.norm_topk_prob {
-            scores = scores.divide(&scores.sum(&[-1], true)?)?;
-        }
+        let logits = self.gate.forward(x)?;
+        // mlx-lm's top k: the last k of an argpartition.
+        let top_k = |a: &Array| -> Result<(Array, Array)> {
+            let (last, n, k) = (a.ndim() as i32 - 1, a.dim(-1) as i32, self.top_k as i32);
+            let inds = a.argpartition(-k, -1)?.slice_axis(last, n - k, n)?;
+            Ok((a.take_along_axis(&inds, -1)?, inds))
+        };
+        let (scores, inds) = match self.router {
+            Router::SoftmaxTopK => {
+                let (mut scores, inds) = top_k(&logits.softmax(&[-1], true)?)?;
+                if self.norm_topk_prob {
+                    scores = scores.divide(&scores.sum(&[-1], true)?)?;
+                }
+                (scores, inds)
+            }
+            Router::TopKSoftmax => {
+                let (values, inds) = top_k(&logits)?;
+                (values.softmax(&[-1], true)?, inds)
+            }
+        };
         let y = self.switch_mlp.forward(x, &inds)?;
         let dtype = y.dtype();
         Ok(y.multiply(&scores.expand_dims(&[-1])?)?.sum(&[-2], false)?.astype(dtype)?)

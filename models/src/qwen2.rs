@@ -50,6 +50,7 @@ pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> 
         qk_norm: false,
         tied: c.tie_word_embeddings,
         moe: None,
+        windows: Vec::new(),
     };
     let rope = Rope::new(head_dim, c.rope_theta, c.rope_traditional, c.rope_scaling.as_ref())?;
     llama::Model::load_dims(&dims, rope, weights, options)

@@ -46,6 +46,7 @@ pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> 
         qk_norm: true,
         tied: c.tie_word_embeddings,
         moe: None,
+        windows: Vec::new(),
     };
     llama::Model::load_dims(&dims, rope, weights, options)
 }

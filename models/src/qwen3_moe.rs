@@ -61,13 +61,14 @@ pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> 
         mlp_bias: false,
         qk_norm: true,
         tied: c.tie_word_embeddings,
-        moe: Some(MoeDims {
-            experts: c.num_experts,
-            top_k: c.num_experts_per_tok,
-            ffn: c.moe_intermediate_size,
-            norm_topk_prob: c.norm_topk_prob,
-            sparse: (0..c.num_hidden_layers).map(|i| c.is_sparse(i)).collect(),
-        }),
+        moe: Some(MoeDims::qwen(
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.norm_topk_prob,
+            (0..c.num_hidden_layers).map(|i| c.is_sparse(i)).collect(),
+        )),
+        windows: Vec::new(),
     };
     llama::Model::load_dims(&dims, rope, weights, options)
 }

@@ -37,7 +37,7 @@ pub fn config(model_type: &str) -> Value {
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0,
-        "tie_word_embeddings": model_type != "llama",
+        "tie_word_embeddings": model_type != "llama" && model_type != "gpt_oss",
         "eos_token_id": 2, "bos_token_id": 1,
     });
     if model_type == "qwen3_moe" {
@@ -48,6 +48,15 @@ pub fn config(model_type: &str) -> Value {
         c["mlp_only_layers"] = json!([1]);
         c["moe_intermediate_size"] = json!(MOE_FFN);
         c["norm_topk_prob"] = json!(true);
+    }
+    if model_type == "gpt_oss" {
+        // Layer 0 slides (window 8), layer 1 attends fully; 4 experts, 2 per token; YaRN.
+        c["num_local_experts"] = json!(MOE_EXPERTS);
+        c["num_experts_per_tok"] = json!(2);
+        c["sliding_window"] = json!(GEMMA_WINDOW);
+        c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0});
+        c["tie_word_embeddings"] = json!(false);
     }
     if model_type == "gemma3_text" {
         c["sliding_window"] = json!(GEMMA_WINDOW);
@@ -86,7 +95,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         add(format!("{p}.self_attn.k_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.v_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.o_proj.weight"), &[HIDDEN, HEADS * HEAD_DIM], lin(HEADS * HEAD_DIM))?;
-        if model_type == "qwen2" {
+        if model_type == "qwen2" || model_type == "gpt_oss" {
             add(format!("{p}.self_attn.q_proj.bias"), &[HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.k_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.v_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
@@ -95,7 +104,19 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
             add(format!("{p}.self_attn.q_norm.weight"), &[HEAD_DIM], 1.0)?;
             add(format!("{p}.self_attn.k_norm.weight"), &[HEAD_DIM], 1.0)?;
         }
-        if model_type == "qwen3_moe" && i == 0 {
+        if model_type == "gpt_oss" {
+            add(format!("{p}.self_attn.o_proj.bias"), &[HIDDEN], 0.1)?;
+            add(format!("{p}.self_attn.sinks"), &[HEADS], 1.0)?;
+            add(format!("{p}.mlp.router.weight"), &[MOE_EXPERTS, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.router.bias"), &[MOE_EXPERTS], 0.1)?;
+            let x = format!("{p}.mlp.experts");
+            add(format!("{x}.gate_proj.weight"), &[MOE_EXPERTS, FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{x}.up_proj.weight"), &[MOE_EXPERTS, FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{x}.down_proj.weight"), &[MOE_EXPERTS, HIDDEN, FFN], lin(FFN))?;
+            add(format!("{x}.gate_proj.bias"), &[MOE_EXPERTS, FFN], 0.1)?;
+            add(format!("{x}.up_proj.bias"), &[MOE_EXPERTS, FFN], 0.1)?;
+            add(format!("{x}.down_proj.bias"), &[MOE_EXPERTS, HIDDEN], 0.1)?;
+        } else if model_type == "qwen3_moe" && i == 0 {
             // Hugging Face's layout: one module per expert (loading stacks them).
             add(format!("{p}.mlp.gate.weight"), &[MOE_EXPERTS, HIDDEN], lin(HIDDEN))?;
             for e in 0..MOE_EXPERTS {
@@ -117,7 +138,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         }
     }
     add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
-    if model_type == "llama" {
+    if model_type == "llama" || model_type == "gpt_oss" {
         add("lm_head.weight".into(), &[vocab, HIDDEN], 1.0)?;
     }
     Ok(w)

@@ -4,7 +4,7 @@ use mlx::{Array, Dtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"];
+const ARCHS: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"];
 
 fn tokens(ids: &[i32]) -> Array {
     Array::from_i32(ids, &[1, ids.len()]).unwrap()
@@ -155,7 +155,7 @@ fn a_moe_layer_equals_the_dense_weighted_sum_of_its_top_k_experts() {
     let p = "model.layers.0.mlp";
     let (experts, ffn) = (4, 32);
     crate::moe::stack_experts(&mut w, p, experts).unwrap();
-    let dims = crate::moe::MoeDims { experts, top_k: 2, ffn, norm_topk_prob: true, sparse: vec![true] };
+    let dims = crate::moe::MoeDims::qwen(experts, 2, ffn, true, vec![true]);
     let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims).unwrap();
     for n in [3, 40] {
         let key = mlx::random::key(n as u64).unwrap();
@@ -397,8 +397,9 @@ fn llama3_rope_frequencies_follow_the_reference_formula() {
         };
         assert!(((*g as f64) - expected).abs() / expected < 1e-5, "pair {i}: {g} vs {expected}");
     }
-    let err = crate::layers::Rope::new(64, 1e4, false, Some(&json!({"type": "yarn", "factor": 2.0}))).err().unwrap();
-    assert!(err.to_string().contains("\"yarn\" is not supported"));
+    let err =
+        crate::layers::Rope::new(64, 1e4, false, Some(&json!({"type": "longrope", "factor": 2.0}))).err().unwrap();
+    assert!(err.to_string().contains("\"longrope\" is not supported") && err.to_string().contains("yarn"), "{err}");
 }
 
 // ---- GGUF ----
@@ -592,9 +593,10 @@ fn fused_projections_give_the_separate_projections_logits() {
                 for layer in 0..2 {
                     let p = format!("model.layers.{layer}");
                     assert!(w.contains(&format!("{p}.self_attn.fused_qkv.weight")), "{arch} {bits:?}");
-                    if arch == "qwen3_moe" && layer == 0 {
+                    if (arch == "qwen3_moe" && layer == 0) || arch == "gpt_oss" {
                         // Experts are stacked, not fused.
-                        assert!(w.contains(&format!("{p}.mlp.switch_mlp.up_proj.weight")), "{arch} {bits:?}");
+                        let experts = if arch == "gpt_oss" { "experts" } else { "switch_mlp" };
+                        assert!(w.contains(&format!("{p}.mlp.{experts}.up_proj.weight")), "{arch} {bits:?}");
                         continue;
                     }
                     assert!(
@@ -678,8 +680,8 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
                 let (q, k, v) = (make(heads, l, 1), make(kv_heads, s, 2), make(kv_heads, s, 3));
                 let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
                 let mask = causal_mask(l, s - l).unwrap();
-                let unfused = attention_unfused(&q, &k, &v, 0.25, &mask).unwrap();
-                let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask)).unwrap();
+                let unfused = attention_unfused(&q, &k, &v, 0.25, &mask, None).unwrap();
+                let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask), None).unwrap();
                 assert_eq!(unfused.shape(), fused.shape());
                 assert_eq!(
                     unfused.to_vec_f32().unwrap(),

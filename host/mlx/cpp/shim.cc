@@ -614,6 +614,20 @@ Ptr swiglu(const array& gate, const array& x) {
   return wrap(fn({gate, x})[0]);
 }
 
+// mlx-lm's `swiglu_oai` (GPT-OSS's experts, `mx.compile(shapeless=True)`): the gate clipped
+// above at `limit`, the linear part to +-limit, then (x + 1) * gate * sigmoid(alpha * gate).
+Ptr swiglu_oai(const array& gate, const array& x) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        auto c = [&](float v) { return array(v, in[0].dtype()); };
+        auto g = mx::minimum(in[0], c(7.0f));
+        auto u = mx::clip(in[1], c(-7.0f), c(7.0f));
+        return {mx::multiply(mx::add(u, c(1.0f)), mx::multiply(g, mx::sigmoid(mx::multiply(c(1.702f), g))))};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({gate, x})[0]);
+}
+
 // `nn.gelu_approx` (mlx.nn, `mx.compile(shapeless=True)`): 0.5 x (1 + tanh(sqrt(2/pi)
 // (x + 0.044715 x^3))), with Python's scalars as arrays of x's dtype and the same compile.
 Ptr gelu_approx(const array& x) {
@@ -728,6 +742,15 @@ Ptr short_causal_attention(const array& q, const array& k, const array& v, float
 }
 Ptr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+}
+// With attention sinks (GPT-OSS): one learned logit per head that takes a share of the softmax.
+Ptr sdpa_sinks(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode,
+               const array& sinks) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode), std::nullopt, sinks));
+}
+Ptr sdpa_masked_sinks(const array& q, const array& k, const array& v, float scale, const array& mask,
+                      const array& sinks) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask, sinks));
 }
 
 Ptr softmax(const array& a, rust::Slice<const int32_t> ax, bool precise) {

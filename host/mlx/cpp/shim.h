@@ -75,6 +75,7 @@ Ptr sigmoid(const array& a);
 Ptr where(const array& cond, const array& a, const array& b);
 Ptr swiglu(const array& gate, const array& x);
 Ptr gelu_approx(const array& x);
+Ptr swiglu_oai(const array& gate, const array& x);
 
 // Reductions.
 Ptr sum(const array& a, rust::Slice<const int32_t> axes, bool keepdims);
@@ -128,6 +129,10 @@ Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int3
                const array& freqs);
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 Ptr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+Ptr sdpa_sinks(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode,
+               const array& sinks);
+Ptr sdpa_masked_sinks(const array& q, const array& k, const array& v, float scale, const array& mask,
+                      const array& sinks);
 bool short_causal_attention_applies(const array& q, const array& k, const array& v);
 Ptr short_causal_attention(const array& q, const array& k, const array& v, float scale);
 

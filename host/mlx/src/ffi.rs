@@ -57,6 +57,7 @@ pub(crate) mod ffi {
         fn where_(cond: &array, a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn swiglu(gate: &array, x: &array) -> Result<UniquePtr<array>>;
         fn gelu_approx(x: &array) -> Result<UniquePtr<array>>;
+        fn swiglu_oai(gate: &array, x: &array) -> Result<UniquePtr<array>>;
 
         fn sum(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
         fn max(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
@@ -155,6 +156,22 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<array>>;
         fn sdpa(q: &array, k: &array, v: &array, scale: f32, mask_mode: &str) -> Result<UniquePtr<array>>;
         fn sdpa_masked(q: &array, k: &array, v: &array, scale: f32, mask: &array) -> Result<UniquePtr<array>>;
+        fn sdpa_sinks(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask_mode: &str,
+            sinks: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn sdpa_masked_sinks(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask: &array,
+            sinks: &array,
+        ) -> Result<UniquePtr<array>>;
         fn short_causal_attention_applies(q: &array, k: &array, v: &array) -> bool;
         fn short_causal_attention(q: &array, k: &array, v: &array, scale: f32) -> Result<UniquePtr<array>>;
 

@@ -92,6 +92,12 @@ pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
     wrap(ffi::swiglu(&gate.0, &x.0))
 }
 
+/// GPT-OSS's expert activation, compiled as mlx-lm compiles its `swiglu_oai`: `gate` clipped
+/// above at 7, `x` to +-7, then `(x + 1) * gate * sigmoid(1.702 gate)`.
+pub fn swiglu_oai(gate: &Array, x: &Array) -> Result<Array> {
+    wrap(ffi::swiglu_oai(&gate.0, &x.0))
+}
+
 /// `nn.gelu_approx` (GELU with the tanh approximation), compiled as mlx.nn compiles it.
 pub fn gelu_approx(x: &Array) -> Result<Array> {
     wrap(ffi::gelu_approx(&x.0))
@@ -163,6 +169,23 @@ pub mod fast {
             Mask::None => wrap(ffi::sdpa(&q.0, &k.0, &v.0, scale, "")),
             Mask::Causal => wrap(ffi::sdpa(&q.0, &k.0, &v.0, scale, "causal")),
             Mask::Array(m) => wrap(ffi::sdpa_masked(&q.0, &k.0, &v.0, scale, &m.0)),
+        }
+    }
+
+    /// As `scaled_dot_product_attention`, with attention sinks: `sinks` (`[H]`) is one more
+    /// logit per query head in every softmax, whose share of the weight goes to no value.
+    pub fn scaled_dot_product_attention_sinks(
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+        mask: Mask<'_>,
+        sinks: &Array,
+    ) -> Result<Array> {
+        match mask {
+            Mask::None => wrap(ffi::sdpa_sinks(&q.0, &k.0, &v.0, scale, "", &sinks.0)),
+            Mask::Causal => wrap(ffi::sdpa_sinks(&q.0, &k.0, &v.0, scale, "causal", &sinks.0)),
+            Mask::Array(m) => wrap(ffi::sdpa_masked_sinks(&q.0, &k.0, &v.0, scale, &m.0, &sinks.0)),
         }
     }
 }
