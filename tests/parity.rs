@@ -2,7 +2,8 @@
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
 //! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
 //! GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
-//! tiny random Llama, Llama-3-RoPE, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and GPT-OSS models (float32, and MLX-quantized
+//! tiny random Llama, Llama-3-RoPE, Mistral with sliding layers, Qwen2, Qwen3, Qwen3-MoE, Gemma 3,
+//! GPT-OSS and Phi-3 models (float32, and MLX-quantized
 //! 4-bit and 8-bit as `mlx_lm.convert -q` writes them); and the second real model, Gemma 3 270M
 //! from its Q4_K_M GGUF against mlx-lm on the folder it converts to.
 //!
@@ -214,6 +215,9 @@ fn tiny_random_models_equal_mlx_lm() {
         "tiny-qwen3-moe-q4",
         "tiny-gpt-oss",
         "tiny-gpt-oss-q4",
+        "tiny-phi3",
+        "tiny-phi3-q4",
+        "tiny-mistral-swa",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);

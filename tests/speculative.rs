@@ -92,6 +92,8 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
         // Sinks, sliding layers and experts together.
         ("tiny-gpt-oss", "tiny-qwen3"),
         ("tiny-gpt-oss-q4", "tiny-gpt-oss"),
+        ("tiny-phi3", "tiny-llama"),
+        ("tiny-mistral-swa", "tiny-llama"),
     ] {
         let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
         assert!(totals[1].0 > 0, "{target}: the draft model drafted nothing");

@@ -90,23 +90,7 @@ impl Config {
                 .map(|s| s.to_string())
                 .collect(),
         };
-        if types.len() != self.num_hidden_layers {
-            return Err(Error::Invalid(format!(
-                "layer_types lists {} layers; the model has {} (num_hidden_layers)",
-                types.len(),
-                self.num_hidden_layers
-            )));
-        }
-        types
-            .iter()
-            .map(|t| match t.as_str() {
-                "sliding_attention" => Ok(Some(self.sliding_window)),
-                "full_attention" => Ok(None),
-                other => Err(Error::Invalid(format!(
-                    "layer type {other:?} is not supported; supported: sliding_attention, full_attention"
-                ))),
-            })
-            .collect()
+        llama::layer_windows(&types, self.num_hidden_layers, Some(self.sliding_window))
     }
 }
 

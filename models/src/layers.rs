@@ -285,6 +285,48 @@ impl Rope {
         }
     }
 
+    /// mlx-lm's `SuScaledRoPE` (Phi-3's "longrope"/"su" scaling): `long_factor` (a number or
+    /// one per frequency) times the default frequencies, and the input scaled by
+    /// `long_mscale`, else by sqrt(1 + ln(factor) / ln(original)) where the context grew
+    /// (`factor` = max / original positions > 1), else 1.
+    pub fn su_scaled(
+        dims: usize,
+        base: f64,
+        max_positions: f64,
+        original_positions: f64,
+        long_factor: &Value,
+        long_mscale: Option<f64>,
+    ) -> Result<Rope> {
+        let d = dims as f64;
+        let freqs = Array::scalar(base as f32, Dtype::Float32)?
+            .power(&Array::arange(0.0, d, 2.0, Dtype::Float32)?.divide(&Array::scalar(d as f32, Dtype::Float32)?)?)?;
+        let factors: Vec<f32> = match long_factor {
+            Value::Number(n) => vec![n.as_f64().unwrap_or(1.0) as f32],
+            Value::Array(list) => list
+                .iter()
+                .map(|v| v.as_f64().map(|f| f as f32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| Error::Invalid("rope_scaling.long_factor must be numbers".into()))?,
+            _ => return Err(Error::Invalid("rope_scaling.long_factor must be a number or a list of numbers".into())),
+        };
+        if factors.len() != 1 && factors.len() != dims / 2 {
+            return Err(Error::Invalid(format!(
+                "rope_scaling.long_factor has {} entries; the rotary dimensions need {} (or one)",
+                factors.len(),
+                dims / 2
+            )));
+        }
+        let shape = [factors.len()];
+        let freqs = Array::from_f32(&factors, &shape)?.multiply(&freqs)?;
+        let factor = max_positions / original_positions;
+        let scale = long_mscale.unwrap_or(if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / original_positions.ln()).sqrt()
+        });
+        Ok(Rope::Freqs { dims: dims as i32, traditional: false, freqs, input_scale: scale as f32 })
+    }
+
     /// Rotates `x` (`[B, H, L, D]`) for the positions `at` says.
     pub fn forward_at(&self, x: &Array, at: &Positions<'_>) -> Result<Array> {
         match at {

@@ -15,6 +15,7 @@ pub mod layers;
 pub mod llama;
 mod loader;
 mod moe;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;

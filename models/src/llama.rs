@@ -33,6 +33,10 @@ pub struct Config {
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
+    /// "full_attention" or "sliding_attention" per layer (mlx-lm's Llama reads these, e.g.
+    /// for Ministral); absent: every layer attends fully, whatever `sliding_window` says.
+    pub layer_types: Option<Vec<String>>,
+    pub sliding_window: Option<usize>,
 }
 
 fn default_rope_theta() -> f64 {
@@ -76,6 +80,12 @@ impl Dims {
 }
 
 impl Config {
+    /// Each layer's sliding window from `layer_types` (empty when there are none).
+    pub(crate) fn windows(&self) -> crate::Result<Vec<Option<usize>>> {
+        let Some(types) = &self.layer_types else { return Ok(Vec::new()) };
+        layer_windows(types, self.num_hidden_layers, self.sliding_window)
+    }
+
     pub(crate) fn dims(&self) -> Dims {
         Dims {
             hidden: self.hidden_size,
@@ -95,6 +105,35 @@ impl Config {
             windows: Vec::new(),
         }
     }
+}
+
+/// Per-layer sliding windows from a config's `layer_types` ("sliding_attention" layers get
+/// `window`, "full_attention" ones `None`).
+pub(crate) fn layer_windows(
+    types: &[String],
+    layers: usize,
+    window: Option<usize>,
+) -> crate::Result<Vec<Option<usize>>> {
+    if types.len() != layers {
+        return Err(crate::Error::Invalid(format!(
+            "layer_types lists {} layers; the model has {layers} (num_hidden_layers)",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(None),
+            "sliding_attention" => window.map(Some).ok_or_else(|| {
+                crate::Error::Invalid(
+                    "layer_types has sliding_attention layers but the config has no sliding_window".into(),
+                )
+            }),
+            other => Err(crate::Error::Invalid(format!(
+                "layer type {other:?} is not supported; supported: sliding_attention, full_attention"
+            ))),
+        })
+        .collect()
 }
 
 /// Linear layers that read the same input (q/k/v, gate/up): a matmul each, or one matmul
@@ -470,7 +509,8 @@ impl Model {
             config.rope_traditional,
             config.rope_scaling.as_ref(),
         )?;
-        Self::load_dims(&config.dims(), rope, weights, options)
+        let dims = Dims { windows: config.windows()?, ..config.dims() };
+        Self::load_dims(&dims, rope, weights, options)
     }
 
     /// Builds the decoder; with a tensor-parallel `group`, this rank's shard of it (attention

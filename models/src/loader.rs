@@ -3,14 +3,14 @@
 
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, Quantization, Weights};
-use crate::{gemma3, gpt_oss, llama, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
+use crate::{gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
 use mlx::Device;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -108,6 +108,7 @@ pub enum Arch {
     Qwen3Moe(qwen3_moe::Config),
     Gemma3(gemma3::Config),
     GptOss(gpt_oss::Config),
+    Phi3(phi3::Config),
 }
 
 impl Arch {
@@ -124,6 +125,7 @@ impl Arch {
             "qwen3_moe" => Arch::Qwen3Moe(parse(config, path)?),
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
+            "phi3" => Arch::Phi3(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
                     found: other.to_string(),
@@ -146,6 +148,7 @@ impl Arch {
             Arch::Qwen3Moe(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Phi3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
         }
     }
 
@@ -166,6 +169,12 @@ impl Arch {
                     self.name()
                 )))
             }
+            Arch::Phi3(_) if n > 1 => {
+                return Err(Error::Invalid(
+                    "tensor parallelism over phi3 (fused projections) is not supported yet; run it on one rank".into(),
+                ))
+            }
+            Arch::Phi3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
             Arch::GptOss(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
         };
@@ -180,6 +189,7 @@ impl Arch {
             Arch::Qwen3Moe(_) => "qwen3_moe",
             Arch::Gemma3(_) => "gemma3_text",
             Arch::GptOss(_) => "gpt_oss",
+            Arch::Phi3(_) => "phi3",
         }
     }
 
@@ -193,6 +203,7 @@ impl Arch {
             Arch::Qwen3Moe(c) => Box::new(qwen3_moe::load(c, weights, options)?),
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
             Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
+            Arch::Phi3(c) => Box::new(phi3::load(c, weights, options)?),
         })
     }
 }
@@ -276,7 +287,7 @@ fn build(
         weights.remove(&n);
     }
     // GPT-OSS has its own head whatever the config says (mlx-lm's model always makes one).
-    let tied_by_default = !matches!(arch, Arch::GptOss(_));
+    let tied_by_default = !matches!(arch, Arch::GptOss(_) | Arch::Phi3(_));
     if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(tied_by_default) && tied_by_default {
         weights.remove("lm_head.weight");
     }

@@ -37,7 +37,7 @@ pub fn config(model_type: &str) -> Value {
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0,
-        "tie_word_embeddings": model_type != "llama" && model_type != "gpt_oss",
+        "tie_word_embeddings": !matches!(model_type, "llama" | "gpt_oss" | "phi3"),
         "eos_token_id": 2, "bos_token_id": 1,
     });
     if model_type == "qwen3_moe" {
@@ -56,6 +56,15 @@ pub fn config(model_type: &str) -> Value {
         c["sliding_window"] = json!(GEMMA_WINDOW);
         c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
             "beta_fast": 32.0, "beta_slow": 1.0});
+        c["tie_word_embeddings"] = json!(false);
+    }
+    if model_type == "phi3" {
+        // RoPE over 12 of the 16 head dims, longrope scaling (a context grown 32x).
+        c["partial_rotary_factor"] = json!(0.75);
+        c["max_position_embeddings"] = json!(131072);
+        c["original_max_position_embeddings"] = json!(4096);
+        c["rope_scaling"] = json!({"type": "longrope", "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0],
+            "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]});
         c["tie_word_embeddings"] = json!(false);
     }
     if model_type == "gemma3_text" {
@@ -91,6 +100,16 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
     add("model.embed_tokens.weight".into(), &[vocab, HIDDEN], 1.0)?;
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
+        if model_type == "phi3" {
+            // Phi-3's checkpoints store q/k/v and gate/up fused.
+            add(format!("{p}.self_attn.qkv_proj.weight"), &[(HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.self_attn.o_proj.weight"), &[HIDDEN, HEADS * HEAD_DIM], lin(HEADS * HEAD_DIM))?;
+            add(format!("{p}.mlp.gate_up_proj.weight"), &[2 * FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+            add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 1.0)?;
+            add(format!("{p}.post_attention_layernorm.weight"), &[HIDDEN], 1.0)?;
+            continue;
+        }
         add(format!("{p}.self_attn.q_proj.weight"), &[HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.k_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.v_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
@@ -138,7 +157,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         }
     }
     add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
-    if model_type == "llama" || model_type == "gpt_oss" {
+    if matches!(model_type, "llama" | "gpt_oss" | "phi3") {
         add("lm_head.weight".into(), &[vocab, HIDDEN], 1.0)?;
     }
     Ok(w)

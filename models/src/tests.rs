@@ -4,7 +4,7 @@ use mlx::{Array, Dtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-const ARCHS: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"];
+const ARCHS: [&str; 7] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "phi3"];
 
 fn tokens(ids: &[i32]) -> Array {
     Array::from_i32(ids, &[1, ids.len()]).unwrap()
