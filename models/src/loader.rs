@@ -23,7 +23,8 @@ pub struct ModelInfo {
     /// Bytes of all weights as held in memory.
     pub weight_bytes: usize,
     /// Bytes one decode step reads: all weights, except that an untied embedding table
-    /// counts one row (a tied one is read whole as the output head).
+    /// counts one row (a tied one is read whole as the output head) and a mixture of experts
+    /// counts the share of its experts one token uses.
     pub weight_bytes_per_token: usize,
     pub n_layers: usize,
     pub vocab_size: usize,
@@ -181,6 +182,15 @@ impl Arch {
         llama::check_split(heads, kv, ffn, n)
     }
 
+    /// (experts per token, experts) of a mixture-of-experts model.
+    pub fn active_experts(&self) -> Option<(usize, usize)> {
+        match self {
+            Arch::Qwen3Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
+            Arch::GptOss(c) => Some((c.num_experts_per_tok, c.num_local_experts)),
+            _ => None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Arch::Llama(_) => "llama",
@@ -320,8 +330,17 @@ fn build(
         .map(|n| weights.get(n).map(|a| a.nbytes()))
         .sum::<Result<usize>>()?;
     let untied = weights.get("lm_head.weight").is_ok() || weights.get("lm_head.scales").is_ok();
-    let per_token =
+    let mut per_token =
         if untied { weights.nbytes() - embedding + embedding / model.vocab_size().max(1) } else { weights.nbytes() };
+    // A token reads only its own experts' weights.
+    if let Some((k, experts)) = arch.active_experts() {
+        let expert_bytes: usize = weights
+            .names()
+            .filter(|n| n.contains(".switch_mlp.") || n.contains(".mlp.experts."))
+            .map(|n| weights.get(n).map(|a| a.nbytes()))
+            .sum::<Result<usize>>()?;
+        per_token -= expert_bytes - expert_bytes * k / experts.max(1);
+    }
     let info = ModelInfo {
         model_type: arch.name().to_string(),
         source: source.to_path_buf(),
