@@ -219,6 +219,10 @@ def test_request_logs_name_the_path_the_turn_and_an_abandoned_request(fresh):
     assert httpx.post(s.url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
     assert time.time() - started < 15
+    # The generation line is written as the turn ends, which can come just after the response.
+    deadline = time.time() + 10
+    while len(re.findall(r"generation prompt=", "".join(s.log))) < 2 and time.time() < deadline:
+        time.sleep(0.1)
     log = "".join(s.log)
     assert re.search(r'chat turn api="chat" model="some-model" stream=false messages=1 tools=1 prompt=\d+', log), log
     assert re.search(r'request method=POST path="/v1/chat/completions" route="/v1/chat/completions" status=200', log), log

@@ -140,9 +140,9 @@ def plugged(plugins_dir):
     s.stop()
 
 
-def chat(server, plugins, stream=False, messages=Q, max_tokens=6, **kw):
+def chat(server, plugins, stream=False, messages=Q, max_tokens=6, timeout=60, **kw):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "plugins": plugins, "stream": stream, **kw}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=timeout)
 
 
 def test_a_scripted_sampler_forces_its_tokens_in_both_apis(plugged):
@@ -180,7 +180,8 @@ def test_the_example_samplers_read_a_prompt_longer_than_one_accept_call(plugins_
         for name in ["scripted", "scripted-c", "scripted-zig", "scripted-as"]:
             if not (plugins_dir / f"{name}.wasm").exists():
                 continue
-            r = chat(s, {"sampler": {"name": name}}, messages=long, max_tokens=4)
+            # The first one prefills ~4,200 tokens on the CPU in a debug build: about a minute.
+            r = chat(s, {"sampler": {"name": name}}, messages=long, max_tokens=4, timeout=300)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == " Paris. Paris.", name
     finally:
