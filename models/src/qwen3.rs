@@ -23,12 +23,16 @@ pub struct Config {
     pub rope_parameters: Option<serde_json::Value>,
 }
 
+/// A config's `rope_theta`, or (transformers 5) `rope_parameters.rope_theta`.
+pub(crate) fn rope_theta(theta: Option<f64>, parameters: Option<&serde_json::Value>) -> Result<f64> {
+    theta
+        .or_else(|| parameters.and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()))
+        .ok_or_else(|| Error::Invalid("rope_theta is missing from the model config".into()))
+}
+
 /// Llama's decoder with Qwen3's per-head q/k norms.
 pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> Result<llama::Model> {
-    let rope_theta = c
-        .rope_theta
-        .or_else(|| c.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()))
-        .ok_or_else(|| Error::Invalid("rope_theta is missing from the model config".into()))?;
+    let rope_theta = rope_theta(c.rope_theta, c.rope_parameters.as_ref())?;
     let scaling = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
     let rope = Rope::new(c.head_dim, rope_theta, false, scaling)?;
     let dims = llama::Dims {

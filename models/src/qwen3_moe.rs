@@ -6,7 +6,7 @@
 use crate::layers::Rope;
 use crate::moe::MoeDims;
 use crate::weights::Weights;
-use crate::{llama, Error, Result};
+use crate::{llama, Result};
 use serde::Deserialize;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -41,10 +41,7 @@ impl Config {
 }
 
 pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> Result<llama::Model> {
-    let rope_theta = c
-        .rope_theta
-        .or_else(|| c.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()))
-        .ok_or_else(|| Error::Invalid("rope_theta is missing from the model config".into()))?;
+    let rope_theta = crate::qwen3::rope_theta(c.rope_theta, c.rope_parameters.as_ref())?;
     // mlx-lm's Qwen3-MoE uses plain RoPE whatever `rope_scaling` says.
     let rope = Rope::new(c.head_dim, rope_theta, false, None)?;
     let dims = llama::Dims {
