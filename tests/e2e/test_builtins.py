@@ -21,7 +21,8 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-p": "sampler", "top-n-sigma": "sampler",
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
-            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning"}
+            "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning",
+            "harmony": "tool", "harmony-channels": "reasoning"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]
@@ -36,6 +37,8 @@ FORMATS = {
     "llama3-json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'),
     "mistral": ("Let me check. ", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'),
     "gemma": ("Let me check. ", '```tool_code\nget_weather(city="Paris", days=3)\n```'),
+    "harmony": ("Let me check. ", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Paris", "days": 3}<|call|>'),
 }
 
 
@@ -191,6 +194,7 @@ FORCED_REST = {
     "llama3-json": '{"city": "Paris", "days": 3}}',
     "mistral": '{"city": "Paris", "days": 3}}]',
     "gemma": 'city="Paris", days=3)\n```',
+    "harmony": '{"city": "Paris", "days": 3}',
 }
 
 

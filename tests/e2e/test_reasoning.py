@@ -133,19 +133,24 @@ QWEN3_STYLE = (
 )
 
 
-@pytest.fixture(scope="module")
-def thinking_srv(replay_dir, tmp_path_factory):
-    """SmolLM2 under a template that opens `<think>` in the prompt (Qwen3-Thinking's way)."""
+def templated_server(replay_dir, tmp_path_factory, name, template):
+    """SmolLM2 (its files linked) under chat template `template`, with the replay sampler."""
     base = os.path.join(os.environ["HOST_TEST_MODELS"], "smollm2-f32")
-    model = tmp_path_factory.mktemp("thinking-model") / "smollm2-thinking"
+    model = tmp_path_factory.mktemp(name) / f"smollm2-{name}"
     model.mkdir()
     for f in os.listdir(base):
         if f != "tokenizer_config.json":
             os.symlink(os.path.join(base, f), model / f)
     config = json.load(open(os.path.join(base, "tokenizer_config.json")))
-    config["chat_template"] = QWEN3_STYLE
+    config["chat_template"] = template
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    s = Server("--plugins", str(replay_dir), "--prompt-cache-bytes", "0", model=model)
+    return Server("--plugins", str(replay_dir), "--prompt-cache-bytes", "0", model=model)
+
+
+@pytest.fixture(scope="module")
+def thinking_srv(replay_dir, tmp_path_factory):
+    """SmolLM2 under a template that opens `<think>` in the prompt (Qwen3-Thinking's way)."""
+    s = templated_server(replay_dir, tmp_path_factory, "thinking", QWEN3_STYLE)
     yield s
     s.stop()
 
@@ -159,3 +164,80 @@ def test_thinking_switched_off_through_the_template(thinking_srv):
     """`enable_thinking: false` (Anthropic `thinking: disabled`, Responses effort `none`):
     the template closes the thinking in the prompt; the reply is all answer."""
     check_everywhere(thinking_srv, replay(thinking_srv, ANSWER), "", ANSWER, thinking=False)
+
+
+# A small harmony-style template of this file's own (GPT-OSS's real one is long): messages as
+# harmony writes them, earlier thinking read from `thinking`, the reply opened with
+# `<|start|>assistant`. It does not render tools, so the `harmony` adapter describes them.
+HARMONY_STYLE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def harmony_srv(replay_dir, tmp_path_factory):
+    """SmolLM2 under a harmony-style template: the server picks `harmony-channels` and
+    `harmony` from its markers."""
+    s = templated_server(replay_dir, tmp_path_factory, "harmony", HARMONY_STYLE)
+    yield s
+    s.stop()
+
+
+def test_harmony_analysis_is_reasoning_and_final_is_the_answer(harmony_srv):
+    reply = (f"<|channel|>analysis<|message|>{THOUGHT}<|end|>"
+             f"<|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>")
+    check_everywhere(harmony_srv, replay(harmony_srv, reply), THOUGHT, ANSWER)
+
+
+def test_harmony_thinking_then_a_call_to_a_function(harmony_srv):
+    """The analysis is reasoning; the commentary message to `functions.get_weather` is the
+    call, in both APIs, streamed and not; a forced call opens the reply with its header."""
+    oa, an = clients(harmony_srv)
+    call = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+            '<|message|>{"city": "Paris"}<|call|>')
+    body = {"plugins": replay(harmony_srv, f"<|channel|>analysis<|message|>Need the weather.<|end|>{call}")}
+    r = oa.chat.completions.create(model="m", messages=Q, max_tokens=96, tools=WEATHER, extra_body=body)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.reasoning_content == "Need the weather.", m
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert not m.content
+    calls, reasoning = {}, ""
+    for chunk in oa.chat.completions.create(model="m", messages=Q, max_tokens=96, tools=WEATHER, stream=True, extra_body=body):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            for d in c.delta.tool_calls or []:
+                calls[d.index] = calls.get(d.index, "") + ((d.function.arguments or "") if d.function else "")
+    assert reasoning == "Need the weather." and [json.loads(a) for a in calls.values()] == [{"city": "Paris"}]
+    tools = [{"name": "get_weather", "input_schema": WEATHER[0]["function"]["parameters"]}]
+    msg = an.messages.create(model="m", messages=Q, max_tokens=96, tools=tools, extra_body=body)
+    assert msg.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in msg.content] == [("thinking", None), ("tool_use", {"city": "Paris"})]
+    # Forced: the prompt ends with the call's header; the model writes only the arguments.
+    forced = {"plugins": replay(harmony_srv, '{"city": "Oslo"}')}
+    r = oa.chat.completions.create(model="m", messages=Q, max_tokens=32, tools=WEATHER, extra_body=forced,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    m = r.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    assert not m.content and not getattr(m, "reasoning_content", None), m
+
+
+def test_harmony_prompts_describe_tools_and_keep_earlier_thinking(harmony_srv):
+    """The adapter describes the tools as harmony's TypeScript namespace (the template does
+    not render them), and an earlier turn's reasoning reaches the template as `thinking`."""
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."},
+                {"role": "user", "content": "Weather in Oslo?"}]
+    r = httpx.post(harmony_srv.url + "/tokenize", json={"messages": messages, "tools": WEATHER}, timeout=30)
+    assert r.status_code == 200, r.text
+    prompt = httpx.post(harmony_srv.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+    assert "namespace functions {" in prompt and "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt, prompt
+    assert "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|end|>" in prompt
+    assert prompt.endswith("<|start|>assistant"), prompt

@@ -100,7 +100,9 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
 /// convention), except Gemma's, whose adapter renders its own instructions.
 pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
     let t = template.unwrap_or("");
-    if t.contains("<function=") && t.contains("<parameter=") {
+    if t.contains("<|channel|>") {
+        "harmony"
+    } else if t.contains("<function=") && t.contains("<parameter=") {
         "qwen3-coder"
     } else if t.contains("<tool_call>") {
         "hermes"
@@ -116,11 +118,15 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
 }
 
 /// The reasoning parser that fits a chat template, by its thinking markers: the built-in
-/// `think` (`<think>`...`</think>`, or Mistral's `[THINK]`...`[/THINK]` by config); `None`
-/// for templates without them. Runs with `fallback` on: if it faults, the text passes
+/// `think` (`<think>`...`</think>`, or Mistral's `[THINK]`...`[/THINK]` by config), or
+/// `harmony-channels` for OpenAI's harmony (GPT-OSS: `<|channel|>analysis`); `None` for
+/// templates without them. Runs with `fallback` on: if it faults, the text passes
 /// through as content.
 pub fn detect_reasoning_parser(template: Option<&str>) -> Option<openai::PluginRef> {
     let t = template.unwrap_or("");
+    if t.contains("<|channel|>") {
+        return Some(openai::PluginRef { name: "harmony-channels".into(), config: None, params: None, fallback: true });
+    }
     let config = if t.contains("<think>") {
         None
     } else if t.contains("[THINK]") {

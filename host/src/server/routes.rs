@@ -1510,6 +1510,7 @@ mod tests {
         assert_eq!(detect(Some("<|start_header_id|>ipython<|end_header_id|>")), "llama3-json");
         assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");
         assert_eq!(detect(Some("<|im_start|>{{ m }}<|im_end|>")), "hermes");
+        assert_eq!(detect(Some("<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>")), "harmony");
         assert_eq!(detect(None), "hermes");
     }
 
@@ -1520,6 +1521,8 @@ mod tests {
         assert_eq!((qwen3.name.as_str(), qwen3.config, qwen3.fallback), ("think", None, true));
         let magistral = detect(Some("[SYSTEM_PROMPT]{{ s }}[/SYSTEM_PROMPT][THINK]")).unwrap();
         assert_eq!(magistral.config, Some(json!({"open": "[THINK]", "close": "[/THINK]"})));
+        let gpt_oss = detect(Some("<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>")).unwrap();
+        assert_eq!((gpt_oss.name.as_str(), gpt_oss.config, gpt_oss.fallback), ("harmony-channels", None, true));
         assert!(detect(Some("<|im_start|>{{ m }}<|im_end|>")).is_none());
         assert!(detect(None).is_none());
     }

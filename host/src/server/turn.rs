@@ -402,7 +402,8 @@ impl AppState {
 /// yet written (`write_calls`) are then written into its turns (the template would drop
 /// them). System messages after the first stay where they are when the template takes
 /// them, else they join the first. `reply_prefix` (a forced tool call's opening) follows
-/// the template's start of the assistant's turn.
+/// the template's start of the assistant's turn. An assistant turn's `reasoning_content` is
+/// also given as `thinking`, the key GPT-OSS's template reads it from.
 fn chat_text(
     engine: &Engine,
     mut messages: Vec<Value>,
@@ -412,6 +413,11 @@ fn chat_text(
     reply_prefix: Option<&str>,
 ) -> Result<String, ApiError> {
     let tokenizer = &engine.tokenizer;
+    for m in messages.iter_mut().filter(|m| m["role"] == "assistant" && m.get("thinking").is_none()) {
+        if let Some(r) = m.get("reasoning_content").cloned() {
+            m["thinking"] = r;
+        }
+    }
     let template_takes_tools = takes_tools(engine);
     if !template_takes_tools && rendered.is_none() {
         write_hermes_calls(&mut messages);

@@ -8,7 +8,7 @@
 //! around the markers (`<think>\n...\n</think>\n\n`) is dropped at both edges.
 
 use plugin_sdk::{ReasoningEvent, ReasoningParser};
-use plugin_util::partial_suffix;
+use plugin_util::{partial_suffix, push_reasoning as push};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -47,21 +47,6 @@ pub struct Think {
     held: String,
     /// Drop whitespace until the next other character (right after a marker).
     skip_space: bool,
-}
-
-fn push(out: &mut Vec<ReasoningEvent>, reasoning: bool, text: &str) {
-    if text.is_empty() {
-        return;
-    }
-    match (out.last_mut(), reasoning) {
-        (Some(ReasoningEvent::Reasoning(r)), true) => r.push_str(text),
-        (Some(ReasoningEvent::Content(c)), false) => c.push_str(text),
-        _ => out.push(if reasoning {
-            ReasoningEvent::Reasoning(text.into())
-        } else {
-            ReasoningEvent::Content(text.into())
-        }),
-    }
 }
 
 impl Think {
@@ -151,36 +136,17 @@ plugin_sdk::export_reasoning_parser!(
 mod tests {
     use super::*;
 
-    /// (reasoning, content) after feeding `pieces` to a parser with `config` and `tail`.
-    fn run(config: &str, tail: &str, pieces: &[&str]) -> (String, String) {
-        let mut p = Think::default();
-        p.init(config).unwrap();
-        p.begin(&serde_json::json!({ "prompt_tail": tail }).to_string(), 0).unwrap();
-        let mut out = Vec::new();
-        for piece in pieces {
-            p.feed(piece, &mut out);
+    /// A parser with `config`.
+    fn parser(config: &str) -> impl Fn() -> Think + '_ {
+        move || {
+            let mut p = Think::default();
+            p.init(config).unwrap();
+            p
         }
-        p.finish(&mut out);
-        let (mut reasoning, mut content) = (String::new(), String::new());
-        for e in out {
-            match e {
-                ReasoningEvent::Reasoning(r) => reasoning.push_str(&r),
-                ReasoningEvent::Content(c) => content.push_str(&c),
-            }
-        }
-        (reasoning, content)
     }
 
-    /// Every way of cutting `text` in two and in single characters gives the same split.
     fn every_split(config: &str, tail: &str, text: &str) -> (String, String) {
-        let whole = run(config, tail, &[text]);
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(run(config, tail, &refs), whole, "one character at a time");
-        for (i, _) in text.char_indices() {
-            assert_eq!(run(config, tail, &[&text[..i], &text[i..]]), whole, "split at {i}");
-        }
-        whole
+        plugin_util::split_reasoning_every_way(&parser(config), tail, text)
     }
 
     #[test]

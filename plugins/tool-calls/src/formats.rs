@@ -320,6 +320,100 @@ impl Format for Gemma {
     }
 }
 
+/// OpenAI's harmony (GPT-OSS): a message addressed to a function,
+/// `<|channel|>commentary to=functions.f <|constrain|>json<|message|>{..}<|call|>`, or with the
+/// recipient in the role part, `<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{..}<|call|>`
+/// (as the template writes earlier calls). `<|call|>` ends generation, so a region usually
+/// runs to the end of the output. The `harmony-channels` reasoning parser ahead of the adapter
+/// takes the other messages' headers off (analysis as reasoning, final and preambles as
+/// content), so every region that reaches the adapter is one message to a recipient; one
+/// addressed to anything but `functions.*` (a built-in browser or python tool) is given back
+/// as written.
+#[derive(Default)]
+pub struct Harmony;
+
+impl Format for Harmony {
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(match name {
+            Some(name) => format!("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"),
+            None => "<|channel|>commentary to=functions.".into(),
+        })
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let one = |c: &Call| {
+            format!("<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>", c.name, c.arguments)
+        };
+        Some(calls.iter().map(one).collect())
+    }
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<|start|>", true), ("<|channel|>", true), (" to=functions.", true)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("<|call|>")
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        let (header, body) = region.split_once("<|message|>").ok_or("a harmony message needs <|message|>")?;
+        let to = header.split_once("to=").ok_or("the message is not addressed to a tool")?.1;
+        let recipient = to.split(|c: char| c.is_whitespace() || c == '<').next().unwrap_or_default();
+        let name = recipient
+            .strip_prefix("functions.")
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| format!("`{recipient}` is not a function"))?;
+        let args: Value = serde_json::from_str(body.trim()).map_err(|e| e.to_string())?;
+        if !args.is_object() {
+            return Err("the arguments are not a JSON object".into());
+        }
+        Ok(vec![Call::new(name, &args)])
+    }
+    fn render(&self, tools: &[Value]) -> Option<String> {
+        let mut out = String::from("# Tools\n\n## functions\n\nnamespace functions {\n\n");
+        for tool in tools {
+            let f = function(tool);
+            let Some(name) = f.get("name").and_then(Value::as_str) else { continue };
+            if let Some(d) = f.get("description").and_then(Value::as_str) {
+                out.push_str(&format!("// {d}\n"));
+            }
+            let params = f.get("parameters").unwrap_or(&Value::Null);
+            match params.get("properties").and_then(Value::as_object).filter(|p| !p.is_empty()) {
+                None => out.push_str(&format!("type {name} = () => any;\n\n")),
+                Some(props) => {
+                    let required: Vec<&str> = params
+                        .get("required")
+                        .and_then(Value::as_array)
+                        .map(|r| r.iter().filter_map(Value::as_str).collect())
+                        .unwrap_or_default();
+                    out.push_str(&format!("type {name} = (_: {{\n"));
+                    for (key, spec) in props {
+                        if let Some(d) = spec.get("description").and_then(Value::as_str) {
+                            out.push_str(&format!("// {d}\n"));
+                        }
+                        let optional = if required.contains(&key.as_str()) { "" } else { "?" };
+                        out.push_str(&format!("{key}{optional}: {},\n", typescript(spec)));
+                    }
+                    out.push_str("}) => any;\n\n");
+                }
+            }
+        }
+        out.push_str("} // namespace functions");
+        Some(out)
+    }
+}
+
+/// A JSON schema as the TypeScript type harmony describes parameters with.
+fn typescript(spec: &Value) -> String {
+    if let Some(values) = spec.get("enum").and_then(Value::as_array) {
+        return values.iter().map(Value::to_string).collect::<Vec<_>>().join(" | ");
+    }
+    match spec.get("type").and_then(Value::as_str) {
+        Some("string") => "string".into(),
+        Some("number" | "integer") => "number".into(),
+        Some("boolean") => "boolean".into(),
+        Some("array") => format!("{}[]", spec.get("items").map(typescript).unwrap_or_else(|| "any".into())),
+        Some("object") => "object".into(),
+        _ => "any".into(),
+    }
+}
+
 /// A JSON value as a Python literal (what `Py` reads back).
 fn python(v: &Value) -> String {
     match v {
@@ -527,7 +621,8 @@ mod tests {
         assert_eq!(back::<Qwen3Coder>(&calls, &tools), (String::new(), want.clone()), "qwen3-coder");
         assert_eq!(back::<Llama3Json>(&calls, &tools), (String::new(), want.clone()), "llama3-json");
         assert_eq!(back::<Mistral>(&calls, &tools), (String::new(), want.clone()), "mistral");
-        assert_eq!(back::<Gemma>(&calls, &tools), (String::new(), want), "gemma");
+        assert_eq!(back::<Gemma>(&calls, &tools), (String::new(), want.clone()), "gemma");
+        assert_eq!(back::<Harmony>(&calls, &tools), (String::new(), want), "harmony");
     }
 
     /// A forced call: the opener the host puts at the start of the reply, then what a model
@@ -545,7 +640,7 @@ mod tests {
             check::<F>(&format!("{opener}{rest}"), tools)
         }
         let want = vec![call("get_weather", json!({"city": "Paris"}))];
-        let cases: [(&str, Parsed, Parsed); 5] = [
+        let cases: [(&str, Parsed, Parsed); 6] = [
             (
                 "hermes",
                 forced::<Hermes>(Some("get_weather"), "{\"city\": \"Paris\"}}\n</tool_call>", &tools),
@@ -578,6 +673,11 @@ mod tests {
                 "gemma",
                 forced::<Gemma>(Some("get_weather"), "city=\"Paris\")\n```", &tools),
                 forced::<Gemma>(None, "get_weather(city=\"Paris\")\n```", &tools),
+            ),
+            (
+                "harmony",
+                forced::<Harmony>(Some("get_weather"), "{\"city\": \"Paris\"}", &tools),
+                forced::<Harmony>(None, "get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>", &tools),
             ),
         ];
         for (format, named, any) in cases {
@@ -705,6 +805,46 @@ mod tests {
         assert_eq!((content.as_str(), calls.len()), ("```python\nprint(1)\n```", 0));
         let (content, calls) = check::<Gemma>("```tool_code\nf(x=)\n```", &[]);
         assert_eq!((content.as_str(), calls.len()), ("```tool_code\nf(x=)\n```", 0));
+    }
+
+    #[test]
+    fn harmony_calls_in_both_header_orders_and_other_recipients_as_written() {
+        let want = vec![call("get_weather", json!({"city": "Paris", "days": 3}))];
+        let model = "Checking. <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\",\"days\":3}";
+        assert_eq!(check::<Harmony>(model, &[]), ("Checking. ".into(), want.clone()));
+        let closed = format!("{model}<|call|>");
+        assert_eq!(check::<Harmony>(&closed, &[]), ("Checking. ".into(), want.clone()));
+        let template = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\", \"days\": 3}<|call|>";
+        assert_eq!(check::<Harmony>(template, &[]), (String::new(), want.clone()));
+        // The recipient right after the prompt's `<|start|>assistant`.
+        let first = " to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\", \"days\": 3}";
+        assert_eq!(check::<Harmony>(first, &[]), (String::new(), want));
+        // A built-in tool's recipient, broken arguments, and a message to no one stay text.
+        for text in [
+            "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{\"q\": \"x\"}",
+            "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"q\": ",
+            "<|channel|>final<|message|>Hello",
+            "a to b, <|chan",
+        ] {
+            assert_eq!(check::<Harmony>(text, &[]), (text.to_string(), vec![]), "{text}");
+        }
+    }
+
+    #[test]
+    fn harmony_describes_tools_as_a_typescript_namespace() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                "parameters": {"type": "object", "required": ["city"], "properties": {
+                    "city": {"type": "string", "description": "The city"}, "days": {"type": "integer"},
+                    "unit": {"type": "string", "enum": ["c", "f"]}, "tags": {"type": "array", "items": {"type": "string"}}}}}}),
+            json!({"type": "function", "function": {"name": "now"}}),
+        ];
+        assert_eq!(
+            Harmony.render(&tools).unwrap(),
+            "# Tools\n\n## functions\n\nnamespace functions {\n\n// Weather for a city\ntype get_weather = (_: {\n\
+             // The city\ncity: string,\ndays?: number,\ntags?: string[],\nunit?: \"c\" | \"f\",\n}) => any;\n\n\
+             type now = () => any;\n\n} // namespace functions"
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Helpers shared by the built-in plugins (not part of the SDK, which depends on nothing).
 
-use plugin_sdk::Candidate;
+use plugin_sdk::{Candidate, ReasoningEvent, ReasoningParser};
 use serde::de::DeserializeOwned;
 
 /// Parses a plugin's JSON config or params into `T` (missing fields take `T`'s defaults when
@@ -48,6 +48,51 @@ pub fn partial_suffix(text: &str, marker: &str) -> usize {
         .rev()
         .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
         .unwrap_or(0)
+}
+
+/// Appends `text` to `out` as reasoning or content, joined to the last event of that kind.
+pub fn push_reasoning(out: &mut Vec<ReasoningEvent>, reasoning: bool, text: &str) {
+    if text.is_empty() {
+        return;
+    }
+    match (out.last_mut(), reasoning) {
+        (Some(ReasoningEvent::Reasoning(r)), true) => r.push_str(text),
+        (Some(ReasoningEvent::Content(c)), false) => c.push_str(text),
+        _ => out.push(if reasoning { ReasoningEvent::Reasoning(text.into()) } else { ReasoningEvent::Content(text.into()) }),
+    }
+}
+
+/// For reasoning parsers' tests: (reasoning, content) after feeding `pieces` to a parser
+/// `new` makes, begun with `prompt_tail` `tail`.
+pub fn split_reasoning<P: ReasoningParser>(new: &impl Fn() -> P, tail: &str, pieces: &[&str]) -> (String, String) {
+    let mut p = new();
+    p.begin(&serde_json::json!({ "prompt_tail": tail }).to_string(), 0).unwrap();
+    let mut out = Vec::new();
+    for piece in pieces {
+        p.feed(piece, &mut out);
+    }
+    p.finish(&mut out);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in out {
+        match e {
+            ReasoningEvent::Reasoning(r) => reasoning.push_str(&r),
+            ReasoningEvent::Content(c) => content.push_str(&c),
+        }
+    }
+    (reasoning, content)
+}
+
+/// As `split_reasoning` on `text` whole, checking that every way of cutting it in two, and
+/// in single characters, gives the same split.
+pub fn split_reasoning_every_way<P: ReasoningParser>(new: &impl Fn() -> P, tail: &str, text: &str) -> (String, String) {
+    let whole = split_reasoning(new, tail, &[text]);
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+    assert_eq!(split_reasoning(new, tail, &refs), whole, "one character at a time");
+    for (i, _) in text.char_indices() {
+        assert_eq!(split_reasoning(new, tail, &[&text[..i], &text[i..]]), whole, "split at {i}");
+    }
+    whole
 }
 
 #[cfg(test)]
