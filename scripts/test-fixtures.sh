@@ -4,9 +4,10 @@
 #   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest
 #   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
 #   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
-#   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,gpt-oss,
-#                                      phi3,mistral-swa},
-#                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4, tiny-qwen3-moe-q4,
+#   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,qwen2-moe,gpt-oss,
+#                                      phi3,mistral-swa,gemma3-vlm,mistral3,ministral3},
+#                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4, tiny-qwen3-moe-q4, tiny-qwen2-moe-q4,
+#                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4,
 #                                      tiny-gpt-oss-q4, tiny-phi3-q4
 #                                      (MLX-quantized);
 #                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
@@ -98,7 +99,7 @@ if [ ! -f "$MODELS/tiny-qwen2/model.safetensors" ]; then
   "$CACHE/smollm2-gguf/venv/bin/python" "$SHARED/models/make-tiny-random.py" "$MODELS" \
     --tokenizer-dir "$MODELS/smollm2-f32" --dtype float32 >&2
 fi
-for arch in qwen3 llama3 gemma3 qwen3-moe gpt-oss phi3 mistral-swa; do
+for arch in qwen3 llama3 gemma3 qwen3-moe qwen2-moe gpt-oss phi3 mistral-swa gemma3-vlm mistral3 ministral3; do
   if [ ! -f "$MODELS/tiny-$arch/model.safetensors" ]; then
     "$CACHE/smollm2-gguf/venv/bin/python" "$ROOT/tests/fixtures/make-tiny-extra.py" "$MODELS" \
       --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 --arch "$arch" >&2
@@ -161,15 +162,20 @@ if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
     --layers 8 >&2
 fi
 
-# MLX-quantized folders (as mlx_lm.convert writes them: sharded index, chat_template.jinja).
-for spec in "tiny-qwen3 tiny-qwen3-q4 4" "tiny-llama tiny-llama-q8 8" "tiny-gemma3 tiny-gemma3-q4 4" "tiny-qwen3-moe tiny-qwen3-moe-q4 4" \
-  "tiny-gpt-oss tiny-gpt-oss-q4 4" "tiny-phi3 tiny-phi3-q4 4"; do
+# MLX-quantized folders (as mlx_lm.convert writes them: sharded index, chat_template.jinja):
+# source, folder, bits, group size, mode (MXFP4 as mlx-community ships gpt-oss's experts;
+# mlx-lm keeps gpt-oss's router affine 8-bit).
+for spec in "tiny-qwen3 tiny-qwen3-q4 4 64 affine" "tiny-llama tiny-llama-q8 8 64 affine" \
+  "tiny-gemma3 tiny-gemma3-q4 4 64 affine" "tiny-qwen3-moe tiny-qwen3-moe-q4 4 64 affine" \
+  "tiny-qwen2-moe tiny-qwen2-moe-q4 4 64 affine" "tiny-gpt-oss tiny-gpt-oss-q4 4 64 affine" \
+  "tiny-phi3 tiny-phi3-q4 4 64 affine" "tiny-gpt-oss tiny-gpt-oss-mxfp4 4 32 mxfp4" \
+  "tiny-qwen3 tiny-qwen3-mxfp8 8 32 mxfp8" "tiny-gemma3-vlm tiny-gemma3-vlm-q4 4 64 affine"; do
   set -- $spec
   if [ ! -f "$MODELS/$2/config.json" ]; then
-    log "quantizing $1 to $3 bits with mlx_lm.convert"
+    log "quantizing $1 to $3 bits ($5) with mlx_lm.convert"
     rm -rf "$MODELS/$2"
     "$ORACLE/bin/python" -m mlx_lm convert --hf-path "$MODELS/$1" --mlx-path "$MODELS/$2" \
-      -q --q-group-size 64 --q-bits "$3" >&2
+      -q --q-group-size "$4" --q-bits "$3" --q-mode "$5" >&2
   fi
 done
 

@@ -134,6 +134,7 @@ fn a_batch_of_a_sliding_window_model_gives_mlx_lm_batch_generate_ids_and_solo_id
 fn a_batch_of_a_mixture_of_experts_model_gives_mlx_lm_batch_generate_ids_and_solo_ids() {
     let Some(f) = fixtures() else { return };
     check_batch(&f, "tiny-qwen3-moe");
+    check_batch(&f, "tiny-qwen2-moe");
 }
 
 /// GPT-OSS in a batch: sinks and sliding windows over padded rows, experts per row.

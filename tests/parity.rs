@@ -213,11 +213,19 @@ fn tiny_random_models_equal_mlx_lm() {
         "tiny-gemma3-q4",
         "tiny-qwen3-moe",
         "tiny-qwen3-moe-q4",
+        "tiny-qwen2-moe",
+        "tiny-qwen2-moe-q4",
         "tiny-gpt-oss",
         "tiny-gpt-oss-q4",
+        "tiny-gpt-oss-mxfp4",
+        "tiny-qwen3-mxfp8",
         "tiny-phi3",
         "tiny-phi3-q4",
         "tiny-mistral-swa",
+        "tiny-gemma3-vlm",
+        "tiny-gemma3-vlm-q4",
+        "tiny-mistral3",
+        "tiny-ministral3",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);

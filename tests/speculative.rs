@@ -89,6 +89,7 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
         // A mixture of experts: a verification routes several tokens at once.
         ("tiny-qwen3-moe", "tiny-qwen3"),
         ("tiny-qwen3-moe-q4", "tiny-qwen3-moe"),
+        ("tiny-qwen2-moe", "tiny-qwen2"),
         // Sinks, sliding layers and experts together.
         ("tiny-gpt-oss", "tiny-qwen3"),
         ("tiny-gpt-oss-q4", "tiny-gpt-oss"),

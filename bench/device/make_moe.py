@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""make_moe.py SHAPE OUT_DIR [--layers N] [--bits 4] [--seed 0]
+"""make_moe.py SHAPE OUT_DIR [--layers N] [--bits 4 | --mxfp4] [--seed 0]
 
 Runs ON THE DEVICE (after `. /tmp/site/env.sh`: MLX on the GPU). Writes a random-weight
 mixture-of-experts model folder of a real model's shape, in mlx-community's layout (what
@@ -13,7 +13,9 @@ mlx-lm's sanitize produces and `mlx_lm.convert` writes):
 Weights are N(0, 0.02) (norms 1, sinks 0), generated tensor by tensor on the GPU in
 bfloat16, so the whole model is never in memory at once; with --bits 4 every matrix
 (embedding, attention, experts, head) is quantized with MLX's affine quantization, group 64,
-and the routers with 8 bits (mlx-lm's quant_predicate for both models). --layers N keeps the
+and the routers with 8 bits (mlx-lm's quant_predicate for both models); with --mxfp4 the
+experts are MXFP4 (group 32, no biases) and every other matrix 8-bit affine, as
+mlx-community's gpt-oss "MXFP4-Q8" folders. --layers N keeps the
 first N layers (every layer keeps its real shape): a decode step's time is the layers' sum,
 so host/mlx-lm ratios hold; the weights per token shrink accordingly. The tokenizer is the
 device kit's byte-level BPE over the whole vocabulary (`make-model.py`).
@@ -91,6 +93,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--bits", type=int, choices=[4, 8])
+    ap.add_argument("--mxfp4", action="store_true", help="experts in MXFP4, the rest 8-bit affine")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     c = dict(SHAPES[a.shape])
@@ -103,6 +106,8 @@ def main():
         return
     os.makedirs(a.out, exist_ok=True)
     mx.random.seed(a.seed)
+    if a.mxfp4:
+        a.bits = 8
     quant = {"group_size": 64, "bits": a.bits, "mode": "affine"} if a.bits else None
     shard, shards, index, size, total = {}, 0, {}, 0, 0
 
@@ -123,10 +128,14 @@ def main():
         else:
             w = (0.02 * mx.random.normal(shape)).astype(mx.bfloat16)
             arrays = {name: w}
-            if quant and kind in ("matrix", "router"):
+            stem = name.removesuffix(".weight")
+            if a.mxfp4 and kind == "matrix" and len(shape) == 3:
+                wq, scales = mx.quantize(w, 32, 4, mode="mxfp4")
+                arrays = {name: wq, f"{stem}.scales": scales}
+                quant[stem] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+            elif quant and kind in ("matrix", "router"):
                 bits = 8 if kind == "router" else a.bits
                 wq, scales, biases = mx.quantize(w, 64, bits)
-                stem = name.removesuffix(".weight")
                 arrays = {name: wq, f"{stem}.scales": scales, f"{stem}.biases": biases}
                 if kind == "router":
                     quant[stem] = {"group_size": 64, "bits": 8}
@@ -154,7 +163,7 @@ def main():
     spec.loader.exec_module(mm)
     mm.make_tokenizer(a.out, a.shape, dict(c, model_type="qwen2"))
     print(f"{a.out}: {a.shape}, {c['num_hidden_layers']} layers, {total / 1e9:.2f} GB, "
-          f"{'%d-bit' % a.bits if a.bits else 'bf16'}")
+          f"{'MXFP4 experts, 8-bit' if a.mxfp4 else '%d-bit' % a.bits if a.bits else 'bf16'}")
 
 
 if __name__ == "__main__":

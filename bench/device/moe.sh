@@ -6,7 +6,8 @@
 # bound by the CPU's kernel dispatch on these models (hundreds of small kernels a step), so
 # the machine's CPU speed moves both from run to run: ROUNDS (default 2) alternates mlx-lm
 # and the host per model and prints a table per round.
-#   bash bench/device/moe.sh HOST OUTDIR [SPEC...]     SPEC: shape:layers:bits (bits 0 = bf16)
+#   bash bench/device/moe.sh HOST OUTDIR [SPEC...]     SPEC: shape:layers:bits (bits 0 = bf16,
+#                                                      mxfp4 = MXFP4 experts, the rest 8-bit)
 set -uo pipefail
 HOST=$1 OUTDIR=$2
 shift 2
@@ -19,7 +20,7 @@ for spec in "${specs[@]}"; do
   name=$shape-l$layers-$([ "$bits" = 0 ] && echo bf16 || echo "q$bits")
   dir=/dev/shm/m/$name
   extra=()
-  [ "$bits" != 0 ] && extra=(--bits "$bits")
+  case $bits in 0) ;; mxfp4) extra=(--mxfp4) ;; *) extra=(--bits "$bits") ;; esac
   [ -f "$dir/config.json" ] || python3 bench/device/make_moe.py "$shape" "$dir" --layers "$layers" "${extra[@]}" 2>&1 | tail -1
   for r in $(seq 1 "$ROUNDS"); do
     echo "== $name round $r"

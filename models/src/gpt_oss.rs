@@ -127,6 +127,7 @@ pub fn load(c: &Config, weights: &mut Weights, options: &crate::LoadOptions) -> 
             activation: ExpertActivation::SwigluOai,
             bias: true,
             names: ("router", "experts"),
+            shared: None,
         }),
         windows: c.windows()?,
     };

@@ -11,7 +11,7 @@ use serde_json::Value;
 /// `nn.Linear` or `nn.QuantizedLinear`.
 pub enum Linear {
     Dense { weight: Array, bias: Option<Array> },
-    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, q: Quantization },
+    Quantized { weight: Array, scales: Array, biases: Option<Array>, bias: Option<Array>, q: Quantization },
 }
 
 fn packed_cols(in_dim: usize, q: Quantization) -> usize {
@@ -29,7 +29,7 @@ impl Linear {
                 Ok(Linear::Quantized {
                     weight: w.get_shaped(&format!("{prefix}.weight"), &[out_dim, packed_cols(in_dim, q)])?,
                     scales: w.get_shaped(&format!("{prefix}.scales"), &[out_dim, groups])?,
-                    biases: w.get_shaped(&format!("{prefix}.biases"), &[out_dim, groups])?,
+                    biases: group_biases(w, prefix, q, &[out_dim, groups])?,
                     bias,
                     q,
                 })
@@ -42,7 +42,7 @@ impl Linear {
             Linear::Dense { weight, bias: None } => ops::matmul(x, &weight.transpose(&[1, 0])?)?,
             Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, &weight.transpose(&[1, 0])?, 1.0, 1.0)?,
             Linear::Quantized { weight, scales, biases, bias, q } => {
-                let y = ops::quantized_matmul(x, weight, scales, biases, true, q.group_size, q.bits)?;
+                let y = ops::quantized_matmul(x, weight, scales, q.op(biases.as_ref()), true)?;
                 match bias {
                     Some(b) => y.add(b)?,
                     None => y,
@@ -55,7 +55,15 @@ impl Linear {
 /// `nn.Embedding` or `nn.QuantizedEmbedding`; `as_linear` serves tied output heads.
 pub enum Embedding {
     Dense { weight: Array },
-    Quantized { weight: Array, scales: Array, biases: Array, q: Quantization },
+    Quantized { weight: Array, scales: Array, biases: Option<Array>, q: Quantization },
+}
+
+/// `{prefix}.biases` (`shape`) of a quantized module, in the modes that have them.
+pub(crate) fn group_biases(w: &Weights, prefix: &str, q: Quantization, shape: &[usize]) -> Result<Option<Array>> {
+    match q.mode.has_biases() {
+        true => Ok(Some(w.get_shaped(&format!("{prefix}.biases"), shape)?)),
+        false => Ok(None),
+    }
 }
 
 impl Embedding {
@@ -67,7 +75,7 @@ impl Embedding {
                 Ok(Embedding::Quantized {
                     weight: w.get_shaped(&format!("{prefix}.weight"), &[vocab, packed_cols(dim, q)])?,
                     scales: w.get_shaped(&format!("{prefix}.scales"), &[vocab, groups])?,
-                    biases: w.get_shaped(&format!("{prefix}.biases"), &[vocab, groups])?,
+                    biases: group_biases(w, prefix, q, &[vocab, groups])?,
                     q,
                 })
             }
@@ -78,15 +86,11 @@ impl Embedding {
         Ok(match self {
             Embedding::Dense { weight } => weight.take(ids, 0)?,
             Embedding::Quantized { weight, scales, biases, q } => {
-                let dtype = scales.dtype();
-                ops::dequantize(
-                    &weight.take(ids, 0)?,
-                    &scales.take(ids, 0)?,
-                    &biases.take(ids, 0)?,
-                    q.group_size,
-                    q.bits,
-                    dtype,
-                )?
+                // As MLX's dequantize without a dtype (mlx-lm's QuantizedEmbedding): affine
+                // rows come out in the scales' dtype, the microscaling modes' in bfloat16.
+                let biases = biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
+                let dtype = if biases.is_some() { scales.dtype() } else { Dtype::Bfloat16 };
+                ops::dequantize(&weight.take(ids, 0)?, &scales.take(ids, 0)?, q.op(biases.as_ref()), dtype)?
             }
         })
     }
@@ -96,7 +100,7 @@ impl Embedding {
         Ok(match self {
             Embedding::Dense { weight } => ops::matmul(x, &weight.transpose(&[1, 0])?)?,
             Embedding::Quantized { weight, scales, biases, q } => {
-                ops::quantized_matmul(x, weight, scales, biases, true, q.group_size, q.bits)?
+                ops::quantized_matmul(x, weight, scales, q.op(biases.as_ref()), true)?
             }
         })
     }

@@ -232,6 +232,8 @@ pub(crate) struct Attention {
     window: Option<usize>,
     /// GPT-OSS's attention sinks: a learned logit per head in every softmax.
     sinks: Option<Array>,
+    /// Llama 4's query scale by position (Ministral 3): (beta, original context length).
+    position_scale: Option<(f32, f32)>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
     reduce: bool,
 }
@@ -263,8 +265,26 @@ impl Attention {
             scale: (d.head_dim as f64).powf(-0.5) as f32,
             window: None,
             sinks: None,
+            position_scale: None,
             reduce: tp.size > 1,
         })
+    }
+
+    /// The position scale (queries times `1 + beta * ln(1 + floor(position / original))`
+    /// after RoPE, as mlx-lm's `_get_llama_4_attn_scale`) of `l` new queries at `at`: `[L, 1]`, or `[B, 1, L, 1]` per row.
+    fn query_scale(&self, beta: f32, original: f32, l: i32, at: &Positions, dtype: mlx::Dtype) -> Result<Array> {
+        let f32 = mlx::Dtype::Float32;
+        let steps = Array::arange(0.0, l as f64, 1.0, f32)?;
+        let pos = match at {
+            Positions::From(offset) => steps.add(&Array::scalar(*offset as f32, f32)?)?.reshape(&[l, 1])?,
+            Positions::Rows(offsets) => {
+                let rows = offsets.astype(f32)?.reshape(&[-1, 1])?.add(&steps)?;
+                rows.reshape(&[rows.dim(0) as i32, 1, l, 1])?
+            }
+        };
+        let one = Array::scalar(1.0, f32)?;
+        let s = pos.floor_divide(&Array::scalar(original, f32)?)?.add(&one)?.log()?;
+        Ok(s.multiply(&Array::scalar(beta, f32)?)?.add(&one)?.astype(dtype)?)
     }
 
     /// Scores scaled by `scale` instead of `head_dim^-0.5`.
@@ -321,6 +341,10 @@ impl Attention {
             }
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
+        let q = match self.position_scale {
+            Some((beta, original)) => q.multiply(&self.query_scale(beta, original, l, at, x.dtype())?)?,
+            None => q,
+        };
         let o = match self.window {
             Some(window) if k.dim(2) > window => {
                 windowed_attention(&q, &k, &v, self.scale, mask, window, self.sinks.as_ref())?
@@ -502,6 +526,14 @@ pub struct Model {
 }
 
 impl Model {
+    /// Every layer's queries scaled by position, Llama 4's way (Ministral 3; `Attention::query_scale`).
+    pub(crate) fn position_scaled(mut self, beta: f32, original: f32) -> Self {
+        for layer in &mut self.layers {
+            layer.self_attn.position_scale = Some((beta, original));
+        }
+        self
+    }
+
     pub fn load(config: &Config, weights: &mut Weights, options: &LoadOptions) -> Result<Self> {
         let rope = Rope::new(
             config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),

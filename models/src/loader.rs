@@ -2,15 +2,15 @@
 //! picks the architecture file; aliases sharing an architecture are one match arm each.
 
 use crate::tokenizer::Tokenizer;
-use crate::weights::{gguf, safetensors, Quantization, Weights};
-use crate::{gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe, CausalLm, Error, Result};
+use crate::weights::{gguf, safetensors, QuantMode, Quantization, Weights};
+use crate::{gemma3, gpt_oss, llama, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, CausalLm, Error, Result};
 use mlx::Device;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3 (and the text models of gemma3 and mistral3 folders)";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -82,11 +82,15 @@ pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
     }
     // Config first: an unsupported or incomplete config fails before any weight is read.
     let config_path = path.join("config.json");
-    let config = read_json(&config_path)?;
+    let (config, multimodal) = text_model_config(read_json(&config_path)?);
     let arch = Arch::parse(&config, &config_path)?;
     let (q, overrides) = quantization(&config, &config_path)?;
     let generation = read_json(&path.join("generation_config.json")).unwrap_or(Value::Null);
-    let weights = Weights::new(safetensors::load(path)?, path, arch.name()).with_quantization(q, overrides);
+    let mut tensors = safetensors::load(path)?;
+    if multimodal {
+        tensors = tensors.into_iter().filter_map(|(name, a)| Some((text_weight_name(&name)?, a))).collect();
+    }
+    let weights = Weights::new(tensors, path, arch.name()).with_quantization(q, overrides);
     let tokenizer = Tokenizer::from_dir(path)?;
     build(path, arch, &config, generation, weights, tokenizer, options)
 }
@@ -98,15 +102,69 @@ pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
         return Ok(());
     }
     let config_path = path.join("config.json");
-    Arch::parse(&read_json(&config_path)?, &config_path)?.check_tensor_parallel(n)
+    let (config, _) = text_model_config(read_json(&config_path)?);
+    Arch::parse(&config, &config_path)?.check_tensor_parallel(n)
+}
+
+/// A vision-language folder's text model, as mlx-lm's `gemma3` and `mistral3` wrappers read
+/// it (mlx-community ships Gemma 3 4B-27B and Mistral 3 this way): its config is
+/// `text_config`, given the defaults the wrapper gives it, the folder's `quantization` and
+/// token ids; `true` when `config` was such a folder's (its weights then need
+/// [`text_weight_name`]). The vision tower is not loaded: images are not supported.
+fn text_model_config(config: Value) -> (Value, bool) {
+    let kind = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
+    let Some(Value::Object(mut text)) = config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
+    else {
+        return (config, false);
+    };
+    if kind == "gemma3" {
+        text.insert("model_type".into(), "gemma3_text".into());
+        text.insert("vocab_size".into(), config.get("vocab_size").cloned().unwrap_or(262208.into()));
+        text.entry("num_attention_heads").or_insert(8.into());
+        text.entry("num_key_value_heads").or_insert(4.into());
+    } else {
+        // mlx-lm builds `ministral3` and `mistral4` text models by name, anything else as Llama.
+        let inner = text.get("model_type").and_then(Value::as_str).unwrap_or("llama");
+        if !matches!(inner, "ministral3" | "mistral4") {
+            text.insert("model_type".into(), "llama".into());
+        }
+        text.entry("tie_word_embeddings").or_insert(false.into());
+    }
+    for key in ["quantization", "quantization_config"] {
+        if let Some(Value::Object(q)) = config.get(key) {
+            let renamed = q.iter().filter_map(|(k, v)| Some((text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone())));
+            text.insert(key.into(), Value::Object(renamed.collect()));
+        }
+    }
+    for key in ["eos_token_id", "bos_token_id"] {
+        if let Some(v) = config.get(key) {
+            text.entry(key).or_insert(v.clone());
+        }
+    }
+    (Value::Object(text), true)
+}
+
+/// A vision-language checkpoint's weight (or module) name as its text model's: the vision
+/// tower and projector dropped (`None`), `language_model.` and transformers 5's
+/// `model.language_model.` taken off.
+fn text_weight_name(name: &str) -> Option<String> {
+    if name.contains("vision_tower") || name.contains("multi_modal_projector") {
+        return None;
+    }
+    Some(match name.strip_prefix("model.language_model.") {
+        Some(rest) => format!("model.{rest}"),
+        None => name.strip_prefix("language_model.").unwrap_or(name).to_string(),
+    })
 }
 
 /// A parsed config of one of the supported architectures.
 pub enum Arch {
     Llama(llama::Config),
+    Ministral3(ministral3::Config),
     Qwen2(qwen2::Config),
     Qwen3(qwen3::Config),
     Qwen3Moe(qwen3_moe::Config),
+    Qwen2Moe(qwen2_moe::Config),
     Gemma3(gemma3::Config),
     GptOss(gpt_oss::Config),
     Phi3(phi3::Config),
@@ -121,9 +179,11 @@ impl Arch {
             .ok_or_else(|| Error::Config { path: path.to_path_buf(), message: "missing key `model_type`".into() })?;
         Ok(match model_type {
             "llama" | "mistral" => Arch::Llama(parse(config, path)?),
+            "ministral3" => Arch::Ministral3(parse(config, path)?),
             "qwen2" => Arch::Qwen2(parse(config, path)?),
             "qwen3" => Arch::Qwen3(parse(config, path)?),
             "qwen3_moe" => Arch::Qwen3Moe(parse(config, path)?),
+            "qwen2_moe" => Arch::Qwen2Moe(parse(config, path)?),
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
             "phi3" => Arch::Phi3(parse(config, path)?),
@@ -144,9 +204,11 @@ impl Arch {
                 let d = c.dims();
                 (d.layers, d.n_kv_heads, d.head_dim)
             }
+            Arch::Ministral3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
             Arch::Qwen2(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
             Arch::Qwen3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Qwen3Moe(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Qwen2Moe(c) => (c.num_hidden_layers, c.kv_heads(), c.hidden_size / c.num_attention_heads),
             Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Phi3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
@@ -162,9 +224,10 @@ impl Arch {
                 (d.n_heads, d.n_kv_heads, d.ffn)
             }
             Arch::Qwen2(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Ministral3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
             Arch::Qwen3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Gemma3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
-            Arch::Qwen3Moe(_) | Arch::GptOss(_) if n > 1 => {
+            Arch::Qwen3Moe(_) | Arch::Qwen2Moe(_) | Arch::GptOss(_) if n > 1 => {
                 return Err(Error::Invalid(format!(
                     "tensor parallelism over a mixture-of-experts model ({}) is not supported yet; run it on one rank",
                     self.name()
@@ -178,6 +241,7 @@ impl Arch {
             Arch::Phi3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
             Arch::GptOss(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Qwen2Moe(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
         };
         llama::check_split(heads, kv, ffn, n)
     }
@@ -186,6 +250,7 @@ impl Arch {
     pub fn active_experts(&self) -> Option<(usize, usize)> {
         match self {
             Arch::Qwen3Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
+            Arch::Qwen2Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
             Arch::GptOss(c) => Some((c.num_experts_per_tok, c.num_local_experts)),
             _ => None,
         }
@@ -194,9 +259,11 @@ impl Arch {
     pub fn name(&self) -> &'static str {
         match self {
             Arch::Llama(_) => "llama",
+            Arch::Ministral3(_) => "ministral3",
             Arch::Qwen2(_) => "qwen2",
             Arch::Qwen3(_) => "qwen3",
             Arch::Qwen3Moe(_) => "qwen3_moe",
+            Arch::Qwen2Moe(_) => "qwen2_moe",
             Arch::Gemma3(_) => "gemma3_text",
             Arch::GptOss(_) => "gpt_oss",
             Arch::Phi3(_) => "phi3",
@@ -208,9 +275,11 @@ impl Arch {
     pub fn model(&self, weights: &mut Weights, options: &LoadOptions) -> Result<Box<dyn CausalLm>> {
         Ok(match self {
             Arch::Llama(c) => Box::new(llama::Model::load(c, weights, options)?),
+            Arch::Ministral3(c) => Box::new(ministral3::load(c, weights, options)?),
             Arch::Qwen2(c) => Box::new(qwen2::load(c, weights, options)?),
             Arch::Qwen3(c) => Box::new(qwen3::load(c, weights, options)?),
             Arch::Qwen3Moe(c) => Box::new(qwen3_moe::load(c, weights, options)?),
+            Arch::Qwen2Moe(c) => Box::new(qwen2_moe::load(c, weights, options)?),
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
             Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
             Arch::Phi3(c) => Box::new(phi3::load(c, weights, options)?),
@@ -246,15 +315,16 @@ fn quantization(config: &Value, path: &Path) -> Result<QuantizationConfig> {
                 message: format!("quantization section needs an integer `{k}`"),
             })
         };
-        if let Some(mode) = v.get("mode").and_then(Value::as_str) {
-            if mode != "affine" {
-                return Err(Error::Config {
-                    path: path.to_path_buf(),
-                    message: format!("quantization mode {mode:?} is not supported; supported: affine"),
-                });
-            }
-        }
-        Ok(Quantization { group_size: field("group_size")?, bits: field("bits")? })
+        // As mlx-lm reads it: a module's own entry without `mode` is affine, whatever the
+        // default's mode.
+        let mode = match v.get("mode").and_then(Value::as_str) {
+            None => QuantMode::Affine,
+            Some(name) => QuantMode::parse(name).ok_or_else(|| Error::Config {
+                path: path.to_path_buf(),
+                message: format!("quantization mode {name:?} is not supported; supported: {}", QuantMode::NAMES),
+            })?,
+        };
+        Ok(Quantization { group_size: field("group_size")?, bits: field("bits")?, mode })
     };
     let default = read(section)?;
     let mut overrides = HashMap::new();

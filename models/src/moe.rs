@@ -1,7 +1,8 @@
 //! Mixture-of-experts feed-forward layers, op for op as mlx-lm's: `SwitchGLU` over
 //! `SwitchLinear` / `QuantizedSwitchLinear` (`switch_layers.py`: MLX's `gather_mm` /
 //! `gather_qmm`, with the tokens sorted by expert from 64 (token, expert) pairs up) and the
-//! softmax top-k router of its Qwen MoE blocks (`qwen3_moe.py`).
+//! softmax top-k router of its Qwen MoE blocks (`qwen3_moe.py`), with Qwen2-MoE's
+//! sigmoid-gated shared expert (`qwen2_moe.py`).
 
 use crate::layers::Linear;
 use crate::weights::{Quantization, Weights};
@@ -17,7 +18,7 @@ struct SwitchLinear {
 
 enum SwitchMatrix {
     Dense { weight: Array },
-    Quantized { weight: Array, scales: Array, biases: Array, q: Quantization },
+    Quantized { weight: Array, scales: Array, biases: Option<Array>, q: Quantization },
 }
 
 impl SwitchLinear {
@@ -55,7 +56,7 @@ impl SwitchMatrix {
                 Ok(SwitchMatrix::Quantized {
                     weight: w.get_shaped(&format!("{prefix}.weight"), &[experts, out_dim, packed])?,
                     scales: w.get_shaped(&format!("{prefix}.scales"), &[experts, out_dim, groups])?,
-                    biases: w.get_shaped(&format!("{prefix}.biases"), &[experts, out_dim, groups])?,
+                    biases: crate::layers::group_biases(w, prefix, q, &[experts, out_dim, groups])?,
                     q,
                 })
             }
@@ -70,7 +71,7 @@ impl SwitchMatrix {
             }
             SwitchMatrix::Dense { weight } => ops::gather_mm(x, &weight.transpose(&[0, 2, 1])?, indices, sorted)?,
             SwitchMatrix::Quantized { weight, scales, biases, q } => {
-                ops::gather_qmm(x, weight, scales, biases, indices, true, q.group_size, q.bits, sorted)?
+                ops::gather_qmm(x, weight, scales, q.op(biases.as_ref()), indices, true, sorted)?
             }
         })
     }
@@ -158,6 +159,9 @@ pub(crate) struct MoeDims {
     pub bias: bool,
     /// Module names under the MLP: the router's and the stacked experts'.
     pub names: (&'static str, &'static str),
+    /// The width of a shared expert every token goes through, gated per token by
+    /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
+    pub shared: Option<usize>,
 }
 
 /// How the router's logits become each token's experts and their weights.
@@ -182,6 +186,7 @@ impl MoeDims {
             activation: ExpertActivation::Swiglu,
             bias: false,
             names: ("gate", "switch_mlp"),
+            shared: None,
         }
     }
 }
@@ -194,6 +199,32 @@ pub(crate) struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     router: Router,
+    shared: Option<SharedExpert>,
+}
+
+/// Qwen2-MoE's `shared_expert` (a SwiGLU MLP, as mlx-lm's `MLP`) and its one-unit gate.
+struct SharedExpert {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    gate: Linear,
+}
+
+impl SharedExpert {
+    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize) -> Result<Self> {
+        let s = format!("{p}.shared_expert");
+        Ok(SharedExpert {
+            gate_proj: Linear::load(w, &format!("{s}.gate_proj"), hidden, ffn, false)?,
+            up_proj: Linear::load(w, &format!("{s}.up_proj"), hidden, ffn, false)?,
+            down_proj: Linear::load(w, &format!("{s}.down_proj"), ffn, hidden, false)?,
+            gate: Linear::load(w, &format!("{p}.shared_expert_gate"), hidden, 1, false)?,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let y = self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)?;
+        Ok(self.gate.forward(x)?.sigmoid()?.multiply(&y)?)
+    }
 }
 
 impl SparseMoe {
@@ -220,6 +251,7 @@ impl SparseMoe {
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
             router: m.router,
+            shared: m.shared.map(|ffn| SharedExpert::load(w, p, hidden, ffn)).transpose()?,
         })
     }
 
@@ -246,7 +278,11 @@ impl SparseMoe {
         };
         let y = self.switch_mlp.forward(x, &inds)?;
         let dtype = y.dtype();
-        Ok(y.multiply(&scores.expand_dims(&[-1])?)?.sum(&[-2], false)?.astype(dtype)?)
+        let y = y.multiply(&scores.expand_dims(&[-1])?)?.sum(&[-2], false)?.astype(dtype)?;
+        match &self.shared {
+            Some(shared) => Ok(y.add(&shared.forward(x)?)?),
+            None => Ok(y),
+        }
     }
 }
 

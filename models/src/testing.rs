@@ -29,15 +29,15 @@ pub const GEMMA_WINDOW: usize = 8;
 const MOE_EXPERTS: usize = 4;
 const MOE_FFN: usize = 32;
 
-/// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3, qwen3_moe or
-/// gemma3_text).
+/// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3, qwen3_moe,
+/// qwen2_moe, gemma3_text, gpt_oss or phi3).
 pub fn config(model_type: &str) -> Value {
     let mut c = json!({
         "model_type": model_type,
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0,
-        "tie_word_embeddings": !matches!(model_type, "llama" | "gpt_oss" | "phi3"),
+        "tie_word_embeddings": !matches!(model_type, "llama" | "gpt_oss" | "phi3" | "qwen2_moe"),
         "eos_token_id": 2, "bos_token_id": 1,
     });
     if model_type == "qwen3_moe" {
@@ -48,6 +48,13 @@ pub fn config(model_type: &str) -> Value {
         c["mlp_only_layers"] = json!([1]);
         c["moe_intermediate_size"] = json!(MOE_FFN);
         c["norm_topk_prob"] = json!(true);
+    }
+    if model_type == "qwen2_moe" {
+        // Every layer: 4 experts (2 per token) and a shared expert of width FFN.
+        c["num_experts"] = json!(MOE_EXPERTS);
+        c["num_experts_per_tok"] = json!(2);
+        c["moe_intermediate_size"] = json!(MOE_FFN);
+        c["shared_expert_intermediate_size"] = json!(FFN);
     }
     if model_type == "gpt_oss" {
         // Layer 0 slides (window 8), layer 1 attends fully; 4 experts, 2 per token; YaRN.
@@ -66,6 +73,15 @@ pub fn config(model_type: &str) -> Value {
         c["rope_scaling"] = json!({"type": "longrope", "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0],
             "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]});
         c["tie_word_embeddings"] = json!(false);
+    }
+    if model_type == "ministral3" {
+        // YaRN over an original context of 8 positions, so the query scale grows from
+        // position 8 on; layer 0 slides (window 8).
+        c["rope_parameters"] = json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1, "rope_theta": 1000000.0});
+        c["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        c["sliding_window"] = json!(GEMMA_WINDOW);
     }
     if model_type == "gemma3_text" {
         c["sliding_window"] = json!(GEMMA_WINDOW);
@@ -114,7 +130,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         add(format!("{p}.self_attn.k_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.v_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
         add(format!("{p}.self_attn.o_proj.weight"), &[HIDDEN, HEADS * HEAD_DIM], lin(HEADS * HEAD_DIM))?;
-        if model_type == "qwen2" || model_type == "gpt_oss" {
+        if matches!(model_type, "qwen2" | "gpt_oss" | "qwen2_moe") {
             add(format!("{p}.self_attn.q_proj.bias"), &[HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.k_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
             add(format!("{p}.self_attn.v_proj.bias"), &[KV_HEADS * HEAD_DIM], 0.1)?;
@@ -135,6 +151,18 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
             add(format!("{x}.gate_proj.bias"), &[MOE_EXPERTS, FFN], 0.1)?;
             add(format!("{x}.up_proj.bias"), &[MOE_EXPERTS, FFN], 0.1)?;
             add(format!("{x}.down_proj.bias"), &[MOE_EXPERTS, HIDDEN], 0.1)?;
+        } else if model_type == "qwen2_moe" {
+            // Stacked experts (mlx-community's layout) and the gated shared expert.
+            add(format!("{p}.mlp.gate.weight"), &[MOE_EXPERTS, HIDDEN], lin(HIDDEN))?;
+            let x = format!("{p}.mlp.switch_mlp");
+            add(format!("{x}.gate_proj.weight"), &[MOE_EXPERTS, MOE_FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{x}.up_proj.weight"), &[MOE_EXPERTS, MOE_FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{x}.down_proj.weight"), &[MOE_EXPERTS, HIDDEN, MOE_FFN], lin(MOE_FFN))?;
+            let s = format!("{p}.mlp.shared_expert");
+            add(format!("{s}.gate_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{s}.up_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{s}.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+            add(format!("{p}.mlp.shared_expert_gate.weight"), &[1, HIDDEN], lin(HIDDEN))?;
         } else if model_type == "qwen3_moe" && i == 0 {
             // Hugging Face's layout: one module per expert (loading stacks them).
             add(format!("{p}.mlp.gate.weight"), &[MOE_EXPERTS, HIDDEN], lin(HIDDEN))?;
@@ -157,7 +185,7 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
         }
     }
     add("model.norm.weight".into(), &[HIDDEN], 1.0)?;
-    if matches!(model_type, "llama" | "gpt_oss" | "phi3") {
+    if matches!(model_type, "llama" | "gpt_oss" | "phi3" | "qwen2_moe") {
         add("lm_head.weight".into(), &[vocab, HIDDEN], 1.0)?;
     }
     Ok(w)

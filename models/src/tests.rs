@@ -4,7 +4,8 @@ use mlx::{Array, Dtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-const ARCHS: [&str; 7] = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "phi3"];
+const ARCHS: [&str; 9] =
+    ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "gpt_oss", "phi3", "ministral3"];
 
 fn tokens(ids: &[i32]) -> Array {
     Array::from_i32(ids, &[1, ids.len()]).unwrap()
@@ -146,17 +147,29 @@ fn gemma3_sliding_layers_see_only_their_window() {
 }
 
 /// A sparse MoE layer equals its definition computed densely: every expert's SwiGLU MLP over
-/// every token, weighted by the token's renormalized softmax weight where the expert is among
-/// its top 2 by router score and by 0 elsewhere — both for few tokens (experts gathered per
-/// token) and for many (tokens sorted by expert first, from 64 (token, expert) pairs).
+/// every token, weighted by the token's softmax weight (renormalized over the top 2 for
+/// Qwen3-MoE, as is for Qwen2-MoE) where the expert is among its top 2 by router score and by
+/// 0 elsewhere, plus Qwen2-MoE's shared expert scaled by its sigmoid gate — both for few
+/// tokens (experts gathered per token) and for many (tokens sorted by expert first, from 64
+/// (token, expert) pairs).
 #[test]
 fn a_moe_layer_equals_the_dense_weighted_sum_of_its_top_k_experts() {
-    let mut w = crate::weights::Weights::new(testing::weights("qwen3_moe", 6).unwrap(), Path::new("<t>"), "qwen3_moe");
+    for arch in ["qwen3_moe", "qwen2_moe"] {
+        moe_layer_equals_its_dense_definition(arch);
+    }
+}
+
+fn moe_layer_equals_its_dense_definition(arch: &str) {
+    let mut w = crate::weights::Weights::new(testing::weights(arch, 6).unwrap(), Path::new("<t>"), arch);
     let p = "model.layers.0.mlp";
-    let (experts, ffn) = (4, 32);
+    let (experts, ffn, renormalize) = (4, 32, arch == "qwen3_moe");
     crate::moe::stack_experts(&mut w, p, experts).unwrap();
-    let dims = crate::moe::MoeDims::qwen(experts, 2, ffn, true, vec![true]);
+    let mut dims = crate::moe::MoeDims::qwen(experts, 2, ffn, renormalize, vec![true]);
+    if arch == "qwen2_moe" {
+        dims.shared = Some(128);
+    }
     let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims).unwrap();
+    let lin = |a: &Array, m: &Array| mlx::ops::matmul(a, &m.transpose(&[1, 0]).unwrap()).unwrap();
     for n in [3, 40] {
         let key = mlx::random::key(n as u64).unwrap();
         let x = mlx::random::uniform(&[1, n, 64], &key).unwrap();
@@ -170,7 +183,7 @@ fn a_moe_layer_equals_the_dense_weighted_sum_of_its_top_k_experts() {
             let row = &probs[t * experts..(t + 1) * experts];
             let mut order: Vec<usize> = (0..experts).collect();
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            let total = row[order[0]] + row[order[1]];
+            let total = if renormalize { row[order[0]] + row[order[1]] } else { 1.0 };
             for &e in &order[..2] {
                 weight[t * experts + e] = row[e] / total;
             }
@@ -181,14 +194,19 @@ fn a_moe_layer_equals_the_dense_weighted_sum_of_its_top_k_experts() {
             let m = |name: &str| {
                 stacked(name).slice_axis(0, e, e + 1).unwrap().reshape(&[-1, stacked(name).dim(2) as i32]).unwrap()
             };
-            let lin = |a: &Array, name: &str| mlx::ops::matmul(a, &m(name).transpose(&[1, 0]).unwrap()).unwrap();
-            let y = lin(&mlx::ops::swiglu(&lin(&x, "gate_proj"), &lin(&x, "up_proj")).unwrap(), "down_proj");
+            let y = lin(&mlx::ops::swiglu(&lin(&x, &m("gate_proj")), &lin(&x, &m("up_proj"))).unwrap(), &m("down_proj"));
             let we: Vec<f32> = (0..n as usize).map(|t| weight[t * experts + e as usize]).collect();
             let we = Array::from_f32(&we, &[1, n as usize, 1]).unwrap();
             want = want.add(&y.multiply(&we).unwrap()).unwrap();
         }
+        if dims.shared.is_some() {
+            let s = |name: &str| w.get(&format!("{p}.shared_expert.{name}.weight")).unwrap();
+            let y = lin(&mlx::ops::swiglu(&lin(&x, &s("gate_proj")), &lin(&x, &s("up_proj"))).unwrap(), &s("down_proj"));
+            let gate = lin(&x, &w.get(&format!("{p}.shared_expert_gate.weight")).unwrap()).sigmoid().unwrap();
+            want = want.add(&y.multiply(&gate).unwrap()).unwrap();
+        }
         let d = max_abs_diff(&got, &want);
-        assert!(d < 1e-5, "{n} tokens: max diff {d}");
+        assert!(d < 1e-5, "{arch}, {n} tokens: max diff {d}");
     }
 }
 
@@ -273,7 +291,7 @@ fn an_unknown_model_type_lists_the_supported_ones() {
     config["model_type"] = json!("mamba");
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("unsupported model_type \"mamba\"") && err.contains("llama, mistral, qwen2, qwen3"), "{err}");
+    assert!(err.contains("unsupported model_type \"mamba\"") && err.contains("llama, mistral, ministral3, qwen2, qwen2_moe, qwen3"), "{err}");
 }
 
 #[test]
@@ -561,7 +579,7 @@ fn tiny_weights(arch: &str, dtype: Dtype, bits: Option<i32>, dense: &[&str]) -> 
             w.insert(format!("{prefix}.biases"), biases);
         }
     }
-    let q = bits.map(|bits| crate::weights::Quantization { group_size: 32, bits });
+    let q = bits.map(|bits| crate::weights::Quantization::affine(32, bits));
     crate::weights::Weights::new(w, Path::new("<tiny>"), arch).with_quantization(q, overrides)
 }
 
@@ -593,7 +611,7 @@ fn fused_projections_give_the_separate_projections_logits() {
                 for layer in 0..2 {
                     let p = format!("model.layers.{layer}");
                     assert!(w.contains(&format!("{p}.self_attn.fused_qkv.weight")), "{arch} {bits:?}");
-                    if (arch == "qwen3_moe" && layer == 0) || arch == "gpt_oss" {
+                    if (arch == "qwen3_moe" && layer == 0) || arch == "gpt_oss" || arch == "qwen2_moe" {
                         // Experts are stacked, not fused.
                         let experts = if arch == "gpt_oss" { "experts" } else { "switch_mlp" };
                         assert!(w.contains(&format!("{p}.mlp.{experts}.up_proj.weight")), "{arch} {bits:?}");

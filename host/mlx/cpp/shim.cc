@@ -547,6 +547,7 @@ const mx::GGUFMetaData& meta(const Loaded& l, rust::Str key) {
 
 std::unique_ptr<ArrayList> list_new() { return std::make_unique<ArrayList>(); }
 void list_push(ArrayList& list, const array& a) { list.items.push_back(a); }
+size_t list_len(const ArrayList& list) { return list.items.size(); }
 Ptr list_get(const ArrayList& list, size_t i) { return std::make_unique<array>(list.items.at(i)); }
 
 Ptr from_f32(rust::Slice<const float> d, rust::Slice<const int32_t> s) { return from_buffer(d, s); }
@@ -683,8 +684,21 @@ Ptr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta) {
   return wrap(mx::addmm(c, a, b, alpha, beta));
 }
+// The biases argument of MLX's quantized ops: affine mode's, none in the others.
+static std::optional<array> mode_biases(const array& biases, const std::string& mode) {
+  if (mode == "affine") {
+    return biases;
+  }
+  return std::nullopt;
+}
+
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
-                     bool transpose, int32_t group_size, int32_t bits, bool host_kernels) {
+                     bool transpose, int32_t group_size, int32_t bits, rust::Str mode_str,
+                     bool host_kernels) {
+  const std::string mode(mode_str);
+  if (mode != "affine") {
+    return wrap(mx::quantized_matmul(x, w, scales, std::nullopt, transpose, group_size, bits, mode));
+  }
   if (host_kernels && dequant_applies(x, w, transpose, bits)) {
     const auto wd = mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, x.dtype());
     return wrap(mx::matmul(x, mx::swapaxes(wd, 0, 1)));
@@ -701,17 +715,20 @@ Ptr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sor
 }
 Ptr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
                const array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
-               bool sorted_indices) {
-  return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, transpose, group_size, bits,
-                             "affine", std::nullopt, sorted_indices));
+               rust::Str mode_str, bool sorted_indices) {
+  const std::string mode(mode_str);
+  return wrap(mx::gather_qmm(x, w, scales, mode_biases(biases, mode), std::nullopt, rhs_indices, transpose,
+                             group_size, bits, mode, std::nullopt, sorted_indices));
 }
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
-               int32_t bits, uint8_t dt) {
-  return wrap(mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, to_dtype(dt)));
+               int32_t bits, rust::Str mode_str, uint8_t dt) {
+  const std::string mode(mode_str);
+  return wrap(mx::dequantize(w, scales, mode_biases(biases, mode), group_size, bits, mode, std::nullopt,
+                             to_dtype(dt)));
 }
-std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits) {
+std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits, rust::Str mode) {
   auto out = std::make_unique<ArrayList>();
-  out->items = mx::quantize(w, group_size, bits);
+  out->items = mx::quantize(w, group_size, bits, std::string(mode));
   return out;
 }
 

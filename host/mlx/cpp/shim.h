@@ -34,6 +34,7 @@ struct Loaded {
 std::unique_ptr<ArrayList> list_new();
 void list_push(ArrayList& list, const array& a);
 Ptr list_get(const ArrayList& list, size_t i);
+size_t list_len(const ArrayList& list);
 
 // Creation and readback.
 Ptr from_f32(rust::Slice<const float> data, rust::Slice<const int32_t> shape);
@@ -106,17 +107,19 @@ Ptr copy(const array& a);
 // Linear algebra and quantization.
 Ptr matmul(const array& a, const array& b);
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta);
-// With host_kernels, the host's 4-bit matrix-vector kernel where it applies (qmv4_applies in
-// shim.cc); MLX's own kernel otherwise.
+// `mode` is MLX's quantization mode ("affine", "mxfp4", ...); `biases` is read only in
+// affine mode (the others have none). With host_kernels, the host's 4-bit matrix-vector
+// kernel where it applies (qmv4_applies in shim.cc, affine only); MLX's own kernel otherwise.
 Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
-                     bool transpose, int32_t group_size, int32_t bits, bool host_kernels);
+                     bool transpose, int32_t group_size, int32_t bits, rust::Str mode,
+                     bool host_kernels);
 Ptr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted_indices);
 Ptr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
                const array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
-               bool sorted_indices);
+               rust::Str mode, bool sorted_indices);
 Ptr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
-               int32_t bits, uint8_t dtype);
-std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits);
+               int32_t bits, rust::Str mode, uint8_t dtype);
+std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits, rust::Str mode);
 
 // Fast kernels.
 Ptr rms_norm(const array& x, const array& weight, float eps);

@@ -17,6 +17,7 @@ pub(crate) mod ffi {
         fn list_new() -> UniquePtr<ArrayList>;
         fn list_push(list: Pin<&mut ArrayList>, a: &array);
         fn list_get(list: &ArrayList, i: usize) -> Result<UniquePtr<array>>;
+        fn list_len(list: &ArrayList) -> usize;
 
         fn from_f32(data: &[f32], shape: &[i32]) -> Result<UniquePtr<array>>;
         fn from_i32(data: &[i32], shape: &[i32]) -> Result<UniquePtr<array>>;
@@ -97,6 +98,7 @@ pub(crate) mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
+            mode: &str,
             host_kernels: bool,
         ) -> Result<UniquePtr<array>>;
         fn gather_mm(a: &array, b: &array, rhs_indices: &array, sorted_indices: bool) -> Result<UniquePtr<array>>;
@@ -109,6 +111,7 @@ pub(crate) mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
+            mode: &str,
             sorted_indices: bool,
         ) -> Result<UniquePtr<array>>;
         fn dequantize(
@@ -117,9 +120,10 @@ pub(crate) mod ffi {
             biases: &array,
             group_size: i32,
             bits: i32,
+            mode: &str,
             dtype: u8,
         ) -> Result<UniquePtr<array>>;
-        fn quantize(w: &array, group_size: i32, bits: i32) -> Result<UniquePtr<ArrayList>>;
+        fn quantize(w: &array, group_size: i32, bits: i32, mode: &str) -> Result<UniquePtr<ArrayList>>;
 
         fn rms_norm(x: &array, weight: &array, eps: f32) -> Result<UniquePtr<array>>;
         fn rope(

@@ -22,38 +22,48 @@ pub fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<A
     wrap(ffi::addmm(&c.0, &a.0, &b.0, alpha, beta))
 }
 
-/// `x @ dequantize(w).T` (with `transpose`) for MLX affine-quantized `w`. On a CUDA GPU, one
-/// row of bf16/f16 activations times 4-bit weights (decoding) runs the host's own
-/// matrix-vector kernel (`shim.cc`, qmv4: 1.6-2.2x MLX's on an H200's large shapes,
-/// bench/RESULTS.md); everything else, and every shape with `HOST_QGEMV=0`, runs MLX's.
-pub fn quantized_matmul(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    transpose: bool,
-    group_size: i32,
-    bits: i32,
-) -> Result<Array> {
-    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, group_size, bits, true))
+/// How a matrix is quantized: MLX's mode ("affine", "mxfp4", "mxfp8", "nvfp4"), group size
+/// and bits, and the per-group biases that affine mode has (the others have none).
+#[derive(Clone, Copy)]
+pub struct Quant<'a> {
+    pub mode: &'a str,
+    pub group_size: i32,
+    pub bits: i32,
+    pub biases: Option<&'a Array>,
 }
 
-pub fn dequantize(
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    group_size: i32,
-    bits: i32,
-    dtype: Dtype,
-) -> Result<Array> {
-    wrap(ffi::dequantize(&w.0, &scales.0, &biases.0, group_size, bits, dtype as u8))
+impl Quant<'_> {
+    /// The biases argument: affine mode's, else `scales` (read by nothing).
+    fn biases<'b>(&'b self, scales: &'b Array) -> &'b Array {
+        self.biases.unwrap_or(scales)
+    }
+}
+
+/// `x @ dequantize(w).T` (with `transpose`) for MLX-quantized `w`. On a CUDA GPU, one row of
+/// bf16/f16 activations times 4-bit affine weights (decoding) runs the host's own
+/// matrix-vector kernel (`shim.cc`, qmv4: 1.6-2.2x MLX's on an H200's large shapes,
+/// bench/RESULTS.md); everything else, and every shape with `HOST_QGEMV=0`, runs MLX's.
+pub fn quantized_matmul(x: &Array, w: &Array, scales: &Array, q: Quant<'_>, transpose: bool) -> Result<Array> {
+    let biases = q.biases(scales);
+    wrap(ffi::quantized_matmul(&x.0, &w.0, &scales.0, &biases.0, transpose, q.group_size, q.bits, q.mode, true))
+}
+
+pub fn dequantize(w: &Array, scales: &Array, q: Quant<'_>, dtype: Dtype) -> Result<Array> {
+    wrap(ffi::dequantize(&w.0, &scales.0, &q.biases(scales).0, q.group_size, q.bits, q.mode, dtype as u8))
 }
 
 /// Affine quantization: returns `(w, scales, biases)`.
 pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
-    let out = ffi::quantize(&w.0, group_size, bits)?;
+    let (w, scales, biases) = quantize_mode(w, group_size, bits, "affine")?;
+    Ok((w, scales, biases.expect("affine quantization has biases")))
+}
+
+/// Quantization in MLX's `mode`: `(w, scales, biases)`, biases only in affine mode.
+pub fn quantize_mode(w: &Array, group_size: i32, bits: i32, mode: &str) -> Result<(Array, Array, Option<Array>)> {
+    let out = ffi::quantize(&w.0, group_size, bits, mode)?;
     let get = |i| wrap(ffi::list_get(&out, i));
-    Ok((get(0)?, get(1)?, get(2)?))
+    let biases = if ffi::list_len(&out) > 2 { Some(get(2)?) } else { None };
+    Ok((get(0)?, get(1)?, biases))
 }
 
 pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
@@ -70,21 +80,30 @@ pub fn gather_mm(a: &Array, b: &Array, rhs_indices: &Array, sorted_indices: bool
     wrap(ffi::gather_mm(&a.0, &b.0, &rhs_indices.0, sorted_indices))
 }
 
-/// `gather_mm` over MLX affine-quantized expert matrices (`mx.gather_qmm`, `transpose` as in
+/// `gather_mm` over MLX-quantized expert matrices (`mx.gather_qmm`, `transpose` as in
 /// `quantized_matmul`).
-#[allow(clippy::too_many_arguments)]
 pub fn gather_qmm(
     x: &Array,
     w: &Array,
     scales: &Array,
-    biases: &Array,
+    q: Quant<'_>,
     rhs_indices: &Array,
     transpose: bool,
-    group_size: i32,
-    bits: i32,
     sorted_indices: bool,
 ) -> Result<Array> {
-    wrap(ffi::gather_qmm(&x.0, &w.0, &scales.0, &biases.0, &rhs_indices.0, transpose, group_size, bits, sorted_indices))
+    let biases = q.biases(scales);
+    wrap(ffi::gather_qmm(
+        &x.0,
+        &w.0,
+        &scales.0,
+        &biases.0,
+        &rhs_indices.0,
+        transpose,
+        q.group_size,
+        q.bits,
+        q.mode,
+        sorted_indices,
+    ))
 }
 
 /// `silu(gate) * x`, compiled as mlx-lm compiles it (same fused kernel, same rounding).

@@ -69,12 +69,49 @@ fn quantize_round_trips_within_a_step() {
     let data: Vec<f32> = (0..4 * 64).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
     let w = arr(&data, &[4, 64]);
     let (q, scales, biases) = ops::quantize(&w, 32, 4).unwrap();
-    let back = ops::dequantize(&q, &scales, &biases, 32, 4, Dtype::Float32).unwrap().to_vec_f32().unwrap();
+    let affine = ops::Quant { mode: "affine", group_size: 32, bits: 4, biases: Some(&biases) };
+    let back = ops::dequantize(&q, &scales, affine, Dtype::Float32).unwrap().to_vec_f32().unwrap();
     let max_err = data.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
     assert!(max_err < 2.0 / 15.0, "max error {max_err}");
     let x = arr(&[1.0; 64], &[1, 64]);
-    let y = ops::quantized_matmul(&x, &q, &scales, &biases, true, 32, 4).unwrap();
+    let y = ops::quantized_matmul(&x, &q, &scales, affine, true).unwrap();
     assert_eq!(y.shape(), vec![1, 4]);
+}
+
+/// MXFP4 (gpt-oss's experts in mlx-community's folders): FP4 values with one power-of-two
+/// scale per 32, no biases. The product equals the product with the dequantized matrix, as
+/// does the gathered product of a stack of such matrices.
+#[test]
+fn mxfp4_products_equal_products_with_the_dequantized_matrix() {
+    let data: Vec<f32> = (0..3 * 8 * 64).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+    let w = arr(&data, &[3, 8, 64]);
+    let (q, scales, biases) = ops::quantize_mode(&w, 32, 4, "mxfp4").unwrap();
+    assert!(biases.is_none() && scales.dtype() == Dtype::Uint8, "{:?}", scales.dtype());
+    let mx = ops::Quant { mode: "mxfp4", group_size: 32, bits: 4, biases: None };
+    let dense = ops::dequantize(&q, &scales, mx, Dtype::Float32).unwrap();
+    let back = dense.to_vec_f32().unwrap();
+    let max_err = data.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(max_err < 0.26, "max error {max_err}");
+    let x = arr(&noise(2 * 64, 7), &[2, 1, 64]);
+    let e = |i: i32| dense.slice_axis(0, i, i + 1).unwrap().reshape(&[8, 64]).unwrap();
+    let max_diff = |a: &Array, b: &Array| {
+        let (a, b) = (a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap());
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    };
+    // Expert 0 alone, as a plain quantized matrix.
+    let q0 = q.slice_axis(0, 0, 1).unwrap().reshape(&[8, 8]).unwrap();
+    let s0 = scales.slice_axis(0, 0, 1).unwrap().reshape(&[8, 2]).unwrap();
+    let got = ops::quantized_matmul(&x, &q0, &s0, mx, true).unwrap();
+    let want = ops::matmul(&x, &e(0).transpose(&[1, 0]).unwrap()).unwrap();
+    assert!(max_diff(&got, &want) < 1e-4);
+    let idx = Array::from_i32(&[2, 1], &[2]).unwrap();
+    let gathered = ops::gather_qmm(&x, &q, &scales, mx, &idx, true, false).unwrap();
+    for (row, expert) in [(0, 2), (1, 1)] {
+        let xr = x.slice_axis(0, row, row + 1).unwrap();
+        let want = ops::matmul(&xr, &e(expert).transpose(&[1, 0]).unwrap()).unwrap();
+        assert!(max_diff(&gathered.slice_axis(0, row, row + 1).unwrap().reshape(&[1, 1, 8]).unwrap(), &want) < 1e-4);
+    }
 }
 
 #[test]
@@ -259,12 +296,13 @@ fn quantized_matvec_kernel_matches_mlx() {
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
             let x = arr(&noise(xrows * input, 100 + i as u64), &[1, xrows, input]).astype(dtype).unwrap();
             let serves = xrows <= 32 && bits == 4 && dtype != Dtype::Float32;
-            let got = ops::quantized_matmul(&x, &q, &scales, &biases, true, group, bits).unwrap();
+            let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
+            let got = ops::quantized_matmul(&x, &q, &scales, quant, true).unwrap();
             let applies = !graph_dot(&[&got]).contains("QuantizedMatmul");
             assert_eq!(applies, cuda && serves, "{dtype:?} case {i}: kernel applies");
             // MLX's own kernel, always: the reference.
             let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
-                &x.0, &q.0, &scales.0, &biases.0, true, group, bits, false,
+                &x.0, &q.0, &scales.0, &biases.0, true, group, bits, "affine", false,
             ))
             .unwrap();
             assert_eq!(got.shape(), vec![1, xrows, rows]);

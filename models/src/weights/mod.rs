@@ -11,11 +11,63 @@ use mlx::Array;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// Affine quantization parameters of MLX-quantized weights.
+/// Quantization parameters of MLX-quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quantization {
     pub group_size: i32,
     pub bits: i32,
+    pub mode: QuantMode,
+}
+
+impl Quantization {
+    /// Affine quantization (MLX's default, with per-group scales and biases).
+    pub fn affine(group_size: i32, bits: i32) -> Quantization {
+        Quantization { group_size, bits, mode: QuantMode::Affine }
+    }
+
+    /// The parameters of MLX's quantized ops, with `biases` (affine mode's; `None` in the others).
+    pub fn op<'a>(&self, biases: Option<&'a mlx::Array>) -> mlx::ops::Quant<'a> {
+        mlx::ops::Quant { mode: self.mode.name(), group_size: self.group_size, bits: self.bits, biases }
+    }
+}
+
+/// MLX's quantization modes: `affine` (scales and biases per group) and the microscaling
+/// floating-point formats (one shared scale per group, no biases): `mxfp4` (gpt-oss's
+/// experts in mlx-community's folders), `mxfp8`, `nvfp4`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantMode {
+    Affine,
+    Mxfp4,
+    Mxfp8,
+    Nvfp4,
+}
+
+impl QuantMode {
+    pub const NAMES: &'static str = "affine, mxfp4, mxfp8, nvfp4";
+
+    pub fn parse(name: &str) -> Option<QuantMode> {
+        Some(match name {
+            "affine" => QuantMode::Affine,
+            "mxfp4" => QuantMode::Mxfp4,
+            "mxfp8" => QuantMode::Mxfp8,
+            "nvfp4" => QuantMode::Nvfp4,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+            QuantMode::Mxfp8 => "mxfp8",
+            QuantMode::Nvfp4 => "nvfp4",
+        }
+    }
+
+    /// Whether each group has a bias next to its scale (`{prefix}.biases`).
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
 }
 
 /// All weights of a checkpoint by name, plus where they came from (for error messages).
