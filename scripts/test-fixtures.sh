@@ -7,7 +7,7 @@
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,qwen2-moe,gpt-oss,
 #                                      phi3,mistral-swa,gemma3-vlm,mistral3,ministral3},
 #                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4, tiny-qwen3-moe-q4, tiny-qwen2-moe-q4,
-#                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4,
+#                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4, tiny-ministral3-q4,
 #                                      tiny-gpt-oss-q4, tiny-phi3-q4
 #                                      (MLX-quantized);
 #                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
@@ -169,7 +169,8 @@ for spec in "tiny-qwen3 tiny-qwen3-q4 4 64 affine" "tiny-llama tiny-llama-q8 8 6
   "tiny-gemma3 tiny-gemma3-q4 4 64 affine" "tiny-qwen3-moe tiny-qwen3-moe-q4 4 64 affine" \
   "tiny-qwen2-moe tiny-qwen2-moe-q4 4 64 affine" "tiny-gpt-oss tiny-gpt-oss-q4 4 64 affine" \
   "tiny-phi3 tiny-phi3-q4 4 64 affine" "tiny-gpt-oss tiny-gpt-oss-mxfp4 4 32 mxfp4" \
-  "tiny-qwen3 tiny-qwen3-mxfp8 8 32 mxfp8" "tiny-gemma3-vlm tiny-gemma3-vlm-q4 4 64 affine"; do
+  "tiny-qwen3 tiny-qwen3-mxfp8 8 32 mxfp8" "tiny-gemma3-vlm tiny-gemma3-vlm-q4 4 64 affine" \
+  "tiny-ministral3 tiny-ministral3-q4 4 64 affine"; do
   set -- $spec
   if [ ! -f "$MODELS/$2/config.json" ]; then
     log "quantizing $1 to $3 bits ($5) with mlx_lm.convert"

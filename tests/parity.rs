@@ -226,6 +226,7 @@ fn tiny_random_models_equal_mlx_lm() {
         "tiny-gemma3-vlm-q4",
         "tiny-mistral3",
         "tiny-ministral3",
+        "tiny-ministral3-q4",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);
