@@ -113,7 +113,8 @@ pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
 /// [`text_weight_name`]). The vision tower is not loaded: images are not supported.
 fn text_model_config(config: Value) -> (Value, bool) {
     let kind = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
-    let Some(Value::Object(mut text)) = config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
+    let Some(Value::Object(mut text)) =
+        config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
     else {
         return (config, false);
     };
@@ -132,7 +133,8 @@ fn text_model_config(config: Value) -> (Value, bool) {
     }
     for key in ["quantization", "quantization_config"] {
         if let Some(Value::Object(q)) = config.get(key) {
-            let renamed = q.iter().filter_map(|(k, v)| Some((text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone())));
+            let renamed =
+                q.iter().filter_map(|(k, v)| Some((text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone())));
             text.insert(key.into(), Value::Object(renamed.collect()));
         }
     }

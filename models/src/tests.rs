@@ -194,14 +194,16 @@ fn moe_layer_equals_its_dense_definition(arch: &str) {
             let m = |name: &str| {
                 stacked(name).slice_axis(0, e, e + 1).unwrap().reshape(&[-1, stacked(name).dim(2) as i32]).unwrap()
             };
-            let y = lin(&mlx::ops::swiglu(&lin(&x, &m("gate_proj")), &lin(&x, &m("up_proj"))).unwrap(), &m("down_proj"));
+            let y =
+                lin(&mlx::ops::swiglu(&lin(&x, &m("gate_proj")), &lin(&x, &m("up_proj"))).unwrap(), &m("down_proj"));
             let we: Vec<f32> = (0..n as usize).map(|t| weight[t * experts + e as usize]).collect();
             let we = Array::from_f32(&we, &[1, n as usize, 1]).unwrap();
             want = want.add(&y.multiply(&we).unwrap()).unwrap();
         }
         if dims.shared.is_some() {
             let s = |name: &str| w.get(&format!("{p}.shared_expert.{name}.weight")).unwrap();
-            let y = lin(&mlx::ops::swiglu(&lin(&x, &s("gate_proj")), &lin(&x, &s("up_proj"))).unwrap(), &s("down_proj"));
+            let y =
+                lin(&mlx::ops::swiglu(&lin(&x, &s("gate_proj")), &lin(&x, &s("up_proj"))).unwrap(), &s("down_proj"));
             let gate = lin(&x, &w.get(&format!("{p}.shared_expert_gate.weight")).unwrap()).sigmoid().unwrap();
             want = want.add(&y.multiply(&gate).unwrap()).unwrap();
         }
@@ -291,7 +293,11 @@ fn an_unknown_model_type_lists_the_supported_ones() {
     config["model_type"] = json!("mamba");
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("unsupported model_type \"mamba\"") && err.contains("llama, mistral, ministral3, qwen2, qwen2_moe, qwen3"), "{err}");
+    assert!(
+        err.contains("unsupported model_type \"mamba\"")
+            && err.contains("llama, mistral, ministral3, qwen2, qwen2_moe, qwen3"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -187,8 +187,12 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
                 if dequantize {
                     let s32 = s.astype(Dtype::Float32)?;
                     let b32 = b.astype(Dtype::Float32)?;
-                    let dense =
-                        ops::dequantize(w, &s32, Quantization::affine(group_size, bits).op(Some(&b32)), Dtype::Float32)?;
+                    let dense = ops::dequantize(
+                        w,
+                        &s32,
+                        Quantization::affine(group_size, bits).op(Some(&b32)),
+                        Dtype::Float32,
+                    )?;
                     tensors.insert(format!("{hf}.weight"), permute(&dense)?);
                 } else {
                     tensors.insert(format!("{hf}.weight"), permute(w)?);

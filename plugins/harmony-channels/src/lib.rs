@@ -38,7 +38,9 @@ enum Body {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     /// In a header; `prompt` is the part of it the prompt wrote.
-    Header { prompt: String },
+    Header {
+        prompt: String,
+    },
     Body(Body),
     /// Not harmony: everything is content.
     Plain,
@@ -123,7 +125,8 @@ impl Channels {
                         self.state = State::default();
                         continue;
                     }
-                    let keep = if last { 0 } else { ENDS.iter().map(|m| partial_suffix(&self.held, m)).max().unwrap_or(0) };
+                    let keep =
+                        if last { 0 } else { ENDS.iter().map(|m| partial_suffix(&self.held, m)).max().unwrap_or(0) };
                     let sure = self.held.len() - keep;
                     push(out, body == Body::Reasoning, &self.held[..sure]);
                     self.held.drain(..sure);
@@ -187,8 +190,14 @@ mod tests {
         let reply = "<|channel|>analysis<|message|>User greets. Reply.<|end|><|start|>assistant<|channel|>final<|message|>Hello! How can I help?<|return|>";
         assert_eq!(every_split(PROMPT, reply), ("User greets. Reply.".into(), "Hello! How can I help?".into()));
         // Cut by the token limit inside the analysis, or inside the next header.
-        assert_eq!(every_split(PROMPT, "<|channel|>analysis<|message|>Thinking <|e"), ("Thinking <|e".into(), String::new()));
-        assert_eq!(every_split(PROMPT, "<|channel|>analysis<|message|>T<|end|><|start|>assistant<|chan"), ("T".into(), String::new()));
+        assert_eq!(
+            every_split(PROMPT, "<|channel|>analysis<|message|>Thinking <|e"),
+            ("Thinking <|e".into(), String::new())
+        );
+        assert_eq!(
+            every_split(PROMPT, "<|channel|>analysis<|message|>T<|end|><|start|>assistant<|chan"),
+            ("T".into(), String::new())
+        );
     }
 
     #[test]
@@ -204,7 +213,10 @@ mod tests {
     #[test]
     fn a_forced_opener_in_the_prompt_starts_the_reply_inside_the_call() {
         let named = format!("{PROMPT}<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>");
-        assert_eq!(every_split(&named, "{\"city\": \"Paris\"}"), (String::new(), "{\"city\": \"Paris\"}<|call|>".into()));
+        assert_eq!(
+            every_split(&named, "{\"city\": \"Paris\"}"),
+            (String::new(), "{\"city\": \"Paris\"}<|call|>".into())
+        );
         // Any function: the model writes the name and the rest of the header.
         let any = format!("{PROMPT}<|channel|>commentary to=functions.");
         let rest = "get_weather <|constrain|>json<|message|>{}";

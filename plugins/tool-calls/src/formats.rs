@@ -677,7 +677,11 @@ mod tests {
             (
                 "harmony",
                 forced::<Harmony>(Some("get_weather"), "{\"city\": \"Paris\"}", &tools),
-                forced::<Harmony>(None, "get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>", &tools),
+                forced::<Harmony>(
+                    None,
+                    "get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+                    &tools,
+                ),
             ),
         ];
         for (format, named, any) in cases {

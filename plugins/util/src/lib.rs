@@ -58,7 +58,11 @@ pub fn push_reasoning(out: &mut Vec<ReasoningEvent>, reasoning: bool, text: &str
     match (out.last_mut(), reasoning) {
         (Some(ReasoningEvent::Reasoning(r)), true) => r.push_str(text),
         (Some(ReasoningEvent::Content(c)), false) => c.push_str(text),
-        _ => out.push(if reasoning { ReasoningEvent::Reasoning(text.into()) } else { ReasoningEvent::Content(text.into()) }),
+        _ => out.push(if reasoning {
+            ReasoningEvent::Reasoning(text.into())
+        } else {
+            ReasoningEvent::Content(text.into())
+        }),
     }
 }
 
