@@ -157,7 +157,7 @@ impl Block {
         rope: &Rope,
         at: &Positions,
     ) -> Result<Array> {
-        let r = self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at)?;
+        let r = self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at, None)?;
         let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
         let r = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
         residual(&h, &self.post_feedforward_layernorm.forward(&r)?)

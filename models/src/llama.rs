@@ -232,10 +232,26 @@ pub(crate) struct Attention {
     window: Option<usize>,
     /// GPT-OSS's attention sinks: a learned logit per head in every softmax.
     sinks: Option<Array>,
-    /// Llama 4's query scale by position (Ministral 3): (beta, original context length).
-    position_scale: Option<(f32, f32)>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
     reduce: bool,
+}
+
+/// Llama 4's query scale by position (Ministral 3), as mlx-lm's `_get_llama_4_attn_scale`:
+/// `1 + beta * ln(1 + floor(position / original))` for `l` new queries at `at`, `[L, 1]` or
+/// `[B, 1, L, 1]` per row; made once per forward, multiplied into every layer's queries after RoPE.
+fn query_scale(beta: f32, original: f32, l: i32, at: &Positions, dtype: mlx::Dtype) -> Result<Array> {
+    let f32 = mlx::Dtype::Float32;
+    let steps = Array::arange(0.0, l as f64, 1.0, f32)?;
+    let pos = match at {
+        Positions::From(offset) => steps.add(&Array::scalar(*offset as f32, f32)?)?.reshape(&[l, 1])?,
+        Positions::Rows(offsets) => {
+            let rows = offsets.astype(f32)?.reshape(&[-1, 1])?.add(&steps)?;
+            rows.reshape(&[rows.dim(0) as i32, 1, l, 1])?
+        }
+    };
+    let one = Array::scalar(1.0, f32)?;
+    let s = pos.floor_divide(&Array::scalar(original, f32)?)?.add(&one)?.log()?;
+    Ok(s.multiply(&Array::scalar(beta, f32)?)?.add(&one)?.astype(dtype)?)
 }
 
 /// Sums a row-parallel layer's partial outputs over the tensor-parallel group.
@@ -265,26 +281,8 @@ impl Attention {
             scale: (d.head_dim as f64).powf(-0.5) as f32,
             window: None,
             sinks: None,
-            position_scale: None,
             reduce: tp.size > 1,
         })
-    }
-
-    /// The position scale (queries times `1 + beta * ln(1 + floor(position / original))`
-    /// after RoPE, as mlx-lm's `_get_llama_4_attn_scale`) of `l` new queries at `at`: `[L, 1]`, or `[B, 1, L, 1]` per row.
-    fn query_scale(&self, beta: f32, original: f32, l: i32, at: &Positions, dtype: mlx::Dtype) -> Result<Array> {
-        let f32 = mlx::Dtype::Float32;
-        let steps = Array::arange(0.0, l as f64, 1.0, f32)?;
-        let pos = match at {
-            Positions::From(offset) => steps.add(&Array::scalar(*offset as f32, f32)?)?.reshape(&[l, 1])?,
-            Positions::Rows(offsets) => {
-                let rows = offsets.astype(f32)?.reshape(&[-1, 1])?.add(&steps)?;
-                rows.reshape(&[rows.dim(0) as i32, 1, l, 1])?
-            }
-        };
-        let one = Array::scalar(1.0, f32)?;
-        let s = pos.floor_divide(&Array::scalar(original, f32)?)?.add(&one)?.log()?;
-        Ok(s.multiply(&Array::scalar(beta, f32)?)?.add(&one)?.astype(dtype)?)
     }
 
     /// Scores scaled by `scale` instead of `head_dim^-0.5`.
@@ -314,6 +312,7 @@ impl Attention {
         cache: &mut impl LayerCache,
         rope: &Rope,
         at: &Positions,
+        query_scale: Option<&Array>,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0) as i32, x.dim(1) as i32);
         let heads = |a: &Array, n: i32, norm: Option<&RmsNorm>| -> Result<Array> {
@@ -341,8 +340,8 @@ impl Attention {
             }
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let q = match self.position_scale {
-            Some((beta, original)) => q.multiply(&self.query_scale(beta, original, l, at, x.dtype())?)?,
+        let q = match query_scale {
+            Some(s) => q.multiply(s)?,
             None => q,
         };
         let o = match self.window {
@@ -510,8 +509,10 @@ impl Block {
         cache: &mut impl LayerCache,
         rope: &Rope,
         at: &Positions,
+        query_scale: Option<&Array>,
     ) -> Result<Array> {
-        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at)?)?;
+        let h =
+            x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at, query_scale)?)?;
         Ok(h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
     }
 }
@@ -523,15 +524,14 @@ pub struct Model {
     lm_head: Option<Linear>,
     rope: Rope,
     vocab: usize,
+    /// Llama 4's query scale by position (Ministral 3): (beta, original context length).
+    position_scale: Option<(f32, f32)>,
 }
 
 impl Model {
-    /// Every layer's queries scaled by position, Llama 4's way (Ministral 3; `Attention::query_scale`).
-    pub(crate) fn position_scaled(mut self, beta: f32, original: f32) -> Self {
-        for layer in &mut self.layers {
-            layer.self_attn.position_scale = Some((beta, original));
-        }
-        self
+    /// Every layer's queries scaled by position, Llama 4's way ([`query_scale`]).
+    pub(crate) fn position_scaled(self, beta: f32, original: f32) -> Self {
+        Model { position_scale: Some((beta, original)), ..self }
     }
 
     pub fn load(config: &Config, weights: &mut Weights, options: &LoadOptions) -> Result<Self> {
@@ -577,7 +577,13 @@ impl Model {
                         .with_sinks(sinks),
                     mlp: match &d.moe {
                         Some(m) if m.sparse[i] => {
-                            FeedForward::Sparse(crate::moe::SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m)?)
+                            let shared = m.shared.map(|ffn| {
+                                let s = Dims { ffn, ..d.clone() };
+                                Mlp::load(w, &format!("{p}.mlp.shared_expert"), &s, Activation::Silu, tp)
+                            });
+                            let moe =
+                                crate::moe::SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m, shared.transpose()?);
+                            FeedForward::Sparse(moe?)
                         }
                         _ => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), d, Activation::Silu, tp)?),
                     },
@@ -598,6 +604,7 @@ impl Model {
             lm_head: if d.tied { None } else { Some(Linear::load(w, "lm_head", d.hidden, d.vocab, false)?) },
             rope,
             vocab: d.vocab,
+            position_scale: None,
         })
     }
 }
@@ -614,8 +621,11 @@ impl Model {
 
     /// The decoder layers and the final norm over embeddings `h`.
     fn decoder(&self, mut h: Array, mask: &Mask<'_>, cache: &mut [impl LayerCache], at: &Positions) -> Result<Array> {
+        let scale =
+            self.position_scale.map(|(beta, original)| query_scale(beta, original, h.dim(1) as i32, at, h.dtype()));
+        let scale = scale.transpose()?;
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            h = layer.forward(&h, mask, c, &self.rope, at)?;
+            h = layer.forward(&h, mask, c, &self.rope, at, scale.as_ref())?;
         }
         self.norm.forward(&h)
     }

@@ -111,7 +111,7 @@ pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
 /// `text_config`, given the defaults the wrapper gives it, the folder's `quantization` and
 /// token ids; `true` when `config` was such a folder's (its weights then need
 /// [`text_weight_name`]). The vision tower is not loaded: images are not supported.
-fn text_model_config(config: Value) -> (Value, bool) {
+pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
     let kind = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
     let Some(Value::Object(mut text)) =
         config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
@@ -133,8 +133,8 @@ fn text_model_config(config: Value) -> (Value, bool) {
     }
     for key in ["quantization", "quantization_config"] {
         if let Some(Value::Object(q)) = config.get(key) {
-            let renamed =
-                q.iter().filter_map(|(k, v)| Some((text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone())));
+            // Module entries take their weights' names; a vision module's keeps its own (unused).
+            let renamed = q.iter().map(|(k, v)| (text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone()));
             text.insert(key.into(), Value::Object(renamed.collect()));
         }
     }
@@ -149,7 +149,7 @@ fn text_model_config(config: Value) -> (Value, bool) {
 /// A vision-language checkpoint's weight (or module) name as its text model's: the vision
 /// tower and projector dropped (`None`), `language_model.` and transformers 5's
 /// `model.language_model.` taken off.
-fn text_weight_name(name: &str) -> Option<String> {
+pub(crate) fn text_weight_name(name: &str) -> Option<String> {
     if name.contains("vision_tower") || name.contains("multi_modal_projector") {
         return None;
     }

@@ -5,6 +5,7 @@
 //! sigmoid-gated shared expert (`qwen2_moe.py`).
 
 use crate::layers::Linear;
+use crate::llama::Mlp;
 use crate::weights::{Quantization, Weights};
 use crate::{Error, Result};
 use mlx::{ops, Array, Device, Dtype};
@@ -202,35 +203,24 @@ pub(crate) struct SparseMoe {
     shared: Option<SharedExpert>,
 }
 
-/// Qwen2-MoE's `shared_expert` (a SwiGLU MLP, as mlx-lm's `MLP`) and its one-unit gate.
+/// Qwen2-MoE's `shared_expert` (the decoder's dense SwiGLU MLP at its own width, as mlx-lm's
+/// `MLP`) and its one-unit gate.
 struct SharedExpert {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    mlp: Mlp,
     gate: Linear,
 }
 
 impl SharedExpert {
-    fn load(w: &Weights, p: &str, hidden: usize, ffn: usize) -> Result<Self> {
-        let s = format!("{p}.shared_expert");
-        Ok(SharedExpert {
-            gate_proj: Linear::load(w, &format!("{s}.gate_proj"), hidden, ffn, false)?,
-            up_proj: Linear::load(w, &format!("{s}.up_proj"), hidden, ffn, false)?,
-            down_proj: Linear::load(w, &format!("{s}.down_proj"), ffn, hidden, false)?,
-            gate: Linear::load(w, &format!("{p}.shared_expert_gate"), hidden, 1, false)?,
-        })
-    }
-
     fn forward(&self, x: &Array) -> Result<Array> {
-        let y = self.down_proj.forward(&ops::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)?;
-        Ok(self.gate.forward(x)?.sigmoid()?.multiply(&y)?)
+        Ok(self.gate.forward(x)?.sigmoid()?.multiply(&self.mlp.forward(x)?)?)
     }
 }
 
 impl SparseMoe {
     /// The block under `p` (the router `{p}.gate`, the experts `{p}.switch_mlp.{gate,up,down}_proj`,
-    /// or the names `m` gives).
-    pub(crate) fn load(w: &Weights, p: &str, hidden: usize, m: &MoeDims) -> Result<Self> {
+    /// or the names `m` gives), with `shared` (`{p}.shared_expert`, loaded by the decoder) gated
+    /// by `{p}.shared_expert_gate`.
+    pub(crate) fn load(w: &Weights, p: &str, hidden: usize, m: &MoeDims, shared: Option<Mlp>) -> Result<Self> {
         if m.top_k == 0 || m.top_k > m.experts {
             return Err(Error::Invalid(format!(
                 "num_experts_per_tok is {}; it must be between 1 and num_experts ({})",
@@ -251,7 +241,14 @@ impl SparseMoe {
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
             router: m.router,
-            shared: m.shared.map(|ffn| SharedExpert::load(w, p, hidden, ffn)).transpose()?,
+            shared: shared
+                .map(|mlp| {
+                    Ok::<_, Error>(SharedExpert {
+                        mlp,
+                        gate: Linear::load(w, &format!("{p}.shared_expert_gate"), hidden, 1, false)?,
+                    })
+                })
+                .transpose()?,
         })
     }
 

@@ -164,11 +164,16 @@ fn moe_layer_equals_its_dense_definition(arch: &str) {
     let p = "model.layers.0.mlp";
     let (experts, ffn, renormalize) = (4, 32, arch == "qwen3_moe");
     crate::moe::stack_experts(&mut w, p, experts).unwrap();
-    let mut dims = crate::moe::MoeDims::qwen(experts, 2, ffn, renormalize, vec![true]);
-    if arch == "qwen2_moe" {
-        dims.shared = Some(128);
-    }
-    let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims).unwrap();
+    let dims = crate::moe::MoeDims::qwen(experts, 2, ffn, renormalize, vec![true]);
+    // Qwen2-MoE's shared expert: the decoder's MLP at width 128 (the tiny dense width).
+    let shared = (arch == "qwen2_moe").then(|| {
+        let d: crate::llama::Config = serde_json::from_value(testing::config("llama")).unwrap();
+        let tp = crate::llama::Tp::of(&Default::default());
+        crate::llama::Mlp::load(&w, &format!("{p}.shared_expert"), &d.dims(), crate::llama::Activation::Silu, tp)
+            .unwrap()
+    });
+    let has_shared = shared.is_some();
+    let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims, shared).unwrap();
     let lin = |a: &Array, m: &Array| mlx::ops::matmul(a, &m.transpose(&[1, 0]).unwrap()).unwrap();
     for n in [3, 40] {
         let key = mlx::random::key(n as u64).unwrap();
@@ -200,7 +205,7 @@ fn moe_layer_equals_its_dense_definition(arch: &str) {
             let we = Array::from_f32(&we, &[1, n as usize, 1]).unwrap();
             want = want.add(&y.multiply(&we).unwrap()).unwrap();
         }
-        if dims.shared.is_some() {
+        if has_shared {
             let s = |name: &str| w.get(&format!("{p}.shared_expert.{name}.weight")).unwrap();
             let y =
                 lin(&mlx::ops::swiglu(&lin(&x, &s("gate_proj")), &lin(&x, &s("up_proj"))).unwrap(), &s("down_proj"));
@@ -284,6 +289,53 @@ fn a_missing_config_key_names_the_key_and_the_file() {
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let err = load_err(&dir);
     assert!(err.contains("config.json") && err.contains("missing field `hidden_size`"), "{err}");
+}
+
+/// A vision-language folder's config is its text model's, with the wrapper's defaults, the
+/// folder's quantization (module names renamed as the weights are) and token ids; its
+/// weights lose the `language_model.` prefixes and the vision tower.
+#[test]
+fn a_vision_language_folder_reads_as_its_text_model() {
+    use crate::loader::{text_model_config, text_weight_name};
+    let gemma = json!({"model_type": "gemma3", "vocab_size": 1000, "eos_token_id": [1, 106],
+        "text_config": {"hidden_size": 64, "model_type": "gemma3_text"},
+        "quantization": {"group_size": 64, "bits": 4, "language_model.model.layers.0.mlp.gate_proj": {"group_size": 64, "bits": 8},
+            "vision_tower.x": {"group_size": 64, "bits": 8}}});
+    let (text, wrapped) = text_model_config(gemma);
+    assert!(wrapped);
+    assert_eq!((text["model_type"].as_str(), text["vocab_size"].as_u64()), (Some("gemma3_text"), Some(1000)));
+    assert_eq!((text["num_attention_heads"].as_u64(), text["num_key_value_heads"].as_u64()), (Some(8), Some(4)));
+    assert_eq!(text["eos_token_id"], json!([1, 106]));
+    let q = &text["quantization"];
+    assert_eq!(q["model.layers.0.mlp.gate_proj"]["bits"], 8);
+    assert!(q.get("vision_tower.x").is_some() && q["bits"] == 4, "{q}");
+    let (mistral, _) = text_model_config(json!({"model_type": "mistral3", "text_config": {"model_type": "mistral"}}));
+    assert_eq!(
+        (mistral["model_type"].as_str(), mistral["tie_word_embeddings"].as_bool()),
+        (Some("llama"), Some(false))
+    );
+    let (ministral, _) =
+        text_model_config(json!({"model_type": "mistral3", "text_config": {"model_type": "ministral3"}}));
+    assert_eq!(ministral["model_type"], "ministral3");
+    // A text model's own config is left alone.
+    let plain = json!({"model_type": "gemma3_text", "text_config": {"model_type": "x"}});
+    assert_eq!(text_model_config(plain.clone()), (plain, false));
+    assert_eq!(text_weight_name("language_model.model.norm.weight").as_deref(), Some("model.norm.weight"));
+    assert_eq!(text_weight_name("model.language_model.layers.0.q.weight").as_deref(), Some("model.layers.0.q.weight"));
+    assert_eq!(text_weight_name("language_model.lm_head.weight").as_deref(), Some("lm_head.weight"));
+    assert_eq!(text_weight_name("vision_tower.encoder.w"), None);
+    assert_eq!(text_weight_name("model.multi_modal_projector.w"), None);
+}
+
+/// A quantization mode MLX does not have is refused, naming the ones it has.
+#[test]
+fn an_unknown_quantization_mode_is_refused_with_the_supported_ones() {
+    let dir = write_model("bad-quant-mode", "llama");
+    let mut config = testing::config("llama");
+    config["quantization"] = json!({"group_size": 32, "bits": 4, "mode": "int3"});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("\"int3\" is not supported") && err.contains("affine, mxfp4, mxfp8, nvfp4"), "{err}");
 }
 
 #[test]
