@@ -395,6 +395,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     joined.store(true, Ordering::SeqCst);
     let mut reader = BufReader::new(control);
     let mut caches: HashMap<u64, KvCache> = HashMap::new();
+    let fresh = model.make_cache();
     let mut batches: HashMap<u64, BatchKvCache> = HashMap::new();
     let missing = |what: &str, id: u64| anyhow::anyhow!("rank {}: {what} {id} is unknown here", args.rank);
     while let Some(step) = receive(&mut reader)? {
@@ -434,8 +435,9 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
             continue;
         }
         let mut layers = Vec::with_capacity(step.caches.len());
-        for &(id, offset) in &step.caches {
-            let mut c = caches.remove(&id).unwrap_or_default();
+        for (i, &(id, offset)) in step.caches.iter().enumerate() {
+            // A new cache is the layer's own (bounded where the layer slides), as on rank 0.
+            let mut c = caches.remove(&id).unwrap_or_else(|| fresh.get(i).map_or_else(KvCache::default, KvCache::empty_like));
             if c.offset() < offset {
                 bail!("rank {}: cache {id} holds {} positions, rank 0 expects {offset}", args.rank, c.offset());
             }

@@ -11,6 +11,11 @@
 //! [`KvCache`] first ([`extract`](BatchKvCache::extract)); both copy the buffer, which is
 //! paid once per join or leave, not per step. Leaving also drops the left padding no
 //! remaining row needs.
+//!
+//! A sliding-window layer's batch is bounded as its rows' caches are: the buffer's columns
+//! are numbered from the first ever written, and the buffer holds columns `start..width`
+//! (see `KvCache::windowed`), so a row's padding and length keep their meaning when the
+//! oldest columns go.
 
 use crate::cache::{next_id, record, CacheOp, KvCache, LayerCache};
 use crate::{Error, Result};
@@ -38,10 +43,15 @@ impl Drop for BatchKvCache {
     }
 }
 
-/// `a` (`[rows, H, have, D]`, or nothing when it holds no position) left-padded with zeros
-/// to `width` positions, shaped like `like`; `None` when there is nothing to pad or to keep.
+/// `a` (`[rows, H, have, D]`, or nothing when it holds no position) as its last `width`
+/// positions: left-padded with zeros, shaped like `like`, or with its first ones cut; `None`
+/// when there is nothing to pad or to keep.
 fn padded(a: Option<Array>, rows: usize, width: usize, like: &Array) -> Result<Option<Array>> {
-    let pad = width - a.as_ref().map_or(0, |a| a.dim(2));
+    let have = a.as_ref().map_or(0, |a| a.dim(2));
+    if let (Some(a), true) = (&a, have > width) {
+        return Ok(Some(a.slice_axis(2, (have - width) as i32, have as i32)?));
+    }
+    let pad = width - have;
     if rows == 0 || (a.is_none() && pad == 0) {
         return Ok(None);
     }
@@ -73,9 +83,14 @@ impl BatchKvCache {
         self.left_padding.is_empty()
     }
 
-    /// Buffer positions per row, padding included.
+    /// Buffer positions per row, padding included (and those a window dropped).
     pub fn width(&self) -> usize {
         self.buffer.offset()
+    }
+
+    /// The first column the buffer holds (0 unless a window dropped the older ones).
+    pub fn start(&self) -> usize {
+        self.buffer.start()
     }
 
     /// Each row's length, int32 `[B]`: where its next position starts (RoPE offsets).
@@ -84,39 +99,48 @@ impl BatchKvCache {
         Ok(Array::from_i32(&lengths, &[lengths.len()])?)
     }
 
-    /// The attention mask of a forward of one new position per row: boolean
-    /// `[B, 1, 1, width + 1]`, false on each row's padding; `None` when no row is padded.
+    /// The attention mask of a forward of one new position per row over the columns held:
+    /// boolean `[B, 1, 1, width + 1 - start]`, false on each row's padding; `None` when no row
+    /// is padded.
     pub fn mask(&self) -> Result<Option<Array>> {
         if self.left_padding.iter().all(|&p| p == 0) {
             return Ok(None);
         }
         let b = self.rows() as i32;
-        let cols = Array::arange(0.0, (self.width() + 1) as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+        let (from, to) = (self.start() as f64, (self.width() + 1) as f64);
+        let cols = Array::arange(from, to, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
         let pads: Vec<i32> = self.left_padding.iter().map(|&p| p as i32).collect();
         let pads = Array::from_i32(&pads, &[pads.len(), 1])?;
         Ok(Some(cols.greater_equal(&pads)?.reshape(&[b, 1, 1, -1])?))
     }
 
     /// Adds a row holding `cache`'s positions (one sequence's cache of this layer) as the
-    /// last row. The shorter of the batch and the row is padded on the left.
+    /// last row. The shorter of the batch and the row is padded on the left. Where a window
+    /// dropped the oldest positions of either, the joined buffer starts at the later of the
+    /// two first columns held (what it cuts of the other is outside every window).
     pub fn push(&mut self, cache: &KvCache) -> Result<()> {
         let n = cache.offset();
         record(CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
         let (width, target) = (self.width(), self.width().max(n));
+        // The first column each side holds in the joined buffer (0 when it holds all of its
+        // own: the columns before are padding).
+        let first = |start: usize, len: usize| if start > 0 { start + target - len } else { 0 };
+        let from = first(self.start(), width).max(first(cache.start(), n));
         let (old_k, old_v) = self.buffer.held()?.unzip();
         let (new_k, new_v) = cache.held()?.unzip();
         let join = |old: Option<Array>, new: Option<Array>| -> Result<Option<Array>> {
             let Some(like) = new.as_ref().or(old.as_ref()).cloned() else { return Ok(None) };
-            let parts: Vec<Array> = [padded(old, self.rows(), target, &like)?, padded(new, 1, target, &like)?]
-                .into_iter()
-                .flatten()
-                .collect();
+            let parts: Vec<Array> =
+                [padded(old, self.rows(), target - from, &like)?, padded(new, 1, target - from, &like)?]
+                    .into_iter()
+                    .flatten()
+                    .collect();
             Ok(Some(mlx::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?))
         };
         let (k, v) = (join(old_k, new_k)?, join(old_v, new_v)?);
         self.buffer = match (k, v) {
-            (Some(k), Some(v)) => KvCache::from_buffer(k, v, target),
-            _ => KvCache::default(),
+            (Some(k), Some(v)) => cache.with_buffer(k, v, from, target),
+            _ => cache.empty_like(),
         };
         for p in &mut self.left_padding {
             *p += target - width;
@@ -129,14 +153,16 @@ impl BatchKvCache {
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         self.check_row(row)?;
         let cache = match self.buffer.held()? {
-            None => KvCache::default(),
+            None => self.buffer.empty_like(),
             Some((k, v)) => {
-                let (r, start, end) = (row as i32, self.left_padding[row] as i32, self.width() as i32);
+                let (pad, start) = (self.left_padding[row], self.start());
+                let first = pad.max(start);
+                let (r, lo, hi) = (row as i32, (first - start) as i32, (self.width() - start) as i32);
                 // `contiguous`, not `copy`: MLX's copy of a slice shares the whole buffer.
                 let take = |a: &Array| -> Result<Array> {
-                    Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, start, end)?.contiguous()?)
+                    Ok(a.slice_axis(0, r, r + 1)?.slice_axis(2, lo, hi)?.contiguous()?)
                 };
-                KvCache::from_buffer(take(&k)?, take(&v)?, (end - start) as usize)
+                self.buffer.with_buffer(take(&k)?, take(&v)?, first - pad, self.width() - pad)
             }
         };
         record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
@@ -151,17 +177,17 @@ impl BatchKvCache {
         let held = self.buffer.held()?;
         let (Some((k, v)), false) = (held, self.left_padding.is_empty()) else {
             // No row left, or none holds a position yet.
-            self.buffer = KvCache::default();
+            self.buffer = self.buffer.empty_like();
             self.left_padding.iter_mut().for_each(|p| *p = 0);
             return Ok(());
         };
         let trim = self.left_padding.iter().copied().min().unwrap_or(0);
-        let width = self.width() - trim;
+        let (start, first) = (self.start(), self.start().max(trim));
         let keep: Vec<i32> = (0..=self.rows() as i32).filter(|&r| r != row as i32).collect();
         let keep = Array::from_i32(&keep, &[keep.len()])?;
-        let (lo, hi) = (trim as i32, self.width() as i32);
+        let (lo, hi) = ((first - start) as i32, (self.width() - start) as i32);
         let take = |a: &Array| -> Result<Array> { Ok(a.take(&keep, 0)?.slice_axis(2, lo, hi)?) };
-        self.buffer = KvCache::from_buffer(take(&k)?, take(&v)?, width);
+        self.buffer = self.buffer.with_buffer(take(&k)?, take(&v)?, first - trim, self.width() - trim);
         for p in &mut self.left_padding {
             *p -= trim;
         }

@@ -2,6 +2,15 @@
 //! shape `[B, n_kv_heads, capacity, head_dim]` grown in steps of 256 positions, written with
 //! `slice_update`, read as `[..., :offset, :]`. `trim(n)` drops the last `n` positions, which
 //! is how speculative decoding rolls back rejected drafts.
+//!
+//! A sliding-window layer's cache is bounded ([`KvCache::windowed`]): where mlx-lm's
+//! `RotatingKVCache` keeps exactly the window and so cannot roll back once it has wrapped,
+//! this one keeps the window plus a rollback slack ([`SLACK`] positions) and, each time its
+//! buffer is full, drops the positions before that instead of growing. The buffer then holds
+//! positions `start..offset` (at most `window - 1 + slack` plus one allocation step), a
+//! rollback of up to `slack` positions is always possible ([`trimmable`](KvCache::trimmable)
+//! says how far exactly), and the copy that drops the old positions is paid once per step of
+//! 256 appended positions, as a full cache's growth is.
 
 use crate::{Error, Result};
 use mlx::Array;
@@ -10,10 +19,22 @@ use std::sync::Mutex;
 
 const STEP: usize = 256;
 
+/// Positions a sliding-window cache keeps beyond its window: the rollback it always allows
+/// (speculative decoding drafts at most 64 tokens; a prompt-cache hit trims a few).
+pub const SLACK: usize = 256;
+
 pub struct KvCache {
+    /// Positions `start..start + capacity`; those before `offset` are held.
     keys: Option<Array>,
     values: Option<Array>,
+    /// Positions appended so far (the next one's index in the sequence).
     offset: usize,
+    /// The first position the buffers hold (0 unless a window dropped the earlier ones).
+    start: usize,
+    /// The layer's sliding window, `None` for full attention (nothing is dropped).
+    window: Option<usize>,
+    /// Positions kept beyond the window, for rollbacks.
+    slack: usize,
     /// Process-unique, so a tensor-parallel peer can mirror this cache (see [`mirror`]).
     id: u64,
 }
@@ -62,16 +83,42 @@ pub(crate) fn record(op: CacheOp) {
     }
 }
 
+/// Drops the last `n` positions of every layer's cache (a speculative rollback); an error,
+/// dropping nothing, when a sliding layer's cache cannot (a rollback longer than its slack).
+pub fn roll_back(cache: &mut [KvCache], n: usize) -> Result<()> {
+    if let Some(c) = cache.iter().find(|c| c.trimmable() < n) {
+        return Err(Error::Invalid(format!(
+            "cannot roll back {n} positions: a sliding-window layer's cache can drop only {} (it keeps {} \
+             beyond its window); draft fewer tokens",
+            c.trimmable(),
+            c.slack
+        )));
+    }
+    for c in cache {
+        c.trim(n);
+    }
+    Ok(())
+}
+
 impl Default for KvCache {
     fn default() -> Self {
-        KvCache { keys: None, values: None, offset: 0, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) }
+        KvCache {
+            keys: None,
+            values: None,
+            offset: 0,
+            start: 0,
+            window: None,
+            slack: SLACK,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        }
     }
 }
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        let copy =
-            KvCache { keys: self.keys.clone(), values: self.values.clone(), offset: self.offset, ..Default::default() };
+        let mut copy = self.empty_like();
+        (copy.keys, copy.values, copy.start, copy.offset) =
+            (self.keys.clone(), self.values.clone(), self.start, self.offset);
         record(CacheOp::Clone { from: self.id, to: copy.id });
         copy
     }
@@ -98,19 +145,44 @@ impl LayerCache for KvCache {
 }
 
 impl KvCache {
-    /// A cache over buffers `keys`/`values` (`[B, H, capacity, D]`) whose first `offset`
-    /// positions are held.
-    pub(crate) fn from_buffer(keys: Array, values: Array, offset: usize) -> KvCache {
-        KvCache { offset, keys: Some(keys), values: Some(values), ..Default::default() }
+    /// The cache of a layer attending over the last `window` positions (`None`: all of them).
+    pub fn windowed(window: Option<usize>) -> KvCache {
+        let mut cache = KvCache::default();
+        cache.window = window;
+        cache
     }
 
-    /// The positions held, `[B, H, offset, D]` each (`None` when empty).
+    /// With `slack` positions kept beyond the window instead of [`SLACK`] (no effect without
+    /// a window): less memory, shorter rollbacks. Speculative decoding needs at least its
+    /// draft length plus one.
+    pub fn with_slack(mut self, slack: usize) -> KvCache {
+        self.slack = slack;
+        self
+    }
+
+    /// An empty cache with this one's window and slack.
+    pub fn empty_like(&self) -> KvCache {
+        let mut cache = KvCache::default();
+        (cache.window, cache.slack) = (self.window, self.slack);
+        cache
+    }
+
+    /// A cache with this one's window and slack over buffers `keys`/`values`
+    /// (`[B, H, capacity, D]`) holding positions `start..offset`.
+    pub(crate) fn with_buffer(&self, keys: Array, values: Array, start: usize, offset: usize) -> KvCache {
+        let mut cache = self.empty_like();
+        (cache.keys, cache.values, cache.start, cache.offset) = (Some(keys), Some(values), start, offset);
+        cache
+    }
+
+    /// The positions held, `start()..offset()`: `[B, H, offset - start, D]` each (`None` when
+    /// there are none).
     pub(crate) fn held(&self) -> Result<Option<(Array, Array)>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
-        if self.offset == 0 {
+        if self.offset == self.start {
             return Ok(None);
         }
-        let end = self.offset as i32;
+        let end = (self.offset - self.start) as i32;
         Ok(Some((k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?)))
     }
 
@@ -118,9 +190,28 @@ impl KvCache {
         self.id
     }
 
-    /// Positions held.
+    /// Positions appended (and not trimmed): the sequence's length.
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// The first position held: 0, or for a windowed cache where the older ones were dropped.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// The layer's sliding window (`None` for full attention).
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// How many positions [`trim`](Self::trim) can drop: all of them, or for a windowed cache
+    /// that has dropped its oldest, as many as leave a full window behind the next position.
+    pub fn trimmable(&self) -> usize {
+        match self.window {
+            Some(w) if self.start > 0 => self.offset.saturating_sub(self.start + w - 1),
+            _ => self.offset,
+        }
     }
 
     /// Appends `keys`/`values` (`[B, H, L, D]`) and returns all keys and values so far.
@@ -130,15 +221,23 @@ impl KvCache {
         let (b, h, l, dk) = (shape[0], shape[1], shape[2], shape[3]);
         let dv = values.dim(3);
         let capacity = self.keys.as_ref().map_or(0, |k| k.dim(2));
-        if self.keys.is_none() || prev + l > capacity {
+        let held = prev - self.start;
+        if self.keys.is_none() || held + l > capacity {
+            // A window drops what no query of this forward or after a rollback of `slack`
+            // can see: positions before `prev - (window - 1) - slack`.
+            let start = match self.window {
+                Some(w) => self.start.max(prev.saturating_sub(w - 1 + self.slack)),
+                None => self.start,
+            };
             let n_steps = (STEP + l - 1) / STEP;
             let new_k = Array::zeros(&[b, h, n_steps * STEP, dk], keys.dtype())?;
             let new_v = Array::zeros(&[b, h, n_steps * STEP, dv], values.dtype())?;
+            let (lo, hi) = ((start - self.start) as i32, held as i32);
             match (self.keys.take(), self.values.take()) {
-                (Some(mut k), Some(mut v)) => {
-                    if !prev.is_multiple_of(STEP) {
-                        k = k.slice_axis(2, 0, prev as i32)?;
-                        v = v.slice_axis(2, 0, prev as i32)?;
+                (Some(mut k), Some(mut v)) if lo < hi => {
+                    if lo > 0 || hi as usize != capacity {
+                        k = k.slice_axis(2, lo, hi)?;
+                        v = v.slice_axis(2, lo, hi)?;
                     }
                     self.keys = Some(mlx::ops::concatenate(&[&k, &new_k], 2)?);
                     self.values = Some(mlx::ops::concatenate(&[&v, &new_v], 2)?);
@@ -148,15 +247,17 @@ impl KvCache {
                     self.values = Some(new_v);
                 }
             }
+            self.start = start;
         }
         self.offset += l;
-        let (start, stop) = ([0, 0, prev as i32, 0], [b as i32, h as i32, self.offset as i32]);
+        let (from, to) = ((prev - self.start) as i32, (self.offset - self.start) as i32);
+        let (start, stop) = ([0, 0, from, 0], [b as i32, h as i32, to]);
         let k = self.keys.as_ref().expect("allocated above");
         let v = self.values.as_ref().expect("allocated above");
         let k = k.slice_update(keys, &start, &[stop[0], stop[1], stop[2], dk as i32], &[1, 1, 1, 1])?;
         let v = v.slice_update(values, &start, &[stop[0], stop[1], stop[2], dv as i32], &[1, 1, 1, 1])?;
-        let fetched = if self.offset < k.dim(2) {
-            (k.slice_axis(2, 0, self.offset as i32)?, v.slice_axis(2, 0, self.offset as i32)?)
+        let fetched = if (to as usize) < k.dim(2) {
+            (k.slice_axis(2, 0, to)?, v.slice_axis(2, 0, to)?)
         } else {
             (k.clone(), v.clone())
         };
@@ -170,11 +271,12 @@ impl KvCache {
     /// This cache is unchanged; [`adopt_row`](Self::adopt_row) takes one row's new positions
     /// back. Not mirrored to tensor-parallel peers: single-process models only.
     pub fn fork_batch(&self, batch: usize) -> Result<KvCache> {
-        let mut fork = KvCache::default();
+        let mut fork = self.empty_like();
         fork.offset = self.offset;
+        fork.start = self.start;
         if let (Some(k), Some(v)) = (&self.keys, &self.values) {
             let held = |a: &Array| -> Result<Array> {
-                let a = a.slice_axis(2, 0, self.offset as i32)?;
+                let a = a.slice_axis(2, 0, (self.offset - self.start) as i32)?;
                 let mut shape: Vec<i32> = a.shape().iter().map(|&d| d as i32).collect();
                 shape[0] = batch as i32;
                 Ok(a.broadcast_to(&shape)?)
@@ -191,24 +293,26 @@ impl KvCache {
         let (Some(k), Some(v)) = (&fork.keys, &fork.values) else {
             return Err(Error::Invalid("adopt_row: the fork holds nothing".into()));
         };
-        let (start, stop) = (self.offset as i32, (self.offset + n) as i32);
-        if fork.offset < self.offset + n || row >= k.dim(0) {
+        let (start, stop) = (self.offset, self.offset + n);
+        if fork.offset < stop || fork.start > start || row >= k.dim(0) {
             return Err(Error::Invalid(format!(
-                "adopt_row: row {row}, positions {start}..{stop} are not in a fork of {} rows holding {}",
+                "adopt_row: row {row}, positions {start}..{stop} are not in a fork of {} rows holding {}..{}",
                 k.dim(0),
+                fork.start,
                 fork.offset
             )));
         }
-        let take = |a: &Array| -> Result<Array> {
-            Ok(a.slice_axis(0, row as i32, row as i32 + 1)?.slice_axis(2, start, stop)?)
-        };
+        let (lo, hi) = ((start - fork.start) as i32, (stop - fork.start) as i32);
+        let take =
+            |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, row as i32, row as i32 + 1)?.slice_axis(2, lo, hi)?) };
         self.update_and_fetch(&take(k)?, &take(v)?)?;
         Ok(())
     }
 
-    /// Drops the last `n` positions (at most all of them); returns how many were dropped.
+    /// Drops the last `n` positions (at most [`trimmable`](Self::trimmable) of them); returns
+    /// how many were dropped.
     pub fn trim(&mut self, n: usize) -> usize {
-        let n = n.min(self.offset);
+        let n = n.min(self.trimmable());
         self.offset -= n;
         n
     }

@@ -270,7 +270,7 @@ impl CausalLm for Model {
     }
 
     fn make_cache(&self) -> Vec<KvCache> {
-        vec![KvCache::default(); self.layers.len()]
+        self.layers.iter().map(|l| l.self_attn.cache()).collect()
     }
 
     fn vocab_size(&self) -> usize {

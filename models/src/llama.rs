@@ -305,6 +305,11 @@ impl Attention {
         Attention { window, ..self }
     }
 
+    /// The cache this layer needs: bounded to its window, if it slides.
+    pub(crate) fn cache(&self) -> KvCache {
+        KvCache::windowed(self.window)
+    }
+
     pub(crate) fn forward(
         &self,
         x: &Array,
@@ -348,17 +353,34 @@ impl Attention {
             Some(window) if k.dim(2) > window => {
                 windowed_attention(&q, &k, &v, self.scale, mask, window, self.sinks.as_ref())?
             }
-            _ => attention(&q, &k, &v, self.scale, mask_ref(mask), self.sinks.as_ref())?,
+            _ => match mask {
+                Mask::Array(m) => {
+                    let m = last_keys(m, k.dim(2))?;
+                    attention(&q, &k, &v, self.scale, Mask::Array(&m), self.sinks.as_ref())?
+                }
+                _ => attention(&q, &k, &v, self.scale, mask_ref(mask), self.sinks.as_ref())?,
+            },
         };
         reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
     }
 }
 
+/// The last `n` key columns of an attention mask (`[..., keys]`). A batch forward's padding
+/// mask spans the columns of the layer that holds the most (a global one); a sliding layer's
+/// bounded cache holds the last of them.
+fn last_keys(mask: &Array, n: usize) -> Result<Array> {
+    let (last, keys) = (mask.ndim() as i32 - 1, mask.dim(-1));
+    if keys <= n {
+        return Ok(mask.clone());
+    }
+    Ok(mask.slice_axis(last, (keys - n) as i32, keys as i32)?)
+}
+
 /// Attention over the last `window` positions of `k`/`v` (`[B, KVH, S, D]`, S > window) for
 /// queries `q` (`[B, H, L, D]`) at the last L of the S positions. `mask` is the forward's
-/// mask over all S positions: causal when L > 1 (a single sequence or a fork of one), and for
-/// one query none or a batch's padding mask. The keys no query can see are sliced off, so a
-/// decode step reads `window` positions whatever the sequence's length.
+/// mask over (at least) the last S positions: causal when L > 1 (a single sequence or a fork
+/// of one), and for one query none or a batch's padding mask. The keys no query can see are
+/// sliced off, so a decode step reads `window` positions whatever the sequence's length.
 fn windowed_attention(
     q: &Array,
     k: &Array,
@@ -375,10 +397,7 @@ fn windowed_attention(
     let (k, v) = (keep(k)?, keep(v)?);
     if l == 1 {
         return match mask {
-            Mask::Array(m) => {
-                let last = m.ndim() as i32 - 1;
-                attention(q, &k, &v, scale, Mask::Array(&m.slice_axis(last, lo as i32, s as i32)?), sinks)
-            }
+            Mask::Array(m) => attention(q, &k, &v, scale, Mask::Array(&last_keys(m, s - lo)?), sinks),
             _ => attention(q, &k, &v, scale, Mask::None, sinks),
         };
     }
@@ -417,8 +436,9 @@ pub(crate) fn mask_of(len: usize, short: &Option<Array>) -> Mask<'_> {
     short.as_ref().map_or(attention_mask(len), Mask::Array)
 }
 
-/// A batch forward's RoPE offsets (each row's length) and padding mask, from its first
-/// layer's cache; `tokens` must be one per row, `[B, 1]`.
+/// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
+/// mask, from the layer's cache that holds the most columns (a full-attention one, where
+/// sliding layers drop their oldest); `tokens` must be one per row, `[B, 1]`.
 pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Array, Option<Array>)> {
     if tokens.ndim() != 2 || tokens.dim(1) != 1 {
         return Err(crate::Error::Invalid(format!(
@@ -426,8 +446,11 @@ pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Ar
             tokens.shape()
         )));
     }
-    let first = cache.first().ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
-    Ok((first.offsets()?, first.mask()?))
+    let widest = cache
+        .iter()
+        .min_by_key(|c| c.start())
+        .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
+    Ok((widest.offsets()?, widest.mask()?))
 }
 
 /// mlx-lm's mask choice: none for one new token, "causal" for several (but a short query
@@ -748,7 +771,7 @@ impl CausalLm for Model {
     }
 
     fn make_cache(&self) -> Vec<KvCache> {
-        vec![KvCache::default(); self.layers.len()]
+        self.layers.iter().map(|l| l.self_attn.cache()).collect()
     }
 
     fn vocab_size(&self) -> usize {

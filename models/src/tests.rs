@@ -787,12 +787,32 @@ fn solo_greedy(model: &dyn CausalLm, ids: &[i32], steps: usize) -> (Vec<Array>, 
     (logits, fed)
 }
 
+/// `model`'s caches, sliding layers' keeping `slack` positions beyond their window.
+fn caches_with_slack(model: &dyn CausalLm, slack: usize) -> Vec<KvCache> {
+    model.make_cache().into_iter().map(|c| c.with_slack(slack)).collect()
+}
+
 /// Rows of different lengths decoded together in a `BatchKvCache` give each row the logits
 /// it gets alone, while rows join (one crossing the cache's 256-position growth step) and
 /// leave, and a row extracted from the batch goes on alone where it left off.
 #[test]
 fn batched_decoding_gives_every_row_its_solo_logits_as_rows_join_and_leave() {
-    for arch in ARCHS {
+    check_batched_decoding(&ARCHS, crate::cache::SLACK);
+}
+
+/// The same with sliding layers keeping 2 positions beyond their window of 8: the long row
+/// joins having dropped its oldest positions, the batch drops columns as it decodes, and
+/// the extracted row goes on from a bounded cache.
+#[test]
+fn batched_decoding_with_bounded_sliding_caches_gives_every_row_its_solo_logits() {
+    check_batched_decoding(&SLIDING, 2);
+}
+
+/// The tiny architectures with sliding-window layers (layer 0 slides, window 8).
+const SLIDING: [&str; 3] = ["gemma3_text", "gpt_oss", "ministral3"];
+
+fn check_batched_decoding(archs: &[&str], slack: usize) {
+    for &arch in archs {
         let model = testing::model(arch, 3).unwrap();
         let model = model.as_ref();
         assert!(model.batches());
@@ -805,7 +825,7 @@ fn batched_decoding_gives_every_row_its_solo_logits_as_rows_join_and_leave() {
         let mut rows: Vec<(usize, usize)> = Vec::new();
         let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
             let p = &prompts[i];
-            let mut cache = model.make_cache();
+            let mut cache = caches_with_slack(model, slack);
             if p.len() > 1 {
                 model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
             }
@@ -852,6 +872,68 @@ fn batched_decoding_gives_every_row_its_solo_logits_as_rows_join_and_leave() {
             let d = max_abs_diff(&l, &solo[i].0[step]);
             assert!(d < 1e-4, "{arch}: extracted row, step {step}: max diff {d}");
         }
+        if slack < 8 {
+            assert!(batch[0].start() > 0 && alone[0].start() > 0, "{arch}: the sliding layer dropped nothing");
+            assert_eq!(batch[1].start(), 0, "{arch}: the full-attention layer dropped positions");
+        }
         assert!(batch[0].remove(9).is_err());
+    }
+}
+
+/// A sliding layer's bounded cache (window 8, slack 3) holds a bounded number of positions
+/// however long the sequence, and gives the logits a cache of every position gives: decoding
+/// token by token, after rollbacks of up to its slack (and one it refuses to take past its
+/// window), and through a fork scored as a batch and a row adopted from it.
+#[test]
+fn a_bounded_sliding_cache_decodes_as_a_full_one_and_still_rolls_back() {
+    let (window, slack) = (testing::GEMMA_WINDOW, 3);
+    for arch in SLIDING {
+        let model = testing::model(arch, 6).unwrap();
+        let model = model.as_ref();
+        let full = || -> Vec<KvCache> { (0..model.make_cache().len()).map(|_| KvCache::default()).collect() };
+        let (mut bounded, mut reference) = (caches_with_slack(model, slack), full());
+        let ids = prompt(300);
+        let step = |cache: &mut Vec<KvCache>, ids: &[i32]| model.forward(&tokens(ids), cache).unwrap();
+        let d = max_abs_diff(&step(&mut bounded, &ids[..40]), &step(&mut reference, &ids[..40]));
+        assert!(d < 1e-5, "{arch}: prefill, max diff {d}");
+        for i in 40..300 {
+            if i % 50 == 0 {
+                // Three wrong tokens, rolled back.
+                step(&mut bounded, &[1, 2, 3]);
+                for c in &mut bounded {
+                    assert!(c.trimmable() >= slack, "{arch}: only {} trimmable", c.trimmable());
+                    assert_eq!(c.trim(3), 3);
+                }
+            }
+            let d = max_abs_diff(&step(&mut bounded, &ids[i..i + 1]), &step(&mut reference, &ids[i..i + 1]));
+            assert!(d < 1e-5, "{arch}: position {i}, max diff {d}");
+        }
+        let (sliding, global) = (&bounded[0], &bounded[1]);
+        assert_eq!((sliding.window(), global.window()), (Some(window), None));
+        assert!(sliding.start() > 0 && global.start() == 0);
+        assert!(
+            sliding.offset() - sliding.start() <= window - 1 + slack + 256,
+            "{arch}: holds {}..{}",
+            sliding.start(),
+            sliding.offset()
+        );
+        assert!(sliding.nbytes() < reference[0].nbytes(), "{arch}: no memory saved");
+        // A rollback past what a full window needs is cut short.
+        let mut over = sliding.clone();
+        let most = over.trimmable();
+        assert_eq!(over.trim(most + 5), most);
+        assert_eq!(over.offset() - over.start(), window - 1);
+        // A fork of the bounded caches scores two continuations; row 1 is adopted.
+        let rows: [i32; 8] = [9, 8, 7, 6, 5, 4, 3, 2];
+        let mut forks: Vec<KvCache> = bounded.iter().map(|c| c.fork_batch(2).unwrap()).collect();
+        let scored = model.forward(&Array::from_i32(&rows, &[2, 4]).unwrap(), &mut forks).unwrap();
+        let direct = step(&mut reference, &rows[4..]);
+        let d = max_abs_diff(&scored.slice_axis(0, 1, 2).unwrap(), &direct);
+        assert!(d < 1e-5, "{arch}: forked row, max diff {d}");
+        for (c, f) in bounded.iter_mut().zip(&forks) {
+            c.adopt_row(f, 1, 4).unwrap();
+        }
+        let d = max_abs_diff(&step(&mut bounded, &[11]), &step(&mut reference, &[11]));
+        assert!(d < 1e-5, "{arch}: after adopting the fork's row, max diff {d}");
     }
 }

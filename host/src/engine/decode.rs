@@ -543,9 +543,7 @@ impl<'m> Generation<'m> {
             picks[..=agreement(&drafts.tokens, &picks)].iter().map(|&t| t as u32).collect()
         };
         let accepted = emitted.len() - 1;
-        for c in &mut self.cache {
-            c.trim(k - accepted);
-        }
+        models::roll_back(&mut self.cache, k - accepted)?;
         if let Some(h) = &self.history {
             self.history = Some(mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, accepted as i32 + 1)?], 0)?);
         }
@@ -1285,6 +1283,46 @@ mod tests {
                 run_spec(model.as_ref(), draft, &prompt, SamplingParams::default(), opts(20), spec(method, 8), None);
             assert_eq!(ids, plain, "{method:?}");
             assert!(stats.drafted_tokens > stats.accepted_tokens, "{method:?}: some drafts were rejected");
+        }
+    }
+
+    #[test]
+    fn speculation_over_sliding_layers_that_dropped_their_oldest_positions_is_token_identical() {
+        // Sliding layers (window 8) keep `models::SLACK` positions beyond their window: a
+        // 530-token prompt in chunks of 64 crosses 512 positions, where they drop the oldest,
+        // and every rollback after is within what they keep. Prompt lookup (one and four
+        // candidates, over forks of the bounded caches) and a draft model with sliding layers.
+        let long: Vec<u32> = (0..505).map(|i| (i * 37 + 11) % 128).chain(repetitive_prompt()).collect();
+        let options = || DecodeOptions { max_tokens: 24, eos_token_ids: vec![], prefill_step_size: 64 };
+        for arch in ["gemma3_text", "gpt_oss", "ministral3"] {
+            let model = testing::model(arch, 41).unwrap();
+            let other = testing::model(arch, 42).unwrap();
+            // A draft that disagrees more often (the tiny sliding models tend to agree).
+            let unlike = testing::model("llama", 43).unwrap();
+            let sampler = || Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+            let mut g = Generation::start(model.as_ref(), &long, sampler(), options()).unwrap();
+            let mut plain = Vec::new();
+            while let Some(t) = g.next_token().unwrap() {
+                plain.push(t.id);
+            }
+            let cache = g.into_cache();
+            assert!(cache[0].start() > 0 && cache[0].window() == Some(8), "{arch}: the sliding layer dropped nothing");
+            let configs = [
+                (None, spec(SpecMethod::PromptLookup, 8)),
+                (None, SpecConfig { candidates: Some(4), ..spec(SpecMethod::PromptLookup, 4) }),
+                (Some(other.as_ref()), spec(SpecMethod::Draft, 6)),
+                (Some(unlike.as_ref()), spec(SpecMethod::Draft, 6)),
+            ];
+            let mut rejected = 0;
+            for (draft, config) in configs {
+                let what = format!("{arch} {:?} candidates {:?}", config.method, config.candidates);
+                let (ids, stats) =
+                    run_spec(model.as_ref(), draft, &long, SamplingParams::default(), options(), config, None);
+                assert_eq!(ids, plain, "{what}");
+                assert!(stats.drafted_tokens > 0, "{what}: nothing drafted");
+                rejected += stats.drafted_tokens - stats.accepted_tokens;
+            }
+            assert!(rejected > 0, "{arch}: no draft was rolled back");
         }
     }
 

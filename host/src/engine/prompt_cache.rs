@@ -50,16 +50,18 @@ impl PromptCache {
 
     /// The cache of the entry with the longest common prefix with `prompt`, trimmed to that
     /// prefix; at least one prompt token is always left to compute (the last position's
-    /// logits are needed). `None` when no entry shares a prefix.
+    /// logits are needed). `None` when no entry shares a prefix. An entry whose sliding-window
+    /// layers cannot roll back to the prefix (they dropped the positions its window needs:
+    /// `KvCache::trimmable`) does not count.
     pub fn take(&mut self, prompt: &[u32]) -> Option<Reuse> {
         self.clock += 1;
-        let (best, len) = self
+        let (best, reused) = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, common_prefix(&e.tokens, prompt)))
+            .map(|(i, e)| (i, common_prefix(&e.tokens, prompt).min(prompt.len().saturating_sub(1))))
+            .filter(|&(i, n)| self.entries[i].cache.iter().all(|c| c.offset() - n <= c.trimmable()))
             .max_by_key(|&(_, n)| n)?;
-        let reused = len.min(prompt.len().saturating_sub(1));
         if reused == 0 {
             return None;
         }
@@ -160,5 +162,36 @@ mod tests {
         // Extending an entry replaces it.
         pc.insert(vec![5, 6, 7], cache_of(model.as_ref(), &[5, 6, 7]));
         assert_eq!(pc.len(), 2);
+    }
+
+    /// An entry of a model with a sliding layer (window 8, slack 4 beyond it) that dropped
+    /// its oldest positions (it holds 189..300) serves prompts sharing the prefixes it can
+    /// roll back to, not shorter ones; what it serves continues with a fresh forward's logits.
+    #[test]
+    fn a_sliding_window_entry_serves_only_the_prefixes_it_can_roll_back_to() {
+        let model = models::testing::model("gemma3_text", 4).unwrap();
+        let tokens: Vec<u32> = (0..300).map(|i| (i * 7 + 3) % 100).collect();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let mut cache: Vec<KvCache> = model.make_cache().into_iter().map(|c| c.with_slack(4)).collect();
+        for chunk in ids.chunks(100) {
+            model.forward(&Array::from_i32(chunk, &[1, chunk.len()]).unwrap(), &mut cache).unwrap();
+        }
+        assert_eq!((cache[0].start(), cache[0].trimmable()), (189, 300 - 189 - 7));
+        let mut pc = PromptCache::new(1 << 30);
+        pc.insert(tokens.clone(), cache);
+        let diverging = |at: usize| -> Vec<u32> { tokens[..at].iter().copied().chain([999, 998]).collect() };
+        assert!(pc.take(&diverging(150)).is_none(), "the window before position 150 is gone");
+        assert!(pc.take(&diverging(195)).is_none(), "position 195's window starts at 188");
+        let mut r = pc.take(&diverging(196)).unwrap();
+        assert_eq!(r.reused, 196);
+        let cont = model.forward(&Array::from_i32(&[999, 998], &[1, 2]).unwrap(), &mut r.cache).unwrap();
+        let all: Vec<i32> = diverging(196).iter().map(|&t| t as i32).collect();
+        let fresh = model.forward(&Array::from_i32(&all, &[1, 198]).unwrap(), &mut model.make_cache()).unwrap();
+        let (a, b) = (
+            cont.slice_axis(1, 1, 2).unwrap().to_vec_f32().unwrap(),
+            fresh.slice_axis(1, 197, 198).unwrap().to_vec_f32().unwrap(),
+        );
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(d < 1e-4, "{d}");
     }
 }

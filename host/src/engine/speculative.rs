@@ -315,9 +315,7 @@ impl Drafter for DraftModel<'_> {
     fn commit(&mut self, accepted: usize) -> Result<()> {
         let Some((len, k)) = self.last.take() else { return Ok(()) };
         let keep = len + accepted.min(k - 1);
-        for c in &mut self.cache {
-            c.trim(self.held - keep);
-        }
+        models::roll_back(&mut self.cache, self.held - keep)?;
         self.held = keep;
         Ok(())
     }
