@@ -437,7 +437,8 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
         let mut layers = Vec::with_capacity(step.caches.len());
         for (i, &(id, offset)) in step.caches.iter().enumerate() {
             // A new cache is the layer's own (bounded where the layer slides), as on rank 0.
-            let mut c = caches.remove(&id).unwrap_or_else(|| fresh.get(i).map_or_else(KvCache::default, KvCache::empty_like));
+            let mut c =
+                caches.remove(&id).unwrap_or_else(|| fresh.get(i).map_or_else(KvCache::default, KvCache::empty_like));
             if c.offset() < offset {
                 bail!("rank {}: cache {id} holds {} positions, rank 0 expects {offset}", args.rank, c.offset());
             }
