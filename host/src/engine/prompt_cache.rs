@@ -179,12 +179,12 @@ mod tests {
         assert_eq!((cache[0].start(), cache[0].trimmable()), (189, 300 - 189 - 7));
         let mut pc = PromptCache::new(1 << 30);
         pc.insert(tokens.clone(), cache);
-        let diverging = |at: usize| -> Vec<u32> { tokens[..at].iter().copied().chain([999, 998]).collect() };
+        let diverging = |at: usize| -> Vec<u32> { tokens[..at].iter().copied().chain([101, 102]).collect() };
         assert!(pc.take(&diverging(150)).is_none(), "the window before position 150 is gone");
         assert!(pc.take(&diverging(195)).is_none(), "position 195's window starts at 188");
         let mut r = pc.take(&diverging(196)).unwrap();
         assert_eq!(r.reused, 196);
-        let cont = model.forward(&Array::from_i32(&[999, 998], &[1, 2]).unwrap(), &mut r.cache).unwrap();
+        let cont = model.forward(&Array::from_i32(&[101, 102], &[1, 2]).unwrap(), &mut r.cache).unwrap();
         let all: Vec<i32> = diverging(196).iter().map(|&t| t as i32).collect();
         let fresh = model.forward(&Array::from_i32(&all, &[1, 198]).unwrap(), &mut model.make_cache()).unwrap();
         let (a, b) = (
