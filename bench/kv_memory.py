@@ -31,7 +31,7 @@ def mlx_lm_bytes(folder, lengths):
         while done < n:
             size = min(CHUNK, n - done)
             ids = mx.array([[(i * 7919 + 13) % vocab for i in range(done, done + size)]])
-            mx.eval(model(ids, cache=cache))
+            mx.eval(model.model(ids, cache=cache))
             done += size
         out.append(sum(c.nbytes for c in cache))
     return out

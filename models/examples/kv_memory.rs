@@ -20,9 +20,9 @@ fn bytes_at(model: &dyn CausalLm, mut cache: Vec<KvCache>, lengths: &[usize]) ->
         while done < n {
             let len = CHUNK.min(n - done);
             let ids: Vec<i32> = (done..done + len).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
-            let logits = model.forward(&mlx::Array::from_i32(&ids, &[1, len])?, &mut cache)?;
+            let hidden = model.forward_hidden(&mlx::Array::from_i32(&ids, &[1, len])?, &mut cache)?;
             let mut state: Vec<&mlx::Array> = cache.iter().flat_map(KvCache::state).collect();
-            state.push(&logits);
+            state.push(&hidden);
             mlx::eval(&state)?;
             done += len;
         }
