@@ -44,7 +44,8 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     a = p.parse_args()
     lengths = sorted(a.tokens)
-    cmd = ["cargo", "run", "-q", "-p", "models", "--example", "kv_memory", "--", a.host_model or a.folder]
+    subprocess.run(["cargo", "build", "-q", "-p", "models", "--example", "kv_memory"], cwd=ROOT, check=True)
+    cmd = [str(ROOT / "target/debug/examples/kv_memory"), a.host_model or a.folder]
     rows = [json.loads(line) for line in subprocess.run(cmd + [str(n) for n in lengths], cwd=ROOT,
                                                         check=True, capture_output=True, text=True).stdout.splitlines()]
     theirs = mlx_lm_bytes(a.folder, lengths)
