@@ -186,6 +186,7 @@ impl Model {
         }
         let w = &*w;
         let scale = c.query_pre_attn_scalar.powf(-0.5);
+        let window = llama::sliding_window(c.sliding_window)?;
         let layers = (0..d.layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
@@ -198,7 +199,7 @@ impl Model {
                             norm(w, &format!("{a}.k_norm"), d.head_dim, d.eps)?,
                         )
                         .scaled(scale)
-                        .windowed((!global).then_some(c.sliding_window)),
+                        .windowed((!global).then_some(window)),
                     mlp: Mlp::load(w, &format!("{p}.mlp"), d, Activation::GeluApprox, tp)?,
                     input_layernorm: norm(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
                     post_attention_layernorm: norm(w, &format!("{p}.post_attention_layernorm"), d.hidden, d.eps)?,

@@ -107,6 +107,14 @@ impl Config {
     }
 }
 
+/// A config's `sliding_window`, refused when it is 0 (no position could be attended).
+pub(crate) fn sliding_window(w: usize) -> crate::Result<usize> {
+    if w == 0 {
+        return Err(crate::Error::Invalid("sliding_window is 0; a sliding layer needs a window of at least 1".into()));
+    }
+    Ok(w)
+}
+
 /// Per-layer sliding windows from a config's `layer_types` ("sliding_attention" layers get
 /// `window`, "full_attention" ones `None`).
 pub(crate) fn layer_windows(
@@ -124,10 +132,10 @@ pub(crate) fn layer_windows(
         .iter()
         .map(|t| match t.as_str() {
             "full_attention" => Ok(None),
-            "sliding_attention" => window.map(Some).ok_or_else(|| {
-                crate::Error::Invalid(
+            "sliding_attention" => window.map(|w| sliding_window(w).map(Some)).unwrap_or_else(|| {
+                Err(crate::Error::Invalid(
                     "layer_types has sliding_attention layers but the config has no sliding_window".into(),
-                )
+                ))
             }),
             other => Err(crate::Error::Invalid(format!(
                 "layer type {other:?} is not supported; supported: sliding_attention, full_attention"

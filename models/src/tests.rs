@@ -226,6 +226,25 @@ fn tensor_parallelism_over_a_moe_model_is_refused() {
     crate::check_tensor_parallel(&dir, 1).unwrap();
 }
 
+/// A sliding window of 0 is refused at load with the key named, for every architecture
+/// with sliding layers.
+#[test]
+fn a_zero_sliding_window_is_refused() {
+    for arch in SLIDING {
+        let mut config = testing::config(arch);
+        config["sliding_window"] = json!(0);
+        let parsed = crate::Arch::parse(&config, Path::new("<tiny random>"));
+        let err = match parsed {
+            Err(e) => e.to_string(),
+            Ok(a) => {
+                let mut w = crate::weights::Weights::new(testing::weights(arch, 5).unwrap(), Path::new("<t>"), arch);
+                a.model(&mut w, &Default::default()).err().expect("a window of 0 loaded").to_string()
+            }
+        };
+        assert!(err.contains("sliding_window is 0"), "{arch}: {err}");
+    }
+}
+
 #[test]
 fn trim_never_goes_below_zero() {
     let mut c = KvCache::default();
