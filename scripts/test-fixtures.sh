@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what the parity tests compare against, in a cache (nothing goes into git):
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
-#   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest
+#   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest, jsonschema
 #   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
 #   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,qwen2-moe,gpt-oss,
@@ -64,12 +64,12 @@ if ! "$ORACLE/bin/python" -c 'import mlx_lm, mlx.core' 2>/dev/null; then
     'mlx==0.32.4' 'mlx-cpu==0.32.4' 'mlx-lm==0.32.2' >&2
 fi
 
-if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx' 2>/dev/null; then
+if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx, jsonschema' 2>/dev/null; then
   log "creating the end-to-end test virtualenv (official openai and anthropic SDKs) in $E2E"
   rm -rf "$E2E"
   "$PY" -m venv "$E2E"
   "$E2E/bin/pip" install --quiet --disable-pip-version-check \
-    'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' >&2
+    'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' 'jsonschema==4.26.0' >&2
 fi
 
 # The real agent harness clients (their npm packages ship native binaries), pinned.

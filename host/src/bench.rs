@@ -286,7 +286,7 @@ fn run_once(setup: &Setup<'_>, ids: &[u32], gen: usize) -> Result<Run> {
         SpecMethod::Off => None,
         _ => Some(Speculation::new(setup.spec.clone(), ids, setup.draft, options.prefill_step_size)?),
     };
-    let hooks = Hooks { external: None, speculation };
+    let hooks = Hooks { external: None, speculation, constraint: None };
     let mut g = Generation::start_with(model, model.make_cache(), ids, sampler, options, hooks)?;
     let (mut first, mut out) = (None, Vec::new());
     while let Some(t) = g.next_token()? {

@@ -239,7 +239,7 @@ pub fn run(args: Args) -> Result<()> {
         )?),
     };
     let model = loaded.model.as_ref();
-    let hooks = Hooks { external: None, speculation };
+    let hooks = Hooks { external: None, speculation, constraint: None };
     let mut generation = Generation::start_with(model, model.make_cache(), &prompt_ids, sampler, options, hooks)?;
     let mut detok = Detokenizer::new(&loaded.tokenizer);
     let mut stdout = std::io::stdout().lock();

@@ -11,4 +11,5 @@ pub mod generate;
 pub mod launch;
 pub mod plugins;
 pub mod server;
+pub mod structured;
 pub mod tp;

@@ -80,6 +80,11 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The tokenizer as `tokenizer.json` text (what reads each token's bytes works from it).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     /// Every token string (added tokens included) with its id.
     pub fn vocabulary(&self) -> std::collections::HashMap<String, u32> {
         self.inner.get_vocab(true)

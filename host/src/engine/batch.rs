@@ -12,6 +12,7 @@
 //! plugin must see each committed token before it picks the next). The batch knows nothing
 //! about text or requests; rows are named by a key.
 
+use super::constraint::{self, Guard};
 use super::decode::{external_frame, pick_from_frame, tokens_array, DecodeOptions, ExternalSampler, Token};
 use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
@@ -24,6 +25,8 @@ pub struct Row<'m> {
     sampler: Sampler,
     /// A sampler plugin picking this row's tokens (it has accepted the prompt).
     external: Option<Box<dyn ExternalSampler + 'm>>,
+    /// Masks this row's logits (its steps, and so the batch's, are then serial).
+    constraint: Option<Guard>,
     /// The row's external sampler failed in the step in flight (no fallback allowed).
     failed: Option<anyhow::Error>,
     options: DecodeOptions,
@@ -45,6 +48,7 @@ impl<'m> Row<'m> {
             key,
             sampler,
             external: None,
+            constraint: None,
             failed: None,
             options,
             history,
@@ -57,6 +61,12 @@ impl<'m> Row<'m> {
     /// The row's tokens picked by `external` (which has already accepted the prompt).
     pub fn with_external(mut self, external: Option<Box<dyn ExternalSampler + 'm>>) -> Row<'m> {
         self.external = external;
+        self
+    }
+
+    /// The row's output held to `constraint` (which has seen nothing of it yet).
+    pub fn with_constraint(mut self, constraint: Option<Guard>) -> Row<'m> {
+        self.constraint = constraint;
         self
     }
 
@@ -202,7 +212,7 @@ impl<'m> Batch<'m> {
             None if self.rows.is_empty() => return Ok(Vec::new()),
             None => self.build(None)?,
         };
-        let serial = self.rows.iter().any(|r| r.external.is_some());
+        let serial = self.rows.iter().any(|r| r.external.is_some() || r.constraint.is_some());
         if !self.rows.is_empty() && !serial {
             self.pending = Some(self.build(Some(&current))?);
         }
@@ -224,6 +234,12 @@ impl<'m> Batch<'m> {
                         out.push((key, Err(e)));
                         continue;
                     }
+                }
+            }
+            if let Some(guard) = row.constraint.as_mut() {
+                if let Err(e) = guard.accept(id) {
+                    out.push((key, Err(e.context("the output constraint"))));
+                    continue;
                 }
             }
             let finish = row.options.finish(id, row.generated);
@@ -271,6 +287,25 @@ impl<'m> Batch<'m> {
                 rows.push(row.sampler.process(&mine, row.history.as_ref())?);
             }
             mlx::ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?
+        } else {
+            logits
+        };
+        let logits = if self.rows.iter().any(|r| r.constraint.is_some()) {
+            // The forward runs while the constraints work out their masks; a constraint that
+            // fails fails its row at this step's read.
+            mlx::async_eval(&[&logits])?;
+            let mut masks = Vec::with_capacity(self.rows.len());
+            for row in &mut self.rows {
+                let mask = match row.constraint.as_mut().map(Guard::mask).transpose() {
+                    Ok(mask) => mask.flatten(),
+                    Err(e) => {
+                        row.failed.get_or_insert(e.context("the output constraint"));
+                        None
+                    }
+                };
+                masks.push(mask);
+            }
+            constraint::apply(&logits, &masks)?
         } else {
             logits
         };
@@ -412,6 +447,57 @@ mod tests {
         }
     }
 
+    /// A constrained row beside free rows: the free rows get what they get alone, and the
+    /// constrained one what it gets alone under the same constraint (its every token in its
+    /// set, and the end of sequence where the constraint ends).
+    #[test]
+    fn a_constrained_row_gets_its_solo_tokens_and_leaves_the_other_rows_unchanged() {
+        use crate::engine::constraint::tests::script;
+        let model = models::testing::model("llama", 8).unwrap();
+        let model = model.as_ref();
+        let vocab = model.vocab_size();
+        let eos = vocab as u32 - 1;
+        let prompts: Vec<Vec<u32>> = vec![vec![3, 4, 5, 6], vec![9; 7], vec![1, 2, 40]];
+        let sets: Vec<Vec<u32>> = (0..9u32).map(|i| vec![10 + i, 50 + 2 * i, 90 - i]).collect();
+        let n = 16;
+        let opts = DecodeOptions { max_tokens: n, eos_token_ids: vec![eos], prefill_step_size: 16 };
+        let guard = || Guard::start(&script(sets.clone(), vocab), &[eos], vocab).unwrap();
+        let greedy = SamplingParams::default();
+        let seeded = SamplingParams { temperature: 1.0, seed: Some(9), ..Default::default() };
+        let params = [greedy.clone(), seeded, greedy];
+        let solo = |i: usize, constrained: bool| -> Vec<u32> {
+            let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
+            let hooks = crate::engine::Hooks { constraint: constrained.then(guard), ..Default::default() };
+            let mut g =
+                Generation::start_with(model, model.make_cache(), &prompts[i], sampler, opts.clone(), hooks).unwrap();
+            std::iter::from_fn(|| g.next_token().unwrap()).map(|t| t.id).collect()
+        };
+        let expected = [solo(0, false), solo(1, true), solo(2, false)];
+        assert_eq!(expected[1].len(), sets.len() + 1);
+        assert_eq!(expected[1].last(), Some(&eos));
+        assert!(expected[1].iter().zip(&sets).all(|(t, s)| s.contains(t)), "{:?}", expected[1]);
+        assert_ne!(expected[1], solo(1, false), "the constraint changes the output");
+        let mut batch = Batch::new(model);
+        for (i, p) in prompts.iter().enumerate() {
+            let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
+            let row = Row::new(i as u64, p, sampler, opts.clone()).unwrap().with_constraint((i == 1).then(guard));
+            batch.join(row, &prefilled(model, p)).unwrap();
+        }
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                let token = token.unwrap();
+                got.entry(key).or_default().push(token.id);
+                if token.finish.is_some() {
+                    batch.leave(key).unwrap();
+                }
+            }
+        }
+        for (i, want) in expected.iter().enumerate() {
+            assert_eq!(got.get(&(i as u64)), Some(want), "row {i}");
+        }
+    }
+
     /// A plugin-like sampler: picks the candidate at (position + accepted tokens) mod k, and
     /// fails at `fail_at` (a position) if set.
     struct Cycling {
@@ -454,8 +540,11 @@ mod tests {
         let greedy = SamplingParams::default();
         let alone_plugin = |p: &[u32], fail_at, fallback| -> Result<Vec<u32>> {
             let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
-            let hooks =
-                crate::engine::Hooks { external: Some(Box::new(cycling(fail_at, fallback))), speculation: None };
+            let hooks = crate::engine::Hooks {
+                external: Some(Box::new(cycling(fail_at, fallback))),
+                speculation: None,
+                constraint: None,
+            };
             let mut g = Generation::start_with(model, model.make_cache(), p, sampler, options(n), hooks)?;
             let mut out = Vec::new();
             while let Some(t) = g.next_token()? {

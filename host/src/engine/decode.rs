@@ -5,6 +5,7 @@
 //! This file reads as prefill, step, yield; stop strings and output formatting live with
 //! their callers.
 
+use super::constraint::{self, Guard};
 use super::sampling::{log_softmax, Sampler};
 use super::speculative::{Drafts, Speculation, Verify};
 use anyhow::{bail, Context, Result};
@@ -157,11 +158,13 @@ impl DecodeStats {
     }
 }
 
-/// Optional parts of a generation: a sampler plugin and speculative decoding.
+/// Optional parts of a generation: a sampler plugin, speculative decoding and a constraint
+/// on the output.
 #[derive(Default)]
 pub struct Hooks<'m> {
     pub external: Option<Box<dyn ExternalSampler + 'm>>,
     pub speculation: Option<Speculation<'m>>,
+    pub constraint: Option<Guard>,
 }
 
 /// A generation in progress: call [`Generation::next_token`] until it returns `None`.
@@ -172,6 +175,9 @@ pub struct Generation<'m> {
     /// (serial mode, speculation): the next forward's input.
     next_input: Option<Array>,
     speculation: Option<Speculation<'m>>,
+    /// Masks the logits of every step (decoding is then serial: each mask needs the token
+    /// before it).
+    constraint: Option<Guard>,
     /// Committed tokens not yet returned (a verification commits several at once).
     ready: VecDeque<Token>,
     cache: Vec<KvCache>,
@@ -279,7 +285,7 @@ impl<'m> Generation<'m> {
         options: DecodeOptions,
         hooks: Hooks<'m>,
     ) -> Result<Self> {
-        let Hooks { external, speculation } = hooks;
+        let Hooks { external, speculation, constraint } = hooks;
         if prompt.is_empty() {
             bail!("the prompt is empty; give at least one token");
         }
@@ -303,6 +309,7 @@ impl<'m> Generation<'m> {
             external,
             next_input: None,
             speculation,
+            constraint,
             ready: VecDeque::new(),
             cache,
             sampler,
@@ -337,6 +344,14 @@ impl<'m> Generation<'m> {
             self.history = Some(mlx::ops::concatenate(&[h, input], 0)?);
         }
         let logits = self.sampler.process(&logits, self.history.as_ref())?;
+        let logits = match self.constraint.as_mut() {
+            Some(guard) => {
+                // The forward runs while the constraint works out its mask.
+                mlx::async_eval(&[&logits])?;
+                constraint::apply(&logits, &[guard.mask()?])?
+            }
+            None => logits,
+        };
         let logprobs = log_softmax(&logits)?;
         let token = match self.external_pick(&logits, position)? {
             Some(token) => token,
@@ -373,7 +388,7 @@ impl<'m> Generation<'m> {
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative.
-        let serial = self.external.is_some() || wants_to_try;
+        let serial = self.external.is_some() || self.constraint.is_some() || wants_to_try;
         let queued = !serial && n + 1 < self.options.max_tokens;
         let t0 = Instant::now();
         if queued {
@@ -406,6 +421,9 @@ impl<'m> Generation<'m> {
             }
         }
         self.external_accept(id)?;
+        if let Some(guard) = self.constraint.as_mut() {
+            guard.accept(id)?;
+        }
         let finished = self.commit(id, logprobs);
         if finished {
             self.abandoned_step = self.pending.take().is_some();
@@ -452,14 +470,14 @@ impl<'m> Generation<'m> {
             && self.sampler.params().temperature > 0.0
             && self.external.is_none();
         let greedy = self.sampler.params().temperature == 0.0;
-        let candidates =
-            if greedy && self.external.is_none() && self.history.is_none() && self.model.takes_cache_forks() {
-                // Each row copies the cache: keep the copies within CANDIDATE_CACHE_BYTES.
-                let held: usize = self.cache.iter().map(|c| c.nbytes()).sum();
-                spec.config.candidates().min((CANDIDATE_CACHE_BYTES / held.max(1)).max(1))
-            } else {
-                1
-            };
+        let single = self.external.is_some() || self.history.is_some() || self.constraint.is_some();
+        let candidates = if greedy && !single && self.model.takes_cache_forks() {
+            // Each row copies the cache: keep the copies within CANDIDATE_CACHE_BYTES.
+            let held: usize = self.cache.iter().map(|c| c.nbytes()).sum();
+            spec.config.candidates().min((CANDIDATE_CACHE_BYTES / held.max(1)).max(1))
+        } else {
+            1
+        };
         let drafts = if candidates > 1 {
             let mut c = spec.drafter.candidates(&spec.seq, k, candidates, &self.sampler)?;
             if c.len() > 1 {
@@ -483,6 +501,14 @@ impl<'m> Generation<'m> {
         let position = self.prompt_len + self.generated; // of the first drafted token
         self.stats.decode_steps += 1;
         let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?.squeeze(&[0])?;
+        // A mask per position, worked out while the forward runs.
+        let masks = match self.constraint.as_mut() {
+            Some(guard) => {
+                mlx::async_eval(&[&logits])?;
+                Some(guard.draft_masks(&drafts.tokens)?)
+            }
+            None => None,
+        };
         let mut logprobs = Vec::with_capacity(k + 1);
         let mut processed = Vec::with_capacity(k + 1);
         // Without history-dependent penalties the logits processors act row by row, so all
@@ -491,6 +517,10 @@ impl<'m> Generation<'m> {
         let batched = match &self.history {
             None => {
                 let rows = self.sampler.process(&logits, None)?;
+                let rows = match &masks {
+                    Some(m) => constraint::apply(&rows, m)?,
+                    None => rows,
+                };
                 let lp = log_softmax(&rows)?;
                 for i in 0..=k as i32 {
                     if self.external.is_some() {
@@ -505,6 +535,10 @@ impl<'m> Generation<'m> {
                     let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
                     let history = mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?;
                     let row = self.sampler.process(&row, Some(&history))?;
+                    let row = match &masks {
+                        Some(m) => constraint::apply(&row, &m[i..=i])?,
+                        None => row,
+                    };
                     logprobs.push(log_softmax(&row)?);
                     processed.push(row);
                 }
@@ -606,6 +640,9 @@ impl<'m> Generation<'m> {
         self.stats.drafted_tokens += drafted;
         self.stats.accepted_tokens += accepted;
         for (&id, lp) in emitted.iter().zip(logprobs) {
+            if let Some(guard) = self.constraint.as_mut() {
+                guard.accept(id)?;
+            }
             if self.commit(id, lp.squeeze(&[0])?) {
                 return Ok(());
             }
@@ -866,7 +903,7 @@ mod tests {
         external: Option<Box<dyn ExternalSampler>>,
     ) -> Result<(Vec<u32>, Option<FinishReason>)> {
         let sampler = Sampler::new(params, model.vocab_size())?;
-        let hooks = Hooks { external, speculation: None };
+        let hooks = Hooks { external, speculation: None, constraint: None };
         let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks)?;
         let (mut ids, mut finish) = (Vec::new(), None);
         while let Some(t) = g.next_token()? {
@@ -1056,8 +1093,18 @@ mod tests {
         external: Option<Box<dyn ExternalSampler>>,
     ) -> (Vec<u32>, DecodeStats) {
         let speculation = Speculation::new(config, prompt, draft, options.prefill_step_size).unwrap();
+        run_hooked(model, prompt, params, options, Hooks { external, speculation: Some(speculation), constraint: None })
+    }
+
+    /// Generates to the end with `hooks`; returns ids and stats.
+    fn run_hooked(
+        model: &dyn CausalLm,
+        prompt: &[u32],
+        params: SamplingParams,
+        options: DecodeOptions,
+        hooks: Hooks<'_>,
+    ) -> (Vec<u32>, DecodeStats) {
         let sampler = Sampler::new(params, model.vocab_size()).unwrap();
-        let hooks = Hooks { external, speculation: Some(speculation) };
         let mut g = Generation::start_with(model, model.make_cache(), prompt, sampler, options, hooks).unwrap();
         let mut ids = Vec::new();
         while let Some(t) = g.next_token().unwrap() {
@@ -1074,6 +1121,50 @@ mod tests {
     fn repetitive_prompt() -> Vec<u32> {
         let phrase: Vec<u32> = (0..9).map(|i| (i * 13 + 5) % 128).collect();
         phrase.iter().chain(&[77, 78]).chain(&phrase).chain(&phrase[..4]).copied().collect()
+    }
+
+    /// A constraint holds every token to its set and ends the output (with the model's
+    /// end-of-sequence token) where it ends; speculative decoding under it, with either
+    /// drafter, greedy and seeded, gives the plain constrained tokens.
+    #[test]
+    fn a_constraint_holds_each_token_and_speculation_under_it_gives_the_plain_tokens() {
+        use crate::engine::constraint::tests::script;
+        let model = testing::model("llama", 21).unwrap();
+        let other = testing::model("llama", 22).unwrap();
+        let (model, other) = (model.as_ref(), other.as_ref());
+        let vocab = model.vocab_size();
+        let eos = vocab as u32 - 1;
+        let prompt = repetitive_prompt();
+        let (free, _) = run(model, &prompt, SamplingParams::default(), opts(24));
+        // Each position allows the free token and another; position 6 only the other.
+        let other_of = |t: u32| (t + 7) % 100;
+        let sets: Vec<Vec<u32>> = free
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| if i == 6 { vec![other_of(t)] } else { vec![t, other_of(t)] })
+            .collect();
+        assert!(sets.iter().flatten().all(|&t| t != eos));
+        let options = DecodeOptions { max_tokens: 60, eos_token_ids: vec![eos], prefill_step_size: 5 };
+        let guard = || Some(Guard::start(&script(sets.clone(), vocab), &[eos], vocab).unwrap());
+        let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() };
+        for params in [SamplingParams::default(), seeded] {
+            let hooks = Hooks { constraint: guard(), ..Default::default() };
+            let (plain, _) = run_hooked(model, &prompt, params.clone(), options.clone(), hooks);
+            assert_eq!(plain.len(), sets.len() + 1, "{plain:?}");
+            assert_eq!(plain.last(), Some(&eos), "the constraint's end is the model's end of sequence");
+            for (i, t) in plain[..sets.len()].iter().enumerate() {
+                assert!(sets[i].contains(t), "token {i} ({t}) is outside its set {:?}", sets[i]);
+            }
+            for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other), SpecMethod::Draft)] {
+                let speculation = Speculation::new(spec(method, 3), &prompt, draft, 5).unwrap();
+                let hooks = Hooks { speculation: Some(speculation), constraint: guard(), external: None };
+                let (ids, stats) = run_hooked(model, &prompt, params.clone(), options.clone(), hooks);
+                assert_eq!(ids, plain, "{method:?} {params:?}");
+                if method == SpecMethod::Draft {
+                    assert!(stats.drafted_tokens > 0 && stats.verifications > 0, "{stats:?}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -1333,7 +1424,7 @@ mod tests {
         let prompt = [7u32, 8, 9, 10];
         let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
         let speculation = Speculation::new(spec(SpecMethod::Draft, 8), &prompt, Some(same.as_ref()), 5).unwrap();
-        let hooks = Hooks { external: None, speculation: Some(speculation) };
+        let hooks = Hooks { external: None, speculation: Some(speculation), constraint: None };
         let mut g =
             Generation::start_with(model.as_ref(), model.make_cache(), &prompt, sampler, opts(30), hooks).unwrap();
         // The identical draft makes each verification commit several tokens; read only 3.
@@ -1404,7 +1495,7 @@ mod tests {
         let sampler = Sampler::new(params, model.vocab_size()).unwrap();
         let speculation = Speculation::new(lossless(SpecMethod::PromptLookup), &prompt, None, 5).unwrap();
         let ext = Lowest { accepted: Default::default(), k: Some(2) };
-        let hooks = Hooks { external: Some(Box::new(ext)), speculation: Some(speculation) };
+        let hooks = Hooks { external: Some(Box::new(ext)), speculation: Some(speculation), constraint: None };
         let err =
             Generation::start_with(model.as_ref(), model.make_cache(), &prompt, sampler, opts(4), hooks).err().unwrap();
         assert!(err.to_string().contains("lossless"), "{err}");

@@ -4,6 +4,7 @@
 //! serves requests (`worker.rs`). All MLX arrays of a model live on the thread that drives it.
 
 pub mod batch;
+pub mod constraint;
 pub mod decode;
 pub mod prompt_cache;
 pub mod queue;
@@ -12,6 +13,7 @@ pub mod speculative;
 pub mod stop;
 pub mod worker;
 
+pub use constraint::{Allowed, Constraint, ConstraintSpec, Guard};
 pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Hooks, Pick, Token};
 pub use sampling::{Sampler, SamplingParams};
 pub use speculative::{SpecConfig, SpecMethod, Speculation, Verify};

@@ -9,6 +9,7 @@
 //! notices at the next token and frees the job's cache.
 
 use super::batch::{Batch, Left, Row};
+use super::constraint::{ConstraintSpec, Guard};
 use super::prompt_cache::PromptCache;
 use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
 use super::stop::StopMatcher;
@@ -92,6 +93,8 @@ pub struct JobRequest {
     pub plugins: Selection,
     /// Speculative decoding for this request (`SpecMethod::Off` for none).
     pub speculative: SpecConfig,
+    /// What the output is held to (structured output), if anything.
+    pub constraint: Option<ConstraintSpec>,
     /// For the scheduling policy: higher is more urgent (default 0).
     pub priority: i64,
     /// For the scheduling policy: who sent it (OpenAI `user`, Anthropic `metadata.user_id`).
@@ -1114,11 +1117,14 @@ impl Worker {
             if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
                 bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
             }
+            let constraint =
+                request.constraint.as_ref().map(|c| Guard::start(c, &options.eos_token_ids, vocab)).transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
             let then = if speculation.is_none() && m.model.batches() {
-                Then::Batch(Box::new(Row::new(job.seq, prompt, sampler, options)?.with_external(external)))
+                let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
+                Then::Batch(Box::new(row.with_constraint(constraint)))
             } else {
-                Then::Solo(Box::new((sampler, options, Hooks { external, speculation })))
+                Then::Solo(Box::new((sampler, options, Hooks { external, speculation, constraint })))
             };
             let source = Source::Prefill { cache, todo: prompt[reused..prompt.len() - 1].to_vec(), then };
             Ok((source, rest))
@@ -1450,6 +1456,7 @@ mod tests {
             top_logprobs: None,
             plugins: Selection::default(),
             speculative: SpecConfig::default(),
+            constraint: None,
             priority: 0,
             client: None,
         }

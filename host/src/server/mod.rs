@@ -74,6 +74,8 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let max_sequence_tokens = memory_tokens.min(context_tokens);
     tracing::info!(budget, memory_tokens, context_tokens, max_sequence_tokens, model = model_id, "memory budget");
     engine.set_kv_budget_tokens(memory_tokens);
+    let (engine_tokenizer, engine_vocab, engine_eos) =
+        (engine.tokenizer.clone(), engine.info.vocab_size, engine.info.eos_token_ids.clone());
     Arc::new(AppState {
         engine,
         metrics: Default::default(),
@@ -92,6 +94,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         guard: guard::Policy::new(&config.allowed_hosts, &config.cors_origins),
         body_timeout: std::time::Duration::from_secs(config.body_timeout_secs.max(1)),
         responses: Default::default(),
+        grammars: Arc::new(crate::structured::Grammars::new(engine_tokenizer, engine_vocab, engine_eos)),
     })
 }
 

@@ -5,6 +5,7 @@
 use super::error::ApiError;
 use crate::engine::worker::{Finish, SpecUsage, TokenLogprob, Usage};
 use crate::engine::{SamplingParams, SpecConfig, SpecMethod, Verify};
+use crate::structured::Structure;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -239,7 +240,8 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     pub n: Option<i64>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
-    pub response_format: Option<Value>,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
     pub modalities: Option<Vec<String>>,
     #[serde(default, deserialize_with = "object")]
     pub plugins: Option<PluginsField>,
@@ -255,20 +257,6 @@ pub struct ChatRequest {
 impl ChatRequest {
     /// Refuses fields that would change what the client gets in ways this server cannot honour.
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if let Some(format) = &self.response_format {
-            match format.get("type").and_then(Value::as_str) {
-                Some("text") => {}
-                Some(other) => {
-                    return Err(ApiError::invalid(
-                        "response_format",
-                        format!(
-                            "`response_format` of type {other:?} (structured output) is not supported; use \"text\""
-                        ),
-                    ))
-                }
-                None => return Err(ApiError::invalid("response_format", "`response_format` needs a `type`")),
-            }
-        }
         if let Some(m) = self.modalities.iter().flatten().find(|m| *m != "text") {
             return Err(ApiError::invalid(
                 "modalities",
@@ -303,11 +291,101 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     pub n: Option<i64>,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
     #[serde(default, deserialize_with = "object")]
     pub plugins: Option<PluginsField>,
     pub speculative: Option<Value>,
     pub user: Option<String>,
     pub priority: Option<i64>,
+}
+
+/// The structured-output fields of chat and completion requests: OpenAI's
+/// `response_format`, and llama.cpp's and vLLM's `grammar` and `regex` (extensions).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredFields {
+    pub response_format: Option<Value>,
+    /// A Lark grammar (llguidance's dialect) or a GBNF one.
+    pub grammar: Option<Value>,
+    pub regex: Option<Value>,
+}
+
+/// What a request's structured-output fields hold its output to (at most one of them).
+pub fn structure(fields: &StructuredFields) -> Result<Option<Structure>, ApiError> {
+    let mut found = Vec::new();
+    if let Some(format) = fields.response_format.as_ref().filter(|v| !v.is_null()) {
+        if let Some(s) = response_format(format, "response_format")? {
+            found.push(("response_format", s));
+        }
+    }
+    for (name, value, make) in [
+        ("grammar", &fields.grammar, Structure::Grammar as fn(String) -> Structure),
+        ("regex", &fields.regex, Structure::Regex),
+    ] {
+        match value {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if !s.trim().is_empty() => found.push((name, make(s.clone()))),
+            Some(Value::String(_)) => return Err(ApiError::invalid(name, format!("`{name}` is empty"))),
+            Some(other) => {
+                return Err(ApiError::invalid(name, format!("`{name}` must be a string, got {}", kind(other))))
+            }
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
+        return Err(ApiError::invalid(
+            names[1],
+            format!("give one of `response_format`, `grammar` and `regex`, not {}", names.join(" and ")),
+        ));
+    }
+    Ok(found.pop().map(|(_, s)| s))
+}
+
+/// A `response_format` (chat: `{"type": "json_schema", "json_schema": {"schema": ...}}`) or
+/// a Responses `text.format` (`{"type": "json_schema", "schema": ...}`) as a structure;
+/// `None` for plain text. `strict` or not, the schema is enforced; `strict: true` also
+/// closes its objects to properties they do not name (`structured::strict`).
+pub fn response_format(format: &Value, param: &str) -> Result<Option<Structure>, ApiError> {
+    let Some(obj) = format.as_object() else {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be an object such as {{\"type\": \"json_object\"}}, got {}", kind(format)),
+        ));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Structure::JsonObject)),
+        Some("json_schema") => {
+            let (holder, at) = match obj.get("json_schema") {
+                Some(Value::Object(js)) => (js, format!("{param}.json_schema.schema")),
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.json_schema"),
+                        format!("`{param}.json_schema` must be an object holding the `schema`, got {}", kind(other)),
+                    ))
+                }
+                None => (obj, format!("{param}.schema")),
+            };
+            let strict = holder.get("strict").and_then(Value::as_bool).unwrap_or(false);
+            match holder.get("schema") {
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) if strict => {
+                    Ok(Some(Structure::JsonSchema(crate::structured::strict(schema.clone()))))
+                }
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Some(Structure::JsonSchema(schema.clone()))),
+                Some(other) => {
+                    Err(ApiError::invalid(&at, format!("`{at}` must be a JSON schema object, got {}", kind(other))))
+                }
+                None => {
+                    Err(ApiError::invalid(&at, format!("`{at}` is missing: give the JSON schema the output follows")))
+                }
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            &format!("{param}.type"),
+            format!("`{param}` of type {other:?} is not supported; use \"text\", \"json_object\" or \"json_schema\""),
+        )),
+        None => Err(ApiError::invalid(param, format!("`{param}` needs a `type`"))),
+    }
 }
 
 /// Checks `n`, which this server supports only as 1.

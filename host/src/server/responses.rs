@@ -35,7 +35,7 @@ pub struct ResponsesRequest {
     /// Keep the response for `previous_response_id` and `GET` (default true).
     pub store: Option<bool>,
     pub previous_response_id: Option<String>,
-    /// `{"format": {"type": "text"}, "verbosity": ...}`; other formats are refused.
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity": ...}`.
     pub text: Option<Value>,
     /// `{"effort": ..., "summary": ...}`: effort `"none"` switches the template's thinking off.
     pub reasoning: Option<Value>,
@@ -71,17 +71,6 @@ fn check_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             "truncation",
             format!("`truncation` {t:?} is not supported; only \"disabled\" (a prompt too long is refused)"),
         ));
-    }
-    match r.text.as_ref().and_then(|t| t.get("format")) {
-        None | Some(Value::Null) => {}
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(f) => {
-            let kind = f.get("type").and_then(Value::as_str).unwrap_or("?");
-            return Err(ApiError::invalid(
-                "text.format",
-                format!("`text.format` of type {kind:?} (structured output) is not supported; use \"text\""),
-            ));
-        }
     }
     Ok(())
 }
@@ -285,6 +274,10 @@ pub fn turn(r: &ResponsesRequest, history: Vec<Value>) -> Result<(Turn, Vec<Valu
         max_tokens,
         plugins: r.plugins.clone(),
         speculative: r.speculative.clone(),
+        structure: match r.text.as_ref().and_then(|t| t.get("format")).filter(|f| !f.is_null()) {
+            Some(format) => openai::response_format(format, "text.format")?,
+            None => None,
+        },
         priority: openai::priority(r.priority)?,
         client: r.user.clone().or_else(|| r.safety_identifier.clone()),
         template_kwargs: r.chat_template_kwargs.clone(),

@@ -58,6 +58,8 @@ pub struct AppState {
     pub body_timeout: std::time::Duration,
     /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
     pub responses: responses::Store,
+    /// Compiles requests' structured-output constraints.
+    pub grammars: Arc<crate::structured::Grammars>,
 }
 
 pub(super) type Shared = Arc<AppState>;
@@ -497,6 +499,7 @@ async fn chat_completions(
     let req: ChatRequest = parse_body(body)?;
     openai::check_n(req.n)?;
     req.check_unsupported()?;
+    let structure = openai::structure(&req.structured)?;
     let sampling = req.sampling.to_params(1.0)?;
     let max = match req.max_completion_tokens {
         Some(_) => Some(openai::max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)?),
@@ -523,6 +526,7 @@ async fn chat_completions(
         top_logprobs,
         plugins: req.plugins,
         speculative: req.speculative,
+        structure,
         priority: openai::priority(req.priority)?,
         client: req.user,
         template_kwargs: req.chat_template_kwargs,
@@ -646,9 +650,21 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
+    let constraint = state.constraint(openai::structure(&req.structured)?, Flavor::OpenAi).await?;
     let stop = openai::stops(req.stop)?;
     let (priority, client) = (openai::priority(req.priority)?, req.user.clone());
-    let job = JobRequest { prompt, sampling, max_tokens, stop, top_logprobs, plugins, speculative, priority, client };
+    let job = JobRequest {
+        prompt,
+        sampling,
+        max_tokens,
+        stop,
+        top_logprobs,
+        plugins,
+        speculative,
+        constraint,
+        priority,
+        client,
+    };
     let rx = state.submit(job, Flavor::OpenAi)?;
     let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
     let echo = if req.echo { prompt_text } else { String::new() };

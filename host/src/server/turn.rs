@@ -13,6 +13,7 @@ use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::runtime::{Instance, PluginRefused, Quarantined};
 use crate::plugins::{Selected, Selection};
+use crate::structured::{CompileError, Structure};
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -39,6 +40,8 @@ pub struct Turn {
     /// The `plugins` extension field (`None`: the server's defaults).
     pub plugins: Option<PluginsField>,
     pub speculative: Option<Value>,
+    /// What the output is held to (`response_format`, `grammar`, `regex`, `text.format`).
+    pub structure: Option<Structure>,
     pub priority: i64,
     pub client: Option<String>,
     /// Extra chat-template variables (`chat_template_kwargs`, `enable_thinking`).
@@ -83,6 +86,7 @@ impl AppState {
         };
         let max_tokens = self.admit(prompt.len(), requested).map_err(|e| e.flavor(flavor))?;
         let speculative = self.speculative(turn.speculative, flavor)?;
+        let constraint = self.constraint(turn.structure.take(), flavor).await?;
         let prompt_tokens = prompt.len();
         let model = turn.model.as_deref().unwrap_or("");
         tracing::info!(
@@ -103,11 +107,33 @@ impl AppState {
             top_logprobs: turn.top_logprobs,
             plugins,
             speculative,
+            constraint,
             priority: turn.priority,
             client: turn.client,
         };
         let events = self.submit(job, flavor)?;
         Ok(Begun { events, prompt_tokens })
+    }
+
+    /// Compiles a request's structure into the constraint the engine applies (off the async
+    /// runtime: the first one builds the token trie, a large schema takes a while). A
+    /// structure llguidance refuses is a 400 that says why.
+    pub async fn constraint(
+        &self,
+        structure: Option<Structure>,
+        flavor: Flavor,
+    ) -> Result<Option<crate::engine::ConstraintSpec>, ApiError> {
+        let Some(structure) = structure else { return Ok(None) };
+        let grammars = self.grammars.clone();
+        let param = structure.param();
+        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&structure))
+            .await
+            .map_err(|e| ApiError::internal(e).flavor(flavor))?;
+        match compiled {
+            Ok(spec) => Ok(Some(spec)),
+            Err(CompileError::Invalid(why)) => Err(ApiError::invalid(param, why).flavor(flavor)),
+            Err(CompileError::Internal(e)) => Err(ApiError::internal(format!("{e:#}")).flavor(flavor)),
+        }
     }
 
     /// The prompt a turn would have, in tokens (Anthropic `count_tokens`; the server's tool

@@ -1,0 +1,279 @@
+//! Structured output: a request's JSON schema, regex or grammar compiled by llguidance (the
+//! constraint library vLLM, SGLang, llama.cpp and mistral.rs use) into a [`ConstraintSpec`],
+//! which the engine applies to each of the request's steps as a token mask.
+//!
+//! llguidance works on token bytes: [`Grammars`] reads every token's bytes from the
+//! tokenizer (byte-level BPE, or SentencePiece with byte fallback) into its token trie once,
+//! on the first constrained request, and compiles each request's grammar against it when the
+//! request arrives, so an unsupported schema is refused before anything is queued.
+
+use crate::engine::{Allowed, Constraint, ConstraintSpec};
+use anyhow::{anyhow, bail, Context, Result};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use models::Tokenizer;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// What a request holds its output to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Structure {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this schema.
+    JsonSchema(Value),
+    /// Text the regex matches as a whole.
+    Regex(String),
+    /// A grammar: Lark in llguidance's dialect, or llama.cpp's GBNF (`name ::= ...` rules,
+    /// `root` the start), which is rewritten to it.
+    Grammar(String),
+}
+
+impl Structure {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Structure::JsonObject => "json_object",
+            Structure::JsonSchema(_) => "json_schema",
+            Structure::Regex(_) => "regex",
+            Structure::Grammar(_) => "grammar",
+        }
+    }
+
+    /// The request field it came from, for errors.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Structure::JsonObject | Structure::JsonSchema(_) => "response_format",
+            Structure::Regex(_) => "regex",
+            Structure::Grammar(_) => "grammar",
+        }
+    }
+}
+
+/// Why a structure did not compile.
+#[derive(Debug)]
+pub enum CompileError {
+    /// The request's: what was wrong with it (for a 400).
+    Invalid(String),
+    /// The server's (its tokenizer could not be read into a token trie).
+    Internal(anyhow::Error),
+}
+
+/// Compiles structures against one model's tokenizer.
+pub struct Grammars {
+    tokenizer: Arc<Tokenizer>,
+    vocab: usize,
+    eos: Vec<u32>,
+    factory: OnceLock<std::result::Result<Arc<ParserFactory>, String>>,
+}
+
+impl Grammars {
+    /// For a model of `vocab` tokens (its embedding rows, which may outnumber the
+    /// tokenizer's) whose end-of-sequence tokens are `eos`.
+    pub fn new(tokenizer: Arc<Tokenizer>, vocab: usize, eos: Vec<u32>) -> Grammars {
+        Grammars { tokenizer, vocab, eos, factory: OnceLock::new() }
+    }
+
+    /// Compiles `structure` (the first call also builds the token trie).
+    pub fn compile(&self, structure: &Structure) -> std::result::Result<ConstraintSpec, CompileError> {
+        let factory = self.factory().map_err(CompileError::Internal)?;
+        let started = Instant::now();
+        let grammar = match structure {
+            Structure::JsonObject => TopLevelGrammar::from_json_schema(compact(json!({"type": "object"}))),
+            Structure::JsonSchema(schema) => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(CompileError::Invalid("the JSON schema must be an object".into()));
+                }
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
+            Structure::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Structure::Grammar(g) => TopLevelGrammar::from_lark(lark(g)),
+        };
+        let parser = guarded(|| factory.create_parser(grammar)).map_err(|e| CompileError::Invalid(format!("{e:#}")))?;
+        tracing::debug!(kind = structure.kind(), ms = started.elapsed().as_secs_f64() * 1e3, "compiled a constraint");
+        let parser = Mutex::new(parser);
+        Ok(ConstraintSpec::new(structure.kind(), move || {
+            let parser = parser.lock().map_err(|_| anyhow!("a constraint's parser was poisoned"))?.deep_clone();
+            Ok(Box::new(Llg { matcher: Matcher::new(Ok(parser)) }) as Box<dyn Constraint>)
+        }))
+    }
+
+    fn factory(&self) -> Result<Arc<ParserFactory>> {
+        let built = self.factory.get_or_init(|| {
+            let started = Instant::now();
+            let factory =
+                guarded(|| build_factory(&self.tokenizer, self.vocab, &self.eos)).map_err(|e| format!("{e:#}"));
+            tracing::info!(ms = started.elapsed().as_secs_f64() * 1e3, "built the token trie for structured output");
+            factory.map(Arc::new)
+        });
+        built.clone().map_err(|e| anyhow!("structured output is unavailable for this model's tokenizer: {e}"))
+    }
+}
+
+/// Runs `f`, turning a panic inside llguidance into an error.
+fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            bail!("llguidance failed: {}", why.unwrap_or_else(|| "a panic".into()))
+        }
+    }
+}
+
+/// The token trie (every token's bytes; special tokens marked, so text never matches them)
+/// and llguidance's parser factory over it.
+fn build_factory(tokenizer: &Arc<Tokenizer>, vocab: usize, eos: &[u32]) -> Result<ParserFactory> {
+    let json: Value = serde_json::from_str(&tokenizer.to_json()?).context("reading the tokenizer's JSON")?;
+    let mut words = llguidance::token_bytes_from_tokenizer_json(&json)?;
+    words.resize(vocab, Vec::new());
+    let Some(&first) = eos.first() else { bail!("the model has no end-of-sequence token to end a constrained output") };
+    let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, first), &words).with_eos_tokens(eos);
+    let env: TokEnv = Arc::new(Env { trie, tokenizer: tokenizer.clone() });
+    let mut factory = ParserFactory::new_simple(&env)?;
+    factory.quiet();
+    Ok(factory)
+}
+
+struct Env {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        std::str::from_utf8(s)
+            .ok()
+            .and_then(|text| self.tokenizer.encode(text, false).ok())
+            .unwrap_or_else(|| self.trie.greedy_tokenize(s))
+    }
+}
+
+/// JSON written compactly (`{"a": 1, "b": [2, 3]}`): no free whitespace, which small models
+/// otherwise spend their tokens on. A schema's own `x-guidance` options win.
+fn compact(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+    schema
+}
+
+/// A schema under OpenAI's `strict: true`: objects that do not say otherwise take no
+/// properties beyond theirs (`additionalProperties: false`, which OpenAI's strict mode
+/// requires of every object and JSON Schema leaves open), so a model cannot wander into
+/// keys of its own. Walks the keywords that hold subschemas.
+pub fn strict(mut schema: Value) -> Value {
+    close_objects(&mut schema);
+    schema
+}
+
+fn close_objects(node: &mut Value) {
+    let Some(o) = node.as_object_mut() else { return };
+    let object =
+        o.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
+            || o.contains_key("properties");
+    if object && !o.contains_key("additionalProperties") && !o.contains_key("patternProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (key, value) in o.iter_mut() {
+        match key.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" => {
+                if let Some(m) = value.as_object_mut() {
+                    m.values_mut().for_each(close_objects);
+                }
+            }
+            "items" | "additionalProperties" | "additionalItems" | "not" | "if" | "then" | "else" => {
+                if let Some(a) = value.as_array_mut() {
+                    a.iter_mut().for_each(close_objects);
+                } else {
+                    close_objects(value);
+                }
+            }
+            "anyOf" | "oneOf" | "allOf" | "prefixItems" => {
+                if let Some(a) = value.as_array_mut() {
+                    a.iter_mut().for_each(close_objects);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A GBNF grammar (`name ::= ...`) as Lark (`name: ...`, `root` the start); Lark as it is.
+fn lark(grammar: &str) -> String {
+    if !grammar.contains("::=") {
+        return grammar.to_string();
+    }
+    let mut out = String::from("start: root\n");
+    for line in grammar.lines() {
+        out.push_str(&line.replacen("::=", ":", 1));
+        out.push('\n');
+    }
+    out
+}
+
+/// llguidance's matcher as an engine constraint.
+struct Llg {
+    matcher: Matcher,
+}
+
+impl Constraint for Llg {
+    fn allowed(&mut self) -> Result<Allowed> {
+        if self.matcher.is_stopped() {
+            return Ok(Allowed::End);
+        }
+        let mask = self.matcher.compute_mask()?;
+        Ok(Allowed::Tokens(mask.as_slice().to_vec()))
+    }
+
+    fn accept(&mut self, token: u32) -> Result<()> {
+        self.matcher.consume_token(token)
+    }
+
+    fn rollback(&mut self, tokens: usize) -> Result<()> {
+        self.matcher.rollback(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strict_closes_every_object_that_does_not_say_otherwise() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                "open": {"type": "object", "additionalProperties": true},
+                "list": {"type": "array", "items": {"properties": {"c": {"type": "integer"}}}},
+                "either": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                "properties": {"type": "string"}
+            },
+            "$defs": {"d": {"type": ["object", "null"]}}
+        });
+        let s = strict(schema);
+        assert_eq!(s["additionalProperties"], json!(false));
+        assert_eq!(s["properties"]["a"]["additionalProperties"], json!(false));
+        assert_eq!(s["properties"]["open"]["additionalProperties"], json!(true));
+        assert_eq!(s["properties"]["list"]["items"]["additionalProperties"], json!(false));
+        assert_eq!(s["properties"]["either"]["anyOf"][0]["additionalProperties"], json!(false));
+        assert_eq!(s["properties"]["either"]["anyOf"][1].get("additionalProperties"), None);
+        assert_eq!(s["$defs"]["d"]["additionalProperties"], json!(false));
+        // A property named "properties" is a property, not a keyword.
+        assert_eq!(s["properties"]["properties"], json!({"type": "string"}));
+        assert_eq!(s["properties"].get("additionalProperties"), None);
+    }
+
+    #[test]
+    fn gbnf_rules_become_lark_and_lark_stays_as_it_is() {
+        assert_eq!(lark("start: \"a\"\n"), "start: \"a\"\n");
+        assert_eq!(lark("root ::= \"a\" | b\nb ::= \"c\""), "start: root\nroot : \"a\" | b\nb : \"c\"\n");
+    }
+}
