@@ -55,6 +55,27 @@ pub struct Args {
     /// rows of one batch (as `host serve` runs concurrent requests) instead of one stream.
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
+    /// Hold the output to a structure (with --prompt-file): a JSON file `{"json_schema":
+    /// {...}}`, `{"json_object": true}`, `{"regex": "..."}` or `{"grammar": "..."}`. The row
+    /// then reports the constraint's mask time per step and its compile time; with
+    /// --paired-plain every run is paired with an unconstrained one.
+    #[arg(long)]
+    pub constraint: Option<PathBuf>,
+}
+
+/// A `--constraint` file's structure.
+fn read_constraint(path: &std::path::Path) -> Result<crate::structured::Structure> {
+    use crate::structured::Structure;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
+    Ok(match (v.get("json_schema"), v.get("json_object"), s("regex"), s("grammar")) {
+        (Some(schema), None, None, None) => Structure::JsonSchema(crate::structured::strict(schema.clone())),
+        (None, Some(_), None, None) => Structure::JsonObject,
+        (None, None, Some(rx), None) => Structure::Regex(rx),
+        (None, None, None, Some(g)) => Structure::Grammar(g),
+        _ => bail!("{} must hold one of json_schema, json_object, regex and grammar", path.display()),
+    })
 }
 
 /// One (prompt length, batch size)'s results with `--batch`.
@@ -245,6 +266,13 @@ pub struct Row {
     /// plain decoding's text), at most `--num-draft-tokens` drafted and unbounded.
     pub lookup_ceiling: Option<f64>,
     pub lookup_ceiling_unbounded: Option<f64>,
+    /// With --constraint: its kind, masks per generated token and milliseconds per mask
+    /// (first run), and the token trie's build and the structure's compile, in ms.
+    pub constraint: Option<&'static str>,
+    pub masks_per_token: Option<f64>,
+    pub mask_ms: Option<f64>,
+    pub trie_ms: Option<f64>,
+    pub compile_ms: Option<f64>,
 }
 
 /// What one run gives back.
@@ -263,6 +291,7 @@ struct Setup<'a> {
     draft: Option<&'a dyn models::CausalLm>,
     spec: &'a SpecConfig,
     eos: Vec<u32>,
+    constraint: Option<&'a crate::engine::ConstraintSpec>,
 }
 
 /// Seeded pseudo-random token ids in `[0, vocab)`.
@@ -286,7 +315,9 @@ fn run_once(setup: &Setup<'_>, ids: &[u32], gen: usize) -> Result<Run> {
         SpecMethod::Off => None,
         _ => Some(Speculation::new(setup.spec.clone(), ids, setup.draft, options.prefill_step_size)?),
     };
-    let hooks = Hooks { external: None, speculation, constraint: None };
+    let constraint =
+        setup.constraint.map(|c| crate::engine::Guard::start(c, &setup.eos, model.vocab_size())).transpose()?;
+    let hooks = Hooks { external: None, speculation, constraint };
     let mut g = Generation::start_with(model, model.make_cache(), ids, sampler, options, hooks)?;
     let (mut first, mut out) = (None, Vec::new());
     while let Some(t) = g.next_token()? {
@@ -319,9 +350,13 @@ pub fn run(args: Args) -> Result<()> {
     }
     let device = select_device(args.device)?;
     let spec = args.spec.config()?;
-    if args.paired_plain && spec.method == SpecMethod::Off {
-        bail!("--paired-plain compares speculation with plain decoding; add --speculative prompt-lookup or draft");
+    if args.paired_plain && spec.method == SpecMethod::Off && args.constraint.is_none() {
+        bail!("--paired-plain compares speculation or a constraint with plain decoding; add --speculative prompt-lookup or draft, or --constraint");
     }
+    if args.constraint.is_some() && args.prompt_file.is_none() {
+        bail!("--constraint needs --prompt-file (a constrained output ends at end of sequence)");
+    }
+    let structure = args.constraint.as_deref().map(read_constraint).transpose()?;
     let plain_spec = SpecConfig { method: SpecMethod::Off, ..spec.clone() };
     let lookup = PromptLookup::new(&spec);
     let text = match &args.prompt_file {
@@ -332,13 +367,34 @@ pub fn run(args: Args) -> Result<()> {
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let model = loaded.model.as_ref();
     let vocab = loaded.info.vocab_size;
+    // The constraint: the token trie's build (a server's first constrained request) and the
+    // schema's compile, timed apart.
+    let (compiled, trie_ms, compile_ms) = match &structure {
+        Some(s) => {
+            let tokenizer =
+                models::Tokenizer::from_parts(loaded.tokenizer.to_json()?.as_bytes(), &serde_json::Value::Null)?;
+            let grammars = crate::structured::Grammars::new(
+                std::sync::Arc::new(tokenizer),
+                vocab,
+                loaded.info.eos_token_ids.clone(),
+            );
+            let t = Instant::now();
+            grammars.prepare()?;
+            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
+            let t = Instant::now();
+            let spec = grammars.compile(s).map_err(|e| anyhow::anyhow!("the constraint does not compile: {e:?}"))?;
+            (Some(spec), Some(trie_ms), Some(t.elapsed().as_secs_f64() * 1e3))
+        }
+        None => (None, None, None),
+    };
     let setup = Setup {
         model,
         draft: draft.as_ref().map(|d| d.model.as_ref()),
         spec: &spec,
         eos: if text.is_some() { loaded.info.eos_token_ids.clone() } else { Vec::new() },
+        constraint: compiled.as_ref(),
     };
-    let plain_setup = Setup { spec: &plain_spec, ..setup.clone() };
+    let plain_setup = Setup { spec: &plain_spec, constraint: None, ..setup.clone() };
     let prompts: Vec<Vec<u32>> = match &text {
         Some(t) => vec![prompt_tokens(&loaded, t, None, false)?],
         None => args.prompt_lengths.iter().enumerate().map(|(i, &len)| prompt(len, vocab, 1 + i as u64)).collect(),
@@ -425,6 +481,11 @@ pub fn run(args: Args) -> Result<()> {
             vs_plain: args.paired_plain.then(|| median(ratios)),
             lookup_ceiling: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, Some(spec.num_draft_tokens))),
             lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
+            constraint: structure.as_ref().map(|s| s.kind()),
+            masks_per_token: structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
+            mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
+            trie_ms,
+            compile_ms,
         };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
@@ -452,10 +513,24 @@ pub fn run(args: Args) -> Result<()> {
                 r.wait_ms
             );
         }
+        for r in rows.iter().filter(|r| r.constraint.is_some()) {
+            println!(
+                "{} constraint: {} tokens, {:.3} ms per mask ({:.2} masks per token); token trie {:.0} ms, compile {:.1} ms",
+                r.constraint.unwrap_or_default(),
+                r.gen_tokens,
+                r.mask_ms.unwrap_or_default(),
+                r.masks_per_token.unwrap_or_default(),
+                r.trie_ms.unwrap_or_default(),
+                r.compile_ms.unwrap_or_default()
+            );
+        }
         for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
             println!(
-                "{} speculation, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
-                r.speculative,
+                "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
+                match r.constraint {
+                    Some(c) => format!("{c} constraint, speculation {}", r.speculative),
+                    None => format!("{} speculation", r.speculative),
+                },
                 r.prompt_tokens,
                 r.vs_plain.unwrap_or_default(),
                 r.runs,

@@ -75,6 +75,11 @@ impl Grammars {
         Grammars { tokenizer, vocab, eos, factory: OnceLock::new() }
     }
 
+    /// Builds the token trie now (else the first `compile` does).
+    pub fn prepare(&self) -> Result<()> {
+        self.factory().map(|_| ())
+    }
+
     /// Compiles `structure` (the first call also builds the token trie).
     pub fn compile(&self, structure: &Structure) -> std::result::Result<ConstraintSpec, CompileError> {
         let factory = self.factory().map_err(CompileError::Internal)?;

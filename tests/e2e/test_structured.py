@@ -184,3 +184,15 @@ def test_what_cannot_be_compiled_is_a_400_that_names_it(http, body, param, words
     # The server goes on serving.
     ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_anthropic_output_format_holds_the_text_to_the_schema_and_closes_its_objects(anthropic_client):
+    open_person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    for body in [{"output_config": {"format": {"type": "json_schema", "schema": open_person}}},
+                 {"output_format": {"type": "json_schema", "schema": open_person}}]:
+        r = anthropic_client.messages.create(
+            model="m", max_tokens=120, extra_body={"temperature": 0, **body},
+            messages=[{"role": "user", "content": "Describe a person called Cy who is 25, as JSON."}])
+        text = r.content[0].text
+        assert valid(text, PERSON), text
+        assert r.stop_reason == "end_turn", r

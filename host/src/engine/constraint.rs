@@ -79,12 +79,16 @@ pub struct Guard {
     inner: Box<dyn Constraint>,
     eos: Vec<u32>,
     vocab: usize,
+    /// Masks computed and the seconds spent on them (the constraint's part and building
+    /// the row), for `DecodeStats`.
+    pub masks: usize,
+    pub mask_secs: f64,
 }
 
 impl Guard {
     /// Starts `spec` for a model of `vocab` tokens whose end-of-sequence tokens are `eos`.
     pub fn start(spec: &ConstraintSpec, eos: &[u32], vocab: usize) -> Result<Guard> {
-        Ok(Guard { inner: (spec.start)()?, eos: eos.to_vec(), vocab })
+        Ok(Guard { inner: (spec.start)()?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
     }
 
     /// The mask of the next position: `[1, V]` float32 of 0 and -inf, `None` when anything
@@ -95,7 +99,11 @@ impl Guard {
     }
 
     fn allowed(&mut self) -> Result<Allowed> {
-        let allowed = self.inner.allowed()?;
+        let started = std::time::Instant::now();
+        let allowed = self.inner.allowed();
+        self.masks += 1;
+        self.mask_secs += started.elapsed().as_secs_f64();
+        let allowed = allowed?;
         // Nothing allowed is the constraint's way of saying it is finished.
         Ok(match allowed {
             Allowed::Tokens(bits) if bits.iter().all(|&w| w == 0) => Allowed::End,

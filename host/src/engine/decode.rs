@@ -136,6 +136,10 @@ pub struct DecodeStats {
     pub verify_build_secs: f64,
     pub verify_dispatch_secs: f64,
     pub verify_wait_secs: f64,
+    /// A constrained generation: masks computed and the seconds the constraint took for
+    /// them (on the CPU, while the step's forward runs).
+    pub masks: usize,
+    pub mask_secs: f64,
 }
 
 impl DecodeStats {
@@ -742,7 +746,12 @@ impl<'m> Generation<'m> {
     }
 
     pub fn stats(&self) -> DecodeStats {
-        self.stats
+        let mut stats = self.stats;
+        if let Some(guard) = &self.constraint {
+            stats.masks = guard.masks;
+            stats.mask_secs = guard.mask_secs;
+        }
+        stats
     }
 
     /// The seed the sampler uses (the request's, or the one picked for it).

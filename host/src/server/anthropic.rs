@@ -36,8 +36,10 @@ pub struct MessagesRequest {
     pub tool_choice: Option<Value>,
     /// `{"type": "enabled", "budget_tokens": n}`, `{"type": "adaptive"}` or `{"type": "disabled"}`.
     pub thinking: Option<Value>,
-    /// `{"effort": ..., "format": ...}`: a JSON-schema `format` is refused (no structured output).
+    /// `{"effort": ..., "format": {"type": "json_schema", "schema": ...}}`: structured output.
     pub output_config: Option<Value>,
+    /// The structured-outputs beta's name for `output_config.format`.
+    pub output_format: Option<Value>,
     #[serde(default, deserialize_with = "super::openai::object")]
     pub plugins: Option<super::openai::PluginsField>,
     /// Speculative decoding for this request (extension; see `openai::speculative`).
@@ -80,7 +82,7 @@ pub fn turn(r: &MessagesRequest, counting: bool) -> Result<Turn, ApiError> {
     if let Some(enabled) = thinking(r.thinking.as_ref())? {
         turn.template_default("enable_thinking", json!(enabled));
     }
-    check_output_config(r.output_config.as_ref())?;
+    turn.structure = output_format(r)?;
     Ok(turn)
 }
 
@@ -110,18 +112,28 @@ fn thinking(t: Option<&Value>) -> Result<Option<bool>, ApiError> {
 
 /// `output_config`: `effort` is accepted; a `format` other than text is structured output,
 /// which this server does not constrain, so it is refused rather than ignored.
-fn check_output_config(c: Option<&Value>) -> Result<(), ApiError> {
-    let Some(c) = c.filter(|c| !c.is_null()) else { return Ok(()) };
-    if !c.is_object() {
+/// Structured output: `output_config.format` (or the beta's `output_format`),
+/// `{"type": "json_schema", "schema": ...}`. Anthropic's structured outputs are strict: objects
+/// take only the properties they name.
+fn output_format(r: &MessagesRequest) -> Result<Option<crate::structured::Structure>, ApiError> {
+    let config = r.output_config.as_ref().filter(|c| !c.is_null());
+    if config.is_some_and(|c| !c.is_object()) {
         return Err(invalid("output_config", "`output_config` must be an object"));
     }
-    match c.get("format") {
-        None | Some(Value::Null) => Ok(()),
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(_) => Err(invalid(
-            "output_config.format",
-            "`output_config.format` (structured output) is not supported by this server; leave it out and describe the format in the prompt",
-        )),
+    let from_config = config.and_then(|c| c.get("format")).filter(|f| !f.is_null());
+    let (format, param) = match (from_config, r.output_format.as_ref().filter(|f| !f.is_null())) {
+        (Some(_), Some(_)) => {
+            return Err(invalid("output_format", "give `output_config.format` or `output_format`, not both"));
+        }
+        (Some(f), None) => (f, "output_config.format"),
+        (None, Some(f)) => (f, "output_format"),
+        (None, None) => return Ok(None),
+    };
+    match super::openai::response_format(format, param).map_err(|e| e.flavor(Flavor::Anthropic))? {
+        Some(crate::structured::Structure::JsonSchema(s)) => {
+            Ok(Some(crate::structured::Structure::JsonSchema(crate::structured::strict(s))))
+        }
+        other => Ok(other),
     }
 }
 

@@ -1233,7 +1233,7 @@ mod tests {
         assert_eq!((status, e["error"]["param"].as_str()), (400, Some("previous_response_id")), "{e}");
         for (bad, param) in [
             (r#"{"input": "x", "background": true}"#, "background"),
-            (r#"{"input": "x", "text": {"format": {"type": "json_schema"}}}"#, "text.format"),
+            (r#"{"input": "x", "text": {"format": {"type": "json_schema"}}}"#, "text.format.schema"),
             (r#"{"input": "x", "truncation": "auto"}"#, "truncation"),
             (
                 r#"{"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]}"#,
@@ -1338,7 +1338,7 @@ mod tests {
         assert_eq!(with["input_tokens"], without["input_tokens"], "{with} {without}");
         for (extra, want) in [
             (r#", "thinking": {"type": "sometimes"}"#, "thinking.type"),
-            (r#", "output_config": {"format": {"type": "json_schema"}}"#, "structured output"),
+            (r#", "output_config": {"format": {"type": "json_schema"}}"#, "output_config.format.schema` is missing"),
         ] {
             let b = body("").replacen(r#""thinking": {"type": "enabled", "budget_tokens": 2000}, "#, "", 1);
             let b = if extra.contains("output_config") {
@@ -1388,7 +1388,7 @@ mod tests {
             check(router(None), "POST", "/detokenize", &json!({"tokens": v["tokens"]}).to_string(), &[]).await;
         let text = text["prompt"].as_str().unwrap();
         assert!(
-            text.contains(r#"<tool_call>{"arguments":{"city":"Oslo"},"name":"get_weather"}</tool_call>"#),
+            text.contains(r#"<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>"#),
             "{text}"
         );
         assert!(text.find("<tool_call>").unwrap() < text.find("cold").unwrap(), "{text}");
