@@ -196,3 +196,32 @@ def test_anthropic_output_format_holds_the_text_to_the_schema_and_closes_its_obj
         text = r.content[0].text
         assert valid(text, PERSON), text
         assert r.stop_reason == "end_turn", r
+
+
+def test_speculation_under_a_constraint_gives_the_plain_constrained_reply(http):
+    # A prompt that repeats itself, so prompt lookup drafts (and the drafts meet the masks).
+    schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6}},
+              "required": ["names"]}
+    text = "Names: Alice, Bob, Carol, Dave, Erin, Frank. Repeat the names above as JSON."
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 80, "temperature": 0,
+            "response_format": schema_format(schema)}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    spec = http.post("/v1/chat/completions", json={**body, "speculative": "prompt-lookup"}).json()
+    assert valid(plain["choices"][0]["message"]["content"], schema), plain
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert spec["usage"]["speculative"]["drafted_tokens"] > 0, spec["usage"]
+
+
+def test_a_constrained_request_leaves_concurrent_ones_unchanged(http):
+    from concurrent.futures import ThreadPoolExecutor
+    free = [{"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0}
+            for q in ["Name a fruit.", "Say hello in French.", "What is the sky's colour?"]]
+    alone = [http.post("/v1/chat/completions", json=b).json()["choices"][0]["message"]["content"] for b in free]
+    constrained = {"messages": [{"role": "user", "content": "Describe a person called Di who is 50, as JSON."}],
+                   "max_tokens": 60, "temperature": 0, "response_format": schema_format(PERSON)}
+    with ThreadPoolExecutor(4) as pool:
+        held = pool.submit(http.post, "/v1/chat/completions", json=constrained)
+        together = list(pool.map(lambda b: http.post("/v1/chat/completions", json=b).json(), free))
+        held = held.result().json()
+    assert [t["choices"][0]["message"]["content"] for t in together] == alone
+    assert valid(held["choices"][0]["message"]["content"], PERSON), held
