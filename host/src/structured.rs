@@ -95,7 +95,18 @@ impl Grammars {
             Structure::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Structure::Grammar(g) => TopLevelGrammar::from_lark(lark(g)),
         };
-        let parser = guarded(|| factory.create_parser(grammar)).map_err(|e| CompileError::Invalid(format!("{e:#}")))?;
+        let parser = guarded(|| factory.create_parser(grammar)).map_err(|e| CompileError::Invalid(brief(&e)))?;
+        // The first mask, here: a structure too complex for llguidance's limits (its lexer's
+        // expression count, its fuel per step) is refused now rather than failing the
+        // request once it runs.
+        let mut first = Matcher::new(Ok(parser.deep_clone()));
+        if let Err(e) = guarded(|| first.compute_mask()) {
+            return Err(CompileError::Invalid(format!(
+                "the {} is too complex to apply: {}",
+                structure.kind(),
+                brief(&e)
+            )));
+        }
         tracing::debug!(kind = structure.kind(), ms = started.elapsed().as_secs_f64() * 1e3, "compiled a constraint");
         let parser = Mutex::new(parser);
         Ok(ConstraintSpec::new(structure.kind(), move || {
@@ -114,6 +125,12 @@ impl Grammars {
         });
         built.clone().map_err(|e| anyhow!("structured output is unavailable for this model's tokenizer: {e}"))
     }
+}
+
+/// An llguidance error's first line (its verbose errors append the parser's state dump).
+fn brief(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    text.lines().next().unwrap_or_default().trim().to_string()
 }
 
 /// Runs `f`, turning a panic inside llguidance into an error.
@@ -233,16 +250,16 @@ impl Constraint for Llg {
         if self.matcher.is_stopped() {
             return Ok(Allowed::End);
         }
-        let mask = self.matcher.compute_mask()?;
+        let mask = self.matcher.compute_mask().map_err(|e| anyhow!(brief(&e)))?;
         Ok(Allowed::Tokens(mask.as_slice().to_vec()))
     }
 
     fn accept(&mut self, token: u32) -> Result<()> {
-        self.matcher.consume_token(token)
+        self.matcher.consume_token(token).map_err(|e| anyhow!(brief(&e)))
     }
 
     fn rollback(&mut self, tokens: usize) -> Result<()> {
-        self.matcher.rollback(tokens)
+        self.matcher.rollback(tokens).map_err(|e| anyhow!(brief(&e)))
     }
 }
 
