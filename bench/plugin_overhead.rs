@@ -78,7 +78,7 @@ fn main() -> Result<()> {
                 &prompt,
                 sampler,
                 options,
-                Hooks { external, speculation: None },
+                Hooks { external, speculation: None, constraint: None },
             )?;
             g.next_token()?.context("no first token")?;
             let before = in_plugin.get();
