@@ -238,9 +238,20 @@ fn bench_measures_a_prompt_file_with_speculation() {
         .args(["bench", "--paired-plain", "--model"])
         .arg(model_dir())
         .output_within(HANG);
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("--paired-plain compares speculation with plain decoding")
-    );
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--paired-plain compares speculation or a constraint"));
+    // Under a constraint (a regex), speculative and paired with unconstrained plain runs: the
+    // constraint's mask time and compile time are reported, and its output ends where the
+    // regex does (the tiny model has no reason to stop at three letters otherwise).
+    let constraint = std::env::temp_dir().join(format!("host-bench-constraint-{}.json", std::process::id()));
+    std::fs::write(&constraint, r#"{"regex": "[abc]{3}"}"#).unwrap();
+    let row = bench_prompt_file(&file, &["--paired-plain", "--constraint", constraint.to_str().unwrap()]);
+    assert_eq!(row["constraint"], "regex", "{row}");
+    let ids = row["token_ids"].as_array().unwrap();
+    assert!((2..=4).contains(&ids.len()), "three letters then the end: {row}");
+    assert!(row["mask_ms"].as_f64().unwrap() > 0.0 && row["masks_per_token"].as_f64().unwrap() >= 1.0, "{row}");
+    assert!(row["trie_ms"].as_f64().unwrap() > 0.0 && row["compile_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(row["vs_plain"].as_f64().unwrap() > 0.0, "{row}");
+    std::fs::remove_file(constraint).ok();
     std::fs::remove_file(file).ok();
 }
 
