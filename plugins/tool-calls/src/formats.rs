@@ -839,8 +839,10 @@ mod tests {
         let tools = [
             json!({"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                 "parameters": {"type": "object", "required": ["city"], "properties": {
+                    // In name order: the host's own build of serde_json keeps declaration order
+                    // (llguidance asks for it), the plugins' wasm build sorts.
                     "city": {"type": "string", "description": "The city"}, "days": {"type": "integer"},
-                    "unit": {"type": "string", "enum": ["c", "f"]}, "tags": {"type": "array", "items": {"type": "string"}}}}}}),
+                    "tags": {"type": "array", "items": {"type": "string"}}, "unit": {"type": "string", "enum": ["c", "f"]}}}}}),
             json!({"type": "function", "function": {"name": "now"}}),
         ];
         assert_eq!(
