@@ -367,22 +367,26 @@ pub fn run(args: Args) -> Result<()> {
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let model = loaded.model.as_ref();
     let vocab = loaded.info.vocab_size;
+    let prompts: Vec<Vec<u32>> = match &text {
+        Some(t) => vec![prompt_tokens(&loaded, t, None, false)?],
+        None => args.prompt_lengths.iter().enumerate().map(|(i, &len)| prompt(len, vocab, 1 + i as u64)).collect(),
+    };
     // The constraint: the token trie's build (a server's first constrained request) and the
-    // schema's compile, timed apart.
+    // schema's compile, timed apart. The tokenizer is not needed after the prompts.
     let (compiled, trie_ms, compile_ms) = match &structure {
         Some(s) => {
-            let tokenizer =
-                models::Tokenizer::from_parts(loaded.tokenizer.to_json()?.as_bytes(), &serde_json::Value::Null)?;
-            let grammars = crate::structured::Grammars::new(
-                std::sync::Arc::new(tokenizer),
-                vocab,
-                loaded.info.eos_token_ids.clone(),
-            );
+            let tokenizer = std::sync::Arc::new(loaded.tokenizer);
+            let grammars = crate::structured::Grammars::new(tokenizer, vocab, loaded.info.eos_token_ids.clone());
             let t = Instant::now();
             grammars.prepare()?;
             let trie_ms = t.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
-            let spec = grammars.compile(s).map_err(|e| anyhow::anyhow!("the constraint does not compile: {e:?}"))?;
+            let spec = grammars.compile(s).map_err(|e| match e {
+                crate::structured::CompileError::Invalid(why) => {
+                    anyhow::anyhow!("the constraint does not compile: {why}")
+                }
+                crate::structured::CompileError::Internal(e) => e,
+            })?;
             (Some(spec), Some(trie_ms), Some(t.elapsed().as_secs_f64() * 1e3))
         }
         None => (None, None, None),
@@ -395,10 +399,6 @@ pub fn run(args: Args) -> Result<()> {
         constraint: compiled.as_ref(),
     };
     let plain_setup = Setup { spec: &plain_spec, constraint: None, ..setup.clone() };
-    let prompts: Vec<Vec<u32>> = match &text {
-        Some(t) => vec![prompt_tokens(&loaded, t, None, false)?],
-        None => args.prompt_lengths.iter().enumerate().map(|(i, &len)| prompt(len, vocab, 1 + i as u64)).collect(),
-    };
     let name = loaded.info.source.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let per_token = loaded.info.weight_bytes_per_token;
     if !args.json {

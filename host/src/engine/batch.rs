@@ -498,6 +498,78 @@ mod tests {
         }
     }
 
+    /// A constraint that allows anything for `ok` positions, then fails.
+    struct Breaks {
+        ok: usize,
+        seen: usize,
+    }
+
+    impl crate::engine::Constraint for Breaks {
+        fn allowed(&mut self) -> Result<crate::engine::Allowed> {
+            if self.seen >= self.ok {
+                anyhow::bail!("the test constraint broke at output position {}", self.seen);
+            }
+            Ok(crate::engine::Allowed::Anything)
+        }
+        fn accept(&mut self, _token: u32) -> Result<()> {
+            self.seen += 1;
+            Ok(())
+        }
+        fn rollback(&mut self, tokens: usize) -> Result<()> {
+            self.seen -= tokens;
+            Ok(())
+        }
+    }
+
+    /// A constraint that fails fails its row alone, with its reason; the other rows go on
+    /// and get what they get alone.
+    #[test]
+    fn a_failing_constraint_fails_only_its_row() {
+        let model = models::testing::model("llama", 8).unwrap();
+        let model = model.as_ref();
+        let prompts: Vec<Vec<u32>> = vec![vec![3, 4, 5], vec![9; 6], vec![1, 2]];
+        let n = 10;
+        let spec = crate::engine::ConstraintSpec::new("breaks", || {
+            Ok(Box::new(Breaks { ok: 3, seen: 0 }) as Box<dyn crate::engine::Constraint>)
+        });
+        let greedy = SamplingParams::default();
+        let mut batch = Batch::new(model);
+        for (i, p) in prompts.iter().enumerate() {
+            let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+            let guard = (i == 1).then(|| Guard::start(&spec, &[], model.vocab_size()).unwrap());
+            let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_constraint(guard);
+            batch.join(row, &prefilled(model, p)).unwrap();
+        }
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut failed = Vec::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                match token {
+                    Ok(token) => {
+                        got.entry(key).or_default().push(token.id);
+                        if token.finish.is_some() {
+                            batch.leave(key).unwrap();
+                        }
+                    }
+                    Err(e) => {
+                        failed.push((key, format!("{e:#}")));
+                        batch.leave(key).unwrap();
+                    }
+                }
+            }
+        }
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert_eq!(failed[0].0, 1);
+        assert!(
+            failed[0].1.contains("output constraint") && failed[0].1.contains("broke at output position 3"),
+            "{failed:?}"
+        );
+        assert_eq!(got[&1].len(), 3, "the row had its tokens before the failure");
+        for i in [0, 2] {
+            assert_eq!(got[&(i as u64)], alone(model, &prompts[i], &greedy, n), "row {i}");
+        }
+    }
+
     /// A plugin-like sampler: picks the candidate at (position + accepted tokens) mod k, and
     /// fails at `fail_at` (a position) if set.
     struct Cycling {
