@@ -252,6 +252,24 @@ fn bench_measures_a_prompt_file_with_speculation() {
     assert!(row["trie_ms"].as_f64().unwrap() > 0.0 && row["compile_ms"].as_f64().unwrap() > 0.0, "{row}");
     assert!(row["vs_plain"].as_f64().unwrap() > 0.0, "{row}");
     std::fs::remove_file(constraint).ok();
+    // A constraint plugin (examples/wat/lowercase.wat) the same way: a mask per token, its
+    // vocabulary and start timed.
+    let dir = std::env::temp_dir().join(format!("host-bench-plugin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let wat = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/wat/lowercase.wat");
+    let built = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["plugins", "build-wat", wat])
+        .arg(dir.join("lowercase.wasm"))
+        .output_within(HANG);
+    assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
+    std::fs::write(dir.join("lowercase.json"), r#"{"plugin": "lowercase.wasm"}"#).unwrap();
+    let row =
+        bench_prompt_file(&file, &["--paired-plain", "--constraint", dir.join("lowercase.json").to_str().unwrap()]);
+    assert!(row["constraint"].as_str().unwrap().starts_with("plugin "), "{row}");
+    assert!(row["mask_ms"].as_f64().unwrap() > 0.0 && row["masks_per_token"].as_f64().unwrap() >= 1.0, "{row}");
+    assert!(row["trie_ms"].as_f64().unwrap() > 0.0 && row["compile_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert_eq!(row["runs_identical"], true, "{row}");
+    std::fs::remove_dir_all(dir).ok();
     std::fs::remove_file(file).ok();
 }
 

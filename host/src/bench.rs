@@ -56,26 +56,47 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
     /// Hold the output to a structure (with --prompt-file): a JSON file `{"json_schema":
-    /// {...}}`, `{"json_object": true}`, `{"regex": "..."}` or `{"grammar": "..."}`. The row
-    /// then reports the constraint's mask time per step and its compile time; with
+    /// {...}}`, `{"json_object": true}`, `{"regex": "..."}`, `{"grammar": "..."}` or a
+    /// constraint plugin `{"plugin": "FILE.wasm", "params": {...}}` (a relative path is from
+    /// the JSON file's folder). The row then reports the constraint's mask time per step and
+    /// its compile time (a plugin's: instantiation, vocabulary and `host_begin`); with
     /// --paired-plain every run is paired with an unconstrained one.
     #[arg(long)]
     pub constraint: Option<PathBuf>,
 }
 
-/// A `--constraint` file's structure.
-fn read_constraint(path: &std::path::Path) -> Result<crate::structured::Structure> {
+/// What a `--constraint` file holds: a structure llguidance compiles, or a constraint plugin.
+enum BenchConstraint {
+    Structure(crate::structured::Structure),
+    Plugin { file: PathBuf, params: serde_json::Value },
+}
+
+impl BenchConstraint {
+    fn kind(&self) -> String {
+        match self {
+            BenchConstraint::Structure(s) => s.kind().to_string(),
+            BenchConstraint::Plugin { file, .. } => format!("plugin {}", file.display()),
+        }
+    }
+}
+
+/// A `--constraint` file's structure or plugin.
+fn read_constraint(path: &std::path::Path) -> Result<BenchConstraint> {
     use crate::structured::Structure;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
-    Ok(match (v.get("json_schema"), v.get("json_object"), s("regex"), s("grammar")) {
+    if let Some(file) = s("plugin") {
+        let file = path.parent().unwrap_or(std::path::Path::new(".")).join(file);
+        return Ok(BenchConstraint::Plugin { file, params: v.get("params").cloned().unwrap_or(serde_json::json!({})) });
+    }
+    Ok(BenchConstraint::Structure(match (v.get("json_schema"), v.get("json_object"), s("regex"), s("grammar")) {
         (Some(schema), None, None, None) => Structure::JsonSchema(crate::structured::strict(schema.clone())),
         (None, Some(_), None, None) => Structure::JsonObject,
         (None, None, Some(rx), None) => Structure::Regex(rx),
         (None, None, None, Some(g)) => Structure::Grammar(g),
-        _ => bail!("{} must hold one of json_schema, json_object, regex and grammar", path.display()),
-    })
+        _ => bail!("{} must hold one of json_schema, json_object, regex, grammar and plugin", path.display()),
+    }))
 }
 
 /// One (prompt length, batch size)'s results with `--batch`.
@@ -267,8 +288,9 @@ pub struct Row {
     pub lookup_ceiling: Option<f64>,
     pub lookup_ceiling_unbounded: Option<f64>,
     /// With --constraint: its kind, masks per generated token and milliseconds per mask
-    /// (first run), and the token trie's build and the structure's compile, in ms.
-    pub constraint: Option<&'static str>,
+    /// (first run), and the token trie's build (a plugin's vocabulary) and the structure's
+    /// compile (a plugin's start), in ms.
+    pub constraint: Option<String>,
     pub masks_per_token: Option<f64>,
     pub mask_ms: Option<f64>,
     pub trie_ms: Option<f64>,
@@ -316,7 +338,7 @@ fn run_once(setup: &Setup<'_>, ids: &[u32], gen: usize) -> Result<Run> {
         _ => Some(Speculation::new(setup.spec.clone(), ids, setup.draft, options.prefill_step_size)?),
     };
     let constraint =
-        setup.constraint.map(|c| crate::engine::Guard::start(c, &setup.eos, model.vocab_size())).transpose()?;
+        setup.constraint.map(|c| crate::engine::Guard::start(c, 0, &setup.eos, model.vocab_size())).transpose()?;
     let hooks = Hooks { external: None, speculation, constraint };
     let mut g = Generation::start_with(model, model.make_cache(), ids, sampler, options, hooks)?;
     let (mut first, mut out) = (None, Vec::new());
@@ -374,7 +396,23 @@ pub fn run(args: Args) -> Result<()> {
     // The constraint: the token trie's build (a server's first constrained request) and the
     // schema's compile, timed apart. The tokenizer is not needed after the prompts.
     let (compiled, trie_ms, compile_ms) = match &structure {
-        Some(s) => {
+        Some(BenchConstraint::Plugin { file, params }) => {
+            let tokenizer = std::sync::Arc::new(loaded.tokenizer);
+            let eos = loaded.info.eos_token_ids.clone();
+            let grammars = crate::structured::Grammars::new(tokenizer, vocab, eos.clone());
+            let t = Instant::now();
+            let words = grammars.plugin_vocab()?;
+            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
+            let registry = crate::plugins::PluginRegistry::new()?;
+            let plugin = registry.load_file(file)?;
+            let kind = crate::plugins::abi_v1::Kind::Constraint;
+            let selected = registry.select(kind, &plugin.manifest.name, None, Some(params.clone()), false)?;
+            let spec = crate::plugins::constraint_spec(registry, selected, words);
+            let t = Instant::now();
+            drop(crate::engine::Guard::start(&spec, 0, &eos, vocab)?);
+            (Some(spec), Some(trie_ms), Some(t.elapsed().as_secs_f64() * 1e3))
+        }
+        Some(BenchConstraint::Structure(s)) => {
             let tokenizer = std::sync::Arc::new(loaded.tokenizer);
             let grammars = crate::structured::Grammars::new(tokenizer, vocab, loaded.info.eos_token_ids.clone());
             let t = Instant::now();
@@ -481,7 +519,7 @@ pub fn run(args: Args) -> Result<()> {
             vs_plain: args.paired_plain.then(|| median(ratios)),
             lookup_ceiling: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, Some(spec.num_draft_tokens))),
             lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
-            constraint: structure.as_ref().map(|s| s.kind()),
+            constraint: structure.as_ref().map(BenchConstraint::kind),
             masks_per_token: structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
             mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
             trie_ms,
@@ -516,7 +554,7 @@ pub fn run(args: Args) -> Result<()> {
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
                 "{} constraint: {} tokens, {:.3} ms per mask ({:.2} masks per token); token trie {:.0} ms, compile {:.1} ms",
-                r.constraint.unwrap_or_default(),
+                r.constraint.as_deref().unwrap_or_default(),
                 r.gen_tokens,
                 r.mask_ms.unwrap_or_default(),
                 r.masks_per_token.unwrap_or_default(),
@@ -527,7 +565,7 @@ pub fn run(args: Args) -> Result<()> {
         for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
             println!(
                 "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
-                match r.constraint {
+                match &r.constraint {
                     Some(c) => format!("{c} constraint, speculation {}", r.speculative),
                     None => format!("{} speculation", r.speculative),
                 },

@@ -29,6 +29,8 @@ pub enum Structure {
     /// A grammar: Lark in llguidance's dialect, or llama.cpp's GBNF (`name ::= ...` rules,
     /// `root` the start), which is rewritten to it.
     Grammar(String),
+    /// The rest of a forced tool call: the tool adapter's Lark grammar (`tool_grammar`).
+    ToolCall(String),
 }
 
 impl Structure {
@@ -38,6 +40,7 @@ impl Structure {
             Structure::JsonSchema(_) => "json_schema",
             Structure::Regex(_) => "regex",
             Structure::Grammar(_) => "grammar",
+            Structure::ToolCall(_) => "tool_call",
         }
     }
 
@@ -47,6 +50,7 @@ impl Structure {
             Structure::JsonObject | Structure::JsonSchema(_) => "response_format",
             Structure::Regex(_) => "regex",
             Structure::Grammar(_) => "grammar",
+            Structure::ToolCall(_) => "tool_choice",
         }
     }
 }
@@ -65,14 +69,25 @@ pub struct Grammars {
     tokenizer: Arc<Tokenizer>,
     vocab: usize,
     eos: Vec<u32>,
+    /// Every token's bytes (special tokens marked with a leading 0xFF), read once.
+    words: OnceLock<std::result::Result<Arc<Vec<Vec<u8>>>, String>>,
     factory: OnceLock<std::result::Result<Arc<ParserFactory>, String>>,
+    /// The vocabulary as constraint plugins receive it (ABI.md §5.6).
+    plugin_vocab: OnceLock<Arc<Vec<u8>>>,
 }
 
 impl Grammars {
     /// For a model of `vocab` tokens (its embedding rows, which may outnumber the
     /// tokenizer's) whose end-of-sequence tokens are `eos`.
     pub fn new(tokenizer: Arc<Tokenizer>, vocab: usize, eos: Vec<u32>) -> Grammars {
-        Grammars { tokenizer, vocab, eos, factory: OnceLock::new() }
+        Grammars {
+            tokenizer,
+            vocab,
+            eos,
+            words: OnceLock::new(),
+            factory: OnceLock::new(),
+            plugin_vocab: OnceLock::new(),
+        }
     }
 
     /// Builds the token trie now (else the first `compile` does).
@@ -94,6 +109,7 @@ impl Grammars {
             }
             Structure::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Structure::Grammar(g) => TopLevelGrammar::from_lark(lark(g)),
+            Structure::ToolCall(g) => TopLevelGrammar::from_lark(g.clone()),
         };
         let parser = guarded(|| factory.create_parser(grammar)).map_err(|e| CompileError::Invalid(brief(&e)))?;
         // The first mask, here: a structure too complex for llguidance's limits (its lexer's
@@ -109,17 +125,43 @@ impl Grammars {
         }
         tracing::debug!(kind = structure.kind(), ms = started.elapsed().as_secs_f64() * 1e3, "compiled a constraint");
         let parser = Mutex::new(parser);
-        Ok(ConstraintSpec::new(structure.kind(), move || {
+        Ok(ConstraintSpec::new(structure.kind(), move |_| {
             let parser = parser.lock().map_err(|_| anyhow!("a constraint's parser was poisoned"))?.deep_clone();
             Ok(Box::new(Llg { matcher: Matcher::new(Ok(parser)) }) as Box<dyn Constraint>)
         }))
     }
 
+    /// The model's vocabulary for a constraint plugin's `constraint_vocab` (built once).
+    pub fn plugin_vocab(&self) -> Result<Arc<Vec<u8>>> {
+        if let Some(v) = self.plugin_vocab.get() {
+            return Ok(v.clone());
+        }
+        let words = self.words()?;
+        Ok(self.plugin_vocab.get_or_init(|| Arc::new(crate::plugins::encode_vocab(&words, &self.eos))).clone())
+    }
+
+    /// Every token's bytes, `vocab` of them (rows past the tokenizer's are empty).
+    fn words(&self) -> Result<Arc<Vec<Vec<u8>>>> {
+        let read = self.words.get_or_init(|| {
+            guarded(|| {
+                let json: Value =
+                    serde_json::from_str(&self.tokenizer.to_json()?).context("reading the tokenizer's JSON")?;
+                let mut words = llguidance::token_bytes_from_tokenizer_json(&json)?;
+                words.resize(self.vocab, Vec::new());
+                Ok(Arc::new(words))
+            })
+            .map_err(|e| format!("{e:#}"))
+        });
+        read.clone().map_err(|e| anyhow!("this model's token bytes could not be read: {e}"))
+    }
+
     fn factory(&self) -> Result<Arc<ParserFactory>> {
         let built = self.factory.get_or_init(|| {
             let started = Instant::now();
-            let factory =
-                guarded(|| build_factory(&self.tokenizer, self.vocab, &self.eos)).map_err(|e| format!("{e:#}"));
+            let factory = self
+                .words()
+                .and_then(|words| guarded(|| build_factory(&self.tokenizer, &words, &self.eos)))
+                .map_err(|e| format!("{e:#}"));
             tracing::info!(ms = started.elapsed().as_secs_f64() * 1e3, "built the token trie for structured output");
             factory.map(Arc::new)
         });
@@ -146,12 +188,9 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// The token trie (every token's bytes; special tokens marked, so text never matches them)
 /// and llguidance's parser factory over it.
-fn build_factory(tokenizer: &Arc<Tokenizer>, vocab: usize, eos: &[u32]) -> Result<ParserFactory> {
-    let json: Value = serde_json::from_str(&tokenizer.to_json()?).context("reading the tokenizer's JSON")?;
-    let mut words = llguidance::token_bytes_from_tokenizer_json(&json)?;
-    words.resize(vocab, Vec::new());
+fn build_factory(tokenizer: &Arc<Tokenizer>, words: &[Vec<u8>], eos: &[u32]) -> Result<ParserFactory> {
     let Some(&first) = eos.first() else { bail!("the model has no end-of-sequence token to end a constrained output") };
-    let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, first), &words).with_eos_tokens(eos);
+    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, first), words).with_eos_tokens(eos);
     let env: TokEnv = Arc::new(Env { trie, tokenizer: tokenizer.clone() });
     let mut factory = ParserFactory::new_simple(&env)?;
     factory.quiet();

@@ -207,6 +207,11 @@ macro_rules! export_tool_adapter {
                 let written = $crate::ToolAdapter::render_calls(state(), text(ptr, len)).unwrap_or_default();
                 $crate::abi::packed(out(), written.into_bytes())
             }
+            #[no_mangle]
+            extern "C" fn tool_grammar(ptr: i32, len: i32) -> i64 {
+                let grammar = $crate::ToolAdapter::grammar(state(), text(ptr, len)).unwrap_or_default();
+                $crate::abi::packed(out(), grammar.into_bytes())
+            }
         };
     };
 }

@@ -130,6 +130,13 @@ pub trait ToolAdapter: Default {
     fn render_calls(&mut self, _calls: &str) -> Option<String> {
         None
     }
+    /// A grammar (Lark, in llguidance's dialect) for the rest of a forced call: what the model
+    /// writes after [`force`](Self::force)'s opener to the end of its reply. `request` is JSON
+    /// `{"name": "f" or "", "tools": [...]}`. The host holds the output to it, so the call
+    /// always parses and its arguments match the tool's schema. `None`: not constrained.
+    fn grammar(&mut self, _request: &str) -> Option<String> {
+        None
+    }
 }
 
 /// What a reasoning parser reports: the model's output split into its thinking and the rest.

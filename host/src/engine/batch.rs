@@ -461,7 +461,7 @@ mod tests {
         let sets: Vec<Vec<u32>> = (0..9u32).map(|i| vec![10 + i, 50 + 2 * i, 90 - i]).collect();
         let n = 16;
         let opts = DecodeOptions { max_tokens: n, eos_token_ids: vec![eos], prefill_step_size: 16 };
-        let guard = || Guard::start(&script(sets.clone(), vocab), &[eos], vocab).unwrap();
+        let guard = || Guard::start(&script(sets.clone(), vocab), 0, &[eos], vocab).unwrap();
         let greedy = SamplingParams::default();
         let seeded = SamplingParams { temperature: 1.0, seed: Some(9), ..Default::default() };
         let params = [greedy.clone(), seeded, greedy];
@@ -529,14 +529,14 @@ mod tests {
         let model = model.as_ref();
         let prompts: Vec<Vec<u32>> = vec![vec![3, 4, 5], vec![9; 6], vec![1, 2]];
         let n = 10;
-        let spec = crate::engine::ConstraintSpec::new("breaks", || {
+        let spec = crate::engine::ConstraintSpec::new("breaks", |_| {
             Ok(Box::new(Breaks { ok: 3, seen: 0 }) as Box<dyn crate::engine::Constraint>)
         });
         let greedy = SamplingParams::default();
         let mut batch = Batch::new(model);
         for (i, p) in prompts.iter().enumerate() {
             let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
-            let guard = (i == 1).then(|| Guard::start(&spec, &[], model.vocab_size()).unwrap());
+            let guard = (i == 1).then(|| Guard::start(&spec, 0, &[], model.vocab_size()).unwrap());
             let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_constraint(guard);
             batch.join(row, &prefilled(model, p)).unwrap();
         }

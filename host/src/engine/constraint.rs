@@ -55,7 +55,7 @@ pub trait Constraint {
 pub struct ConstraintSpec {
     /// What it is, for logs ("json_schema", "regex", a plugin's name).
     pub kind: String,
-    start: Arc<dyn Fn() -> Result<Box<dyn Constraint>> + Send + Sync>,
+    start: Arc<dyn Fn(u64) -> Result<Box<dyn Constraint>> + Send + Sync>,
 }
 
 impl std::fmt::Debug for ConstraintSpec {
@@ -67,7 +67,7 @@ impl std::fmt::Debug for ConstraintSpec {
 impl ConstraintSpec {
     pub fn new(
         kind: impl Into<String>,
-        start: impl Fn() -> Result<Box<dyn Constraint>> + Send + Sync + 'static,
+        start: impl Fn(u64) -> Result<Box<dyn Constraint>> + Send + Sync + 'static,
     ) -> Self {
         ConstraintSpec { kind: kind.into(), start: Arc::new(start) }
     }
@@ -86,9 +86,10 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// Starts `spec` for a model of `vocab` tokens whose end-of-sequence tokens are `eos`.
-    pub fn start(spec: &ConstraintSpec, eos: &[u32], vocab: usize) -> Result<Guard> {
-        Ok(Guard { inner: (spec.start)()?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
+    /// Starts `spec` for a request whose random seed is `seed`, on a model of `vocab` tokens
+    /// whose end-of-sequence tokens are `eos`.
+    pub fn start(spec: &ConstraintSpec, seed: u64, eos: &[u32], vocab: usize) -> Result<Guard> {
+        Ok(Guard { inner: (spec.start)(seed)?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
     }
 
     /// The mask of the next position: `[1, V]` float32 of 0 and -inf, `None` when anything
@@ -229,7 +230,7 @@ pub(crate) mod tests {
     }
 
     pub fn script(allowed: Vec<Vec<u32>>, vocab: usize) -> ConstraintSpec {
-        ConstraintSpec::new("script", move || {
+        ConstraintSpec::new("script", move |_| {
             Ok(Box::new(Script { allowed: allowed.clone(), accepted: Vec::new(), vocab }) as Box<dyn Constraint>)
         })
     }
@@ -238,7 +239,7 @@ pub(crate) mod tests {
     fn masks_allow_exactly_the_permitted_tokens_and_every_eos_with_one() {
         let vocab = 70;
         let spec = script(vec![vec![3, 33, 69], vec![5, 1]], vocab);
-        let mut g = Guard::start(&spec, &[1, 2], vocab).unwrap();
+        let mut g = Guard::start(&spec, 0, &[1, 2], vocab).unwrap();
         let row = g.mask().unwrap().unwrap().to_vec_f32().unwrap();
         let open: Vec<usize> = (0..vocab).filter(|&t| row[t] == 0.0).collect();
         assert_eq!(open, vec![3, 33, 69]);
@@ -259,7 +260,7 @@ pub(crate) mod tests {
     fn draft_masks_follow_the_drafts_and_leave_the_constraint_where_it_was() {
         let vocab = 40;
         let spec = script(vec![vec![3], vec![4], vec![5]], vocab);
-        let mut g = Guard::start(&spec, &[0], vocab).unwrap();
+        let mut g = Guard::start(&spec, 0, &[0], vocab).unwrap();
         let open = |m: &Option<Array>| -> Vec<usize> {
             let row = m.as_ref().unwrap().to_vec_f32().unwrap();
             (0..vocab).filter(|&t| row[t] == 0.0).collect()
@@ -279,7 +280,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_complete_constraint_without_an_eos_token_is_an_error() {
-        let mut g = Guard::start(&script(vec![], 8), &[], 8).unwrap();
+        let mut g = Guard::start(&script(vec![], 8), 0, &[], 8).unwrap();
         let e = g.mask().unwrap_err().to_string();
         assert!(e.contains("no end-of-sequence token"), "{e}");
     }

@@ -1154,7 +1154,7 @@ mod tests {
             .collect();
         assert!(sets.iter().flatten().all(|&t| t != eos));
         let options = DecodeOptions { max_tokens: 60, eos_token_ids: vec![eos], prefill_step_size: 5 };
-        let guard = || Some(Guard::start(&script(sets.clone(), vocab), &[eos], vocab).unwrap());
+        let guard = || Some(Guard::start(&script(sets.clone(), vocab), 0, &[eos], vocab).unwrap());
         let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() };
         for params in [SamplingParams::default(), seeded] {
             let hooks = Hooks { constraint: guard(), ..Default::default() };

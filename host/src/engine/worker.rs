@@ -1117,8 +1117,11 @@ impl Worker {
             if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
                 bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
             }
-            let constraint =
-                request.constraint.as_ref().map(|c| Guard::start(c, &options.eos_token_ids, vocab)).transpose()?;
+            let constraint = request
+                .constraint
+                .as_ref()
+                .map(|c| Guard::start(c, seed, &options.eos_token_ids, vocab))
+                .transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
             let then = if speculation.is_none() && m.model.batches() {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);

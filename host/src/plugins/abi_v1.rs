@@ -20,6 +20,8 @@ pub enum Kind {
     Tool,
     Scheduler,
     Reasoning,
+    /// Constrained decoding: which tokens may come next (added within v1).
+    Constraint,
 }
 
 impl std::fmt::Display for Kind {
@@ -30,6 +32,7 @@ impl std::fmt::Display for Kind {
             Kind::Tool => "tool",
             Kind::Scheduler => "scheduler",
             Kind::Reasoning => "reasoning",
+            Kind::Constraint => "constraint",
         })
     }
 }
@@ -107,7 +110,7 @@ impl Manifest {
         }
         if self.kinds.is_empty() {
             bail!(
-                "plugin {} declares no kinds; give at least one of sampler, stop, tool, scheduler, reasoning",
+                "plugin {} declares no kinds; give at least one of sampler, stop, tool, scheduler, reasoning, constraint",
                 self.name
             );
         }

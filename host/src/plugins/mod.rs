@@ -12,6 +12,7 @@ mod builtin {
     include!(concat!(env!("OUT_DIR"), "/builtin_plugins.rs"));
 }
 
+use crate::engine::constraint::{Allowed, Constraint, ConstraintSpec};
 use crate::engine::{ExternalSampler, Frame, Pick};
 use abi_v1::{Kind, SamplerInput};
 use anyhow::{bail, Context, Result};
@@ -43,9 +44,15 @@ pub struct Selection {
     /// The reasoning parser over the output (ahead of the tool adapter): the model's
     /// thinking split from its answer.
     pub reasoning: Option<Selected>,
+    /// The constraint plugin the request chose; the server turns it into the request's
+    /// `ConstraintSpec` ([`constraint_spec`]) and leaves `None` here.
+    pub constraint: Option<Selected>,
     /// Text that opens the reply: a call the request forces (`tool_choice`), already at the
     /// end of the prompt; fed to the tool adapter ahead of the output.
     pub reply_prefix: Option<String>,
+    /// The adapter's grammar for the rest of that forced call (`tool_grammar`); the server
+    /// makes it the request's constraint and leaves `None` here.
+    pub reply_grammar: Option<String>,
     /// At most one tool call (OpenAI `parallel_tool_calls: false`, Anthropic
     /// `disable_parallel_tool_use`): generation ends when the adapter reports a second.
     pub one_tool_call: bool,
@@ -458,6 +465,106 @@ impl ExternalSampler for PluginSampler {
 
     fn fallback(&self) -> bool {
         self.fallback
+    }
+}
+
+/// A constraint plugin (ABI.md §5.6) as the request's constraint: each start (on the
+/// engine thread, when the request starts) makes an instance, hands it the vocabulary and
+/// begins the request with its params and seed.
+pub fn constraint_spec(registry: Arc<PluginRegistry>, selected: Selected, vocab: Arc<Vec<u8>>) -> ConstraintSpec {
+    let kind = selected.plugin.name().to_string();
+    let tokens = vocab.get(..4).map_or(0, |n| u32::from_le_bytes(n.try_into().expect("4 bytes")) as usize);
+    let words = tokens.div_ceil(32);
+    ConstraintSpec::new(kind, move |seed| {
+        if let Some(q) = selected.plugin.quarantine() {
+            bail!(runtime::PluginFault(q.message));
+        }
+        let started = registry.runtime.instantiate(&selected.plugin, &selected.config).and_then(|mut instance| {
+            instance.constraint_vocab(&vocab)?;
+            instance.begin(&selected.params, seed)?;
+            Ok(instance)
+        });
+        match started {
+            Ok(instance) => {
+                Ok(Box::new(PluginConstraint { instance: Some(instance), fallback: selected.fallback, words })
+                    as Box<dyn Constraint>)
+            }
+            Err(e) if selected.fallback && !e.chain().any(|c| c.downcast_ref::<runtime::PluginRefused>().is_some()) => {
+                tracing::warn!("constraint plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                Ok(Box::new(PluginConstraint { instance: None, fallback: true, words }) as Box<dyn Constraint>)
+            }
+            Err(e) => Err(e),
+        }
+    })
+}
+
+/// Every token's bytes as a constraint plugin receives them (ABI.md §5.6): the token count,
+/// the end-of-sequence ids, then each token as a u32 length and its bytes.
+pub fn encode_vocab(words: &[Vec<u8>], eos: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + 4 * eos.len() + words.iter().map(|w| 4 + w.len()).sum::<usize>());
+    out.extend((words.len() as u32).to_le_bytes());
+    out.extend((eos.len() as u32).to_le_bytes());
+    out.extend(eos.iter().flat_map(|e| e.to_le_bytes()));
+    for w in words {
+        out.extend((w.len() as u32).to_le_bytes());
+        out.extend_from_slice(w);
+    }
+    out
+}
+
+/// A constraint plugin's instance serving one request. Without an instance (it faulted and
+/// the request allowed a fallback) anything goes.
+struct PluginConstraint {
+    instance: Option<Instance>,
+    fallback: bool,
+    /// u32 words in a bitset over the vocabulary.
+    words: usize,
+}
+
+impl PluginConstraint {
+    /// Runs `f` on the instance; a fault under a fallback drops the constraint for the rest
+    /// of the request.
+    fn with<T>(&mut self, otherwise: T, f: impl FnOnce(&mut Instance) -> Result<T>) -> Result<T> {
+        let Some(instance) = self.instance.as_mut() else { return Ok(otherwise) };
+        match f(instance) {
+            Ok(t) => Ok(t),
+            Err(e) if self.fallback => {
+                tracing::warn!(
+                    "constraint plugin {} dropped for the rest of this request: {e:#}",
+                    instance.plugin().name()
+                );
+                self.instance = None;
+                Ok(otherwise)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Constraint for PluginConstraint {
+    fn allowed(&mut self) -> Result<Allowed> {
+        let words = self.words;
+        self.with(Allowed::Anything, |instance| {
+            match instance.constraint_mask(words)? {
+                (0, _) => Ok(Allowed::Anything),
+                (1, _) => Ok(Allowed::End),
+                (2, bits) => Ok(Allowed::Tokens(bits)),
+                (r, _) => {
+                    let name = instance.plugin().name().to_string();
+                    Err(instance.fault(format!(
+                        "plugin {name} returned {r} from constraint_mask; ABI v1 allows 0 (anything), 1 (end) or 2 (the bitset)"
+                    )))
+                }
+            }
+        })
+    }
+
+    fn accept(&mut self, token: u32) -> Result<()> {
+        self.with((), |instance| instance.constraint_step("constraint_accept", token))
+    }
+
+    fn rollback(&mut self, tokens: usize) -> Result<()> {
+        self.with((), |instance| instance.constraint_step("constraint_rollback", tokens as u32))
     }
 }
 
@@ -996,5 +1103,83 @@ mod tests {
         let (events, _) =
             parse_tool_events("p", "tool_feed", r#"{"tool_call": {"index": 2, "name": "g"}}"#, 2).unwrap();
         assert_eq!(events, vec![ToolOutput::Call { index: 2, id: "call_2".into(), name: "g".into() }]);
+    }
+
+    /// The example constraint plugin (examples/wat/lowercase.wat) through the engine's
+    /// `Guard`: the vocabulary's bytes decide the mask, spaces follow the history, drafts are
+    /// rolled back, and an end-of-sequence token is allowed once the output has a token.
+    #[test]
+    fn the_lowercase_constraint_plugin_masks_from_the_vocabulary_and_its_history() {
+        let registry = PluginRegistry::new().unwrap();
+        let wasm = wat::parse_str(include_str!("../../../examples/wat/lowercase.wat")).unwrap();
+        let plugin = Arc::new(
+            registry.runtime.load(&wasm, Path::new("lowercase.wat"), false, PluginSettings::default()).unwrap(),
+        );
+        let words: Vec<Vec<u8>> = ["the", " cat", "Dog", "sat ", "", "\u{ff}<s>", "</s>", " ", "a.b", "on"]
+            .iter()
+            .map(|w| w.as_bytes().to_vec())
+            .collect();
+        let (eos, vocab) = (6u32, words.len());
+        let selected =
+            Selected { plugin, config: serde_json::json!({}), params: serde_json::json!({}), fallback: false };
+        let spec = constraint_spec(registry.clone(), selected, Arc::new(encode_vocab(&words, &[eos])));
+        let mut guard = crate::engine::Guard::start(&spec, 7, &[eos], vocab).unwrap();
+        let open = |m: Option<mlx::Array>| -> Vec<usize> {
+            let row = m.unwrap().to_vec_f32().unwrap();
+            (0..vocab).filter(|&t| row[t] == 0.0).collect()
+        };
+        // Nothing written: no leading space, no end yet; "Dog", "", the special token and
+        // "a.b" never.
+        assert_eq!(open(guard.mask().unwrap()), vec![0, 3, 9]);
+        guard.accept(0).unwrap(); // "the"
+        assert_eq!(open(guard.mask().unwrap()), vec![0, 1, 3, 6, 7, 9]);
+        guard.accept(3).unwrap(); // "sat ": a space may not follow
+        assert_eq!(open(guard.mask().unwrap()), vec![0, 3, 6, 9]);
+        // Drafts "on" then " ": one mask per position, each after the drafts before it.
+        let masks = guard.draft_masks(&[9, 7]).unwrap();
+        assert_eq!(open(masks[0].clone()), vec![0, 3, 6, 9]);
+        assert_eq!(open(masks[1].clone()), vec![0, 1, 3, 6, 7, 9], "after \"on\"");
+        assert_eq!(open(masks[2].clone()), vec![0, 3, 6, 9], "after \" \"");
+        // Rolled back to where it was.
+        assert_eq!(open(guard.mask().unwrap()), vec![0, 3, 6, 9]);
+    }
+
+    /// A constraint plugin's bad answer fails the request with the plugin's name, unless the
+    /// request allowed a fallback: then the output goes unconstrained.
+    #[test]
+    fn a_constraint_plugin_that_answers_badly_faults_or_falls_back() {
+        let registry = PluginRegistry::new().unwrap();
+        let wasm = wat::parse_str(
+            r#"(module (@custom "host.plugin" "{\"abi\": 1, \"name\": \"seven\", \"kinds\": [\"constraint\"]}")
+            (memory (export "memory") 2)
+            (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+            (func (export "constraint_vocab") (param i32 i32) (result i32) (i32.const 0))
+            (func (export "constraint_mask") (param i32 i32) (result i32) (i32.const 7))
+            (func (export "constraint_accept") (param i32) (result i32) (i32.const 0))
+            (func (export "constraint_rollback") (param i32) (result i32) (i32.const 0)))"#,
+        )
+        .unwrap();
+        let plugin =
+            Arc::new(registry.runtime.load(&wasm, Path::new("seven.wat"), false, PluginSettings::default()).unwrap());
+        let vocab = Arc::new(encode_vocab(&[b"a".to_vec(), b"b".to_vec()], &[1]));
+        for fallback in [false, true] {
+            let selected = Selected {
+                plugin: plugin.clone(),
+                config: serde_json::json!({}),
+                params: serde_json::json!({}),
+                fallback,
+            };
+            let spec = constraint_spec(registry.clone(), selected, vocab.clone());
+            let mut guard = crate::engine::Guard::start(&spec, 0, &[1], 2).unwrap();
+            match guard.mask() {
+                Err(e) => {
+                    assert!(!fallback);
+                    let e = format!("{e:#}");
+                    assert!(e.contains("plugin seven returned 7 from constraint_mask"), "{e}");
+                }
+                Ok(mask) => assert!(fallback && mask.is_none(), "a fallback leaves the output unconstrained"),
+            }
+        }
+        assert_eq!(plugin.faults.load(Ordering::Relaxed), 2);
     }
 }

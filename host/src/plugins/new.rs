@@ -37,6 +37,9 @@ fn files(kind: Kind, lang: Lang) -> Result<Vec<(String, &'static str)>> {
                 Kind::Tool => template!("rust/tool.rs"),
                 Kind::Reasoning => template!("rust/reasoning.rs"),
                 Kind::Scheduler => template!("rust/scheduler.rs"),
+                Kind::Constraint => bail!(
+                    "there is no skeleton for a constraint plugin yet; examples/wat/lowercase.wat is one to start from (ABI.md §5.6)"
+                ),
             };
             vec![
                 ("Cargo.toml".into(), template!("rust/Cargo.toml")),

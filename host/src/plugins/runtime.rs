@@ -317,6 +317,12 @@ fn required_exports(kind: Kind) -> &'static [(&'static str, &'static [ValType], 
         Kind::Tool => &[("tool_feed", &[I32, I32], &[I64]), ("tool_finish", &[], &[I64])],
         Kind::Scheduler => &[("schedule", &[I32, I32], &[I64])],
         Kind::Reasoning => &[("reasoning_feed", &[I32, I32], &[I64]), ("reasoning_finish", &[], &[I64])],
+        Kind::Constraint => &[
+            ("constraint_vocab", &[I32, I32], &[I32]),
+            ("constraint_mask", &[I32, I32], &[I32]),
+            ("constraint_accept", &[I32], &[I32]),
+            ("constraint_rollback", &[I32], &[I32]),
+        ],
     }
 }
 
@@ -506,9 +512,14 @@ impl PluginRuntime {
             tool_render: optional(&instance, &mut store, "tool_render", &name)?,
             tool_force: optional(&instance, &mut store, "tool_force", &name)?,
             tool_render_calls: optional(&instance, &mut store, "tool_render_calls", &name)?,
+            tool_grammar: optional(&instance, &mut store, "tool_grammar", &name)?,
             reasoning_feed: optional(&instance, &mut store, "reasoning_feed", &name)?,
             reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
+            constraint_vocab: optional(&instance, &mut store, "constraint_vocab", &name)?,
+            constraint_mask: optional(&instance, &mut store, "constraint_mask", &name)?,
+            constraint_accept: optional(&instance, &mut store, "constraint_accept", &name)?,
+            constraint_rollback: optional(&instance, &mut store, "constraint_rollback", &name)?,
         };
         let mut inst = Instance {
             plugin: plugin.clone(),
@@ -658,9 +669,14 @@ struct Funcs {
     tool_render: Option<TypedFunc<(i32, i32), i64>>,
     tool_force: Option<TypedFunc<(i32, i32), i64>>,
     tool_render_calls: Option<TypedFunc<(i32, i32), i64>>,
+    tool_grammar: Option<TypedFunc<(i32, i32), i64>>,
     reasoning_feed: Option<TypedFunc<(i32, i32), i64>>,
     reasoning_finish: Option<TypedFunc<(), i64>>,
     schedule: Option<TypedFunc<(i32, i32), i64>>,
+    constraint_vocab: Option<TypedFunc<(i32, i32), i32>>,
+    constraint_mask: Option<TypedFunc<(i32, i32), i32>>,
+    constraint_accept: Option<TypedFunc<i32, i32>>,
+    constraint_rollback: Option<TypedFunc<i32, i32>>,
 }
 
 /// One live instance, serving one request.
@@ -953,6 +969,12 @@ impl Instance {
         self.optional_text(self.funcs.tool_render_calls.clone(), calls.as_bytes(), "tool_render_calls")
     }
 
+    /// `tool_grammar`, if exported: the Lark grammar of the rest of a forced call (`request`:
+    /// `{"name", "tools"}`); `None` when absent or empty.
+    pub fn tool_grammar(&mut self, request: &str) -> Result<Option<String>> {
+        self.optional_text(self.funcs.tool_grammar.clone(), request.as_bytes(), "tool_grammar")
+    }
+
     /// An optional export that returns text: `None` when the plugin lacks it or returns
     /// nothing.
     fn optional_text(
@@ -970,6 +992,61 @@ impl Instance {
     /// `schedule`: the policy's decision (JSON) for a queue description.
     pub fn schedule(&mut self, queue: &str) -> Result<String> {
         self.tool_call(self.funcs.schedule.clone(), queue.as_bytes(), "schedule")
+    }
+
+    /// `constraint_vocab`: every token's bytes, once, before the instance's first request
+    /// (the encoding is ABI.md §5.6's).
+    pub fn constraint_vocab(&mut self, vocab: &[u8]) -> Result<()> {
+        let f = self.constraint_func(self.funcs.constraint_vocab.clone())?;
+        let (ptr, len) = self.write(Slot::Json, vocab)?;
+        match self.call(&f, (ptr, len), SETUP_DEADLINE, "constraint_vocab")? {
+            0 => Ok(()),
+            status => {
+                let why = self.store.data_mut().last_complaint.take();
+                let why = why.map(|w| format!(": {w}")).unwrap_or_else(|| " (it logged no reason)".into());
+                let name = &self.plugin.manifest.name;
+                Err(self.fault(format!(
+                    "plugin {name} refused the model's vocabulary (constraint_vocab returned {status}){why}"
+                )))
+            }
+        }
+    }
+
+    /// `constraint_mask` into a zeroed buffer of `words` u32 words: the plugin's answer (0
+    /// anything, 1 end, 2 the bitset) and the words as it left them.
+    pub fn constraint_mask(&mut self, words: usize) -> Result<(i32, Vec<u32>)> {
+        let f = self.constraint_func(self.funcs.constraint_mask.clone())?;
+        let (ptr, len) = self.write(Slot::Frame, &vec![0u8; words * 4])?;
+        let answer = self.call(&f, (ptr, words as i32), self.plugin.settings.deadline(), "constraint_mask")?;
+        if answer != 2 {
+            return Ok((answer, Vec::new()));
+        }
+        let bytes = self.read(ptr, len as usize)?;
+        Ok((answer, bytes.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes"))).collect()))
+    }
+
+    /// `constraint_accept` (`entry` "constraint_accept") or `constraint_rollback`: a status.
+    pub fn constraint_step(&mut self, entry: &'static str, arg: u32) -> Result<()> {
+        let f = match entry {
+            "constraint_accept" => self.funcs.constraint_accept.clone(),
+            _ => self.funcs.constraint_rollback.clone(),
+        };
+        let f = self.constraint_func(f)?;
+        match self.call(&f, arg as i32, self.plugin.settings.deadline(), entry)? {
+            0 => Ok(()),
+            status => {
+                let name = &self.plugin.manifest.name;
+                Err(self
+                    .fault(format!("plugin {name} failed in {entry}({arg}) (it returned {status}; ABI v1 expects 0)")))
+            }
+        }
+    }
+
+    fn constraint_func<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &self,
+        f: Option<TypedFunc<P, R>>,
+    ) -> Result<TypedFunc<P, R>> {
+        f.with_context(|| format!("plugin {} is not a constraint", self.plugin.manifest.name))
     }
 
     pub fn sampler_input(&self) -> (SamplerInput, usize) {

@@ -177,6 +177,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .filter(|r| r.name != "none")
                 .map(|r| ("default_plugins.reasoning", Kind::Reasoning, &r.name)),
         );
+        named.extend(d.constraint.iter().map(|r| ("default_plugins.constraint", Kind::Constraint, &r.name)));
     }
     let adapters = config.tool_adapter.iter().chain(config.models.values().filter_map(|m| m.tool_adapter.as_ref()));
     named.extend(adapters.filter(|n| !matches!(n.as_str(), "none" | "off")).map(|n| ("tool_adapter", Kind::Tool, n)));

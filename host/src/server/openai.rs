@@ -38,6 +38,8 @@ pub struct PluginsField {
     /// The reasoning parser for chat replies (default: the server's, chosen from the
     /// model's chat template); `{"name": "none"}` leaves the thinking in the text.
     pub reasoning: Option<PluginRef>,
+    /// A constraint plugin over the output (instead of `response_format`, `regex`, `grammar`).
+    pub constraint: Option<PluginRef>,
 }
 
 /// `stop`: a string or a list of strings.

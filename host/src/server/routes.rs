@@ -648,9 +648,10 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let max_tokens = state.admit(prompt.len(), Some(max))?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
+    let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
-    let constraint = state.constraint(openai::structure(&req.structured)?, Flavor::OpenAi).await?;
+    let constraint =
+        state.constraint(openai::structure(&req.structured)?, plugins.constraint.take(), Flavor::OpenAi).await?;
     let stop = openai::stops(req.stop)?;
     let (priority, client) = (openai::priority(req.priority)?, req.user.clone());
     let job = JobRequest {

@@ -86,7 +86,13 @@ impl AppState {
         };
         let max_tokens = self.admit(prompt.len(), requested).map_err(|e| e.flavor(flavor))?;
         let speculative = self.speculative(turn.speculative, flavor)?;
-        let constraint = self.constraint(turn.structure.take(), flavor).await?;
+        let constraint = match plugins.reply_grammar.take() {
+            // A forced call's arguments held to the tool's schema, unless the request brings a
+            // constraint plugin of its own (`response_format` is for content, and a forced
+            // call has none).
+            Some(grammar) if plugins.constraint.is_none() => self.forced_call_constraint(grammar).await,
+            _ => self.constraint(turn.structure.take(), plugins.constraint.take(), flavor).await?,
+        };
         let prompt_tokens = prompt.len();
         let model = turn.model.as_deref().unwrap_or("");
         tracing::info!(
@@ -115,14 +121,51 @@ impl AppState {
         Ok(Begun { events, prompt_tokens })
     }
 
+    /// A forced call's grammar from the tool adapter as the request's constraint. One that
+    /// does not compile is the adapter's fault, not the client's: the call goes unconstrained
+    /// (as before grammars), with a warning.
+    async fn forced_call_constraint(&self, grammar: String) -> Option<crate::engine::ConstraintSpec> {
+        let grammars = self.grammars.clone();
+        let structure = Structure::ToolCall(grammar);
+        match tokio::task::spawn_blocking(move || grammars.compile(&structure)).await {
+            Ok(Ok(spec)) => Some(spec),
+            Ok(Err(CompileError::Invalid(why))) => {
+                tracing::warn!("the tool adapter's grammar for a forced call does not compile: {why}");
+                None
+            }
+            Ok(Err(CompileError::Internal(e))) => {
+                tracing::warn!("a forced call goes unconstrained: {e:#}");
+                None
+            }
+            Err(e) => {
+                tracing::warn!("a forced call goes unconstrained: {e}");
+                None
+            }
+        }
+    }
+
     /// Compiles a request's structure into the constraint the engine applies (off the async
-    /// runtime: the first one builds the token trie, a large schema takes a while). A
-    /// structure llguidance refuses is a 400 that says why.
+    /// runtime: the first one builds the token trie, a large schema takes a while), or
+    /// makes its constraint plugin's. A structure llguidance refuses is a 400 that says why.
     pub async fn constraint(
         &self,
         structure: Option<Structure>,
+        plugin: Option<crate::plugins::Selected>,
         flavor: Flavor,
     ) -> Result<Option<crate::engine::ConstraintSpec>, ApiError> {
+        if let Some(selected) = plugin {
+            if let Some(s) = &structure {
+                let why = format!("a request takes one constraint: `plugins.constraint` or `{}`, not both", s.param());
+                return Err(ApiError::invalid(s.param(), why).flavor(flavor));
+            }
+            let registry = self.plugins.clone().expect("a selected plugin comes from the registry");
+            let grammars = self.grammars.clone();
+            let vocab = tokio::task::spawn_blocking(move || grammars.plugin_vocab())
+                .await
+                .map_err(|e| ApiError::internal(e).flavor(flavor))?
+                .map_err(|e| ApiError::internal(format!("{e:#}")).flavor(flavor))?;
+            return Ok(Some(crate::plugins::constraint_spec(registry, selected, vocab)));
+        }
         let Some(structure) = structure else { return Ok(None) };
         let grammars = self.grammars.clone();
         let param = structure.param();
@@ -245,15 +288,16 @@ impl AppState {
         self.on_adapter(adapter, move |i| i.tool_render(&tools)).await
     }
 
-    /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`);
-    /// `None` when nothing is forced or the adapter cannot force calls (then `tool_choice` is
-    /// only a hint). A required call among one tool is a call to that tool.
+    /// The opening of a call that `choice` forces, in the tool adapter's format (`tool_force`),
+    /// and the adapter's grammar for the rest of it (`tool_grammar`); `None` when nothing is
+    /// forced or the adapter cannot force calls (then `tool_choice` is only a hint). A
+    /// required call among one tool is a call to that tool.
     async fn force_tool(
         &self,
         adapter: Option<&Selected>,
         choice: &ToolChoice,
         tools: Option<&Vec<Value>>,
-    ) -> Result<Option<String>, ApiError> {
+    ) -> Result<Option<(String, Option<String>)>, ApiError> {
         let name = match choice {
             ToolChoice::Required => match tools.map(Vec::as_slice) {
                 Some([only]) => openai::tool_name(only).unwrap_or_default().to_string(),
@@ -263,7 +307,15 @@ impl AppState {
             ToolChoice::Auto | ToolChoice::None => return Ok(None),
         };
         let Some(adapter) = adapter else { return Ok(None) };
-        self.on_adapter(adapter, move |i| i.tool_force(&name)).await
+        // A `strict: true` function's objects are closed to properties it does not name, as
+        // OpenAI's strict mode has them.
+        let tools: Vec<Value> = tools.cloned().unwrap_or_default().into_iter().map(strict_tool).collect();
+        let request = json!({"name": name, "tools": tools}).to_string();
+        self.on_adapter(adapter, move |i| {
+            let Some(opener) = i.tool_force(&name)? else { return Ok(None) };
+            Ok(Some((opener, i.tool_grammar(&request)?)))
+        })
+        .await
     }
 
     /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
@@ -278,7 +330,8 @@ impl AppState {
         plugins: &mut Selection,
     ) -> Result<Vec<u32>, ApiError> {
         let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
-        plugins.reply_prefix = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        let forced = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        (plugins.reply_prefix, plugins.reply_grammar) = forced.map_or((None, None), |(o, g)| (Some(o), g));
         let messages = self.write_calls(plugins.tool.as_ref(), messages).await?;
         // Rendering and tokenizing a long prompt takes a while: off the async runtime's
         // threads, so other requests (and /health) are not held up.
@@ -349,7 +402,12 @@ impl AppState {
             Some(r) => Some(r),
             None => self.reasoning_parser.clone().filter(|_| chat),
         };
-        if field.sampler.is_none() && field.stop.is_empty() && tool.is_none() && reasoning.is_none() {
+        if field.sampler.is_none()
+            && field.stop.is_empty()
+            && tool.is_none()
+            && reasoning.is_none()
+            && field.constraint.is_none()
+        {
             return Ok(Selection::default());
         }
         let registry = self
@@ -385,7 +443,9 @@ impl AppState {
             stops: field.stop.into_iter().map(|r| pick(Kind::Stop, r)).collect::<Result<_, _>>()?,
             tool,
             reasoning: reasoning.map(|r| pick(Kind::Reasoning, r)).transpose()?,
+            constraint: field.constraint.map(|r| pick(Kind::Constraint, r)).transpose()?,
             reply_prefix: None,
+            reply_grammar: None,
             one_tool_call: false,
         })
     }
@@ -418,6 +478,17 @@ impl AppState {
             }
         })
     }
+}
+
+/// A tool whose function says `strict: true` with its `parameters` closed (`structured::strict`).
+fn strict_tool(mut tool: Value) -> Value {
+    let function = if tool.get("function").is_some() { &mut tool["function"] } else { &mut tool };
+    if function.get("strict").and_then(Value::as_bool) == Some(true) {
+        if let Some(p) = function.get_mut("parameters") {
+            *p = crate::structured::strict(p.take());
+        }
+    }
+    tool
 }
 
 /// For templates that ignore `tools`: describe them in the system message, with the

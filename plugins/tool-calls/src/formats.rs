@@ -26,8 +26,65 @@ fn named_call(v: &Value) -> Result<Call, String> {
     Ok(Call::new(name, args))
 }
 
+/// The grammar (Lark, llguidance's dialect) of the rest of a forced call in a JSON format:
+/// the arguments as JSON held to the tool's `parameters` schema (written as [`spaced`]
+/// writes JSON), then `close`, then the end of the reply. A call to `name` starts at its
+/// arguments; a call to any function starts inside the name's quotes (the opener ended with
+/// the opening one): the model picks one of the tools' names, then writes `mid` and the
+/// arguments. `None` when `name` is not among the tools.
+fn json_rest(name: Option<&str>, tools: &[Value], mid: &str, close: &str) -> Option<String> {
+    let lit = |s: &str| Value::String(s.to_string()).to_string();
+    let tools: Vec<(&str, Value)> = tools
+        .iter()
+        .filter_map(|t| {
+            let f = function(t);
+            Some((f.get("name")?.as_str()?, args_schema(f.get("parameters"))))
+        })
+        .collect();
+    let mut out = String::new();
+    match name {
+        Some(name) => {
+            let (_, schema) = tools.iter().find(|(n, _)| *n == name)?;
+            out.push_str(&format!("start: args {}\nargs: %json {schema}\n", lit(close)));
+        }
+        None if tools.is_empty() => return None,
+        None => {
+            let calls: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+            out.push_str(&format!("start: {}\n", calls.join(" | ")));
+            for (i, (name, schema)) in tools.iter().enumerate() {
+                out.push_str(&format!("call_{i}: {} args_{i} {}\n", lit(&format!("{name}{mid}")), lit(close)));
+                out.push_str(&format!("args_{i}: %json {schema}\n"));
+            }
+        }
+    }
+    Some(out)
+}
+
+/// A tool's `parameters` as the schema its arguments are held to: an object (any object when
+/// the tool gives none), written as the JSON formats write arguments (a space after `:` and
+/// `,`, no other whitespace) unless the schema sets llguidance's options itself.
+fn args_schema(parameters: Option<&Value>) -> Value {
+    let mut schema = match parameters {
+        Some(Value::Object(p)) if !p.is_empty() => Value::Object(p.clone()),
+        _ => serde_json::json!({"type": "object"}),
+    };
+    if let Value::Object(map) = &mut schema {
+        map.entry("x-guidance").or_insert(serde_json::json!({
+            "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "
+        }));
+    }
+    schema
+}
+
 /// `head`, then the quoted name and `tail` (a call to `name`), or just the opening quote of
 /// the name (a call to any function: the model writes the name).
+fn json_opener(head: &str, name: Option<&str>, tail: &str) -> String {
+    match name {
+        Some(name) => format!("{head}{}{tail}", Value::String(name.to_string())),
+        None => format!("{head}\""),
+    }
+}
+
 /// A call as a JSON object `{"name": .., KEY: arguments}`, as the JSON formats write it.
 fn json_call(call: &Call, key: &str) -> String {
     let arguments = serde_json::from_str::<Value>(&call.arguments).unwrap_or(Value::Null);
@@ -48,13 +105,6 @@ fn spaced(v: &Value) -> String {
     }
 }
 
-fn json_opener(head: &str, name: Option<&str>, tail: &str) -> String {
-    match name {
-        Some(name) => format!("{head}{}{tail}", Value::String(name.to_string())),
-        None => format!("{head}\""),
-    }
-}
-
 /// Hermes / Qwen2.5: `<tool_call>\n{"name": "f", "arguments": {..}}\n</tool_call>`.
 #[derive(Default)]
 pub struct Hermes;
@@ -65,6 +115,9 @@ impl Format for Hermes {
     }
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(json_opener("<tool_call>\n{\"name\": ", name, ", \"arguments\": "))
+    }
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        json_rest(name, tools, "\", \"arguments\": ", "}\n</tool_call>")
     }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
@@ -188,6 +241,9 @@ impl Format for Llama3Json {
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(json_opener("{\"name\": ", name, ", \"parameters\": "))
     }
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        json_rest(name, tools, "\", \"parameters\": ", "}")
+    }
     fn write(&self, calls: &[Call]) -> Option<String> {
         Some(calls.iter().map(|c| json_call(c, "parameters")).collect::<Vec<_>>().join("; "))
     }
@@ -217,6 +273,9 @@ impl Format for Mistral {
     }
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(json_opener("[TOOL_CALLS][{\"name\": ", name, ", \"arguments\": "))
+    }
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        json_rest(name, tools, "\", \"arguments\": ", "}]")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         Some(format!(
@@ -338,6 +397,11 @@ impl Format for Harmony {
             Some(name) => format!("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"),
             None => "<|channel|>commentary to=functions.".into(),
         })
+    }
+    /// The arguments, then the end of the reply: the model's end-of-sequence tokens include
+    /// `<|call|>` (GPT-OSS), and a call without it parses as well.
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        json_rest(name, tools, " <|constrain|>json<|message|>", "")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let one = |c: &Call| {
@@ -597,6 +661,32 @@ mod tests {
 
     fn call(name: &str, args: Value) -> (String, Value) {
         (name.to_string(), args)
+    }
+
+    /// The JSON formats' grammars for the rest of a forced call: a named call starts at its
+    /// arguments (held to that tool's schema, written compactly) and ends with the format's
+    /// closer; a call to any function picks among the tools' names; an unknown name has none.
+    #[test]
+    fn forced_call_grammars_hold_the_arguments_to_the_tools_schema() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}}, "required": ["city"]}}}),
+            json!({"type": "function", "function": {"name": "get_time"}}),
+        ];
+        let named = Hermes.grammar(Some("get_weather"), &tools).unwrap();
+        let mut lines = named.lines();
+        assert_eq!(lines.next(), Some(r#"start: args "}\n</tool_call>""#));
+        let schema: Value = serde_json::from_str(lines.next().unwrap().strip_prefix("args: %json ").unwrap()).unwrap();
+        assert_eq!(schema["required"], json!(["city"]));
+        assert_eq!(schema["x-guidance"]["key_separator"], ": ");
+        let any = Mistral.grammar(None, &tools).unwrap();
+        assert!(any.starts_with("start: call_0 | call_1\n"), "{any}");
+        assert!(any.contains(r#"call_1: "get_time\", \"arguments\": " args_1 "}]""#), "{any}");
+        assert!(any.contains(r#"args_1: %json {"type":"object","x-guidance""#), "any object without parameters: {any}");
+        assert!(Llama3Json.grammar(Some("get_weather"), &tools).unwrap().starts_with(r#"start: args "}""#));
+        assert!(Harmony.grammar(Some("get_weather"), &tools).unwrap().starts_with(r#"start: args """#));
+        assert_eq!(Hermes.grammar(Some("nope"), &tools), None);
+        assert_eq!(Hermes.grammar(None, &[]), None);
     }
 
     /// Calls written by `write` (the assistant's earlier calls in the prompt) read back as the

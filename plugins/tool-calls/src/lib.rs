@@ -62,6 +62,12 @@ pub trait Format: Default {
     fn write(&self, _calls: &[Call]) -> Option<String> {
         None
     }
+    /// A Lark grammar (llguidance's dialect) for what follows [`force`](Self::force)'s
+    /// opener, to the end of the reply: the call's arguments held to the tool's schema, then
+    /// the format's closer. `None`: the format has no grammar yet.
+    fn grammar(&self, _name: Option<&str>, _tools: &[Value]) -> Option<String> {
+        None
+    }
 }
 
 /// A [`Format`] as a streaming [`ToolAdapter`].
@@ -261,6 +267,12 @@ impl<F: Format> ToolAdapter for Adapter<F> {
     }
     fn force(&mut self, name: &str) -> Option<String> {
         self.format.force(Some(name).filter(|n| !n.is_empty()))
+    }
+    fn grammar(&mut self, request: &str) -> Option<String> {
+        let request: Value = serde_json::from_str(request).ok()?;
+        let name = request.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+        let tools = request.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
+        self.format.grammar(name, &tools)
     }
     fn render_calls(&mut self, calls: &str) -> Option<String> {
         let calls: Vec<Value> = serde_json::from_str(calls).ok()?;
