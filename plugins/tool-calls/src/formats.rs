@@ -60,6 +60,82 @@ fn json_rest(name: Option<&str>, tools: &[Value], mid: &str, close: &str) -> Opt
     Some(out)
 }
 
+/// The grammar of the rest of a forced call in a keyword format (Gemma's Python calls): the tool's properties in its schema's order, each required
+/// one always and each optional one at most once, as `item(key, rule)` writes one (`rule`
+/// names the value's rule, made by `value(property schema)`), separated by `sep`, then
+/// `close` and the end of the reply. A call to `name` starts at its first argument; a call to
+/// any function starts where `any_head(name)` (the name as the format writes it) does.
+/// `None` when `name` is not among the tools.
+fn keyword_rest(
+    name: Option<&str>,
+    tools: &[Value],
+    any_head: impl Fn(&str) -> String,
+    item: impl Fn(&str, &str) -> String,
+    value: impl Fn(&Value) -> String,
+    sep: &str,
+    close: &str,
+) -> Option<String> {
+    let lit = |s: &str| Value::String(s.to_string()).to_string();
+    let tools: Vec<(&str, &Value)> =
+        tools.iter().filter_map(|t| Some((function(t).get("name")?.as_str()?, function(t)))).collect();
+    let chosen: Vec<(usize, &str, &Value)> = match name {
+        Some(n) => {
+            let (i, (_, f)) = tools.iter().enumerate().find(|(_, (t, _))| *t == n)?;
+            vec![(i, n, *f)]
+        }
+        None if tools.is_empty() => return None,
+        None => tools.iter().enumerate().map(|(i, (n, f))| (i, *n, *f)).collect(),
+    };
+    let mut out = String::new();
+    let starts: Vec<String> = chosen.iter().map(|(i, _, _)| format!("call_{i}")).collect();
+    out.push_str(&format!("start: {}\n", starts.join(" | ")));
+    for (i, tool, f) in chosen {
+        let schema = f.get("parameters");
+        let props: Vec<(&String, &Value)> = schema
+            .and_then(|s| s.get("properties"))
+            .and_then(Value::as_object)
+            .map(|p| p.iter().collect())
+            .unwrap_or_default();
+        let required: Vec<&str> = schema
+            .and_then(|s| s.get("required"))
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let head = if name.is_some() { String::new() } else { format!("{} ", lit(&any_head(tool))) };
+        out.push_str(&format!("call_{i}: {head}first_{i}_0 {}\n", lit(close)));
+        let n = props.len();
+        // first_{i}_k: nothing written yet from property k on; rest_{i}_k: something was.
+        for (k, (key, prop)) in props.iter().enumerate() {
+            out.push_str(&format!("v_{i}_{k}: {}\n", value(prop)));
+            let it = item(key, &format!("v_{i}_{k}"));
+            if required.contains(&key.as_str()) {
+                out.push_str(&format!("first_{i}_{k}: {it} rest_{i}_{}\n", k + 1));
+                out.push_str(&format!("rest_{i}_{k}: {} {it} rest_{i}_{}\n", lit(sep), k + 1));
+            } else {
+                out.push_str(&format!("first_{i}_{k}: {it} rest_{i}_{} | first_{i}_{}\n", k + 1, k + 1));
+                out.push_str(&format!("rest_{i}_{k}: {} {it} rest_{i}_{} | rest_{i}_{}\n", lit(sep), k + 1, k + 1));
+            }
+        }
+        out.push_str(&format!("first_{i}_{n}: \"\"\nrest_{i}_{n}: \"\"\n"));
+    }
+    Some(out)
+}
+
+/// A property's value as JSON held to its schema (compact), for the keyword formats.
+fn json_value(prop: &Value) -> String {
+    let schema = match prop {
+        Value::Object(p) if !p.is_empty() => {
+            let mut p = p.clone();
+            p.entry("x-guidance").or_insert(serde_json::json!({
+                "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "
+            }));
+            Value::Object(p)
+        }
+        _ => serde_json::json!({}),
+    };
+    format!("%json {schema}")
+}
+
 /// A tool's `parameters` as the schema its arguments are held to: an object (any object when
 /// the tool gives none), written as the JSON formats write arguments (a space after `:` and
 /// `,`, no other whitespace) unless the schema sets llguidance's options itself.
@@ -321,6 +397,11 @@ pub struct Gemma;
 impl Format for Gemma {
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(format!("```tool_code\n{}", name.map(|n| format!("{n}(")).unwrap_or_default()))
+    }
+    /// Keyword arguments with JSON values (Python reads them; `Py` reads `true`/`null` too).
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("{key}=")));
+        keyword_rest(name, tools, |n| format!("{n}("), item, json_value, ", ", ")\n```")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let mut lines = Vec::new();
@@ -687,6 +768,21 @@ mod tests {
         assert!(Harmony.grammar(Some("get_weather"), &tools).unwrap().starts_with(r#"start: args """#));
         assert_eq!(Hermes.grammar(Some("nope"), &tools), None);
         assert_eq!(Hermes.grammar(None, &[]), None);
+    }
+
+    /// Gemma's grammar: properties in the schema's order, required ones always, optional ones
+    /// skippable.
+    #[test]
+    fn gemma_grammars_take_required_properties_always_and_optional_ones_at_most_once() {
+        let tools = [json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"enum": ["x", "y"]}}, "required": ["b"]}}})];
+        let g = Gemma.grammar(Some("f"), &tools).unwrap();
+        assert!(g.contains("call_0: first_0_0 \")\\n```\""), "{g}");
+        assert!(g.contains("first_0_0: \"a=\" v_0_0 rest_0_1 | first_0_1"), "a is optional: {g}");
+        assert!(g.contains("first_0_1: \"b=\" v_0_1 rest_0_2\n"), "b is required: {g}");
+        assert!(g.contains("rest_0_1: \", \" \"b=\" v_0_1 rest_0_2\n"), "{g}");
+        assert!(g.contains("v_0_1: %json {\"enum\":[\"x\",\"y\"]"), "{g}");
+        assert_eq!(Gemma.grammar(Some("g"), &tools), None);
     }
 
     /// Calls written by `write` (the assistant's earlier calls in the prompt) read back as the
