@@ -133,9 +133,6 @@ impl Grammars {
 
     /// The model's vocabulary for a constraint plugin's `constraint_vocab` (built once).
     pub fn plugin_vocab(&self) -> Result<Arc<Vec<u8>>> {
-        if let Some(v) = self.plugin_vocab.get() {
-            return Ok(v.clone());
-        }
         let words = self.words()?;
         Ok(self.plugin_vocab.get_or_init(|| Arc::new(crate::plugins::encode_vocab(&words, &self.eos))).clone())
     }

@@ -31,6 +31,21 @@ TRAP = """(module (@custom "host.plugin" "{\\"abi\\": 1, \\"name\\": \\"mask-tra
   (func (export "constraint_rollback") (param i32) (result i32) (i32.const 0)))"""
 
 
+# A tool adapter (a user's, in WAT) whose forced-call grammar does not compile: the call
+# goes unconstrained with a warning, the request does not fail.
+OPENER = '<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": '
+OPENER_LEN = len('<tool_call>\n{"name": "get_weather", "arguments": ')
+BAD_GRAMMAR = f"""(module (@custom "host.plugin" "{{\\"abi\\": 1, \\"name\\": \\"bad-grammar\\", \\"kinds\\": [\\"tool\\"]}}")
+  (memory (export "memory") 1)
+  (data (i32.const 16) "{OPENER}")
+  (data (i32.const 512) "start: ((")
+  (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "tool_feed") (param i32 i32) (result i64) (i64.const 0))
+  (func (export "tool_finish") (result i64) (i64.const 0))
+  (func (export "tool_force") (param i32 i32) (result i64) (i64.const {(16 << 32) | OPENER_LEN}))
+  (func (export "tool_grammar") (param i32 i32) (result i64) (i64.const {(512 << 32) | 9})))"""
+
+
 def build(wat_text, out):
     src = out.with_suffix(".wat")
     src.write_text(wat_text)
@@ -44,6 +59,7 @@ def live(tmp_path_factory):
     folder = tmp_path_factory.mktemp("constraint-plugins")
     build(open(SOURCE).read(), folder / "lowercase.wasm")
     build(TRAP, folder / "mask-trap.wasm")
+    build(BAD_GRAMMAR, folder / "bad-grammar.wasm")
     s = Server("--plugins", str(folder))
     yield s, folder
     s.stop()
@@ -118,8 +134,8 @@ def test_replacing_the_file_changes_the_constraint_without_a_restart(live):
             print(letters.strip(), out)
             assert all(set(t) <= set(letters) and WORDS.match(t) for t in out), out
             if version is narrow:
-                assert any(c in "nopqrstuvwxyz" for t in out for c in text_of(chat(s.url, PROMPTS[0])).lower()), \
-                    "the unconstrained reply uses letters past m, so the narrow one shows the new version"
+                free = text_of(chat(s.url, PROMPTS[0])).lower()
+                assert set(free) & set("nopqrstuvwxyz"), "the unconstrained reply uses letters past m, so the narrow one shows the new version"
     finally:
         target.write_bytes(original)
 
@@ -150,3 +166,14 @@ def test_bad_constraint_selections_are_400s_that_say_why(live, extra, param, wor
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err.get("param") == param and words in err["message"], err
+
+
+def test_a_tool_adapter_grammar_that_does_not_compile_leaves_the_forced_call_unconstrained(live):
+    s, _ = live
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    before = len(s.log)
+    r = chat(s.url, PROMPTS[0], tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+             plugins={"tool": {"name": "bad-grammar"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] > 0
+    assert any("a forced tool call goes unconstrained" in line for line in s.log[before:]), "".join(s.log[before:])

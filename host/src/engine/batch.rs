@@ -379,6 +379,33 @@ mod tests {
         std::iter::from_fn(|| g.next_token().unwrap()).map(|t| t.id).collect()
     }
 
+    /// A row that failed, with its error.
+    type Failed = (u64, String);
+
+    /// Steps `batch` until every row has left: each row's tokens, and the rows that failed
+    /// with their errors (a row leaves at its finish or its failure).
+    fn drain(batch: &mut Batch) -> (HashMap<u64, Vec<u32>>, Vec<Failed>) {
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut failed = Vec::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                match token {
+                    Ok(token) => {
+                        got.entry(key).or_default().push(token.id);
+                        if token.finish.is_some() {
+                            batch.leave(key).unwrap();
+                        }
+                    }
+                    Err(e) => {
+                        failed.push((key, format!("{e:#}")));
+                        batch.leave(key).unwrap();
+                    }
+                }
+            }
+        }
+        (got, failed)
+    }
+
     fn prefilled(model: &dyn CausalLm, prompt: &[u32]) -> Vec<KvCache> {
         let mut cache = model.make_cache();
         crate::engine::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 8).unwrap();
@@ -540,24 +567,7 @@ mod tests {
             let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_constraint(guard);
             batch.join(row, &prefilled(model, p)).unwrap();
         }
-        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-        let mut failed = Vec::new();
-        while !batch.is_empty() {
-            for (key, token) in batch.step().unwrap() {
-                match token {
-                    Ok(token) => {
-                        got.entry(key).or_default().push(token.id);
-                        if token.finish.is_some() {
-                            batch.leave(key).unwrap();
-                        }
-                    }
-                    Err(e) => {
-                        failed.push((key, format!("{e:#}")));
-                        batch.leave(key).unwrap();
-                    }
-                }
-            }
-        }
+        let (got, failed) = drain(&mut batch);
         assert_eq!(failed.len(), 1, "{failed:?}");
         assert_eq!(failed[0].0, 1);
         assert!(
@@ -642,24 +652,7 @@ mod tests {
             let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_external(external);
             batch.join(row, &prefilled(model, p)).unwrap();
         }
-        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-        let mut failed = Vec::new();
-        while !batch.is_empty() {
-            for (key, token) in batch.step().unwrap() {
-                match token {
-                    Ok(token) => {
-                        got.entry(key).or_default().push(token.id);
-                        if token.finish.is_some() {
-                            batch.leave(key).unwrap();
-                        }
-                    }
-                    Err(e) => {
-                        failed.push((key, format!("{e:#}")));
-                        batch.leave(key).unwrap();
-                    }
-                }
-            }
-        }
+        let (got, failed) = drain(&mut batch);
         for (i, want) in expected.iter().enumerate() {
             assert_eq!(got.get(&(i as u64)), Some(want), "row {i}");
         }

@@ -560,11 +560,11 @@ impl Constraint for PluginConstraint {
     }
 
     fn accept(&mut self, token: u32) -> Result<()> {
-        self.with((), |instance| instance.constraint_step("constraint_accept", token))
+        self.with((), |instance| instance.constraint_accept(token))
     }
 
     fn rollback(&mut self, tokens: usize) -> Result<()> {
-        self.with((), |instance| instance.constraint_step("constraint_rollback", tokens as u32))
+        self.with((), |instance| instance.constraint_rollback(tokens as u32))
     }
 }
 

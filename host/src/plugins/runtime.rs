@@ -754,9 +754,16 @@ impl Instance {
 
     /// Copies `bytes` into the slot's buffer (allocating a larger one when needed).
     fn write(&mut self, slot: Slot, bytes: &[u8]) -> Result<(i32, i32)> {
+        let ptr = self.fill(slot, bytes.len(), |buffer| buffer.copy_from_slice(bytes))?;
+        Ok((ptr, bytes.len() as i32))
+    }
+
+    /// The slot's buffer of at least `len` bytes (allocating a larger one when needed), its
+    /// first `len` bytes handed to `f` to fill; returns the pointer.
+    fn fill(&mut self, slot: Slot, len: usize, f: impl FnOnce(&mut [u8])) -> Result<i32> {
         let (mut ptr, cap) = self.buffers[slot as usize];
-        if bytes.len() > cap || ptr == 0 {
-            let want = bytes.len().max(64).next_power_of_two();
+        if len > cap || ptr == 0 {
+            let want = len.max(64).next_power_of_two();
             let alloc = self.alloc.clone();
             ptr = self.call(&alloc, want as i32, SETUP_DEADLINE, "host_alloc")?;
             if ptr == 0 {
@@ -770,18 +777,17 @@ impl Instance {
             self.buffers[slot as usize] = (ptr, want);
         }
         let start = ptr as u32 as usize;
-        match self.memory.data_mut(&mut self.store).get_mut(start..start + bytes.len()) {
-            Some(buffer) => buffer.copy_from_slice(bytes),
+        match self.memory.data_mut(&mut self.store).get_mut(start..start + len) {
+            Some(buffer) => f(buffer),
             None => {
                 let message = format!(
-                    "plugin {}: host_alloc returned {ptr}, outside its memory, for {} bytes",
-                    self.plugin.manifest.name,
-                    bytes.len()
+                    "plugin {}: host_alloc returned {ptr}, outside its memory, for {len} bytes",
+                    self.plugin.manifest.name
                 );
                 return Err(self.fault(message));
             }
         }
-        Ok((ptr, bytes.len() as i32))
+        Ok(ptr)
     }
 
     fn read(&self, ptr: i32, len: usize) -> Result<Vec<u8>> {
@@ -1016,22 +1022,32 @@ impl Instance {
     /// anything, 1 end, 2 the bitset) and the words as it left them.
     pub fn constraint_mask(&mut self, words: usize) -> Result<(i32, Vec<u32>)> {
         let f = self.constraint_func(self.funcs.constraint_mask.clone())?;
-        let (ptr, len) = self.write(Slot::Frame, &vec![0u8; words * 4])?;
+        let ptr = self.fill(Slot::Frame, words * 4, |buffer| buffer.fill(0))?;
         let answer = self.call(&f, (ptr, words as i32), self.plugin.settings.deadline(), "constraint_mask")?;
         if answer != 2 {
             return Ok((answer, Vec::new()));
         }
-        let bytes = self.read(ptr, len as usize)?;
+        let start = ptr as u32 as usize;
+        let bytes = self.memory.data(&self.store).get(start..start + words * 4).with_context(|| {
+            format!("plugin {}: its mask buffer at {ptr} is outside its memory", self.plugin.manifest.name)
+        })?;
         Ok((answer, bytes.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes"))).collect()))
     }
 
-    /// `constraint_accept` (`entry` "constraint_accept") or `constraint_rollback`: a status.
-    pub fn constraint_step(&mut self, entry: &'static str, arg: u32) -> Result<()> {
-        let f = match entry {
-            "constraint_accept" => self.funcs.constraint_accept.clone(),
-            _ => self.funcs.constraint_rollback.clone(),
-        };
-        let f = self.constraint_func(f)?;
+    /// `constraint_accept`: `token` comes next.
+    pub fn constraint_accept(&mut self, token: u32) -> Result<()> {
+        let f = self.constraint_func(self.funcs.constraint_accept.clone())?;
+        self.constraint_status(f, token, "constraint_accept")
+    }
+
+    /// `constraint_rollback`: forget the last `n` accepted tokens.
+    pub fn constraint_rollback(&mut self, n: u32) -> Result<()> {
+        let f = self.constraint_func(self.funcs.constraint_rollback.clone())?;
+        self.constraint_status(f, n, "constraint_rollback")
+    }
+
+    /// A `(i32) -> status` constraint call.
+    fn constraint_status(&mut self, f: TypedFunc<i32, i32>, arg: u32, entry: &str) -> Result<()> {
         match self.call(&f, arg as i32, self.plugin.settings.deadline(), entry)? {
             0 => Ok(()),
             status => {

@@ -127,21 +127,15 @@ impl AppState {
     async fn forced_call_constraint(&self, grammar: String) -> Option<crate::engine::ConstraintSpec> {
         let grammars = self.grammars.clone();
         let structure = Structure::ToolCall(grammar);
-        match tokio::task::spawn_blocking(move || grammars.compile(&structure)).await {
-            Ok(Ok(spec)) => Some(spec),
-            Ok(Err(CompileError::Invalid(why))) => {
-                tracing::warn!("the tool adapter's grammar for a forced call does not compile: {why}");
-                None
-            }
-            Ok(Err(CompileError::Internal(e))) => {
-                tracing::warn!("a forced call goes unconstrained: {e:#}");
-                None
-            }
-            Err(e) => {
-                tracing::warn!("a forced call goes unconstrained: {e}");
-                None
-            }
-        }
+        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&structure));
+        let why = match compiled.await {
+            Ok(Ok(spec)) => return Some(spec),
+            Ok(Err(CompileError::Invalid(why))) => why,
+            Ok(Err(CompileError::Internal(e))) => format!("{e:#}"),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!("a forced tool call goes unconstrained: the tool adapter's grammar does not compile: {why}");
+        None
     }
 
     /// Compiles a request's structure into the constraint the engine applies (off the async
