@@ -82,6 +82,10 @@ pub struct ServeConfig {
     /// The tool-call adapter plugin for requests with tools (e.g. "hermes"); "none" turns
     /// parsing off. Default: chosen from the model's chat template.
     pub tool_adapter: Option<String>,
+    /// Hold every tool call the model starts on its own to its tool's schema (the tool
+    /// adapter's lazy grammar, from the call's opening to its end), not only forced calls and
+    /// `strict: true` tools' calls. Default: false.
+    pub constrain_tool_calls: bool,
     /// The reasoning-parser plugin that splits a thinking model's reasoning from its answer
     /// on chat routes (e.g. "think"); "none" leaves the thinking in the text. Default:
     /// chosen from the model's chat template (`<think>` or `[THINK]`: think).
@@ -141,6 +145,7 @@ impl Default for ServeConfig {
             speculative_verify: None,
             draft_candidates: None,
             tool_adapter: None,
+            constrain_tool_calls: false,
             reasoning_parser: None,
             scheduler: "fcfs".into(),
             scheduler_config: None,
@@ -250,6 +255,10 @@ pub struct ServeArgs {
     /// template; "none" leaves tool calls in the text).
     #[arg(long)]
     pub tool_adapter: Option<String>,
+    /// Hold every tool call the model starts to its tool's schema (default: only forced
+    /// calls and `strict: true` tools' calls).
+    #[arg(long)]
+    pub constrain_tool_calls: bool,
     /// The reasoning parser for chat replies (default: chosen from the chat template;
     /// "none" leaves the model's thinking in the text).
     #[arg(long)]
@@ -347,6 +356,9 @@ impl ServeConfig {
         }
         if args.reasoning_parser.is_some() {
             config.reasoning_parser = args.reasoning_parser.clone();
+        }
+        if args.constrain_tool_calls {
+            config.constrain_tool_calls = true;
         }
         config.allowed_hosts.extend(args.allowed_hosts.iter().cloned());
         config.cors_origins.extend(args.cors_origins.iter().cloned());

@@ -131,6 +131,28 @@ impl Grammars {
         }))
     }
 
+    /// Calls the model starts on its own, held to a tool adapter's lazy grammar: the output
+    /// is free until it holds `trigger` (`tool_trigger`), then `grammar` (`tool_grammar` with
+    /// `"lazy": true`) holds it from just after the trigger until the call is complete, and
+    /// then it is free again ([`Lazy`]).
+    pub fn compile_lazy(&self, trigger: &str, grammar: &str) -> std::result::Result<ConstraintSpec, CompileError> {
+        if trigger.is_empty() {
+            return Err(CompileError::Invalid("a tool adapter's trigger is empty".into()));
+        }
+        let call = self.compile(&Structure::ToolCall(grammar.to_string()))?;
+        let words = self.words().map_err(CompileError::Internal)?;
+        let env = self.factory().map_err(CompileError::Internal)?.tok_env().clone();
+        let (trigger, eos) = (trigger.as_bytes().to_vec(), self.eos.clone());
+        Ok(ConstraintSpec::new("tool_call_lazy", move |seed| {
+            let tokenize: Tokenize = {
+                let env = env.clone();
+                Arc::new(move |bytes: &[u8]| env.tokenize_bytes(bytes))
+            };
+            Ok(Box::new(Lazy::new(trigger.clone(), words.clone(), eos.clone(), call.clone(), tokenize, seed))
+                as Box<dyn Constraint>)
+        }))
+    }
+
     /// The model's vocabulary for a constraint plugin's `constraint_vocab` (built once).
     pub fn plugin_vocab(&self) -> Result<Arc<Vec<u8>>> {
         let words = self.words()?;
@@ -299,6 +321,163 @@ impl Constraint for Llg {
     }
 }
 
+/// Text as tokens of the model's vocabulary.
+type Tokenize = Arc<dyn Fn(&[u8]) -> Vec<u32> + Send + Sync>;
+
+/// The most tokens a [`Lazy`] constraint can roll back (speculation drafts at most 64).
+const LAZY_ROLLBACK: usize = 256;
+
+/// A lazy grammar: anything goes until the output holds the trigger; from just after it,
+/// the call's grammar holds every token until it is complete (it allows only the end of
+/// sequence), and then anything goes again, until the next trigger. Where the trigger ends
+/// inside a token, the token's remaining bytes go to the call's grammar as tokens of their
+/// own; if they do not fit it, that call goes unconstrained (the model opened it in a way
+/// the grammar does not expect).
+pub struct Lazy {
+    trigger: Vec<u8>,
+    /// Every token's bytes (special tokens with their 0xFF mark).
+    words: Arc<Vec<Vec<u8>>>,
+    eos: Vec<u32>,
+    call: ConstraintSpec,
+    tokenize: Tokenize,
+    seed: u64,
+    /// The last bytes of free text, fewer than the trigger's: a trigger may be starting there.
+    tail: Vec<u8>,
+    /// The call being held (`active`), or the last one, complete.
+    current: Option<Box<dyn Constraint>>,
+    active: bool,
+    /// What each accepted token changed, to roll it back.
+    journal: std::collections::VecDeque<Undo>,
+}
+
+/// The state before an accepted token.
+struct Undo {
+    tail: Vec<u8>,
+    active: bool,
+    /// Tokens the current call accepted for it.
+    fed: usize,
+    /// The call it started replaced this one.
+    replaced: Option<Option<Box<dyn Constraint>>>,
+}
+
+impl Lazy {
+    pub fn new(
+        trigger: Vec<u8>,
+        words: Arc<Vec<Vec<u8>>>,
+        eos: Vec<u32>,
+        call: ConstraintSpec,
+        tokenize: Tokenize,
+        seed: u64,
+    ) -> Lazy {
+        Lazy {
+            trigger,
+            words,
+            eos,
+            call,
+            tokenize,
+            seed,
+            tail: Vec::new(),
+            current: None,
+            active: false,
+            journal: Default::default(),
+        }
+    }
+
+    /// Starts a call whose output so far (after the trigger) is `opened`; `None` when those
+    /// bytes do not fit its grammar.
+    fn open(&self, opened: &[u8]) -> Result<Option<Box<dyn Constraint>>> {
+        let mut call = self.call.start(self.seed)?;
+        for t in (self.tokenize)(opened) {
+            let fits = call.allowed()?.permits(t, &[]) && call.accept(t).is_ok();
+            if !fits {
+                tracing::debug!(opened = %String::from_utf8_lossy(opened), "a tool call opened off its grammar goes unconstrained");
+                return Ok(None);
+            }
+        }
+        Ok(Some(call))
+    }
+}
+
+impl Constraint for Lazy {
+    fn allowed(&mut self) -> Result<Allowed> {
+        if !self.active {
+            return Ok(Allowed::Anything);
+        }
+        let call = self.current.as_mut().expect("an active call");
+        let allowed = call.allowed()?;
+        let complete = match &allowed {
+            Allowed::End => true,
+            Allowed::Tokens(bits) => bits.iter().enumerate().filter(|(_, &word)| word != 0).all(|(w, &word)| {
+                let mut word = word;
+                while word != 0 {
+                    if !self.eos.contains(&(w as u32 * 32 + word.trailing_zeros())) {
+                        return false;
+                    }
+                    word &= word - 1;
+                }
+                true
+            }),
+            Allowed::Anything => false,
+        };
+        if complete {
+            // The call is written: free text again (the state the accepted tokens lead to,
+            // so a rollback need not undo it).
+            self.active = false;
+            self.tail.clear();
+            return Ok(Allowed::Anything);
+        }
+        Ok(allowed)
+    }
+
+    fn accept(&mut self, token: u32) -> Result<()> {
+        let mut undo = Undo { tail: self.tail.clone(), active: self.active, fed: 0, replaced: None };
+        if self.active {
+            self.current.as_mut().expect("an active call").accept(token)?;
+            undo.fed = 1;
+        } else {
+            let word = self.words.get(token as usize).map_or(&[][..], Vec::as_slice);
+            let word = word.strip_prefix(&[0xFF]).unwrap_or(word);
+            let mut text = std::mem::take(&mut self.tail);
+            text.extend_from_slice(word);
+            let found = text.windows(self.trigger.len()).position(|w| w == self.trigger.as_slice());
+            match found {
+                Some(at) => {
+                    if let Some(call) = self.open(&text[at + self.trigger.len()..])? {
+                        undo.replaced = Some(self.current.replace(call));
+                        self.active = true;
+                    }
+                }
+                None => {
+                    let keep = text.len().min(self.trigger.len() - 1);
+                    self.tail = text[text.len() - keep..].to_vec();
+                }
+            }
+        }
+        if self.journal.len() == LAZY_ROLLBACK {
+            self.journal.pop_front();
+        }
+        self.journal.push_back(undo);
+        Ok(())
+    }
+
+    fn rollback(&mut self, tokens: usize) -> Result<()> {
+        if tokens > self.journal.len() {
+            bail!("cannot roll back {tokens} tokens; at most {} are kept", self.journal.len());
+        }
+        for _ in 0..tokens {
+            let undo = self.journal.pop_back().expect("checked above");
+            match undo.replaced {
+                Some(previous) => self.current = previous,
+                None if undo.fed > 0 => self.current.as_mut().expect("the call fed").rollback(undo.fed)?,
+                None => {}
+            }
+            self.active = undo.active;
+            self.tail = undo.tail;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,6 +506,91 @@ mod tests {
         // A property named "properties" is a property, not a keyword.
         assert_eq!(s["properties"]["properties"], json!({"type": "string"}));
         assert_eq!(s["properties"].get("additionalProperties"), None);
+    }
+
+    /// A lazy grammar over a vocabulary of a few words, trigger `<tool>`, whose call must
+    /// be `{`, then `x` or `y`, then `}`.
+    fn lazy() -> Lazy {
+        let mut words: Vec<Vec<u8>> = ["a", "<t", "ool>", "<tool>{", "x", "y", "}", "", "{", "<tool>x"]
+            .iter()
+            .map(|w| w.as_bytes().to_vec())
+            .collect();
+        words[7] = b"\xFF<tool>".to_vec(); // a special token: the 0xFF mark, then its text
+        let words = Arc::new(words);
+        let vocab = words.clone();
+        // Longest match first.
+        let tokenize: Tokenize = Arc::new(move |mut bytes: &[u8]| {
+            let mut out = Vec::new();
+            while !bytes.is_empty() {
+                let (t, w) = vocab
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| bytes.starts_with(w))
+                    .max_by_key(|(_, w)| w.len())
+                    .unwrap();
+                out.push(t as u32);
+                bytes = &bytes[w.len()..];
+            }
+            out
+        });
+        let call = crate::engine::constraint::tests::script(vec![vec![8], vec![4, 5], vec![6]], 10);
+        Lazy::new(b"<tool>".to_vec(), words, Vec::new(), call, tokenize, 0)
+    }
+
+    fn open_tokens(a: Allowed) -> Vec<u32> {
+        match a {
+            Allowed::Tokens(bits) => {
+                (0..320).filter(|&t| bits.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)).collect()
+            }
+            other => panic!("not a token set: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_lazy_grammar_holds_only_the_calls_its_trigger_opens() {
+        let mut l = lazy();
+        // Free text, then a trigger split over two tokens.
+        for t in [0, 1, 2] {
+            assert_eq!(l.allowed().unwrap(), Allowed::Anything);
+            l.accept(t).unwrap();
+        }
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![8]);
+        l.accept(8).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![4, 5]);
+        l.accept(4).unwrap();
+        l.accept(6).unwrap();
+        // Complete: free again, and a trigger that ends inside a token feeds the rest of it
+        // ("{") to the next call.
+        assert_eq!(l.allowed().unwrap(), Allowed::Anything);
+        l.accept(0).unwrap();
+        l.accept(3).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![4, 5]);
+        // Rolled back over the second call's start and the free token: free; then back into
+        // the first call, at its second position.
+        l.rollback(2).unwrap();
+        assert_eq!(l.allowed().unwrap(), Allowed::Anything);
+        l.rollback(2).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![4, 5]);
+        l.rollback(1).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![8]);
+        l.rollback(1).unwrap();
+        assert_eq!(l.allowed().unwrap(), Allowed::Anything, "before the trigger's last token");
+        l.accept(2).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![8], "the trigger's start was kept");
+        assert!(l.rollback(9).is_err());
+    }
+
+    #[test]
+    fn a_call_opened_off_its_grammar_is_left_unconstrained() {
+        let mut l = lazy();
+        l.accept(9).unwrap(); // "<tool>x": the call must start with "{"
+        assert_eq!(l.allowed().unwrap(), Allowed::Anything);
+        // A special token whose text is the trigger opens a call.
+        l.accept(0).unwrap();
+        l.accept(7).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![8]);
+        l.accept(8).unwrap();
+        assert_eq!(open_tokens(l.allowed().unwrap()), vec![4, 5]);
     }
 
     #[test]

@@ -212,6 +212,11 @@ macro_rules! export_tool_adapter {
                 let grammar = $crate::ToolAdapter::grammar(state(), text(ptr, len)).unwrap_or_default();
                 $crate::abi::packed(out(), grammar.into_bytes())
             }
+            #[no_mangle]
+            extern "C" fn tool_trigger() -> i64 {
+                let trigger = $crate::ToolAdapter::trigger(state()).unwrap_or_default();
+                $crate::abi::packed(out(), trigger.into_bytes())
+            }
         };
     };
 }

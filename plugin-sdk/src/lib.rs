@@ -134,7 +134,15 @@ pub trait ToolAdapter: Default {
     /// writes after [`force`](Self::force)'s opener to the end of its reply. `request` is JSON
     /// `{"name": "f" or "", "tools": [...]}`. The host holds the output to it, so the call
     /// always parses and its arguments match the tool's schema. `None`: not constrained.
+    /// With `"lazy": true` in the request: the grammar of a call the model starts on its own,
+    /// from just after [`trigger`](Self::trigger)'s text to the call's end.
     fn grammar(&mut self, _request: &str) -> Option<String> {
+        None
+    }
+    /// The text that opens a call the model writes on its own (e.g. `<tool_call>`): once the
+    /// output holds it, the host holds the rest of the call to the lazy
+    /// [`grammar`](Self::grammar) until it is complete. `None`: such calls are not constrained.
+    fn trigger(&mut self) -> Option<String> {
         None
     }
 }

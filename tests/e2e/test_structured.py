@@ -276,16 +276,25 @@ def test_a_forced_anthropic_tool_use_validates_against_its_input_schema_streamed
     jsonschema.validate(block.input, SCHEMAS[block.name])
 
 
-def test_a_strict_function_gets_no_arguments_its_schema_does_not_name(http):
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_strict_function_gets_no_arguments_its_schema_does_not_name(http, api):
     # Greedy SmolLM2 under mistral's format picks get_time here and, its object open, adds
-    # keys of its own; `strict: true` closes it.
+    # keys of its own; `strict: true` closes it (an OpenAI function's or an Anthropic tool's).
     def call(tools):
-        body = {"messages": [{"role": "user", "content": CALL_PROMPTS[1]}], "tools": tools, "tool_choice": "required",
-                "max_tokens": 60, "temperature": 0, "plugins": {"tool": {"name": "mistral"}}}
-        r = http.post("/v1/chat/completions", json=body)
+        body = {"messages": [{"role": "user", "content": CALL_PROMPTS[1]}], "max_tokens": 60, "temperature": 0,
+                "plugins": {"tool": {"name": "mistral"}}}
+        if api == "openai":
+            r = http.post("/v1/chat/completions", json={**body, "tools": tools, "tool_choice": "required"})
+            assert r.status_code == 200, r.text
+            [c] = r.json()["choices"][0]["message"]["tool_calls"]
+            return c["function"]["name"], json.loads(c["function"]["arguments"])
+        tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"],
+                  **({"strict": True} if t["function"].get("strict") else {})} for t in tools]
+        r = http.post("/v1/messages", json={**body, "tools": tools, "tool_choice": {"type": "any"}})
         assert r.status_code == 200, r.text
-        [c] = r.json()["choices"][0]["message"]["tool_calls"]
-        return c["function"]["name"], json.loads(c["function"]["arguments"])
+        [c] = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+        return c["name"], c["input"]
     name, args = call(CALL_TOOLS)
     assert name == "get_time" and set(args) > {"timezone"}, (name, args)
     strict = [CALL_TOOLS[0], {"type": "function", "function": {**CALL_TOOLS[1]["function"], "strict": True}}]
@@ -293,3 +302,82 @@ def test_a_strict_function_gets_no_arguments_its_schema_does_not_name(http):
     print("open:", args, "strict:", (name, args))
     assert set(args) <= set(SCHEMAS[name]["properties"]), (name, args)
     jsonschema.validate(args, SCHEMAS[name])
+
+
+# Calls the model starts on its own (tool_choice auto): after an earlier turn with a call in
+# it, SmolLM2 opens `<tool_call>` by itself but writes the tool's result instead of a call.
+# The adapter's lazy grammar takes over from the trigger for `strict: true` tools (and for
+# every tool with --constrain-tool-calls), so those calls parse and validate; replies that
+# open no call stay free text.
+UNFORCED = ["And the weather in Paris for the next three days?", "What time is it in Tokyo?",
+            "Weather in Lima this week please.", "And in Berlin?", "What about the time in London?"]
+
+
+def after_a_call(question):
+    return [{"role": "user", "content": "What is the weather in Rome?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "celsius"})}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21, "sky": "sunny"}'},
+            {"role": "assistant", "content": "It is 21 degrees and sunny in Rome."},
+            {"role": "user", "content": question}]
+
+
+def unforced_replies(http, tools):
+    out = []
+    for q in UNFORCED:
+        body = {"messages": after_a_call(q), "tools": tools, "max_tokens": 60, "temperature": 0,
+                "plugins": {"tool": {"name": "hermes"}}}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0])
+    return out
+
+
+def assert_calls_hold(replies):
+    calls = 0
+    for choice in replies:
+        message = choice["message"]
+        assert "<tool_call>" not in (message.get("content") or ""), choice
+        for call in message.get("tool_calls") or []:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+            calls += 1
+    assert calls >= 3, replies
+
+
+@pytest.fixture(scope="module")
+def constraining_server():
+    from conftest import Server
+    s = Server("--constrain-tool-calls")
+    yield s
+    s.stop()
+
+
+def test_calls_the_model_starts_hold_to_the_schema_of_strict_tools(http, openai_client):
+    broken = [c["message"]["content"] for c in unforced_replies(http, CALL_TOOLS) if "<tool_call>" in (c["message"]["content"] or "")]
+    print(f"baseline: {len(broken)}/{len(UNFORCED)} replies open a call that does not parse:", broken)
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in CALL_TOOLS]
+    replies = unforced_replies(http, strict)
+    print("strict:", [(c["finish_reason"], c["message"].get("tool_calls")) for c in replies])
+    assert_calls_hold(replies)
+    # Streamed, the same call.
+    plain = next(c for c in replies if c["message"].get("tool_calls"))
+    question = UNFORCED[replies.index(plain)]
+    stream = openai_client.chat.completions.create(model="m", messages=after_a_call(question), tools=strict, max_tokens=60,
+                                                   temperature=0, stream=True, extra_body={"plugins": {"tool": {"name": "hermes"}}})
+    args, name = "", None
+    for chunk in stream:
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name = name or (d.function.name if d.function else None)
+            args += (d.function.arguments or "") if d.function else ""
+    assert (name, json.loads(args)) == (plain["message"]["tool_calls"][0]["function"]["name"],
+                                        json.loads(plain["message"]["tool_calls"][0]["function"]["arguments"]))
+
+
+def test_the_server_flag_holds_every_call_the_model_starts(constraining_server):
+    # Not strict, but closed (with get_time open, greedy SmolLM2 adds keys until max_tokens:
+    # the grammar allows them, and cannot make the model stop).
+    closed = json.loads(json.dumps(CALL_TOOLS))
+    closed[1]["function"]["parameters"]["additionalProperties"] = False
+    import httpx
+    with httpx.Client(base_url=constraining_server.url, timeout=120) as c:
+        assert_calls_hold(unforced_replies(c, closed))

@@ -9,8 +9,10 @@
 //! tokens, and its external sampler (a plugin) if it has one. Rows sampled natively stay on
 //! the device; a plugin row's candidates are read back for all plugin rows at once, one host
 //! round trip per step, and while a plugin row is in the batch its steps run serially (the
-//! plugin must see each committed token before it picks the next). The batch knows nothing
-//! about text or requests; rows are named by a key.
+//! plugin must see each committed token before it picks the next). A row under a constraint
+//! keeps the pipeline: the next step's forward is queued before the tokens are read, its
+//! masks are worked out while that forward runs, and its sampling is queued after them. The
+//! batch knows nothing about text or requests; rows are named by a key.
 
 use super::constraint::{self, Guard};
 use super::decode::{external_frame, pick_from_frame, tokens_array, DecodeOptions, ExternalSampler, Token};
@@ -25,7 +27,7 @@ pub struct Row<'m> {
     sampler: Sampler,
     /// A sampler plugin picking this row's tokens (it has accepted the prompt).
     external: Option<Box<dyn ExternalSampler + 'm>>,
-    /// Masks this row's logits (its steps, and so the batch's, are then serial).
+    /// Masks this row's logits (a step's sampling then waits for the tokens before it).
     constraint: Option<Guard>,
     /// The row's external sampler failed in the step in flight (no fallback allowed).
     failed: Option<anyhow::Error>,
@@ -212,10 +214,44 @@ impl<'m> Batch<'m> {
             None if self.rows.is_empty() => return Ok(Vec::new()),
             None => self.build(None)?,
         };
-        let serial = self.rows.iter().any(|r| r.external.is_some() || r.constraint.is_some());
+        let serial = self.rows.iter().any(|r| r.external.is_some());
+        let constrained = self.rows.iter().any(|r| r.constraint.is_some());
+        // With a constrained row only the next step's forward is queued before this step's
+        // tokens are read (its masks need them); its sampling is queued after, once the
+        // masks are worked out, which they are while that forward runs.
+        let mut forward_queued = None;
         if !self.rows.is_empty() && !serial {
-            self.pending = Some(self.build(Some(&current))?);
+            if constrained {
+                let (keys, logits) = self.forward(Some(&current))?;
+                mlx::async_eval(&[&logits])?;
+                forward_queued = Some((keys, logits));
+            } else {
+                self.pending = Some(self.build(Some(&current))?);
+            }
         }
+        let out = match self.read(current) {
+            Ok(out) => out,
+            Err(e) => {
+                if forward_queued.is_some() {
+                    // No MLX work outlives the batch's failure (see `Drop`).
+                    let _ = mlx::synchronize();
+                }
+                return Err(e);
+            }
+        };
+        if let Some((keys, logits)) = forward_queued {
+            // Rows that end or fail here get no mask: they leave before the next read.
+            let ended: Vec<u64> =
+                out.iter().filter(|(_, t)| !t.as_ref().is_ok_and(|t| t.finish.is_none())).map(|(k, _)| *k).collect();
+            let masks = self.masks(&ended);
+            self.pending = Some(self.sample(keys, &logits, masks)?);
+        }
+        Ok(out)
+    }
+
+    /// Reads the step `current` (evaluating it): each row's token with its finish, told to
+    /// its sampler plugin and constraint.
+    fn read(&mut self, current: Step) -> Result<Vec<(u64, Result<Token>)>> {
         let ids = current.tokens.to_vec_i32().context("reading the batch's tokens")?;
         let mut out = Vec::with_capacity(ids.len());
         for (i, (&key, &id)) in current.keys.iter().zip(&ids).enumerate() {
@@ -256,6 +292,20 @@ impl<'m> Batch<'m> {
     /// Builds and starts one step over every row: rows in `previous` feed its (lazy) token,
     /// rows that joined since feed their `last`.
     fn build(&mut self, previous: Option<&Step>) -> Result<Step> {
+        let (keys, logits) = self.forward(previous)?;
+        let masks = if self.rows.iter().any(|r| r.constraint.is_some()) {
+            // The forward runs while the constraints work out their masks.
+            mlx::async_eval(&[&logits])?;
+            self.masks(&[])
+        } else {
+            Vec::new()
+        };
+        self.sample(keys, &logits, masks)
+    }
+
+    /// A step's first half: the forward over every row (as `build`) and the rows' logits
+    /// processors, giving the rows' keys and processed logits `[B, V]`, lazy.
+    fn forward(&mut self, previous: Option<&Step>) -> Result<(Vec<u64>, Array)> {
         let keys: Vec<u64> = self.rows.iter().map(|r| r.key).collect();
         let input = match previous {
             Some(p) if p.keys == keys => p.tokens.clone(),
@@ -290,27 +340,39 @@ impl<'m> Batch<'m> {
         } else {
             logits
         };
-        let logits = if self.rows.iter().any(|r| r.constraint.is_some()) {
-            // The forward runs while the constraints work out their masks; a constraint that
-            // fails fails its row at this step's read.
-            mlx::async_eval(&[&logits])?;
-            let mut masks = Vec::with_capacity(self.rows.len());
-            for row in &mut self.rows {
-                let mask = match row.constraint.as_mut().map(Guard::mask).transpose() {
-                    Ok(mask) => mask.flatten(),
-                    Err(e) => {
-                        row.failed.get_or_insert(e.context("the output constraint"));
-                        None
-                    }
-                };
-                masks.push(mask);
-            }
-            constraint::apply(&logits, &masks)?
-        } else {
+        Ok((keys, logits))
+    }
+
+    /// Each row's constraint mask for the next position (`None` for rows without one and for
+    /// the rows `ended`). A constraint that fails fails its row at the next step's read.
+    fn masks(&mut self, ended: &[u64]) -> Vec<Option<Array>> {
+        let mut masks = Vec::with_capacity(self.rows.len());
+        for row in &mut self.rows {
+            let guard = row.constraint.as_mut().filter(|_| !ended.contains(&row.key));
+            let mask = match guard.map(Guard::mask).transpose() {
+                Ok(mask) => mask.flatten(),
+                Err(e) => {
+                    row.failed.get_or_insert(e.context("the output constraint"));
+                    None
+                }
+            };
+            masks.push(mask);
+        }
+        masks
+    }
+
+    /// A step's second half: every row's token from the processed `logits` of the forward
+    /// over `keys` (its rows, in row order) under `masks` (none: no row is masked), started.
+    fn sample(&mut self, keys: Vec<u64>, logits: &Array, masks: Vec<Option<Array>>) -> Result<Step> {
+        let masked;
+        let logits = if masks.is_empty() {
             logits
+        } else {
+            masked = constraint::apply(logits, &masks)?;
+            &masked
         };
-        let logprobs = log_softmax(&logits)?;
-        let external = self.external_picks(&logits)?;
+        let logprobs = log_softmax(logits)?;
+        let external = self.external_picks(logits)?;
         let tokens = if external.is_empty() && self.rows.iter().all(|r| r.sampler.params().temperature == 0.0) {
             logprobs.argmax(-1, false)?.astype(Dtype::Int32)?
         } else {
@@ -512,7 +574,9 @@ mod tests {
         }
         let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
         while !batch.is_empty() {
-            for (key, token) in batch.step().unwrap() {
+            let tokens = batch.step().unwrap();
+            assert!(batch.pending.is_some(), "the next step is in flight when the tokens are read (pipelined)");
+            for (key, token) in tokens {
                 let token = token.unwrap();
                 got.entry(key).or_default().push(token.id);
                 if token.finish.is_some() {

@@ -179,8 +179,8 @@ pub struct Generation<'m> {
     /// (serial mode, speculation): the next forward's input.
     next_input: Option<Array>,
     speculation: Option<Speculation<'m>>,
-    /// Masks the logits of every step (decoding is then serial: each mask needs the token
-    /// before it).
+    /// Masks the logits of every step. Each mask needs the token before it, so a step's
+    /// forward is queued before that token is read and its sampling after (`advance`).
     constraint: Option<Guard>,
     /// Committed tokens not yet returned (a verification commits several at once).
     ready: VecDeque<Token>,
@@ -341,23 +341,43 @@ impl<'m> Generation<'m> {
 
     /// One forward pass over `input` (`[L]`), returning the lazy next token and logprobs.
     fn step(&mut self, input: &Array, position: usize) -> Result<(Array, Array)> {
+        let logits = self.forward(input)?;
+        let mask = match self.constraint.as_mut() {
+            Some(guard) => {
+                // The forward runs while the constraint works out its mask.
+                mlx::async_eval(&[&logits])?;
+                guard.mask()?
+            }
+            None => None,
+        };
+        self.pick(&logits, mask, position)
+    }
+
+    /// A step's first half: the forward pass over `input` (`[L]`) and the logits processors,
+    /// giving its last position's processed logits `[1, V]`, lazy.
+    fn forward(&mut self, input: &Array) -> Result<Array> {
         let len = input.dim(0) as i32;
         let logits = self.model.forward(&input.expand_dims(&[0])?, &mut self.cache)?;
         let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
         if let Some(h) = &self.history {
             self.history = Some(mlx::ops::concatenate(&[h, input], 0)?);
         }
-        let logits = self.sampler.process(&logits, self.history.as_ref())?;
-        let logits = match self.constraint.as_mut() {
-            Some(guard) => {
-                // The forward runs while the constraint works out its mask.
-                mlx::async_eval(&[&logits])?;
-                constraint::apply(&logits, &[guard.mask()?])?
+        self.sampler.process(&logits, self.history.as_ref())
+    }
+
+    /// A step's second half: the token at `position` from processed `logits` under the
+    /// constraint's `mask` (if any), and the log-probabilities it was drawn from, lazy.
+    fn pick(&mut self, logits: &Array, mask: Option<Array>, position: usize) -> Result<(Array, Array)> {
+        let masked;
+        let logits = match mask {
+            Some(m) => {
+                masked = constraint::apply(logits, &[Some(m)])?;
+                &masked
             }
             None => logits,
         };
-        let logprobs = log_softmax(&logits)?;
-        let token = match self.external_pick(&logits, position)? {
+        let logprobs = log_softmax(logits)?;
+        let token = match self.external_pick(logits, position)? {
             Some(token) => token,
             None => self.sampler.sample(&logprobs, position)?,
         };
@@ -392,10 +412,23 @@ impl<'m> Generation<'m> {
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative.
-        let serial = self.external.is_some() || self.constraint.is_some() || wants_to_try;
+        let serial = self.external.is_some() || wants_to_try;
         let queued = !serial && n + 1 < self.options.max_tokens;
+        // Under a constraint only the next step's forward is queued before this step's token
+        // is read: its mask needs that token. The mask is then worked out while the forward
+        // runs, and the sampling queued behind it.
+        let mut forward_queued = None;
         let t0 = Instant::now();
-        if queued {
+        if queued && self.constraint.is_some() {
+            let logits = self.forward(&y)?;
+            let t1 = Instant::now();
+            mlx::async_eval(&[&logits])?;
+            self.stats.build_secs += (t1 - t0).as_secs_f64();
+            self.stats.dispatch_secs += t1.elapsed().as_secs_f64();
+            // Until it has its sampling, the forward is a step in flight to wait for.
+            self.abandoned_step = true;
+            forward_queued = Some(logits);
+        } else if queued {
             let next = self.step(&y, self.prompt_len + n + 1)?;
             let t1 = Instant::now();
             if n == 3 {
@@ -430,7 +463,13 @@ impl<'m> Generation<'m> {
         }
         let finished = self.commit(id, logprobs);
         if finished {
-            self.abandoned_step = self.pending.take().is_some();
+            self.abandoned_step = self.pending.take().is_some() || forward_queued.is_some();
+        } else if let Some(logits) = forward_queued {
+            let mask = self.constraint.as_mut().map(Guard::mask).transpose()?.flatten();
+            let next = self.pick(&logits, mask, self.prompt_len + n + 1)?;
+            mlx::async_eval(&[&next.0, &next.1])?;
+            self.pending = Some(next);
+            self.abandoned_step = false;
         } else if !queued {
             self.next_input = Some(y);
         }
@@ -1158,8 +1197,11 @@ mod tests {
         let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() };
         for params in [SamplingParams::default(), seeded] {
             let hooks = Hooks { constraint: guard(), ..Default::default() };
-            let (plain, _) = run_hooked(model, &prompt, params.clone(), options.clone(), hooks);
+            let (plain, stats) = run_hooked(model, &prompt, params.clone(), options.clone(), hooks);
             assert_eq!(plain.len(), sets.len() + 1, "{plain:?}");
+            // Pipelined: every step's forward was queued before the token before it was read,
+            // and a mask was made for each position read, none past the end.
+            assert_eq!((stats.pipelined_steps, stats.masks), (plain.len(), plain.len()), "{stats:?}");
             assert_eq!(plain.last(), Some(&eos), "the constraint's end is the model's end of sequence");
             for (i, t) in plain[..sets.len()].iter().enumerate() {
                 assert!(sets[i].contains(t), "token {i} ({t}) is outside its set {:?}", sets[i]);

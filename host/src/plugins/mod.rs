@@ -53,6 +53,10 @@ pub struct Selection {
     /// The adapter's grammar for the rest of that forced call (`tool_grammar`); the server
     /// makes it the request's constraint and leaves `None` here.
     pub reply_grammar: Option<String>,
+    /// For calls the model starts on its own: the adapter's trigger and lazy grammar
+    /// (`tool_trigger`, `tool_grammar` with `"lazy": true`); the server makes them the
+    /// request's constraint and leaves `None` here.
+    pub call_grammar: Option<(String, String)>,
     /// At most one tool call (OpenAI `parallel_tool_calls: false`, Anthropic
     /// `disable_parallel_tool_use`): generation ends when the adapter reports a second.
     pub one_tool_call: bool,

@@ -513,6 +513,7 @@ impl PluginRuntime {
             tool_force: optional(&instance, &mut store, "tool_force", &name)?,
             tool_render_calls: optional(&instance, &mut store, "tool_render_calls", &name)?,
             tool_grammar: optional(&instance, &mut store, "tool_grammar", &name)?,
+            tool_trigger: optional(&instance, &mut store, "tool_trigger", &name)?,
             reasoning_feed: optional(&instance, &mut store, "reasoning_feed", &name)?,
             reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
@@ -670,6 +671,7 @@ struct Funcs {
     tool_force: Option<TypedFunc<(i32, i32), i64>>,
     tool_render_calls: Option<TypedFunc<(i32, i32), i64>>,
     tool_grammar: Option<TypedFunc<(i32, i32), i64>>,
+    tool_trigger: Option<TypedFunc<(), i64>>,
     reasoning_feed: Option<TypedFunc<(i32, i32), i64>>,
     reasoning_finish: Option<TypedFunc<(), i64>>,
     schedule: Option<TypedFunc<(i32, i32), i64>>,
@@ -976,9 +978,18 @@ impl Instance {
     }
 
     /// `tool_grammar`, if exported: the Lark grammar of the rest of a forced call (`request`:
-    /// `{"name", "tools"}`); `None` when absent or empty.
+    /// `{"name", "tools"}`), or with `"lazy": true` of a call from just after
+    /// `tool_trigger`'s text; `None` when absent or empty.
     pub fn tool_grammar(&mut self, request: &str) -> Result<Option<String>> {
         self.optional_text(self.funcs.tool_grammar.clone(), request.as_bytes(), "tool_grammar")
+    }
+
+    /// `tool_trigger`, if exported: the text that opens a call the model writes on its own,
+    /// after which the lazy `tool_grammar` holds the call; `None` when absent or empty.
+    pub fn tool_trigger(&mut self) -> Result<Option<String>> {
+        let Some(f) = self.funcs.tool_trigger.clone() else { return Ok(None) };
+        let packed = self.call(&f, (), self.plugin.settings.deadline(), "tool_trigger")?;
+        Ok(Some(self.packed_text(packed, "tool_trigger", MAX_RESULT_BYTES)?).filter(|t| !t.is_empty()))
     }
 
     /// An optional export that returns text: `None` when the plugin lacks it or returns

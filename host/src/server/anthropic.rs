@@ -298,11 +298,17 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
             tracing::debug!(name, "tool left out of the prompt (a server tool or deferred)");
             continue;
         }
-        out.push(json!({"type": "function", "function": {
+        // `strict: true` (Anthropic's strict tool use) closes the schema's objects, as an
+        // OpenAI function's does (`turn::strict_tool`).
+        let mut function = json!({
             "name": name,
             "description": t.get("description").cloned().unwrap_or(json!("")),
             "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
-        }}));
+        });
+        if let Some(strict) = t.get("strict").filter(|s| s.is_boolean()) {
+            function["strict"] = strict.clone();
+        }
+        out.push(json!({"type": "function", "function": function}));
     }
     Ok(Some(out))
 }

@@ -95,6 +95,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         body_timeout: std::time::Duration::from_secs(config.body_timeout_secs.max(1)),
         responses: Default::default(),
         grammars: Arc::new(crate::structured::Grammars::new(engine_tokenizer, engine_vocab, engine_eos)),
+        constrain_tool_calls: config.constrain_tool_calls,
     })
 }
 

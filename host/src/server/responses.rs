@@ -205,7 +205,7 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
         })
         .map(|(i, t)| {
             let mut f = Map::new();
-            for key in ["name", "description", "parameters"] {
+            for key in ["name", "description", "parameters", "strict"] {
                 if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
                     f.insert(key.into(), v.clone());
                 }

@@ -60,6 +60,9 @@ pub struct AppState {
     pub responses: responses::Store,
     /// Compiles requests' structured-output constraints.
     pub grammars: Arc<crate::structured::Grammars>,
+    /// Every call the model starts is held to its tool's schema (`constrain_tool_calls`),
+    /// not only `strict: true` tools' calls.
+    pub constrain_tool_calls: bool,
 }
 
 pub(super) type Shared = Arc<AppState>;

@@ -86,11 +86,15 @@ impl AppState {
         };
         let max_tokens = self.admit(prompt.len(), requested).map_err(|e| e.flavor(flavor))?;
         let speculative = self.speculative(turn.speculative, flavor)?;
-        let constraint = match plugins.reply_grammar.take() {
+        let constraint = match (plugins.reply_grammar.take(), plugins.call_grammar.take()) {
             // A forced call's arguments held to the tool's schema, unless the request brings a
             // constraint plugin of its own (`response_format` is for content, and a forced
             // call has none).
-            Some(grammar) if plugins.constraint.is_none() => self.forced_call_constraint(grammar).await,
+            (Some(grammar), _) if plugins.constraint.is_none() => self.call_constraint(None, grammar).await,
+            // Calls the model starts, unless the request holds its output to something else.
+            (None, Some((trigger, grammar))) if plugins.constraint.is_none() && turn.structure.is_none() => {
+                self.call_constraint(Some(trigger), grammar).await
+            }
             _ => self.constraint(turn.structure.take(), plugins.constraint.take(), flavor).await?,
         };
         let prompt_tokens = prompt.len();
@@ -121,20 +125,25 @@ impl AppState {
         Ok(Begun { events, prompt_tokens })
     }
 
-    /// A forced call's grammar from the tool adapter as the request's constraint. One that
-    /// does not compile is the adapter's fault, not the client's: the call goes unconstrained
-    /// (as before grammars), with a warning.
-    async fn forced_call_constraint(&self, grammar: String) -> Option<crate::engine::ConstraintSpec> {
+    /// A tool adapter's grammar as the request's constraint: a forced call's (`trigger`
+    /// `None`), or the lazy one that holds the calls the model starts after `trigger`. One
+    /// that does not compile is the adapter's fault, not the client's: the calls go
+    /// unconstrained (as before grammars), with a warning.
+    async fn call_constraint(&self, trigger: Option<String>, grammar: String) -> Option<crate::engine::ConstraintSpec> {
         let grammars = self.grammars.clone();
-        let structure = Structure::ToolCall(grammar);
-        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&structure));
+        let lazy = trigger.is_some();
+        let compiled = tokio::task::spawn_blocking(move || match trigger {
+            None => grammars.compile(&Structure::ToolCall(grammar)),
+            Some(trigger) => grammars.compile_lazy(&trigger, &grammar),
+        });
         let why = match compiled.await {
             Ok(Ok(spec)) => return Some(spec),
             Ok(Err(CompileError::Invalid(why))) => why,
             Ok(Err(CompileError::Internal(e))) => format!("{e:#}"),
             Err(e) => e.to_string(),
         };
-        tracing::warn!("a forced tool call goes unconstrained: the tool adapter's grammar does not compile: {why}");
+        let calls = if lazy { "tool calls" } else { "a forced tool call" };
+        tracing::warn!("{calls} go unconstrained: the tool adapter's grammar does not compile: {why}");
         None
     }
 
@@ -312,6 +321,29 @@ impl AppState {
         .await
     }
 
+    /// The tool adapter's trigger and lazy grammar, for calls the model starts on its own
+    /// when they are held to their tools' schemas: every call with `constrain_tool_calls`,
+    /// else when a tool is `strict: true`. `None` otherwise, or when the adapter has none.
+    async fn lazy_tool(
+        &self,
+        adapter: Option<&Selected>,
+        choice: &ToolChoice,
+        tools: Option<&Vec<Value>>,
+    ) -> Result<Option<(String, String)>, ApiError> {
+        let (Some(adapter), Some(tools)) = (adapter, tools.filter(|t| !t.is_empty())) else { return Ok(None) };
+        let strict = tools.iter().any(|t| function_of(t).get("strict").and_then(Value::as_bool) == Some(true));
+        if *choice == ToolChoice::None || !(self.constrain_tool_calls || strict) {
+            return Ok(None);
+        }
+        let tools: Vec<Value> = tools.iter().cloned().map(strict_tool).collect();
+        let request = json!({"name": "", "tools": tools, "lazy": true}).to_string();
+        self.on_adapter(adapter, move |i| {
+            let Some(trigger) = i.tool_trigger()? else { return Ok(None) };
+            Ok(i.tool_grammar(&request)?.map(|grammar| (trigger, grammar)))
+        })
+        .await
+    }
+
     /// The prompt for chat `messages` with `tools` under `choice`: the tools described (by
     /// the template, or by the adapter when the template ignores them) and a forced call's
     /// opener at the start of the reply, which goes into `plugins` for the engine too.
@@ -325,6 +357,9 @@ impl AppState {
     ) -> Result<Vec<u32>, ApiError> {
         let rendered = self.render_tools(plugins.tool.as_ref(), tools.as_ref()).await?;
         let forced = self.force_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        if forced.is_none() {
+            plugins.call_grammar = self.lazy_tool(plugins.tool.as_ref(), choice, tools.as_ref()).await?;
+        }
         (plugins.reply_prefix, plugins.reply_grammar) = forced.map_or((None, None), |(o, g)| (Some(o), g));
         let messages = self.write_calls(plugins.tool.as_ref(), messages).await?;
         // Rendering and tokenizing a long prompt takes a while: off the async runtime's
@@ -440,6 +475,7 @@ impl AppState {
             constraint: field.constraint.map(|r| pick(Kind::Constraint, r)).transpose()?,
             reply_prefix: None,
             reply_grammar: None,
+            call_grammar: None,
             one_tool_call: false,
         })
     }
@@ -472,6 +508,11 @@ impl AppState {
             }
         })
     }
+}
+
+/// An OpenAI tool's function object (the tool itself when it is flat).
+fn function_of(tool: &Value) -> &Value {
+    tool.get("function").unwrap_or(tool)
 }
 
 /// A tool whose function says `strict: true` with its `parameters` closed (`structured::strict`).

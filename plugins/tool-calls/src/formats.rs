@@ -195,6 +195,9 @@ impl Format for Hermes {
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         json_rest(name, tools, "\", \"arguments\": ", "}\n</tool_call>")
     }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("<tool_call>")
+    }
     fn open(&self) -> &'static [(&'static str, bool)] {
         &[("<tool_call>", false)]
     }
@@ -320,6 +323,10 @@ impl Format for Llama3Json {
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         json_rest(name, tools, "\", \"parameters\": ", "}")
     }
+    /// The whole opener: a call is a JSON object that starts as `{"name": "`.
+    fn trigger(&self) -> Option<&'static str> {
+        Some("{\"name\": \"")
+    }
     fn write(&self, calls: &[Call]) -> Option<String> {
         Some(calls.iter().map(|c| json_call(c, "parameters")).collect::<Vec<_>>().join("; "))
     }
@@ -352,6 +359,9 @@ impl Format for Mistral {
     }
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         json_rest(name, tools, "\", \"arguments\": ", "}]")
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("[TOOL_CALLS]")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         Some(format!(
@@ -402,6 +412,9 @@ impl Format for Gemma {
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("{key}=")));
         keyword_rest(name, tools, |n| format!("{n}("), item, json_value, ", ", ")\n```")
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("```tool_code")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let mut lines = Vec::new();
@@ -483,6 +496,9 @@ impl Format for Harmony {
     /// `<|call|>` (GPT-OSS), and a call without it parses as well.
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         json_rest(name, tools, " <|constrain|>json<|message|>", "")
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some(" to=functions.")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let one = |c: &Call| {
@@ -768,6 +784,37 @@ mod tests {
         assert!(Harmony.grammar(Some("get_weather"), &tools).unwrap().starts_with(r#"start: args """#));
         assert_eq!(Hermes.grammar(Some("nope"), &tools), None);
         assert_eq!(Hermes.grammar(None, &[]), None);
+    }
+
+    /// A call the model starts on its own: the grammar runs from just after the format's
+    /// trigger (found in its opener for any function) through the rest of that opener to the
+    /// call's end, as a forced call to any tool does; formats without a grammar have none.
+    #[test]
+    fn lazy_grammars_start_after_the_trigger_with_the_rest_of_the_opener() {
+        use crate::Adapter;
+        let tools = [json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})];
+        let hermes = Adapter::<Hermes>::default().lazy_grammar(&tools).unwrap();
+        assert!(hermes.starts_with(r#"start: "\n{\"name\": \"" (call_0)"#), "{hermes}");
+        assert_eq!(
+            hermes.split_once('\n').unwrap().1,
+            Hermes.grammar(None, &tools).unwrap().split_once('\n').unwrap().1
+        );
+        let mistral = Adapter::<Mistral>::default().lazy_grammar(&tools).unwrap();
+        assert!(mistral.starts_with(r#"start: "[{\"name\": \"" (call_0)"#), "{mistral}");
+        // The trigger is the whole opener: the grammar is the forced one's.
+        assert_eq!(Adapter::<Llama3Json>::default().lazy_grammar(&tools), Llama3Json.grammar(None, &tools));
+        assert_eq!(Adapter::<Harmony>::default().lazy_grammar(&tools), Harmony.grammar(None, &tools));
+        assert!(Adapter::<Gemma>::default().lazy_grammar(&tools).unwrap().starts_with(r#"start: "\n" ("#));
+        assert_eq!(Adapter::<Qwen3Coder>::default().lazy_grammar(&tools), None);
+        for (trigger, opener) in [
+            (Hermes.trigger(), Hermes.force(None)),
+            (Llama3Json.trigger(), Llama3Json.force(None)),
+            (Mistral.trigger(), Mistral.force(None)),
+            (Gemma.trigger(), Gemma.force(None)),
+            (Harmony.trigger(), Harmony.force(None)),
+        ] {
+            assert!(opener.unwrap().contains(trigger.unwrap()));
+        }
     }
 
     /// Gemma's grammar: properties in the schema's order, required ones always, optional ones

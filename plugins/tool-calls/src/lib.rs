@@ -68,6 +68,13 @@ pub trait Format: Default {
     fn grammar(&self, _name: Option<&str>, _tools: &[Value]) -> Option<String> {
         None
     }
+    /// The text that opens a call the model starts on its own, after which the host holds
+    /// the rest of the call to [`lazy_grammar`](Adapter::lazy_grammar)'s grammar. It occurs
+    /// in `force(None)`'s opener; what follows it there is the grammar's lead. `None`: calls
+    /// the model starts are not constrained.
+    fn trigger(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A [`Format`] as a streaming [`ToolAdapter`].
@@ -272,7 +279,13 @@ impl<F: Format> ToolAdapter for Adapter<F> {
         let request: Value = serde_json::from_str(request).ok()?;
         let name = request.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
         let tools = request.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
+        if request.get("lazy").and_then(Value::as_bool) == Some(true) {
+            return self.lazy_grammar(&tools);
+        }
         self.format.grammar(name, &tools)
+    }
+    fn trigger(&mut self) -> Option<String> {
+        self.format.trigger().map(String::from)
     }
     fn render_calls(&mut self, calls: &str) -> Option<String> {
         let calls: Vec<Value> = serde_json::from_str(calls).ok()?;
@@ -281,6 +294,23 @@ impl<F: Format> ToolAdapter for Adapter<F> {
             .filter_map(|c| Some(Call::new(c.get("name")?.as_str()?, c.get("arguments").unwrap_or(&Value::Null))))
             .collect();
         self.format.write(&calls)
+    }
+}
+
+impl<F: Format> Adapter<F> {
+    /// The grammar of a call the model starts on its own, from just after the format's
+    /// trigger to the call's end: the rest of `force(None)`'s opener (the lead), then what a
+    /// forced call to any of `tools` holds to.
+    pub fn lazy_grammar(&self, tools: &[Value]) -> Option<String> {
+        let opener = self.format.force(None)?;
+        let (_, lead) = opener.split_once(self.format.trigger()?)?;
+        let rest = self.format.grammar(None, tools)?;
+        if lead.is_empty() {
+            return Some(rest);
+        }
+        let (first, others) = rest.split_once('\n').unwrap_or((&rest, ""));
+        let start = first.strip_prefix("start: ")?;
+        Some(format!("start: {} ({start})\n{others}", Value::String(lead.to_string())))
     }
 }
 
