@@ -5,8 +5,9 @@
         [--clients 8] [--max-tokens 128] [--rounds 3]
 
 Starts `host serve` on a free loopback port and warms it up. Then, for each of three mixes
-of N concurrent greedy chat completions (all unconstrained; one with `response_format:
-json_schema` and N-1 without; all constrained), measures the aggregate completion tok/s
+of N concurrent greedy completions (`/v1/completions`, so models without a chat template
+serve too; all unconstrained; one with `response_format: json_schema` and N-1 without; all
+constrained), measures the aggregate completion tok/s
 (tokens over the wall time of the round) and the mean tok/s of the unconstrained requests
 (completion tokens over each request's latency), median over rounds, and prints a markdown
 table with each mix's ratio to the unconstrained one. Only the standard library is needed.
@@ -37,7 +38,7 @@ def free_port():
 
 
 def post(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     t = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -50,7 +51,7 @@ def body(i, constrained, max_tokens):
         text = f"List {4 + i % 3} people who live near {TOPICS[i % len(TOPICS)]} as JSON: name, age, city, hobbies."
     else:
         text = f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}, number {i}."
-    b = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+    b = {"prompt": text + "\n", "max_tokens": max_tokens, "temperature": 0}
     if constrained:
         b["response_format"] = {"type": "json_schema", "json_schema": {"name": "people", "schema": SCHEMA}}
     return b
@@ -91,7 +92,7 @@ def main():
         for _ in range(a.rounds):
             for name, flags in mixes.items():
                 results.setdefault(name, []).append(round_of(port, flags, a.max_tokens))
-        print(f"model: {a.model}; device: {a.device}; {n} concurrent greedy chat requests, max_tokens {a.max_tokens}; "
+        print(f"model: {a.model}; device: {a.device}; {n} concurrent greedy completions, max_tokens {a.max_tokens}; "
               f"median of {a.rounds} rounds\n")
         print("| mix | aggregate tok/s | ratio | unconstrained requests' mean tok/s | ratio |")
         print("|---|---|---|---|---|")
