@@ -345,7 +345,7 @@ impl<'m> Batch<'m> {
 
     /// Each row's constraint mask for the next position (`None` for rows without one and for
     /// the rows `ended`). A constraint that fails fails its row at the next step's read.
-    fn masks(&mut self, ended: &[u64]) -> Vec<Option<Array>> {
+    fn masks(&mut self, ended: &[u64]) -> Vec<Option<constraint::Bits>> {
         let mut masks = Vec::with_capacity(self.rows.len());
         for row in &mut self.rows {
             let guard = row.constraint.as_mut().filter(|_| !ended.contains(&row.key));
@@ -363,7 +363,7 @@ impl<'m> Batch<'m> {
 
     /// A step's second half: every row's token from the processed `logits` of the forward
     /// over `keys` (its rows, in row order) under `masks` (none: no row is masked), started.
-    fn sample(&mut self, keys: Vec<u64>, logits: &Array, masks: Vec<Option<Array>>) -> Result<Step> {
+    fn sample(&mut self, keys: Vec<u64>, logits: &Array, masks: Vec<Option<constraint::Bits>>) -> Result<Step> {
         let masked;
         let logits = if masks.is_empty() {
             logits

@@ -1,6 +1,6 @@
 //! Constrained decoding: a row's constraint says which tokens may come next, and the decode
-//! loops add its mask (0 where allowed, -inf elsewhere) to the processed logits before any
-//! sampler sees them, native or plugin. The mask of a step is computed on the CPU while the
+//! loops set the logits of the tokens it refuses to -inf before any sampler sees them,
+//! native or plugin. The mask of a step is computed on the CPU while the
 //! device runs that step's forward (the loops start the logits first), and a speculative
 //! verification gets one mask per drafted position, the drafts accepted tentatively and
 //! rolled back before the committed tokens are told.
@@ -78,7 +78,7 @@ impl ConstraintSpec {
     }
 }
 
-/// A row's constraint as the decode loops use it: masks as device arrays, end-of-sequence
+/// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens, end-of-sequence
 /// tokens kept out of the constraint, tentative drafts rolled back.
 pub struct Guard {
     inner: Box<dyn Constraint>,
@@ -97,9 +97,9 @@ impl Guard {
         Ok(Guard { inner: spec.start(seed)?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
     }
 
-    /// The mask of the next position: `[1, V]` bool, true where a token is refused; `None`
-    /// when anything goes.
-    pub fn mask(&mut self) -> Result<Option<Array>> {
+    /// The mask of the next position: the allowed tokens as a bitset of `V` bits (bit
+    /// `t % 32` of word `t / 32`); `None` when anything goes.
+    pub fn mask(&mut self) -> Result<Option<Bits>> {
         let allowed = self.allowed()?;
         self.mask_of(&allowed)
     }
@@ -117,7 +117,7 @@ impl Guard {
         })
     }
 
-    fn mask_of(&self, allowed: &Allowed) -> Result<Option<Array>> {
+    fn mask_of(&self, allowed: &Allowed) -> Result<Option<Bits>> {
         if *allowed == Allowed::Anything {
             return Ok(None);
         }
@@ -134,7 +134,7 @@ impl Guard {
                 bits[e as usize / 32] |= 1 << (e % 32);
             }
         }
-        Ok(Some(refused(&bits, self.vocab)?))
+        Ok(Some(bits))
     }
 
     /// A committed token (end-of-sequence tokens end the output and are not passed on).
@@ -149,7 +149,7 @@ impl Guard {
     /// token's), each `None` where anything goes. Drafts are accepted tentatively and rolled
     /// back; past the first draft the constraint refuses, nothing is asked (the target's
     /// token there differs from the draft, so no later position is committed).
-    pub fn draft_masks(&mut self, drafts: &[u32]) -> Result<Vec<Option<Array>>> {
+    pub fn draft_masks(&mut self, drafts: &[u32]) -> Result<Vec<Option<Bits>>> {
         let mut masks = Vec::with_capacity(drafts.len() + 1);
         let mut fed = 0;
         let result = (|| -> Result<()> {
@@ -174,11 +174,38 @@ impl Guard {
     }
 }
 
-/// The mask of a bitset of allowed tokens (bit `t % 32` of word `t / 32`): `[1, vocab]` bool,
-/// true where a token is refused. Only the bitset (`vocab / 8` bytes) goes to the device,
-/// which expands it: a `[1, V]` float row built on the host cost a step on the H200 ~0.4 ms
-/// for SmolLM2's 49K tokens and ~0.9 ms for a 128K vocabulary (bench/RESULTS.md).
-fn refused(bits: &[u32], vocab: usize) -> Result<Array> {
+/// A mask: the allowed tokens' bits (bit `t % 32` of word `t / 32`).
+pub type Bits = Vec<u32>;
+
+/// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
+/// token's logit becomes -inf; rows without a mask are left as they are. The rows' bitsets
+/// go to the device together (`V / 8` bytes a row) and are expanded there in one go: a
+/// `[1, V]` float row built on the host for each cost a step on the H200 ~0.4 ms for
+/// SmolLM2's 49K tokens and ~0.9 ms for a 128K vocabulary (bench/RESULTS.md).
+pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
+    if masks.iter().all(Option::is_none) {
+        return Ok(logits.clone());
+    }
+    let vocab = logits.dim(-1);
+    let words = vocab.div_ceil(32);
+    let mut bits = Vec::with_capacity(masks.len() * words);
+    for mask in masks {
+        match mask {
+            Some(m) => {
+                let m = &m[..m.len().min(words)];
+                bits.extend_from_slice(m);
+                bits.resize(bits.len() + words - m.len(), 0);
+            }
+            None => bits.resize(bits.len() + words, u32::MAX),
+        }
+    }
+    let refused = refused(&bits, masks.len(), vocab)?;
+    Ok(mlx::ops::where_(&refused, &Array::scalar(f32::NEG_INFINITY, logits.dtype())?, logits)?)
+}
+
+/// `rows` bitsets of `vocab` bits (one after another, whole words each) as `[rows, vocab]`
+/// bool, true where a bit is clear.
+fn refused(bits: &[u32], rows: usize, vocab: usize) -> Result<Array> {
     let words = Array::from_u32(bits, &[bits.len(), 1])?;
     let pow2: Vec<u32> = (0..32).map(|b| 1u32 << b).collect();
     let two = Array::scalar(2.0, Dtype::Uint32)?;
@@ -186,24 +213,7 @@ fn refused(bits: &[u32], vocab: usize) -> Result<Array> {
     let shifted = words.floor_divide(&Array::from_u32(&pow2, &[1, 32])?)?;
     let bit = shifted.subtract(&shifted.floor_divide(&two)?.multiply(&two)?)?;
     let refused = bit.equal(&Array::scalar(0.0, Dtype::Uint32)?)?;
-    Ok(refused.reshape(&[1, -1])?.slice_axis(1, 0, vocab as i32)?)
-}
-
-/// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
-/// token's logit becomes -inf; rows without a mask are left as they are.
-pub fn apply(logits: &Array, masks: &[Option<Array>]) -> Result<Array> {
-    if masks.iter().all(Option::is_none) {
-        return Ok(logits.clone());
-    }
-    let refused = match masks {
-        [Some(only)] => only.clone(),
-        _ => {
-            let none = Array::zeros(&[1, logits.dim(-1)], Dtype::Bool)?;
-            let rows: Vec<&Array> = masks.iter().map(|m| m.as_ref().unwrap_or(&none)).collect();
-            mlx::ops::concatenate(&rows, 0)?
-        }
-    };
-    Ok(mlx::ops::where_(&refused, &Array::scalar(f32::NEG_INFINITY, logits.dtype())?, logits)?)
+    Ok(refused.reshape(&[rows as i32, -1])?.slice_axis(1, 0, vocab as i32)?)
 }
 
 #[cfg(test)]
@@ -251,23 +261,24 @@ pub(crate) mod tests {
         })
     }
 
+    /// The tokens a mask allows, read through `apply` on the device.
+    pub fn open(mask: &Option<Bits>, vocab: usize) -> Vec<usize> {
+        let logits = Array::zeros(&[1, vocab], Dtype::Float32).unwrap();
+        let row = apply(&logits, std::slice::from_ref(mask)).unwrap().to_vec_f32().unwrap();
+        assert!(row.iter().all(|&x| x == 0.0 || x == f32::NEG_INFINITY));
+        (0..vocab).filter(|&t| row[t] == 0.0).collect()
+    }
+
     #[test]
     fn masks_allow_exactly_the_permitted_tokens_and_every_eos_with_one() {
         let vocab = 70;
         let spec = script(vec![vec![3, 33, 69], vec![5, 1]], vocab);
         let mut g = Guard::start(&spec, 0, &[1, 2], vocab).unwrap();
-        let row = g.mask().unwrap().unwrap().to_vec_f32().unwrap();
-        let open: Vec<usize> = (0..vocab).filter(|&t| row[t] == 0.0).collect();
-        assert_eq!(open, vec![3, 33, 69]);
-        assert!(row.iter().all(|&x| x == 0.0 || x == 1.0), "a boolean row");
+        assert_eq!(open(&g.mask().unwrap(), vocab), vec![3, 33, 69]);
         g.accept(33).unwrap();
-        let row = g.mask().unwrap().unwrap().to_vec_f32().unwrap();
-        let open: Vec<usize> = (0..vocab).filter(|&t| row[t] == 0.0).collect();
-        assert_eq!(open, vec![1, 2, 5], "eos 1 allowed stands for eos 2 as well");
+        assert_eq!(open(&g.mask().unwrap(), vocab), vec![1, 2, 5], "eos 1 allowed stands for eos 2 as well");
         g.accept(5).unwrap();
-        let row = g.mask().unwrap().unwrap().to_vec_f32().unwrap();
-        let open: Vec<usize> = (0..vocab).filter(|&t| row[t] == 0.0).collect();
-        assert_eq!(open, vec![1, 2], "a complete constraint allows only the end");
+        assert_eq!(open(&g.mask().unwrap(), vocab), vec![1, 2], "a complete constraint allows only the end");
         g.accept(2).unwrap();
         assert!(g.accept(7).is_err(), "a token the constraint refuses is an error");
     }
@@ -277,10 +288,7 @@ pub(crate) mod tests {
         let vocab = 40;
         let spec = script(vec![vec![3], vec![4], vec![5]], vocab);
         let mut g = Guard::start(&spec, 0, &[0], vocab).unwrap();
-        let open = |m: &Option<Array>| -> Vec<usize> {
-            let row = m.as_ref().unwrap().to_vec_f32().unwrap();
-            (0..vocab).filter(|&t| row[t] == 0.0).collect()
-        };
+        let open = |m: &Option<Bits>| open(m, vocab);
         let masks = g.draft_masks(&[3, 4]).unwrap();
         assert_eq!(masks.len(), 3);
         assert_eq!(open(&masks[0]), vec![3]);
@@ -294,22 +302,24 @@ pub(crate) mod tests {
         assert_eq!(open(&g.mask().unwrap()), vec![3]);
     }
 
-    /// The bitset expands on the device into -inf logits exactly where it is clear, in the
+    /// The bitsets expand on the device into -inf logits exactly where they are clear, in the
     /// logits' own dtype, for the masked rows of a batch only.
     #[test]
     fn apply_sends_refused_tokens_to_minus_infinity_in_masked_rows_only() {
         let vocab = 70;
-        let spec = script(vec![vec![0, 3, 31, 32, 33, 69]], vocab);
-        let mut g = Guard::start(&spec, 0, &[], vocab).unwrap();
-        let mask = g.mask().unwrap();
-        let logits = Array::from_f32(&vec![1.5; 2 * vocab], &[2, vocab]).unwrap().astype(Dtype::Bfloat16).unwrap();
-        let out = apply(&logits, &[mask, None]).unwrap();
+        let mask = |ts: &[u32]| {
+            let mut g = Guard::start(&script(vec![ts.to_vec()], vocab), 0, &[], vocab).unwrap();
+            g.mask().unwrap()
+        };
+        let logits = Array::from_f32(&vec![1.5; 3 * vocab], &[3, vocab]).unwrap().astype(Dtype::Bfloat16).unwrap();
+        let out = apply(&logits, &[mask(&[0, 3, 31, 32, 33, 69]), None, mask(&[1, 64])]).unwrap();
         assert_eq!(out.dtype(), Dtype::Bfloat16);
         let out = out.to_vec_f32().unwrap();
-        let open: Vec<usize> = (0..vocab).filter(|&t| out[t] == 1.5).collect();
-        assert_eq!(open, vec![0, 3, 31, 32, 33, 69]);
-        assert!((0..vocab).all(|t| out[t] == 1.5 || out[t] == f32::NEG_INFINITY));
-        assert!(out[vocab..].iter().all(|&x| x == 1.5), "the unmasked row is as it was");
+        let row = |r: usize| -> Vec<usize> { (0..vocab).filter(|&t| out[r * vocab + t] == 1.5).collect() };
+        assert_eq!(row(0), vec![0, 3, 31, 32, 33, 69]);
+        assert_eq!(row(1), (0..vocab).collect::<Vec<_>>(), "the unmasked row is as it was");
+        assert_eq!(row(2), vec![1, 64]);
+        assert!(out.iter().all(|&x| x == 1.5 || x == f32::NEG_INFINITY));
     }
 
     #[test]

@@ -367,7 +367,7 @@ impl<'m> Generation<'m> {
 
     /// A step's second half: the token at `position` from processed `logits` under the
     /// constraint's `mask` (if any), and the log-probabilities it was drawn from, lazy.
-    fn pick(&mut self, logits: &Array, mask: Option<Array>, position: usize) -> Result<(Array, Array)> {
+    fn pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<(Array, Array)> {
         let masked;
         let logits = match mask {
             Some(m) => {
@@ -411,8 +411,12 @@ impl<'m> Generation<'m> {
         let Some((y, logprobs)) = self.pending.take() else { return Ok(()) };
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
-        // fallback has just been dropped) or when the next step will likely be speculative.
-        let serial = self.external.is_some() || wants_to_try;
+        // fallback has just been dropped) or when the next step will likely be speculative;
+        // and with a constraint under speculation, so a draft is tried at the very step its
+        // match appears (pipelined, tests/e2e's speculation-under-a-constraint case drafted
+        // nothing: a match is seen a step late there, and JSON's are short).
+        let constrained_speculation = self.constraint.is_some() && self.speculation.is_some();
+        let serial = self.external.is_some() || wants_to_try || constrained_speculation;
         let queued = !serial && n + 1 < self.options.max_tokens;
         // Under a constraint only the next step's forward is queued before this step's token
         // is read: its mask needs that token. The mask is then worked out while the forward

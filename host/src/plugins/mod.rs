@@ -1128,10 +1128,7 @@ mod tests {
             Selected { plugin, config: serde_json::json!({}), params: serde_json::json!({}), fallback: false };
         let spec = constraint_spec(registry.clone(), selected, Arc::new(encode_vocab(&words, &[eos])));
         let mut guard = crate::engine::Guard::start(&spec, 7, &[eos], vocab).unwrap();
-        let open = |m: Option<mlx::Array>| -> Vec<usize> {
-            let row = m.unwrap().to_vec_f32().unwrap();
-            (0..vocab).filter(|&t| row[t] == 0.0).collect()
-        };
+        let open = |m: Option<crate::engine::constraint::Bits>| crate::engine::constraint::tests::open(&m, vocab);
         // Nothing written: no leading space, no end yet; "Dog", "", the special token and
         // "a.b" never.
         assert_eq!(open(guard.mask().unwrap()), vec![0, 3, 9]);

@@ -142,8 +142,8 @@ impl AppState {
             Ok(Err(CompileError::Internal(e))) => format!("{e:#}"),
             Err(e) => e.to_string(),
         };
-        let calls = if lazy { "tool calls" } else { "a forced tool call" };
-        tracing::warn!("{calls} go unconstrained: the tool adapter's grammar does not compile: {why}");
+        let calls = if lazy { "the tool calls the model starts go" } else { "a forced tool call goes" };
+        tracing::warn!("{calls} unconstrained: the tool adapter's grammar does not compile: {why}");
         None
     }
 
