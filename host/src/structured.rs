@@ -139,17 +139,16 @@ impl Grammars {
         if trigger.is_empty() {
             return Err(CompileError::Invalid("a tool adapter's trigger is empty".into()));
         }
-        let call = self.compile(&Structure::ToolCall(grammar.to_string()))?;
-        let words = self.words().map_err(CompileError::Internal)?;
         let env = self.factory().map_err(CompileError::Internal)?.tok_env().clone();
-        let (trigger, eos) = (trigger.as_bytes().to_vec(), self.eos.clone());
+        let spec = Arc::new(LazySpec {
+            trigger: trigger.as_bytes().to_vec(),
+            words: self.words().map_err(CompileError::Internal)?,
+            eos: self.eos.clone(),
+            call: self.compile(&Structure::ToolCall(grammar.to_string()))?,
+            tokenize: Arc::new(move |bytes: &[u8]| env.tokenize_bytes(bytes)),
+        });
         Ok(ConstraintSpec::new("tool_call_lazy", move |seed| {
-            let tokenize: Tokenize = {
-                let env = env.clone();
-                Arc::new(move |bytes: &[u8]| env.tokenize_bytes(bytes))
-            };
-            Ok(Box::new(Lazy::new(trigger.clone(), words.clone(), eos.clone(), call.clone(), tokenize, seed))
-                as Box<dyn Constraint>)
+            Ok(Box::new(Lazy::new(spec.clone(), seed)) as Box<dyn Constraint>)
         }))
     }
 
@@ -322,7 +321,7 @@ impl Constraint for Llg {
 }
 
 /// Text as tokens of the model's vocabulary.
-type Tokenize = Arc<dyn Fn(&[u8]) -> Vec<u32> + Send + Sync>;
+pub type Tokenize = Arc<dyn Fn(&[u8]) -> Vec<u32> + Send + Sync>;
 
 /// The most tokens a [`Lazy`] constraint can roll back (speculation drafts at most 64).
 const LAZY_ROLLBACK: usize = 256;
@@ -334,12 +333,7 @@ const LAZY_ROLLBACK: usize = 256;
 /// own; if they do not fit it, that call goes unconstrained (the model opened it in a way
 /// the grammar does not expect).
 pub struct Lazy {
-    trigger: Vec<u8>,
-    /// Every token's bytes (special tokens with their 0xFF mark).
-    words: Arc<Vec<Vec<u8>>>,
-    eos: Vec<u32>,
-    call: ConstraintSpec,
-    tokenize: Tokenize,
+    spec: Arc<LazySpec>,
     seed: u64,
     /// The last bytes of free text, fewer than the trigger's: a trigger may be starting there.
     tail: Vec<u8>,
@@ -348,6 +342,17 @@ pub struct Lazy {
     active: bool,
     /// What each accepted token changed, to roll it back.
     journal: std::collections::VecDeque<Undo>,
+}
+
+/// What a [`Lazy`] constraint's requests share, made once per compile.
+pub struct LazySpec {
+    pub trigger: Vec<u8>,
+    /// Every token's bytes (special tokens with their 0xFF mark).
+    pub words: Arc<Vec<Vec<u8>>>,
+    pub eos: Vec<u32>,
+    /// The call's grammar, from just after the trigger.
+    pub call: ConstraintSpec,
+    pub tokenize: Tokenize,
 }
 
 /// The state before an accepted token.
@@ -361,33 +366,15 @@ struct Undo {
 }
 
 impl Lazy {
-    pub fn new(
-        trigger: Vec<u8>,
-        words: Arc<Vec<Vec<u8>>>,
-        eos: Vec<u32>,
-        call: ConstraintSpec,
-        tokenize: Tokenize,
-        seed: u64,
-    ) -> Lazy {
-        Lazy {
-            trigger,
-            words,
-            eos,
-            call,
-            tokenize,
-            seed,
-            tail: Vec::new(),
-            current: None,
-            active: false,
-            journal: Default::default(),
-        }
+    pub fn new(spec: Arc<LazySpec>, seed: u64) -> Lazy {
+        Lazy { spec, seed, tail: Vec::new(), current: None, active: false, journal: Default::default() }
     }
 
     /// Starts a call whose output so far (after the trigger) is `opened`; `None` when those
     /// bytes do not fit its grammar.
     fn open(&self, opened: &[u8]) -> Result<Option<Box<dyn Constraint>>> {
-        let mut call = self.call.start(self.seed)?;
-        for t in (self.tokenize)(opened) {
+        let mut call = self.spec.call.start(self.seed)?;
+        for t in (self.spec.tokenize)(opened) {
             let fits = call.allowed()?.permits(t, &[]) && call.accept(t).is_ok();
             if !fits {
                 tracing::debug!(opened = %String::from_utf8_lossy(opened), "a tool call opened off its grammar goes unconstrained");
@@ -410,7 +397,7 @@ impl Constraint for Lazy {
             Allowed::Tokens(bits) => bits.iter().enumerate().filter(|(_, &word)| word != 0).all(|(w, &word)| {
                 let mut word = word;
                 while word != 0 {
-                    if !self.eos.contains(&(w as u32 * 32 + word.trailing_zeros())) {
+                    if !self.spec.eos.contains(&(w as u32 * 32 + word.trailing_zeros())) {
                         return false;
                     }
                     word &= word - 1;
@@ -435,20 +422,20 @@ impl Constraint for Lazy {
             self.current.as_mut().expect("an active call").accept(token)?;
             undo.fed = 1;
         } else {
-            let word = self.words.get(token as usize).map_or(&[][..], Vec::as_slice);
+            let word = self.spec.words.get(token as usize).map_or(&[][..], Vec::as_slice);
             let word = word.strip_prefix(&[0xFF]).unwrap_or(word);
             let mut text = std::mem::take(&mut self.tail);
             text.extend_from_slice(word);
-            let found = text.windows(self.trigger.len()).position(|w| w == self.trigger.as_slice());
+            let found = text.windows(self.spec.trigger.len()).position(|w| w == self.spec.trigger.as_slice());
             match found {
                 Some(at) => {
-                    if let Some(call) = self.open(&text[at + self.trigger.len()..])? {
+                    if let Some(call) = self.open(&text[at + self.spec.trigger.len()..])? {
                         undo.replaced = Some(self.current.replace(call));
                         self.active = true;
                     }
                 }
                 None => {
-                    let keep = text.len().min(self.trigger.len() - 1);
+                    let keep = text.len().min(self.spec.trigger.len() - 1);
                     self.tail = text[text.len() - keep..].to_vec();
                 }
             }
@@ -534,7 +521,7 @@ mod tests {
             out
         });
         let call = crate::engine::constraint::tests::script(vec![vec![8], vec![4, 5], vec![6]], 10);
-        Lazy::new(b"<tool>".to_vec(), words, Vec::new(), call, tokenize, 0)
+        Lazy::new(Arc::new(LazySpec { trigger: b"<tool>".to_vec(), words, eos: Vec::new(), call, tokenize }), 0)
     }
 
     fn open_tokens(a: Allowed) -> Vec<u32> {

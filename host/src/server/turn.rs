@@ -598,7 +598,7 @@ fn with_param(params: Option<Value>, key: &str, value: Value) -> Value {
 
 fn inject_tools(messages: &mut Vec<Value>, tools: &[Value], rendered: Option<String>) {
     let text = rendered.unwrap_or_else(|| {
-        let list: Vec<String> = tools.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect();
+        let list: Vec<String> = tools.iter().map(|t| function_of(t).to_string()).collect();
         format!(
             "You can call these tools:\n<tools>\n{}\n</tools>\nTo call one, reply with <tool_call>{{\"name\": <tool name>, \"arguments\": <arguments object>}}</tool_call>.",
             list.join("\n")
@@ -643,7 +643,7 @@ fn call_objects(calls: &[Value]) -> Vec<Value> {
     calls
         .iter()
         .map(|call| {
-            let f = call.get("function").unwrap_or(call);
+            let f = function_of(call);
             json!({"name": f.get("name"), "arguments": f.get("arguments").cloned().unwrap_or(json!({}))})
         })
         .collect()
