@@ -58,7 +58,7 @@ pub struct Args {
     /// Hold the output to a structure (with --prompt-file): a JSON file `{"json_schema":
     /// {...}}`, `{"json_object": true}`, `{"regex": "..."}`, `{"grammar": "..."}` or a
     /// constraint plugin `{"plugin": "FILE.wasm", "params": {...}}` (a relative path is from
-    /// the JSON file's folder). The row then reports the constraint's mask time per step and
+    /// the JSON file's folder; a name without `.wasm` is a built-in plugin, e.g. `guidance`). The row then reports the constraint's mask time per step and
     /// its compile time (a plugin's: instantiation, vocabulary and `host_begin`); with
     /// --paired-plain every run is paired with an unconstrained one.
     #[arg(long)]
@@ -68,7 +68,11 @@ pub struct Args {
 /// What a `--constraint` file holds: a structure llguidance compiles, or a constraint plugin.
 enum BenchConstraint {
     Structure(crate::structured::Structure),
-    Plugin { file: PathBuf, params: serde_json::Value },
+    /// A plugin file, or a built-in plugin's name.
+    Plugin {
+        file: PathBuf,
+        params: serde_json::Value,
+    },
 }
 
 impl BenchConstraint {
@@ -87,7 +91,10 @@ fn read_constraint(path: &std::path::Path) -> Result<BenchConstraint> {
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
     if let Some(file) = s("plugin") {
-        let file = path.parent().unwrap_or(std::path::Path::new(".")).join(file);
+        let file = match file.ends_with(".wasm") {
+            true => path.parent().unwrap_or(std::path::Path::new(".")).join(file),
+            false => PathBuf::from(file),
+        };
         return Ok(BenchConstraint::Plugin { file, params: v.get("params").cloned().unwrap_or(serde_json::json!({})) });
     }
     Ok(BenchConstraint::Structure(match (v.get("json_schema"), v.get("json_object"), s("regex"), s("grammar")) {
@@ -403,8 +410,19 @@ pub fn run(args: Args) -> Result<()> {
             let t = Instant::now();
             let words = grammars.plugin_vocab()?;
             let trie_ms = t.elapsed().as_secs_f64() * 1e3;
-            let registry = crate::plugins::PluginRegistry::new()?;
-            let plugin = registry.load_file(file)?;
+            let (registry, plugin) = match file.extension().is_some_and(|e| e == "wasm") {
+                true => {
+                    let registry = crate::plugins::PluginRegistry::new()?;
+                    let plugin = registry.load_file(file)?;
+                    (registry, plugin)
+                }
+                false => {
+                    let registry = crate::plugins::PluginRegistry::with_builtins()?;
+                    let name = file.to_string_lossy();
+                    let plugin = registry.get(&name).with_context(|| format!("no built-in plugin {name}"))?;
+                    (registry, plugin)
+                }
+            };
             let kind = crate::plugins::abi_v1::Kind::Constraint;
             let selected = registry.select(kind, &plugin.manifest.name, None, Some(params.clone()), false)?;
             let spec = crate::plugins::constraint_spec(registry, selected, words);

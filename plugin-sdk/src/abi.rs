@@ -269,3 +269,50 @@ macro_rules! export_scheduler {
         };
     };
 }
+
+/// Exports a [`Constraint`](crate::Constraint) type with its manifest JSON.
+#[macro_export]
+macro_rules! export_constraint {
+    ($ty:ty, $manifest:expr) => {
+        const _: () = {
+            $crate::__export_common!($ty, $crate::Constraint, $manifest);
+            fn status(r: Result<(), String>) -> i32 {
+                match r {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn constraint_vocab(ptr: i32, len: i32) -> i32 {
+                // SAFETY: the host wrote `len` bytes of the encoded vocabulary at `ptr`.
+                let raw = unsafe { $crate::abi::bytes(ptr, len) };
+                status($crate::Vocab::parse(raw).and_then(|v| $crate::Constraint::vocab(state(), v)))
+            }
+            #[no_mangle]
+            extern "C" fn constraint_mask(ptr: i32, words: i32) -> i32 {
+                // SAFETY: the host zeroed `words` u32 words at `ptr`, 4-aligned.
+                let bits = unsafe { core::slice::from_raw_parts_mut(ptr as usize as *mut u32, words.max(0) as usize) };
+                match $crate::Constraint::mask(state(), bits) {
+                    Ok($crate::Allowed::Anything) => 0,
+                    Ok($crate::Allowed::End) => 1,
+                    Ok($crate::Allowed::Tokens) => 2,
+                    Err(e) => {
+                        $crate::log(0, &e);
+                        -1
+                    }
+                }
+            }
+            #[no_mangle]
+            extern "C" fn constraint_accept(token: i32) -> i32 {
+                status($crate::Constraint::accept(state(), token as u32))
+            }
+            #[no_mangle]
+            extern "C" fn constraint_rollback(n: i32) -> i32 {
+                status($crate::Constraint::rollback(state(), n.max(0) as usize))
+            }
+        };
+    };
+}

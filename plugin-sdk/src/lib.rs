@@ -1,6 +1,6 @@
 //! The Rust SDK for `host` plugins (ABI v1, see `ABI.md` next to this crate).
 //!
-//! Implement [`Sampler`], [`StopRule`], [`ToolAdapter`], [`ReasoningParser`] or [`Scheduler`] on a type with
+//! Implement [`Sampler`], [`StopRule`], [`ToolAdapter`], [`ReasoningParser`], [`Scheduler`] or [`Constraint`] on a type with
 //! `Default`, then register it once:
 //!
 //! ```ignore
@@ -197,6 +197,73 @@ pub trait Scheduler: Default {
     fn schedule(&mut self, queue: &str) -> String;
 }
 
+/// What a [`Constraint`] allows next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allowed {
+    /// Any token.
+    Anything,
+    /// Only the end (an end-of-sequence token).
+    End,
+    /// The tokens whose bits [`Constraint::mask`] set.
+    Tokens,
+}
+
+/// The model's vocabulary, as `constraint_vocab` receives it (ABI.md §5.6).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Vocab {
+    /// Every token id's bytes as the model writes them; a special token is its text after a
+    /// `0xFF` byte; rows without a token are empty.
+    pub tokens: Vec<Vec<u8>>,
+    /// The end-of-sequence ids.
+    pub eos: Vec<u32>,
+}
+
+impl Vocab {
+    /// Reads the ABI's encoding (little-endian counts, ids and length-prefixed bytes).
+    pub fn parse(raw: &[u8]) -> Result<Vocab, String> {
+        let mut at = 0usize;
+        let u32_at = |at: &mut usize| -> Result<u32, String> {
+            let b = raw.get(*at..*at + 4).ok_or("the vocabulary is truncated")?;
+            *at += 4;
+            Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        let n = u32_at(&mut at)? as usize;
+        let e = u32_at(&mut at)? as usize;
+        let eos = (0..e).map(|_| u32_at(&mut at)).collect::<Result<Vec<_>, _>>()?;
+        let mut tokens = Vec::with_capacity(n.min(raw.len() / 4));
+        for _ in 0..n {
+            let len = u32_at(&mut at)? as usize;
+            let bytes = raw.get(at..at + len).ok_or("the vocabulary is truncated")?;
+            at += len;
+            tokens.push(bytes.to_vec());
+        }
+        Ok(Vocab { tokens, eos })
+    }
+}
+
+/// A constraint: which tokens may come next (ABI.md §5.6). One instance serves one request:
+/// [`vocab`](Self::vocab) once, then [`begin`](Self::begin) with the request's spec, then a
+/// mask per position, each allowed token accepted, drafts rolled back.
+pub trait Constraint: Default {
+    fn init(&mut self, _config: &str) -> Result<(), String> {
+        Ok(())
+    }
+    /// The model's vocabulary, before the request begins.
+    fn vocab(&mut self, vocab: Vocab) -> Result<(), String>;
+    /// The request's params (the constraint's spec) and seed.
+    fn begin(&mut self, _params: &str, _seed: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// What may come next; for [`Allowed::Tokens`] set the allowed tokens' bits in `bits`
+    /// (bit `t % 32` of word `t / 32`; it arrives zeroed). Depends only on the tokens
+    /// accepted so far.
+    fn mask(&mut self, bits: &mut [u32]) -> Result<Allowed, String>;
+    /// `token` comes next.
+    fn accept(&mut self, token: u32) -> Result<(), String>;
+    /// Forget the last `n` accepted tokens.
+    fn rollback(&mut self, n: usize) -> Result<(), String>;
+}
+
 /// `text` as a JSON string literal (quoted and escaped).
 pub fn json_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
@@ -266,6 +333,22 @@ mod tests {
         let args = ToolEvent::Args { index: 0, delta: "{\"a\": \"x\\ny\"}".into() };
         assert_eq!(args.to_json(), r#"{"tool_call_args":{"index":0,"delta":"{\"a\": \"x\\ny\"}"}}"#);
         assert_eq!(ToolEvent::Content("\u{1}é\t".into()).to_json(), r#"{"content":"\u0001é\t"}"#);
+    }
+
+    #[test]
+    fn a_vocabulary_reads_back_as_the_host_encodes_it() {
+        let mut raw = Vec::new();
+        for n in [3u32, 1, 2, 1] {
+            raw.extend(n.to_le_bytes());
+        }
+        raw.extend(b"a");
+        raw.extend(0u32.to_le_bytes());
+        raw.extend(3u32.to_le_bytes());
+        raw.extend(b"\xffxy");
+        let vocab = Vocab::parse(&raw).unwrap();
+        assert_eq!(vocab.eos, vec![2]);
+        assert_eq!(vocab.tokens, vec![b"a".to_vec(), vec![], b"\xffxy".to_vec()]);
+        assert!(Vocab::parse(&raw[..raw.len() - 1]).unwrap_err().contains("truncated"));
     }
 
     #[test]

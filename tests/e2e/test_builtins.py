@@ -22,7 +22,7 @@ BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
             "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning",
-            "harmony": "tool", "harmony-channels": "reasoning"}
+            "harmony": "tool", "harmony-channels": "reasoning", "guidance": "constraint"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]

@@ -212,6 +212,28 @@ def test_speculation_under_a_constraint_gives_the_plain_constrained_reply(http):
     assert spec["usage"]["speculative"]["drafted_tokens"] > 0, spec["usage"]
 
 
+def test_llguidance_in_wasm_the_guidance_plugin_gives_the_native_constraints_replies(http):
+    # The built-in `guidance` constraint plugin is llguidance compiled to Wasm behind the
+    # plugin ABI; response_format runs the same crate natively. Same schema, same replies.
+    nested = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "tags": {"type": "array", "items": {"enum": ["old", "big", "cold"]}, "maxItems": 2}},
+              "required": ["city", "tags"], "additionalProperties": False}
+    for prompt, schema in [(CASES[0][0], PERSON), ("Describe Oslo as JSON.", nested)]:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 60, "temperature": 0}
+        native = http.post("/v1/chat/completions", json={**body, "response_format": schema_format(schema)})
+        wasm = http.post("/v1/chat/completions", json={
+            **body, "plugins": {"constraint": {"name": "guidance", "params": {"json_schema": schema}}}})
+        assert wasm.status_code == 200, wasm.text
+        text = wasm.json()["choices"][0]["message"]["content"]
+        assert valid(text, schema), text
+        assert text == native.json()["choices"][0]["message"]["content"]
+    regex = http.post("/v1/completions", json={"prompt": "The year is", "max_tokens": 8, "temperature": 0,
+                                               "plugins": {"constraint": {"name": "guidance", "params": {"regex": " 19[0-9]{2}\\."}}}})
+    assert re.fullmatch(r" 19[0-9]{2}\.", regex.json()["choices"][0]["text"]), regex.text
+    bad = http.post("/v1/chat/completions", json={**body, "plugins": {"constraint": {"name": "guidance", "params": {"regex": 3}}}})
+    assert bad.status_code == 400 and "regex must be a string" in bad.text, bad.text
+
+
 def test_a_constrained_request_leaves_concurrent_ones_unchanged(http):
     from concurrent.futures import ThreadPoolExecutor
     free = [{"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0}
@@ -245,13 +267,14 @@ CALL_PROMPTS = ["What will the weather be in Paris for the next three days?", "I
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in CALL_TOOLS}
 
 
-@pytest.mark.parametrize("adapter", ["hermes", "llama3-json", "mistral", "harmony", "gemma"])
-def test_forced_calls_in_every_adapter_format_but_qwen3_coder_parse_and_validate(http, adapter):
+@pytest.mark.parametrize("adapter", ["hermes", "qwen3-coder", "llama3-json", "mistral", "harmony", "gemma"])
+def test_forced_calls_in_every_adapter_format_parse_and_validate(http, adapter):
     calls = []
     for i, prompt in enumerate(CALL_PROMPTS):
         choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}
+        # qwen3-coder's tags take ~35 tokens around the values (JSON formats ~15): room for both.
         body = {"messages": [{"role": "user", "content": prompt}], "tools": CALL_TOOLS, "tool_choice": choice,
-                "max_tokens": 60, "temperature": 0, "plugins": {"tool": {"name": adapter}}}
+                "max_tokens": 120, "temperature": 0, "plugins": {"tool": {"name": adapter}}}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         message = r.json()["choices"][0]
@@ -277,9 +300,10 @@ def test_a_forced_anthropic_tool_use_validates_against_its_input_schema_streamed
 
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
-def test_a_strict_function_gets_no_arguments_its_schema_does_not_name(http, api):
-    # Greedy SmolLM2 under mistral's format picks get_time here and, its object open, adds
-    # keys of its own; `strict: true` closes it (an OpenAI function's or an Anthropic tool's).
+def test_a_forced_call_gets_no_arguments_its_schema_does_not_name_unless_it_allows_them(http, api):
+    # Greedy SmolLM2 under mistral's format picks get_time here and, left an open object
+    # (`additionalProperties: true`), adds keys of its own; a schema that says nothing is
+    # closed (as OpenAI's strict mode and vLLM's xgrammar have it), `strict: true` or not.
     def call(tools):
         body = {"messages": [{"role": "user", "content": CALL_PROMPTS[1]}], "max_tokens": 60, "temperature": 0,
                 "plugins": {"tool": {"name": "mistral"}}}
@@ -295,13 +319,15 @@ def test_a_strict_function_gets_no_arguments_its_schema_does_not_name(http, api)
         assert r.status_code == 200, r.text
         [c] = [b for b in r.json()["content"] if b["type"] == "tool_use"]
         return c["name"], c["input"]
-    name, args = call(CALL_TOOLS)
+    time_open = {**CALL_TOOLS[1]["function"], "parameters": {**SCHEMAS["get_time"], "additionalProperties": True}}
+    name, args = call([CALL_TOOLS[0], {"type": "function", "function": time_open}])
     assert name == "get_time" and set(args) > {"timezone"}, (name, args)
-    strict = [CALL_TOOLS[0], {"type": "function", "function": {**CALL_TOOLS[1]["function"], "strict": True}}]
-    name, args = call(strict)
-    print("open:", args, "strict:", (name, args))
-    assert set(args) <= set(SCHEMAS[name]["properties"]), (name, args)
-    jsonschema.validate(args, SCHEMAS[name])
+    for strict in [False, True]:
+        tools = [CALL_TOOLS[0], {"type": "function", "function": {**CALL_TOOLS[1]["function"], "strict": strict}}]
+        name, args = call(tools)
+        print("strict" if strict else "closed", name, args)
+        assert set(args) <= set(SCHEMAS[name]["properties"]), (name, args)
+        jsonschema.validate(args, SCHEMAS[name])
 
 
 # Calls the model starts on its own (tool_choice auto): after an earlier turn with a call in

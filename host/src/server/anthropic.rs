@@ -298,8 +298,8 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
             tracing::debug!(name, "tool left out of the prompt (a server tool or deferred)");
             continue;
         }
-        // `strict: true` (Anthropic's strict tool use) closes the schema's objects, as an
-        // OpenAI function's does (`turn::strict_tool`).
+        // `strict: true` (Anthropic's strict tool use) holds the calls the model starts on its
+        // own to the schema, as an OpenAI function's does (`Turns::lazy_tool`).
         let mut function = json!({
             "name": name,
             "description": t.get("description").cloned().unwrap_or(json!("")),

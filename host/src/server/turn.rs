@@ -310,9 +310,7 @@ impl AppState {
             ToolChoice::Auto | ToolChoice::None => return Ok(None),
         };
         let Some(adapter) = adapter else { return Ok(None) };
-        // A `strict: true` function's objects are closed to properties it does not name, as
-        // OpenAI's strict mode has them.
-        let tools: Vec<Value> = tools.cloned().unwrap_or_default().into_iter().map(strict_tool).collect();
+        let tools: Vec<Value> = tools.cloned().unwrap_or_default().into_iter().map(closed_tool).collect();
         let request = json!({"name": name, "tools": tools}).to_string();
         self.on_adapter(adapter, move |i| {
             let Some(opener) = i.tool_force(&name)? else { return Ok(None) };
@@ -335,7 +333,7 @@ impl AppState {
         if *choice == ToolChoice::None || !(self.constrain_tool_calls || strict) {
             return Ok(None);
         }
-        let tools: Vec<Value> = tools.iter().cloned().map(strict_tool).collect();
+        let tools: Vec<Value> = tools.iter().cloned().map(closed_tool).collect();
         let request = json!({"name": "", "tools": tools, "lazy": true}).to_string();
         self.on_adapter(adapter, move |i| {
             let Some(trigger) = i.tool_trigger()? else { return Ok(None) };
@@ -515,13 +513,14 @@ fn function_of(tool: &Value) -> &Value {
     tool.get("function").unwrap_or(tool)
 }
 
-/// A tool whose function says `strict: true` with its `parameters` closed (`structured::strict`).
-fn strict_tool(mut tool: Value) -> Value {
+/// A tool as its calls are held to it: its `parameters`' objects closed to properties they
+/// do not name unless they say otherwise (`structured::strict`), as OpenAI's strict mode has
+/// them and vLLM's xgrammar backend does by default: a key the tool does not take is of no
+/// use to it, and a small model under an open object adds keys until `max_tokens`.
+fn closed_tool(mut tool: Value) -> Value {
     let function = if tool.get("function").is_some() { &mut tool["function"] } else { &mut tool };
-    if function.get("strict").and_then(Value::as_bool) == Some(true) {
-        if let Some(p) = function.get_mut("parameters") {
-            *p = crate::structured::strict(p.take());
-        }
+    if let Some(p) = function.get_mut("parameters") {
+        *p = crate::structured::strict(p.take());
     }
     tool
 }

@@ -227,6 +227,40 @@ impl Format for Hermes {
 #[derive(Default)]
 pub struct Qwen3Coder;
 
+/// What ends a qwen3-coder argument's value.
+const QWEN_CLOSE: &str = "\n</parameter>\n";
+
+/// Text with a line that opens or closes a tag of the format (a model that lost its place
+/// writes the next `<parameter=` as the value, or inside it): no raw value holds one.
+const QWEN_LOST: &str = r"((?s:.)*\n)?<\/?(parameter|function|tool_call)[=>](?s:.)*";
+
+/// A qwen3-coder argument's value and its closer (Lark): a string property's raw text (one
+/// of its enum, a match of its pattern, or any text within its length bounds: a
+/// `text_MIN_MAX` rule, recorded in `texts`, that the first closer ends), else JSON.
+fn qwen_value(prop: &Value, texts: &mut std::collections::BTreeSet<(u64, Option<u64>)>) -> String {
+    let close = Value::String(QWEN_CLOSE.to_string());
+    let kind = prop.get("type").and_then(Value::as_str);
+    let strings: Option<Vec<String>> = prop
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|e| e.iter().map(|v| v.as_str().map(|s| Value::String(s.to_string()).to_string())).collect());
+    if let Some(options) = strings.filter(|o| !o.is_empty() && matches!(kind, None | Some("string"))) {
+        return format!("({}) {close}", options.join(" | "));
+    }
+    if kind.is_some() && kind != Some("string") {
+        return format!("{} {close}", json_value(prop));
+    }
+    if let Some(pattern) = prop.get("pattern").and_then(Value::as_str) {
+        let inner = pattern.strip_prefix('^').unwrap_or(pattern);
+        let inner = inner.strip_suffix('$').filter(|i| !i.ends_with('\\')).unwrap_or(inner);
+        return format!("/{}/ {close}", inner.replace('/', "\\/"));
+    }
+    let min = prop.get("minLength").and_then(Value::as_u64).unwrap_or(0);
+    let max = prop.get("maxLength").and_then(Value::as_u64);
+    texts.insert((min, max));
+    format!("text_{min}_{}", max.map(|m| m.to_string()).unwrap_or_default())
+}
+
 /// The schema type of `param` of function `name` among `tools`.
 fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
     tools.iter().map(function).find(|f| f["name"] == name)?["parameters"]["properties"][param]["type"].as_str()
@@ -264,6 +298,27 @@ impl Format for Qwen3Coder {
             Some(name) => format!("<tool_call>\n<function={name}>\n"),
             None => "<tool_call>\n<function=".into(),
         })
+    }
+    /// `<parameter=KEY>\nVALUE\n</parameter>\n` per argument (the tool's properties in its
+    /// schema's order), then `</function>\n</tool_call>`. A value is raw text where the
+    /// property is a string (held to its enum or pattern, or its length bounds, and ended by
+    /// the first `\n</parameter>\n`), JSON held to its schema otherwise ([`Qwen3Coder::parse`]
+    /// types values the same way).
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("<parameter={key}>\n")));
+        let value = |prop: &Value| qwen_value(prop, &mut texts.borrow_mut());
+        let mut out = keyword_rest(name, tools, |n| format!("{n}>\n"), item, value, "", "</function>\n</tool_call>")?;
+        for (min, max) in texts.into_inner() {
+            let max = max.map(|m| m.to_string()).unwrap_or_default();
+            out.push_str(&format!(
+                "text_{min}_{max}[suffix={QWEN_CLOSE:?}]: /(?s:.){{{min},{max}}}/ & ~/{QWEN_LOST}/\n"
+            ));
+        }
+        Some(out)
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("<tool_call>")
     }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let mut out = Vec::new();
@@ -1092,5 +1147,96 @@ mod tests {
         assert!(Hermes.render(&tools).unwrap().contains("<tools>\n{\"name\":\"f\",\"parameters\":{}}\n</tools>"));
         assert!(Gemma.render(&tools).unwrap().contains("```tool_code"));
         assert!(Mistral.render(&tools).is_none());
+    }
+
+    /// llguidance over a byte-level vocabulary (token `b` is byte `b`, 256 is the end).
+    fn byte_matcher(grammar: &str) -> llguidance::Matcher {
+        use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+        struct Bytes(TokTrie);
+        impl TokenizerEnv for Bytes {
+            fn tok_trie(&self) -> &TokTrie {
+                &self.0
+            }
+            fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+                s.iter().map(|&b| b as u32).collect()
+            }
+        }
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(b"\xff<end>".to_vec());
+        let env: TokEnv = std::sync::Arc::new(Bytes(TokTrie::from(&TokRxInfo::new(257, 256), &words)));
+        let mut factory = llguidance::ParserFactory::new_simple(&env).unwrap();
+        factory.quiet();
+        let g = llguidance::api::TopLevelGrammar::from_lark(grammar.to_string());
+        llguidance::Matcher::new(factory.create_parser(g))
+    }
+
+    /// Whether the grammar takes `text` whole and then allows the end.
+    fn takes(grammar: &str, text: &str) -> bool {
+        let mut m = byte_matcher(grammar);
+        for (i, b) in text.bytes().enumerate() {
+            let allowed = m.compute_mask().map(|mask| mask.is_allowed(b as u32));
+            if !matches!(allowed, Ok(true)) || m.consume_token(b as u32).is_err() {
+                eprintln!("refused at byte {i} of {text:?}: {allowed:?}");
+                return false;
+            }
+        }
+        m.is_stopped() || m.compute_mask().is_ok_and(|mask| mask.is_allowed(256))
+    }
+
+    #[test]
+    fn qwen3_coder_calls_hold_to_the_tools_schema_in_raw_text_and_json() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                           "zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 14}, "note": {"type": "string"}},
+            "required": ["city", "unit"]}}}),
+            json!({"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}),
+        ];
+        let f = Qwen3Coder;
+        let named = f.grammar(Some("get_weather"), &tools).unwrap();
+        let p = |k: &str, v: &str| format!("<parameter={k}>\n{v}\n</parameter>\n");
+        let end = "</function>\n</tool_call>";
+        let call = format!(
+            "{}{}{}{}{end}",
+            p("city", "New York"),
+            p("unit", "celsius"),
+            p("days", "3"),
+            p("note", "a < b\n</param")
+        );
+        assert!(takes(&named, &call), "{named}\n{call}");
+        // Parsed back, the arguments are what the schema asked for.
+        let text = format!("{}{call}", f.force(Some("get_weather")).unwrap());
+        let (_, calls) = check::<Qwen3Coder>(&text, &tools);
+        assert_eq!(
+            calls,
+            vec![(
+                "get_weather".into(),
+                json!({"city": "New York", "unit": "celsius", "days": 3, "note": "a < b\n</param"})
+            )]
+        );
+        for bad in [
+            format!("{}{end}", p("unit", "celsius")), // a required argument missing
+            format!("{}{}{end}", p("city", "Paris"), p("unit", "kelvin")), // not in the enum
+            format!("{}{}{end}", p("city", "A very long city"), p("unit", "celsius")), // past maxLength
+            format!("{}{}{}{end}", p("city", "Paris"), p("unit", "celsius"), p("days", "15")), // past maximum
+            format!("{}{}{}{end}", p("city", "Paris"), p("unit", "celsius"), p("zone", "europe/paris")), // pattern
+            format!("{}{}{}{end}", p("unit", "celsius"), p("city", "Paris"), p("days", "2")), // out of order
+            format!("{}{}{}{end}", p("city", "Lima"), p("unit", "celsius"), p("note", "x\n<parameter=days>\n3")), // a tag in a value
+            format!("{}{}{end}", p("city", "<parameter=unit>"), p("unit", "celsius")), // a tag as a value
+        ] {
+            assert!(!takes(&named, &bad), "{bad}");
+        }
+        assert!(takes(
+            &named,
+            &format!("{}{}{}{end}", p("city", "Paris"), p("unit", "celsius"), p("zone", "Europe/Paris"))
+        ));
+        // Any function: the name is chosen among the tools; the lazy grammar starts after `<tool_call>`.
+        let any = f.grammar(None, &tools).unwrap();
+        assert!(takes(&any, &format!("ping>\n{end}")));
+        assert!(!takes(&any, &format!("pong>\n{end}")));
+        let lazy = crate::Adapter::<Qwen3Coder>::default().lazy_grammar(&tools).unwrap();
+        assert!(takes(&lazy, &format!("\n<function=get_weather>\n{}{}{end}", p("city", "Oslo"), p("unit", "celsius"))));
+        assert_eq!(f.trigger(), Some("<tool_call>"));
     }
 }
