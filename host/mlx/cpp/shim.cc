@@ -591,6 +591,7 @@ BINARY(logical_and)
 BINARY(logical_or)
 BINARY(power)
 BINARY(floor_divide)
+BINARY(bitwise_and)
 #undef BINARY
 
 #define UNARY(name) \

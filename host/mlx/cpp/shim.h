@@ -68,6 +68,7 @@ Ptr logical_and(const array& a, const array& b);
 Ptr logical_or(const array& a, const array& b);
 Ptr power(const array& a, const array& b);
 Ptr floor_divide(const array& a, const array& b);
+Ptr bitwise_and(const array& a, const array& b);
 Ptr negative(const array& a);
 Ptr exp(const array& a);
 Ptr log(const array& a);

@@ -208,6 +208,10 @@ impl Array {
     pub fn floor_divide(&self, o: &Array) -> Result<Array> {
         wrap(ffi::floor_divide(&self.0, &o.0))
     }
+    /// `self & o` (integer and boolean arrays).
+    pub fn bitwise_and(&self, o: &Array) -> Result<Array> {
+        wrap(ffi::bitwise_and(&self.0, &o.0))
+    }
     pub fn power(&self, o: &Array) -> Result<Array> {
         wrap(ffi::power(&self.0, &o.0))
     }

@@ -49,6 +49,7 @@ pub(crate) mod ffi {
         fn logical_or(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn power(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn floor_divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn bitwise_and(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn negative(a: &array) -> Result<UniquePtr<array>>;
         fn exp(a: &array) -> Result<UniquePtr<array>>;
         fn log(a: &array) -> Result<UniquePtr<array>>;

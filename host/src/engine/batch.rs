@@ -346,17 +346,18 @@ impl<'m> Batch<'m> {
     /// Each row's constraint mask for the next position (`None` for rows without one and for
     /// the rows `ended`). A constraint that fails fails its row at the next step's read.
     fn masks(&mut self, ended: &[u64]) -> Vec<Option<constraint::Bits>> {
-        let mut masks = Vec::with_capacity(self.rows.len());
-        for row in &mut self.rows {
-            let guard = row.constraint.as_mut().filter(|_| !ended.contains(&row.key));
-            let mask = match guard.map(Guard::mask).transpose() {
-                Ok(mask) => mask.flatten(),
+        let mut masks = vec![None; self.rows.len()];
+        let guards: Vec<(usize, &mut Guard)> = (self.rows.iter_mut().enumerate())
+            .filter(|(_, row)| !ended.contains(&row.key))
+            .filter_map(|(i, row)| row.constraint.as_mut().map(|g| (i, g)))
+            .collect();
+        for (i, mask) in Guard::masks(guards) {
+            match mask {
+                Ok(mask) => masks[i] = mask,
                 Err(e) => {
-                    row.failed.get_or_insert(e.context("the output constraint"));
-                    None
+                    self.rows[i].failed.get_or_insert(e.context("the output constraint"));
                 }
-            };
-            masks.push(mask);
+            }
         }
         masks
     }
