@@ -568,6 +568,7 @@ rust::Vec<int32_t> shape(const array& a) {
   return out;
 }
 uint8_t dtype(const array& a) { return from_dtype(a.dtype()); }
+bool is_available(const array& a) { return a.is_available(); }
 size_t size(const array& a) { return a.size(); }
 size_t nbytes(const array& a) { return a.nbytes(); }
 rust::Vec<float> to_f32(const array& a) { return read<float>(a); }

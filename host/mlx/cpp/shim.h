@@ -47,6 +47,7 @@ Ptr clone(const array& a);
 rust::Vec<int32_t> shape(const array& a);
 uint8_t dtype(const array& a);
 size_t size(const array& a);
+bool is_available(const array& a);
 size_t nbytes(const array& a);
 rust::Vec<float> to_f32(const array& a);
 rust::Vec<int32_t> to_i32(const array& a);

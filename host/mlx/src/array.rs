@@ -90,6 +90,11 @@ impl Array {
     pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
         Ok(ffi::to_u32(&self.0)?)
     }
+    /// Whether the array's value is computed and can be read without waiting (a constant,
+    /// or the output of finished work).
+    pub fn is_available(&self) -> bool {
+        ffi::is_available(&self.0)
+    }
     /// The single element of a one-element array, as i32.
     pub fn item_i32(&self) -> Result<i32> {
         let v = self.to_vec_i32()?;

@@ -29,6 +29,7 @@ pub(crate) mod ffi {
         fn shape(a: &array) -> Vec<i32>;
         fn dtype(a: &array) -> u8;
         fn size(a: &array) -> usize;
+        fn is_available(a: &array) -> bool;
         fn nbytes(a: &array) -> usize;
         fn to_f32(a: &array) -> Result<Vec<f32>>;
         fn to_i32(a: &array) -> Result<Vec<i32>>;

@@ -114,6 +114,8 @@ pub struct Batch<'m> {
     rows: Vec<Row<'m>>,
     pending: Option<Step>,
     steps: usize,
+    /// The device constants the rows' constraint masks are applied with.
+    masking: constraint::Masking,
 }
 
 /// A batch's step ends with no MLX work of its own running (see `Generation`'s `Drop`).
@@ -136,6 +138,7 @@ impl<'m> Batch<'m> {
             rows: Vec::new(),
             pending: None,
             steps: 0,
+            masking: constraint::Masking::default(),
         }
     }
 
@@ -369,7 +372,7 @@ impl<'m> Batch<'m> {
         let logits = if masks.is_empty() {
             logits
         } else {
-            masked = constraint::apply(logits, &masks)?;
+            masked = self.masking.apply(logits, &masks)?;
             &masked
         };
         let logprobs = log_softmax(logits)?;

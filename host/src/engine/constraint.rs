@@ -100,6 +100,12 @@ impl Guard {
         Ok(Guard { inner: spec.start(seed)?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
     }
 
+    /// Whether its masks have taken long enough (over 50 µs on average) that working one out
+    /// beside other host work pays for a helper thread (~20 µs to start).
+    pub fn slow(&self) -> bool {
+        self.masks > 0 && self.mask_secs / self.masks as f64 > 50e-6
+    }
+
     /// The mask of the next position: the allowed tokens as a bitset of `V` bits (bit
     /// `t % 32` of word `t / 32`); `None` when anything goes.
     pub fn mask(&mut self) -> Result<Option<Bits>> {
@@ -212,40 +218,69 @@ impl Guard {
 pub type Bits = Vec<u32>;
 
 /// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
-/// token's logit becomes -inf; rows without a mask are left as they are. The rows' bitsets
-/// go to the device together (`V / 8` bytes a row) and are expanded there in one go: a
-/// `[1, V]` float row built on the host for each cost a step on the H200 ~0.4 ms for
-/// SmolLM2's 49K tokens and ~0.9 ms for a 128K vocabulary (bench/RESULTS.md).
+/// token's logit becomes -inf; rows without a mask are left as they are (see
+/// [`Masking::apply`]; this one builds its constants anew).
 pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
-    if masks.iter().all(Option::is_none) {
-        return Ok(logits.clone());
-    }
-    let vocab = logits.dim(-1);
-    let words = vocab.div_ceil(32);
-    let mut bits = Vec::with_capacity(masks.len() * words);
-    for mask in masks {
-        match mask {
-            Some(m) => {
-                let m = &m[..m.len().min(words)];
-                bits.extend_from_slice(m);
-                bits.resize(bits.len() + words - m.len(), 0);
-            }
-            None => bits.resize(bits.len() + words, u32::MAX),
-        }
-    }
-    let refused = refused(&bits, masks.len(), vocab)?;
-    Ok(mlx::ops::where_(&refused, &Array::scalar(f32::NEG_INFINITY, logits.dtype())?, logits)?)
+    Masking::default().apply(logits, masks)
 }
 
-/// `rows` bitsets of `vocab` bits (one after another, whole words each) as `[rows, vocab]`
-/// bool, true where a bit is clear.
-fn refused(bits: &[u32], rows: usize, vocab: usize) -> Result<Array> {
-    let words = Array::from_u32(bits, &[bits.len(), 1])?;
-    let pow2: Vec<u32> = (0..32).map(|b| 1u32 << b).collect();
-    // Word `w`'s bit `b` is clear when w & 2^b is 0: two kernels.
-    let bit = words.bitwise_and(&Array::from_u32(&pow2, &[1, 32])?)?;
-    let refused = bit.equal(&Array::scalar(0.0, Dtype::Uint32)?)?;
-    Ok(refused.reshape(&[rows as i32, -1])?.slice_axis(1, 0, vocab as i32)?)
+/// What applying masks needs on the device besides the masks: the 32 powers of two, `0`
+/// and `-inf` (in the logits' dtype). A generation or a batch keeps one, so a step uploads
+/// only its rows' bitsets: on the H200 each array made from host memory is a transfer the
+/// device waits on, and the plain step has none.
+#[derive(Default)]
+pub struct Masking {
+    pow2: Option<Array>,
+    zero: Option<Array>,
+    neg_inf: Option<(Dtype, Array)>,
+}
+
+impl Masking {
+    /// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
+    /// token's logit becomes -inf; rows without a mask are left as they are. The rows'
+    /// bitsets go to the device together (`V / 8` bytes a row) and are expanded there in one
+    /// go: a `[1, V]` float row built on the host for each cost a step on the H200 ~0.4 ms
+    /// for SmolLM2's 49K tokens and ~0.9 ms for a 128K vocabulary (bench/RESULTS.md).
+    pub fn apply(&mut self, logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
+        if masks.iter().all(Option::is_none) {
+            return Ok(logits.clone());
+        }
+        let vocab = logits.dim(-1);
+        let words = vocab.div_ceil(32);
+        let mut bits = Vec::with_capacity(masks.len() * words);
+        for mask in masks {
+            match mask {
+                Some(m) => {
+                    let m = &m[..m.len().min(words)];
+                    bits.extend_from_slice(m);
+                    bits.resize(bits.len() + words - m.len(), 0);
+                }
+                None => bits.resize(bits.len() + words, u32::MAX),
+            }
+        }
+        let refused = self.refused(&bits, masks.len(), vocab)?;
+        let dtype = logits.dtype();
+        if self.neg_inf.as_ref().is_none_or(|(d, _)| *d != dtype) {
+            self.neg_inf = Some((dtype, Array::scalar(f32::NEG_INFINITY, dtype)?));
+        }
+        let neg_inf = &self.neg_inf.as_ref().expect("just set").1;
+        Ok(mlx::ops::where_(&refused, neg_inf, logits)?)
+    }
+
+    /// `rows` bitsets of `vocab` bits (one after another, whole words each) as `[rows,
+    /// vocab]` bool, true where a bit is clear: word `w`'s bit `b` is clear when `w & 2^b`
+    /// is 0 (two kernels).
+    fn refused(&mut self, bits: &[u32], rows: usize, vocab: usize) -> Result<Array> {
+        let words = Array::from_u32(bits, &[bits.len(), 1])?;
+        if self.pow2.is_none() {
+            let pow2: Vec<u32> = (0..32).map(|b| 1u32 << b).collect();
+            self.pow2 = Some(Array::from_u32(&pow2, &[1, 32])?);
+            self.zero = Some(Array::scalar(0.0, Dtype::Uint32)?);
+        }
+        let (pow2, zero) = (self.pow2.as_ref().expect("just set"), self.zero.as_ref().expect("just set"));
+        let refused = words.bitwise_and(pow2)?.equal(zero)?;
+        Ok(refused.reshape(&[rows as i32, -1])?.slice_axis(1, 0, vocab as i32)?)
+    }
 }
 
 #[cfg(test)]

@@ -140,6 +140,8 @@ pub struct DecodeStats {
     /// them (on the CPU, while the step's forward runs).
     pub masks: usize,
     pub mask_secs: f64,
+    /// Constrained steps whose mask was worked out beside the next forward's dispatch.
+    pub overlapped_masks: usize,
 }
 
 impl DecodeStats {
@@ -193,6 +195,11 @@ pub struct Generation<'m> {
     pending: Option<(Array, Array)>,
     /// Generation finished with a step still queued behind the last token (see `Drop`).
     abandoned_step: bool,
+    /// The device constants a constraint's masks are applied with.
+    masking: constraint::Masking,
+    /// Overlap every constrained step's mask with the next forward's dispatch (waiting for
+    /// the token when it is not there yet), not only when it pays; for tests.
+    pub(crate) overlap_always: bool,
     prompt_len: usize,
     generated: usize,
     started: Instant,
@@ -321,6 +328,8 @@ impl<'m> Generation<'m> {
             history: None,
             pending: None,
             abandoned_step: false,
+            masking: constraint::Masking::default(),
+            overlap_always: false,
             prompt_len: prompt.len(),
             generated: 0,
             started,
@@ -371,7 +380,7 @@ impl<'m> Generation<'m> {
         let masked;
         let logits = match mask {
             Some(m) => {
-                masked = constraint::apply(logits, &[Some(m)])?;
+                masked = self.masking.apply(logits, &[Some(m)])?;
                 &masked
             }
             None => logits,
@@ -420,18 +429,17 @@ impl<'m> Generation<'m> {
         let queued = !serial && n + 1 < self.options.max_tokens;
         // Under a constraint only the next step's forward is queued before this step's token
         // is read: its mask needs that token. The mask is then worked out while the forward
-        // runs, and the sampling queued behind it.
+        // runs, and the sampling queued behind it — or, when the token is already there and
+        // masks take a while, while the forward is being started (`overlapped`).
         let mut forward_queued = None;
         let t0 = Instant::now();
         if queued && self.constraint.is_some() {
             let logits = self.forward(&y)?;
-            let t1 = Instant::now();
-            mlx::async_eval(&[&logits])?;
-            self.stats.build_secs += (t1 - t0).as_secs_f64();
-            self.stats.dispatch_secs += t1.elapsed().as_secs_f64();
-            // Until it has its sampling, the forward is a step in flight to wait for.
-            self.abandoned_step = true;
-            forward_queued = Some(logits);
+            let slow = self.constraint.as_ref().is_some_and(Guard::slow);
+            if self.overlap_always || (slow && y.is_available()) {
+                return self.overlapped(&y, logprobs, logits, t0);
+            }
+            forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
             let next = self.step(&y, self.prompt_len + n + 1)?;
             let t1 = Instant::now();
@@ -477,6 +485,54 @@ impl<'m> Generation<'m> {
         } else if !queued {
             self.next_input = Some(y);
         }
+        Ok(())
+    }
+
+    /// Starts a constrained step's forward, built from `t0` on; until it has its sampling it is
+    /// a step in flight to wait for.
+    fn dispatch_forward(&mut self, logits: Array, t0: Instant) -> Result<Array> {
+        let t1 = Instant::now();
+        mlx::async_eval(&[&logits])?;
+        self.stats.build_secs += (t1 - t0).as_secs_f64();
+        self.stats.dispatch_secs += t1.elapsed().as_secs_f64();
+        self.abandoned_step = true;
+        Ok(logits)
+    }
+
+    /// A constrained step whose token `y` is already computed (the device is ahead of this
+    /// thread, as on the H200 for a 1B model, where starting a forward costs the host ~1 ms):
+    /// the token is read first, and the constraint takes it and works out the next mask on
+    /// a helper thread while this one starts the next forward (`logits`, built from `t0` on),
+    /// so the mask costs no time of its own; then the sampling is queued behind the forward.
+    fn overlapped(&mut self, y: &Array, logprobs: Array, logits: Array, t0: Instant) -> Result<()> {
+        debug_assert!(self.speculation.is_none() && self.external.is_none(), "such steps are serial");
+        let n = self.generated;
+        let t1 = Instant::now();
+        let id = y.item_i32()? as u32;
+        let t2 = Instant::now();
+        let guard = self.constraint.as_mut().expect("a constrained step");
+        let (dispatched, told) = std::thread::scope(|scope| {
+            let helper = scope.spawn(|| guard.accept(id).map(|()| guard.mask()));
+            let dispatched = mlx::async_eval(&[&logits]);
+            (dispatched, helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        });
+        self.stats.build_secs += (t1 - t0).as_secs_f64();
+        self.stats.wait_secs += (t2 - t1).as_secs_f64();
+        self.stats.dispatch_secs += t2.elapsed().as_secs_f64();
+        self.abandoned_step = true;
+        dispatched?;
+        let mask = told?;
+        self.stats.pipelined_steps += 1;
+        self.stats.decode_steps += 1;
+        self.stats.overlapped_masks += 1;
+        if self.commit(id, logprobs) {
+            // The mask (of a position past the end) is not needed.
+            return Ok(());
+        }
+        let next = self.pick(&logits, mask?, self.prompt_len + n + 1)?;
+        mlx::async_eval(&[&next.0, &next.1])?;
+        self.pending = Some(next);
+        self.abandoned_step = false;
         Ok(())
     }
 
@@ -565,7 +621,7 @@ impl<'m> Generation<'m> {
             None => {
                 let rows = self.sampler.process(&logits, None)?;
                 let rows = match &masks {
-                    Some(m) => constraint::apply(&rows, m)?,
+                    Some(m) => self.masking.apply(&rows, m)?,
                     None => rows,
                 };
                 let lp = log_softmax(&rows)?;
@@ -583,7 +639,7 @@ impl<'m> Generation<'m> {
                     let history = mlx::ops::concatenate(&[h, &input.slice_axis(0, 0, i as i32 + 1)?], 0)?;
                     let row = self.sampler.process(&row, Some(&history))?;
                     let row = match &masks {
-                        Some(m) => constraint::apply(&row, &m[i..=i])?,
+                        Some(m) => self.masking.apply(&row, &m[i..=i])?,
                         None => row,
                     };
                     logprobs.push(log_softmax(&row)?);
@@ -1210,6 +1266,17 @@ mod tests {
             for (i, t) in plain[..sets.len()].iter().enumerate() {
                 assert!(sets[i].contains(t), "token {i} ({t}) is outside its set {:?}", sets[i]);
             }
+            // Each mask worked out on a helper thread while the next forward is started (as
+            // when the device is ahead of the host): the same tokens.
+            let sampler = Sampler::new(params.clone(), vocab).unwrap();
+            let hooks = Hooks { constraint: guard(), ..Default::default() };
+            let mut g =
+                Generation::start_with(model, model.make_cache(), &prompt, sampler, options.clone(), hooks).unwrap();
+            g.overlap_always = true;
+            let overlapped: Vec<u32> = std::iter::from_fn(|| g.next_token().unwrap().map(|t| t.id)).collect();
+            assert_eq!(overlapped, plain, "{params:?}");
+            let stats = g.stats();
+            assert_eq!((stats.pipelined_steps, stats.overlapped_masks), (plain.len(), plain.len()), "{stats:?}");
             for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other), SpecMethod::Draft)] {
                 let speculation = Speculation::new(spec(method, 3), &prompt, draft, 5).unwrap();
                 let hooks = Hooks { speculation: Some(speculation), constraint: guard(), external: None };
