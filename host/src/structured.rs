@@ -7,6 +7,7 @@
 //! on the first constrained request, and compiles each request's grammar against it when the
 //! request arrives, so an unsupported schema is refused before anything is queued.
 
+use crate::engine::constraint::ConstraintFailed;
 use crate::engine::{Allowed, Constraint, ConstraintSpec};
 use anyhow::{anyhow, bail, Context, Result};
 use llguidance::api::TopLevelGrammar;
@@ -125,9 +126,10 @@ impl Grammars {
         }
         tracing::debug!(kind = structure.kind(), ms = started.elapsed().as_secs_f64() * 1e3, "compiled a constraint");
         let parser = Mutex::new(parser);
+        let param = structure.param();
         Ok(ConstraintSpec::new(structure.kind(), move |_| {
             let parser = parser.lock().map_err(|_| anyhow!("a constraint's parser was poisoned"))?.deep_clone();
-            Ok(Box::new(Llg { matcher: Matcher::new(Ok(parser)) }) as Box<dyn Constraint>)
+            Ok(Box::new(Llg { matcher: Matcher::new(Ok(parser)), param, position: 0 }) as Box<dyn Constraint>)
         }))
     }
 
@@ -300,6 +302,10 @@ fn lark(grammar: &str) -> String {
 /// llguidance's matcher as an engine constraint.
 struct Llg {
     matcher: Matcher,
+    /// The request field the structure came from, for errors.
+    param: &'static str,
+    /// Output tokens accepted so far.
+    position: usize,
 }
 
 impl Constraint for Llg {
@@ -307,16 +313,32 @@ impl Constraint for Llg {
         if self.matcher.is_stopped() {
             return Ok(Allowed::End);
         }
-        let mask = self.matcher.compute_mask().map_err(|e| anyhow!(brief(&e)))?;
+        let mask = self.matcher.compute_mask().map_err(|e| {
+            // Past llguidance's limits here, though not at the first position (checked at
+            // compile): what the request asked for is too much for it.
+            anyhow::Error::new(ConstraintFailed {
+                param: self.param,
+                message: format!(
+                    "the {} constraint cannot go on at output position {}: {}; simplify it (fewer nested or repeated patterns, alternatives and optional parts)",
+                    self.param,
+                    self.position,
+                    brief(&e)
+                ),
+            })
+        })?;
         Ok(Allowed::Tokens(mask.as_slice().to_vec()))
     }
 
     fn accept(&mut self, token: u32) -> Result<()> {
-        self.matcher.consume_token(token).map_err(|e| anyhow!(brief(&e)))
+        self.matcher.consume_token(token).map_err(|e| anyhow!(brief(&e)))?;
+        self.position += 1;
+        Ok(())
     }
 
     fn rollback(&mut self, tokens: usize) -> Result<()> {
-        self.matcher.rollback(tokens).map_err(|e| anyhow!(brief(&e)))
+        self.matcher.rollback(tokens).map_err(|e| anyhow!(brief(&e)))?;
+        self.position = self.position.saturating_sub(tokens);
+        Ok(())
     }
 }
 
@@ -578,6 +600,48 @@ mod tests {
         assert_eq!(open_tokens(l.allowed().unwrap()), vec![8]);
         l.accept(8).unwrap();
         assert_eq!(open_tokens(l.allowed().unwrap()), vec![4, 5]);
+    }
+
+    /// A structure that first exceeds llguidance's limits past its first position fails its
+    /// request as the client's (a `ConstraintFailed` naming the field and the position).
+    #[test]
+    fn a_constraint_past_llguidances_limits_later_fails_as_the_requests_fault() {
+        struct Bytes(TokTrie);
+        impl TokenizerEnv for Bytes {
+            fn tok_trie(&self) -> &TokTrie {
+                &self.0
+            }
+            fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+                s.iter().map(|&b| b as u32).collect()
+            }
+        }
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(b"\xff<end>".to_vec());
+        let env: TokEnv = Arc::new(Bytes(TokTrie::from(&TokRxInfo::new(257, 256), &words)));
+        let mut factory = ParserFactory::new_simple(&env).unwrap();
+        factory.quiet();
+        // Lexer fuel enough for the first masks, not for the regex once it is open.
+        factory.limits_mut().step_lexer_fuel = 100;
+        let g = TopLevelGrammar::from_lark("start: \"ab\" /[a-z]{1,8}[0-9]{5}/".to_string());
+        let mut llg = Llg { matcher: Matcher::new(factory.create_parser(g)), param: "regex", position: 0 };
+        let mut failure = None;
+        for &b in b"abcdefg12345" {
+            match llg.allowed() {
+                Ok(_) => llg.accept(b as u32).unwrap(),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let e = failure.expect("the regex exceeds the lexer's fuel once open");
+        let failed = e.downcast_ref::<ConstraintFailed>().expect("a ConstraintFailed");
+        assert_eq!(failed.param, "regex");
+        assert!(
+            failed.message.contains("output position 3") && failed.message.contains("simplify"),
+            "{}",
+            failed.message
+        );
     }
 
     #[test]

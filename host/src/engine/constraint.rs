@@ -80,6 +80,23 @@ impl ConstraintSpec {
 
 /// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens, end-of-sequence
 /// tokens kept out of the constraint, tentative drafts rolled back.
+/// A constraint that cannot go on mid-output (a grammar past llguidance's limits at a later
+/// position than its first): the request's fault, told to the client as a 400 naming the
+/// field (`param`), not an internal error.
+#[derive(Debug)]
+pub struct ConstraintFailed {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConstraintFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConstraintFailed {}
+
 /// A step's masks go to helper threads when they took longer than this together.
 pub const PARALLEL_MASKS_SECS: f64 = 150e-6;
 

@@ -9,7 +9,7 @@
 //! notices at the next token and frees the job's cache.
 
 use super::batch::{Batch, Left, Row};
-use super::constraint::{ConstraintSpec, Guard};
+use super::constraint::{ConstraintFailed, ConstraintSpec, Guard};
 use super::prompt_cache::PromptCache;
 use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
 use super::stop::StopMatcher;
@@ -200,6 +200,11 @@ pub enum Event {
     Refused(String),
     /// A plugin failed while serving this request; the message names it.
     PluginFault(String),
+    /// The request's output constraint could not go on (a client error about `param`).
+    Constraint {
+        param: &'static str,
+        message: String,
+    },
     /// The request was stopped before it finished: by the scheduling policy or because the
     /// server is shutting down.
     Cancelled(Cancel),
@@ -662,6 +667,9 @@ fn failure(e: anyhow::Error) -> Event {
     } else if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<PluginFault>()) {
         tracing::warn!("{}", f.0);
         Event::PluginFault(f.0.clone())
+    } else if let Some(c) = e.chain().find_map(|c| c.downcast_ref::<ConstraintFailed>()) {
+        tracing::warn!("{}", c.message);
+        Event::Constraint { param: c.param, message: c.message.clone() }
     } else {
         tracing::error!("generation failed: {e:#}");
         Event::Error(format!("{e:#}"))
@@ -1445,6 +1453,19 @@ fn logprob(tokenizer: &Tokenizer, logprobs: &Array, id: u32, k: usize) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_constraint_that_cannot_go_on_fails_its_request_as_the_clients_error() {
+        let e = anyhow::Error::new(ConstraintFailed { param: "response_format", message: "too much".into() })
+            .context("the output constraint");
+        match failure(e) {
+            Event::Constraint { param, message } => {
+                assert_eq!((param, message.as_str()), ("response_format", "too much"))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(failure(anyhow::anyhow!("a bug")), Event::Error(_)));
+    }
 
     fn engine(dir: &std::path::Path, warm_up: bool) -> Engine {
         Engine::start(EngineConfig { warm_up: Some(warm_up), ..EngineConfig::cpu(dir.to_path_buf()) }).unwrap()

@@ -519,7 +519,11 @@ impl Output {
                 self.done = Some(r);
                 out
             }
-            Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_) => {
+            Event::Error(_)
+            | Event::Refused(_)
+            | Event::PluginFault(_)
+            | Event::Constraint { .. }
+            | Event::Cancelled(_) => {
                 let message = super::routes::stream_error_message(event);
                 let mut out = self.close();
                 let mut r = self.response("failed", Value::Null);

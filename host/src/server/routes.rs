@@ -355,6 +355,9 @@ fn failure(event: &Event, flavor: Flavor) -> Option<ApiError> {
     match event {
         Event::Refused(m) => Some(ApiError::invalid("plugins", m.clone()).flavor(flavor)),
         Event::PluginFault(m) => Some(plugin_fault(m.clone(), flavor)),
+        Event::Constraint { param, message } => {
+            Some(ApiError::invalid(param, message.clone()).with_code("constraint_failed").flavor(flavor))
+        }
         Event::Error(e) => Some(ApiError::internal(e).flavor(flavor)),
         Event::Cancelled(m) => Some(cancelled(m.clone(), flavor)),
         _ => None,
@@ -432,7 +435,12 @@ where
             }
             let end = matches!(
                 event,
-                Event::Done { .. } | Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)
+                Event::Done { .. }
+                    | Event::Error(_)
+                    | Event::Refused(_)
+                    | Event::PluginFault(_)
+                    | Event::Constraint { .. }
+                    | Event::Cancelled(_)
             );
             for e in render(&event) {
                 if tx.send(Ok(e)).await.is_err() {
@@ -462,7 +470,7 @@ pub(super) fn stream_error_message(event: &Event) -> String {
             tracing::error!("generation failed mid-stream: {m}");
             "internal error; see the server log".to_string()
         }
-        Event::Refused(m) | Event::PluginFault(m) => m.clone(),
+        Event::Refused(m) | Event::PluginFault(m) | Event::Constraint { message: m, .. } => m.clone(),
         Event::Cancelled(c) => c.message.clone(),
         _ => String::new(),
     }
@@ -474,6 +482,7 @@ pub(super) fn stream_error_code(event: &Event) -> (&'static str, Option<&'static
     match event {
         Event::PluginFault(_) => ("server_error", Some("plugin_error")),
         Event::Refused(_) => ("invalid_request_error", Some("plugin_refused")),
+        Event::Constraint { .. } => ("invalid_request_error", Some("constraint_failed")),
         Event::Cancelled(c) if c.shutdown => ("server_error", Some("server_shutting_down")),
         Event::Cancelled(_) => ("invalid_request_error", Some("cancelled_by_scheduler")),
         _ => ("server_error", None),
@@ -607,7 +616,7 @@ async fn chat_completions(
                 }
                 out
             }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Constraint { .. } | Event::Cancelled(_)) => {
                 vec![stream_error(e, Flavor::OpenAi)]
             }
         },
@@ -715,7 +724,11 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
             }
             // A completion has no tools and no reasoning parser (`plugins` refuses one).
             Event::ToolCall { .. } | Event::ToolArgs { .. } | Event::Reasoning { .. } => vec![],
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+            e @ (Event::Error(_)
+            | Event::Refused(_)
+            | Event::PluginFault(_)
+            | Event::Constraint { .. }
+            | Event::Cancelled(_)) => {
                 vec![stream_error(e, Flavor::OpenAi)]
             }
         },
@@ -825,7 +838,7 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
                 ]);
                 out
             }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Cancelled(_)) => {
+            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Constraint { .. } | Event::Cancelled(_)) => {
                 vec![stream_error(e, Flavor::Anthropic)]
             }
         },
@@ -1034,6 +1047,15 @@ mod tests {
     use http_body_util::BodyExt;
     use std::sync::OnceLock;
     use tower::ServiceExt;
+
+    #[test]
+    fn a_constraint_that_cannot_go_on_is_a_400_naming_its_field_before_and_after_the_stream_starts() {
+        let event = Event::Constraint { param: "regex", message: "the regex constraint cannot go on".into() };
+        let e = failure(&event, Flavor::OpenAi).unwrap();
+        assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("regex"), Some("constraint_failed")));
+        assert_eq!(stream_error_code(&event), ("invalid_request_error", Some("constraint_failed")));
+        assert_eq!(stream_error_message(&event), "the regex constraint cannot go on");
+    }
 
     /// One engine on a tiny random model for all tests of this module.
     fn engine() -> Arc<Engine> {
