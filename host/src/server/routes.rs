@@ -498,9 +498,17 @@ fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
             let (kind, code) = stream_error_code(event);
             data(json!({"error": {"message": message, "type": kind, "param": null, "code": code}}))
         }
-        Flavor::Anthropic => SseEvent::default()
-            .event("error")
-            .data(json!({"type": "error", "error": {"type": "api_error", "message": message}}).to_string()),
+        Flavor::Anthropic => {
+            // Anthropic's error types: a refused plugin config or a constraint the request
+            // asked for and that cannot go on are the client's (invalid_request_error).
+            let kind = match event {
+                Event::Refused(_) | Event::Constraint { .. } => "invalid_request_error",
+                _ => "api_error",
+            };
+            SseEvent::default()
+                .event("error")
+                .data(json!({"type": "error", "error": {"type": kind, "message": message}}).to_string())
+        }
     }
 }
 
