@@ -250,15 +250,30 @@ fn compact(mut schema: Value) -> Value {
 /// requires of every object and JSON Schema leaves open), so a model cannot wander into
 /// keys of its own. Walks the keywords that hold subschemas.
 pub fn strict(mut schema: Value) -> Value {
-    close_objects(&mut schema);
+    close_objects(&mut schema, true);
     schema
 }
 
-fn close_objects(node: &mut Value) {
+/// A tool's arguments schema as its calls are held to it: objects that name properties take
+/// no others unless they say otherwise (as [`strict`]); an object that names none (`{"type":
+/// "object"}`, free-form arguments) stays open.
+pub fn closed(mut schema: Value) -> Value {
+    close_objects(&mut schema, false);
+    schema
+}
+
+/// Closes the objects under `node` that do not set `additionalProperties` or
+/// `patternProperties`: every object when `all`, else those with properties.
+fn close_objects(node: &mut Value, all: bool) {
     let Some(o) = node.as_object_mut() else { return };
-    let object =
-        o.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
-            || o.contains_key("properties");
+    let object = match all {
+        true => {
+            o.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
+                || o.contains_key("properties")
+        }
+        false => o.get("properties").and_then(Value::as_object).is_some_and(|p| !p.is_empty()),
+    };
+    let close = |v: &mut Value| close_objects(v, all);
     if object && !o.contains_key("additionalProperties") && !o.contains_key("patternProperties") {
         o.insert("additionalProperties".into(), Value::Bool(false));
     }
@@ -266,19 +281,19 @@ fn close_objects(node: &mut Value) {
         match key.as_str() {
             "properties" | "patternProperties" | "$defs" | "definitions" => {
                 if let Some(m) = value.as_object_mut() {
-                    m.values_mut().for_each(close_objects);
+                    m.values_mut().for_each(close);
                 }
             }
             "items" | "additionalProperties" | "additionalItems" | "not" | "if" | "then" | "else" => {
                 if let Some(a) = value.as_array_mut() {
-                    a.iter_mut().for_each(close_objects);
+                    a.iter_mut().for_each(close);
                 } else {
-                    close_objects(value);
+                    close(value);
                 }
             }
             "anyOf" | "oneOf" | "allOf" | "prefixItems" => {
                 if let Some(a) = value.as_array_mut() {
-                    a.iter_mut().for_each(close_objects);
+                    a.iter_mut().for_each(close);
                 }
             }
             _ => {}
@@ -515,6 +530,21 @@ mod tests {
         // A property named "properties" is a property, not a keyword.
         assert_eq!(s["properties"]["properties"], json!({"type": "string"}));
         assert_eq!(s["properties"].get("additionalProperties"), None);
+    }
+
+    #[test]
+    fn a_tools_arguments_close_the_objects_that_name_properties_and_leave_free_form_ones_open() {
+        let schema = json!({"type": "object", "properties": {
+            "opts": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "extra": {"type": "object"},
+            "open": {"type": "object", "properties": {"b": {}}, "additionalProperties": true}}});
+        let c = closed(schema.clone());
+        assert_eq!(c["additionalProperties"], json!(false));
+        assert_eq!(c["properties"]["opts"]["additionalProperties"], json!(false));
+        assert_eq!(c["properties"]["extra"].get("additionalProperties"), None, "free-form stays free");
+        assert_eq!(c["properties"]["open"]["additionalProperties"], json!(true));
+        assert_eq!(closed(json!({"type": "object"})), json!({"type": "object"}));
+        assert_eq!(strict(schema)["properties"]["extra"]["additionalProperties"], json!(false));
     }
 
     /// A lazy grammar over a vocabulary of a few words, trigger `<tool>`, whose call must

@@ -513,14 +513,17 @@ fn function_of(tool: &Value) -> &Value {
     tool.get("function").unwrap_or(tool)
 }
 
-/// A tool as its calls are held to it: its `parameters`' objects closed to properties they
-/// do not name unless they say otherwise (`structured::strict`), as OpenAI's strict mode has
-/// them and vLLM's xgrammar backend does by default: a key the tool does not take is of no
-/// use to it, and a small model under an open object adds keys until `max_tokens`.
+/// A tool as its calls are held to it: its `parameters`' objects that name properties closed
+/// to others unless they say otherwise (`structured::closed`; every object under `strict:
+/// true`, `structured::strict`), as OpenAI's strict mode has them and vLLM's xgrammar backend
+/// does by default: a key the tool does not take is of no use to it, and a small model under
+/// an open object adds keys until `max_tokens`. Free-form arguments (`{"type": "object"}`)
+/// stay free.
 fn closed_tool(mut tool: Value) -> Value {
     let function = if tool.get("function").is_some() { &mut tool["function"] } else { &mut tool };
+    let strict = function.get("strict").and_then(Value::as_bool) == Some(true);
     if let Some(p) = function.get_mut("parameters") {
-        *p = crate::structured::strict(p.take());
+        *p = if strict { crate::structured::strict(p.take()) } else { crate::structured::closed(p.take()) };
     }
     tool
 }

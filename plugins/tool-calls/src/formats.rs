@@ -860,13 +860,15 @@ mod tests {
         assert_eq!(Adapter::<Llama3Json>::default().lazy_grammar(&tools), Llama3Json.grammar(None, &tools));
         assert_eq!(Adapter::<Harmony>::default().lazy_grammar(&tools), Harmony.grammar(None, &tools));
         assert!(Adapter::<Gemma>::default().lazy_grammar(&tools).unwrap().starts_with(r#"start: "\n" ("#));
-        assert_eq!(Adapter::<Qwen3Coder>::default().lazy_grammar(&tools), None);
+        let qwen = Adapter::<Qwen3Coder>::default().lazy_grammar(&tools).unwrap();
+        assert!(qwen.starts_with(r#"start: "\n<function=" (call_0)"#), "{qwen}");
         for (trigger, opener) in [
             (Hermes.trigger(), Hermes.force(None)),
             (Llama3Json.trigger(), Llama3Json.force(None)),
             (Mistral.trigger(), Mistral.force(None)),
             (Gemma.trigger(), Gemma.force(None)),
             (Harmony.trigger(), Harmony.force(None)),
+            (Qwen3Coder.trigger(), Qwen3Coder.force(None)),
         ] {
             assert!(opener.unwrap().contains(trigger.unwrap()));
         }
