@@ -299,6 +299,9 @@ pub struct Row {
     /// compile (a plugin's start), in ms.
     pub constraint: Option<String>,
     pub masks_per_token: Option<f64>,
+    /// Of the decode steps, those whose mask was worked out beside the next forward's start
+    /// (the token already computed: `Generation::overlapped`).
+    pub overlapped_steps: Option<usize>,
     pub mask_ms: Option<f64>,
     pub trie_ms: Option<f64>,
     pub compile_ms: Option<f64>,
@@ -539,6 +542,7 @@ pub fn run(args: Args) -> Result<()> {
             lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
             constraint: structure.as_ref().map(BenchConstraint::kind),
             masks_per_token: structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
+            overlapped_steps: structure.as_ref().map(|_| first.stats.overlapped_masks),
             mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
             trie_ms,
             compile_ms,
@@ -571,11 +575,12 @@ pub fn run(args: Args) -> Result<()> {
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "{} constraint: {} tokens, {:.3} ms per mask ({:.2} masks per token); token trie {:.0} ms, compile {:.1} ms",
+                "{} constraint: {} tokens, {:.3} ms per mask ({:.2} masks per token, {} steps overlapped); token trie {:.0} ms, compile {:.1} ms",
                 r.constraint.as_deref().unwrap_or_default(),
                 r.gen_tokens,
                 r.mask_ms.unwrap_or_default(),
                 r.masks_per_token.unwrap_or_default(),
+                r.overlapped_steps.unwrap_or_default(),
                 r.trie_ms.unwrap_or_default(),
                 r.compile_ms.unwrap_or_default()
             );

@@ -156,7 +156,7 @@ def test_a_broken_constraint_plugin_fails_only_its_request(live):
 @pytest.mark.parametrize("extra,param,words", [
     ({"plugins": CONSTRAINT, "response_format": {"type": "json_object"}}, "response_format", "one constraint"),
     ({"plugins": CONSTRAINT, "regex": "[a-z]+"}, "regex", "one constraint"),
-    ({"plugins": {"constraint": {"name": "nope"}}}, "plugins", "loaded constraint plugins: lowercase, mask-trap"),
+    ({"plugins": {"constraint": {"name": "nope"}}}, "plugins", "loaded constraint plugins: guidance, lowercase, mask-trap"),
     ({"plugins": {"constraint": {"name": "mirostat"}}}, "plugins", "is not a constraint plugin"),
     ({"plugins": {"constraint": "lowercase"}}, "plugins", ""),
 ])
