@@ -324,3 +324,14 @@ fn quantized_matvec_kernel_matches_mlx() {
         }
     }
 }
+
+#[test]
+fn bitwise_and_and_availability() {
+    let words = Array::from_u32(&[0b1010, u32::MAX], &[2, 1]).unwrap();
+    let pow2 = Array::from_u32(&[1, 2, 4, 8], &[1, 4]).unwrap();
+    let bits = words.bitwise_and(&pow2).unwrap();
+    // A constant is available at once; a result only once computed.
+    assert!(words.is_available() && !bits.is_available());
+    assert_eq!(bits.to_vec_u32().unwrap(), vec![0, 2, 0, 8, 1, 2, 4, 8]);
+    assert!(bits.is_available());
+}

@@ -78,8 +78,6 @@ impl ConstraintSpec {
     }
 }
 
-/// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens, end-of-sequence
-/// tokens kept out of the constraint, tentative drafts rolled back.
 /// A constraint that cannot go on mid-output (a grammar past llguidance's limits at a later
 /// position than its first): the request's fault, told to the client as a 400 naming the
 /// field (`param`), not an internal error.
@@ -100,6 +98,8 @@ impl std::error::Error for ConstraintFailed {}
 /// A step's masks go to helper threads when they took longer than this together.
 pub const PARALLEL_MASKS_SECS: f64 = 150e-6;
 
+/// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens,
+/// end-of-sequence tokens kept out of the constraint, tentative drafts rolled back.
 pub struct Guard {
     inner: Box<dyn Constraint>,
     eos: Vec<u32>,
@@ -234,21 +234,14 @@ impl Guard {
 /// A mask: the allowed tokens' bits (bit `t % 32` of word `t / 32`).
 pub type Bits = Vec<u32>;
 
-/// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
-/// token's logit becomes -inf; rows without a mask are left as they are (see
-/// [`Masking::apply`]; this one builds its constants anew).
-pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
-    Masking::default().apply(logits, masks)
-}
-
 /// What applying masks needs on the device besides the masks: the 32 powers of two, `0`
 /// and `-inf` (in the logits' dtype). A generation or a batch keeps one, so a step uploads
 /// only its rows' bitsets: on the H200 each array made from host memory is a transfer the
 /// device waits on, and the plain step has none.
 #[derive(Default)]
 pub struct Masking {
-    pow2: Option<Array>,
-    zero: Option<Array>,
+    /// `[1, 32]` u32 powers of two and u32 `0`.
+    bits: Option<(Array, Array)>,
     neg_inf: Option<(Dtype, Array)>,
 }
 
@@ -289,12 +282,11 @@ impl Masking {
     /// is 0 (two kernels).
     fn refused(&mut self, bits: &[u32], rows: usize, vocab: usize) -> Result<Array> {
         let words = Array::from_u32(bits, &[bits.len(), 1])?;
-        if self.pow2.is_none() {
+        if self.bits.is_none() {
             let pow2: Vec<u32> = (0..32).map(|b| 1u32 << b).collect();
-            self.pow2 = Some(Array::from_u32(&pow2, &[1, 32])?);
-            self.zero = Some(Array::scalar(0.0, Dtype::Uint32)?);
+            self.bits = Some((Array::from_u32(&pow2, &[1, 32])?, Array::scalar(0.0, Dtype::Uint32)?));
         }
-        let (pow2, zero) = (self.pow2.as_ref().expect("just set"), self.zero.as_ref().expect("just set"));
+        let (pow2, zero) = self.bits.as_ref().expect("just set");
         let refused = words.bitwise_and(pow2)?.equal(zero)?;
         Ok(refused.reshape(&[rows as i32, -1])?.slice_axis(1, 0, vocab as i32)?)
     }
@@ -343,6 +335,11 @@ pub(crate) mod tests {
         ConstraintSpec::new("script", move |_| {
             Ok(Box::new(Script { allowed: allowed.clone(), accepted: Vec::new(), vocab }) as Box<dyn Constraint>)
         })
+    }
+
+    /// [`Masking::apply`] with its constants built anew.
+    pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
+        Masking::default().apply(logits, masks)
     }
 
     /// The tokens a mask allows, read through `apply` on the device.

@@ -478,10 +478,7 @@ impl<'m> Generation<'m> {
             self.abandoned_step = self.pending.take().is_some() || forward_queued.is_some();
         } else if let Some(logits) = forward_queued {
             let mask = self.constraint.as_mut().map(Guard::mask).transpose()?.flatten();
-            let next = self.pick(&logits, mask, self.prompt_len + n + 1)?;
-            mlx::async_eval(&[&next.0, &next.1])?;
-            self.pending = Some(next);
-            self.abandoned_step = false;
+            self.queue_pick(&logits, mask, self.prompt_len + n + 1)?;
         } else if !queued {
             self.next_input = Some(y);
         }
@@ -529,7 +526,13 @@ impl<'m> Generation<'m> {
             // The mask (of a position past the end) is not needed.
             return Ok(());
         }
-        let next = self.pick(&logits, mask?, self.prompt_len + n + 1)?;
+        self.queue_pick(&logits, mask?, self.prompt_len + n + 1)
+    }
+
+    /// A constrained step's second half, started behind its forward (`logits`): the step in
+    /// flight from here on.
+    fn queue_pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<()> {
+        let next = self.pick(logits, mask, position)?;
         mlx::async_eval(&[&next.0, &next.1])?;
         self.pending = Some(next);
         self.abandoned_step = false;
