@@ -194,6 +194,11 @@ impl Guard {
         Ok(Some(bits))
     }
 
+    /// Whether `id` ends the output (an end-of-sequence token).
+    pub fn ends(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
     /// A committed token (end-of-sequence tokens end the output and are not passed on).
     pub fn accept(&mut self, id: u32) -> Result<()> {
         if self.eos.contains(&id) {
@@ -233,6 +238,13 @@ impl Guard {
 
 /// A mask: the allowed tokens' bits (bit `t % 32` of word `t / 32`).
 pub type Bits = Vec<u32>;
+
+/// The token a mask allows, when it allows exactly one.
+pub fn only_token(mask: &[u32]) -> Option<u32> {
+    let mut words = mask.iter().enumerate().filter(|(_, w)| **w != 0);
+    let (i, w) = words.next()?;
+    (w.count_ones() == 1 && words.next().is_none()).then(|| i as u32 * 32 + w.trailing_zeros())
+}
 
 /// What applying masks needs on the device besides the masks: the 32 powers of two, `0`
 /// and `-inf` (in the logits' dtype). A generation or a batch keeps one, so a step uploads
@@ -340,6 +352,20 @@ pub(crate) mod tests {
     /// [`Masking::apply`] with its constants built anew.
     pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
         Masking::default().apply(logits, masks)
+    }
+
+    #[test]
+    fn a_mask_forces_a_token_only_when_it_allows_that_one_alone() {
+        let mut mask = vec![0u32; 4];
+        assert_eq!(only_token(&mask), None, "nothing allowed");
+        mask[2] = 1 << 5;
+        assert_eq!(only_token(&mask), Some(69));
+        mask[3] = 1;
+        assert_eq!(only_token(&mask), None, "two words");
+        mask[3] = 0;
+        mask[2] |= 1 << 31;
+        assert_eq!(only_token(&mask), None, "two bits of a word");
+        assert_eq!(only_token(&[0, 0x8000_0000]), Some(63));
     }
 
     /// The tokens a mask allows, read through `apply` on the device.

@@ -142,6 +142,9 @@ pub struct DecodeStats {
     pub mask_secs: f64,
     /// Constrained steps whose mask was worked out beside the next forward's dispatch.
     pub overlapped_masks: usize,
+    /// Tokens the constraint forced (its mask allowed one), committed without sampling and
+    /// fed to the model in runs (`Generation::forced_run`).
+    pub forced_tokens: usize,
 }
 
 impl DecodeStats {
@@ -197,15 +200,47 @@ pub struct Generation<'m> {
     abandoned_step: bool,
     /// The device constants a constraint's masks are applied with.
     masking: constraint::Masking,
-    /// Overlap every constrained step's mask with the next forward's dispatch (waiting for
-    /// the token when it is not there yet), not only when it pays; for tests.
-    pub(crate) overlap_always: bool,
+    /// When a constrained step works out its mask beside other host work (`Overlap`).
+    pub(crate) overlap: Overlap,
+    /// Whether tokens a constraint forces are committed in runs (`forced_run`); for
+    /// measuring, `HOST_FORCED_RUNS=off` turns it off.
+    pub(crate) fast_forward: bool,
     prompt_len: usize,
     generated: usize,
     started: Instant,
     first_token_at: Option<Instant>,
     stats: DecodeStats,
 }
+
+/// When a constrained step works out its mask, which needs the token before it. For
+/// measuring (`bench/device/mask-overlap.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
+/// `never`) picks it. A fourth way, the token read first and the mask worked out beside
+/// building the next forward, then forward and sampling started together, measured
+/// 0.63-0.75x against auto's 0.79-0.92x on the H200 (the device finishes a forward ~0.6 ms
+/// after MLX has started all of it, and that wait is then on every step; bench/RESULTS.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Overlap {
+    /// Beside the next forward's start when the token is already there and masks are slow,
+    /// else after that start (while the device runs it).
+    Auto,
+    /// Always beside the next forward's start, waiting for the token first.
+    Always,
+    /// Always after the next forward's start.
+    Never,
+}
+
+impl Overlap {
+    fn from_env() -> Overlap {
+        match std::env::var("HOST_MASK_OVERLAP").as_deref() {
+            Ok("always") => Overlap::Always,
+            Ok("never") => Overlap::Never,
+            _ => Overlap::Auto,
+        }
+    }
+}
+
+/// The most tokens a constraint's forced run (`Generation::forced_run`) feeds in one forward.
+const MAX_FORCED_RUN: usize = 32;
 
 /// How many of `drafts` the model's `picks` (at the same positions) agree with, from the first.
 fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
@@ -329,7 +364,8 @@ impl<'m> Generation<'m> {
             pending: None,
             abandoned_step: false,
             masking: constraint::Masking::default(),
-            overlap_always: false,
+            overlap: Overlap::from_env(),
+            fast_forward: std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"),
             prompt_len: prompt.len(),
             generated: 0,
             started,
@@ -436,8 +472,10 @@ impl<'m> Generation<'m> {
         if queued && self.constraint.is_some() {
             let logits = self.forward(&y)?;
             let slow = self.constraint.as_ref().is_some_and(Guard::slow);
-            if self.overlap_always || (slow && y.is_available()) {
-                return self.overlapped(&y, logprobs, logits, t0);
+            match self.overlap {
+                Overlap::Always => return self.overlapped(&y, logprobs, logits, t0),
+                Overlap::Auto if slow && y.is_available() => return self.overlapped(&y, logprobs, logits, t0),
+                _ => {}
             }
             forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
@@ -478,7 +516,7 @@ impl<'m> Generation<'m> {
             self.abandoned_step = self.pending.take().is_some() || forward_queued.is_some();
         } else if let Some(logits) = forward_queued {
             let mask = self.constraint.as_mut().map(Guard::mask).transpose()?.flatten();
-            self.queue_pick(&logits, mask, self.prompt_len + n + 1)?;
+            self.after_mask(logits, mask)?;
         } else if !queued {
             self.next_input = Some(y);
         }
@@ -503,7 +541,6 @@ impl<'m> Generation<'m> {
     /// so the mask costs no time of its own; then the sampling is queued behind the forward.
     fn overlapped(&mut self, y: &Array, logprobs: Array, logits: Array, t0: Instant) -> Result<()> {
         debug_assert!(self.speculation.is_none() && self.external.is_none(), "such steps are serial");
-        let n = self.generated;
         let t1 = Instant::now();
         let id = y.item_i32()? as u32;
         let t2 = Instant::now();
@@ -526,7 +563,73 @@ impl<'m> Generation<'m> {
             // The mask (of a position past the end) is not needed.
             return Ok(());
         }
-        self.queue_pick(&logits, mask?, self.prompt_len + n + 1)
+        self.after_mask(logits, mask?)
+    }
+
+    /// A constrained step's second half once its mask is known, its forward (`logits`, for
+    /// the position after the last committed token) started: the sampling is queued behind
+    /// the forward — unless the mask allows one token only. That token comes next whatever
+    /// the logits say, and so may more after it (a JSON schema's keys and punctuation): see
+    /// `fast_forward`.
+    fn after_mask(&mut self, logits: Array, mask: Option<constraint::Bits>) -> Result<()> {
+        let forced = mask.as_deref().and_then(constraint::only_token).is_some();
+        match mask {
+            Some(mask) if forced && self.fast_forward && self.history.is_none() => self.forced_run(logits, mask),
+            mask => self.queue_pick(&logits, mask, self.prompt_len + self.generated),
+        }
+    }
+
+    /// Commits the run of tokens the constraint forces from here (`mask`, of the position
+    /// after the last committed token, allows one token; the run goes on while the next
+    /// mask allows one too, up to `MAX_FORCED_RUN`), feeds them to the model together in
+    /// one forward, and queues the sampling of the position after them, under the first
+    /// mask that leaves a choice. Without this every forced token would cost a forward and
+    /// a sampling of its own. A forced token's log-probabilities are its mask's, as a sampled
+    /// one's are: from `logits` for the first, from the run's forward for the others.
+    fn forced_run(&mut self, logits: Array, mask: constraint::Bits) -> Result<()> {
+        let remaining = self.options.max_tokens.saturating_sub(self.generated);
+        let guard = self.constraint.as_mut().expect("a constrained step");
+        let mut run: Vec<u32> = Vec::new();
+        let mut masks: Vec<Option<constraint::Bits>> = Vec::new();
+        // The mask of the position after the run, while the output goes on past it.
+        let mut after = Some(Some(mask));
+        while let Some(Some(mask)) = after.take() {
+            let Some(token) = constraint::only_token(&mask).filter(|_| run.len() < MAX_FORCED_RUN) else {
+                after = Some(Some(mask));
+                break;
+            };
+            run.push(token);
+            masks.push(Some(mask));
+            if guard.ends(token) || run.len() == remaining {
+                break;
+            }
+            guard.accept(token)?;
+            after = Some(guard.mask()?);
+        }
+        let k = run.len();
+        let logits_run = {
+            let input = tokens_array(&run)?.expand_dims(&[0])?;
+            let all = self.model.forward(&input, &mut self.cache)?.squeeze(&[0])?;
+            self.sampler.process(&all, None)?
+        };
+        // Row i: the logits token i of the run was forced at.
+        let before = mlx::ops::concatenate(&[&logits, &logits_run.slice_axis(0, 0, k as i32 - 1)?], 0)?;
+        let logprobs = log_softmax(&self.masking.apply(&before, &masks)?)?;
+        for (i, &token) in run.iter().enumerate() {
+            self.stats.forced_tokens += 1;
+            let row = logprobs.slice_axis(0, i as i32, i as i32 + 1)?.squeeze(&[0])?;
+            if self.commit(token, row) {
+                return Ok(());
+            }
+        }
+        self.stats.decode_steps += 1;
+        let last = logits_run.slice_axis(0, k as i32 - 1, k as i32)?;
+        let mask = match after {
+            Some(mask) => mask,
+            // An end-of-sequence token the options do not stop at.
+            None => self.constraint.as_mut().expect("a constrained step").mask()?,
+        };
+        self.queue_pick(&last, mask, self.prompt_len + self.generated)
     }
 
     /// A constrained step's second half, started behind its forward (`logits`): the step in
@@ -1235,8 +1338,9 @@ mod tests {
     }
 
     /// A constraint holds every token to its set and ends the output (with the model's
-    /// end-of-sequence token) where it ends; speculative decoding under it, with either
-    /// drafter, greedy and seeded, gives the plain constrained tokens.
+    /// end-of-sequence token) where it ends; the tokens it forces, committed in runs, and
+    /// speculative decoding under it, with either drafter, greedy and seeded, give the
+    /// tokens of one sampled step a token.
     #[test]
     fn a_constraint_holds_each_token_and_speculation_under_it_gives_the_plain_tokens() {
         use crate::engine::constraint::tests::script;
@@ -1247,20 +1351,33 @@ mod tests {
         let eos = vocab as u32 - 1;
         let prompt = repetitive_prompt();
         let (free, _) = run(model, &prompt, SamplingParams::default(), opts(24));
-        // Each position allows the free token and another; position 6 only the other.
+        // Each position allows the free token and another; positions 6 and 10-13 only the
+        // other: forced, as is the end (the model has one end-of-sequence token).
         let other_of = |t: u32| (t + 7) % 100;
+        let forced = |i: usize| i == 6 || (10..14).contains(&i);
         let sets: Vec<Vec<u32>> = free
             .iter()
             .enumerate()
-            .map(|(i, &t)| if i == 6 { vec![other_of(t)] } else { vec![t, other_of(t)] })
+            .map(|(i, &t)| if forced(i) { vec![other_of(t)] } else { vec![t, other_of(t)] })
             .collect();
         assert!(sets.iter().flatten().all(|&t| t != eos));
         let options = DecodeOptions { max_tokens: 60, eos_token_ids: vec![eos], prefill_step_size: 5 };
         let guard = || Some(Guard::start(&script(sets.clone(), vocab), 0, &[eos], vocab).unwrap());
+        let decode = |params: &SamplingParams, overlap: Overlap, fast_forward: bool| {
+            let sampler = Sampler::new(params.clone(), vocab).unwrap();
+            let hooks = Hooks { constraint: guard(), ..Default::default() };
+            let mut g =
+                Generation::start_with(model, model.make_cache(), &prompt, sampler, options.clone(), hooks).unwrap();
+            (g.overlap, g.fast_forward) = (overlap, fast_forward);
+            let tokens: Vec<Token> = std::iter::from_fn(|| g.next_token().unwrap()).collect();
+            (tokens, g.stats())
+        };
+        let ids = |tokens: &[Token]| tokens.iter().map(|t| t.id).collect::<Vec<u32>>();
         let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() };
         for params in [SamplingParams::default(), seeded] {
-            let hooks = Hooks { constraint: guard(), ..Default::default() };
-            let (plain, stats) = run_hooked(model, &prompt, params.clone(), options.clone(), hooks);
+            // Every token sampled under its mask, one step each: the reference.
+            let (stepped, stats) = decode(&params, Overlap::Never, false);
+            let plain = ids(&stepped);
             assert_eq!(plain.len(), sets.len() + 1, "{plain:?}");
             // Pipelined: every step's forward was queued before the token before it was read,
             // and a mask was made for each position read, none past the end.
@@ -1269,17 +1386,20 @@ mod tests {
             for (i, t) in plain[..sets.len()].iter().enumerate() {
                 assert!(sets[i].contains(t), "token {i} ({t}) is outside its set {:?}", sets[i]);
             }
-            // Each mask worked out on a helper thread while the next forward is started (as
-            // when the device is ahead of the host): the same tokens.
-            let sampler = Sampler::new(params.clone(), vocab).unwrap();
-            let hooks = Hooks { constraint: guard(), ..Default::default() };
-            let mut g =
-                Generation::start_with(model, model.make_cache(), &prompt, sampler, options.clone(), hooks).unwrap();
-            g.overlap_always = true;
-            let overlapped: Vec<u32> = std::iter::from_fn(|| g.next_token().unwrap().map(|t| t.id)).collect();
-            assert_eq!(overlapped, plain, "{params:?}");
-            let stats = g.stats();
-            assert_eq!((stats.pipelined_steps, stats.overlapped_masks), (plain.len(), plain.len()), "{stats:?}");
+            // Forced tokens committed in runs and fed together (1, 4 and the end), with each
+            // mask worked out after the next forward's start or beside it (as when the device is
+            // ahead of the host): the same tokens, and log-probabilities to rounding.
+            for overlap in [Overlap::Never, Overlap::Always] {
+                let (tokens, stats) = decode(&params, overlap, true);
+                assert_eq!(ids(&tokens), plain, "{overlap:?} {params:?}");
+                assert_eq!((stats.forced_tokens, stats.masks), (6, plain.len()), "{stats:?}");
+                assert_eq!(stats.overlapped_masks, if overlap == Overlap::Always { plain.len() - 6 } else { 0 });
+                for (i, (a, b)) in tokens.iter().zip(&stepped).enumerate() {
+                    let (a, b) = (a.logprobs.to_vec_f32().unwrap(), b.logprobs.to_vec_f32().unwrap());
+                    let close = a.iter().zip(&b).all(|(x, y)| x == y || (x - y).abs() < 1e-4);
+                    assert!(a.len() == b.len() && close, "log-probabilities of token {i}");
+                }
+            }
             for (draft, method) in [(None, SpecMethod::PromptLookup), (Some(other), SpecMethod::Draft)] {
                 let speculation = Speculation::new(spec(method, 3), &prompt, draft, 5).unwrap();
                 let hooks = Hooks { speculation: Some(speculation), constraint: guard(), external: None };

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs on the device machine: constrained decoding under several ways of running a constrained
+# step, each paired with unconstrained decoding in the same process (`host bench
+# --paired-plain`), for the kit's llama-1b shape and SmolLM2 bfloat16: the JSON schema, the
+# regex and the lowercase plugin of bench/structured.sh. A way is NAME or NAME:VAR=VALUE,...
+# with the engine's measuring switches (host/src/engine/decode.rs): HOST_MASK_OVERLAP (auto,
+# always, never: when the mask is worked out) and HOST_FORCED_RUNS (off: every forced token
+# sampled in a step of its own). Needs the MLX site (/tmp/site) and the data bundle (/tmp/data).
+#   bash bench/device/constrained-steps.sh /tmp/host default runs-off:HOST_FORCED_RUNS=off
+set -uo pipefail
+HOST=${1:-/tmp/host}
+shift || true
+WAYS=${*:-default}
+. /tmp/site/env.sh
+export PYTHONPATH=$PYTHONPATH:$(ls /tmp/data/whl/gguf-*.whl)
+M=/dev/shm/m
+mkdir -p $M
+[ -f $M/smollm2-bfloat16/model.safetensors ] ||
+  python3 /tmp/data/gguf_to_hf.py /tmp/data/SmolLM2-135M-Instruct.Q4_1.gguf $M/smollm2-bfloat16 --dtype bfloat16 > /dev/null
+bash bench/device/kit-models.sh llama-1b > /dev/null
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+"$HOST" plugins build-wat examples/wat/lowercase.wat "$WORK/lowercase.wasm"
+echo '{"plugin": "lowercase.wasm"}' > "$WORK/lowercase.json"
+S=bench/structured
+for model in /tmp/llama-1b $M/smollm2-bfloat16; do
+  for c in $S/people.json $S/regex.json "$WORK/lowercase.json"; do
+    for way in $WAYS; do
+      name=${way%%:*}
+      vars=()
+      [ "$name" != "$way" ] && IFS=, read -ra vars <<< "${way#*:}"
+      echo "== $(basename $model) $(basename $c) $name"
+      env "${vars[@]}" "$HOST" bench --model "$model" --device gpu --prompt-file $S/prompt.txt \
+        --constraint "$c" --paired-plain --runs "${RUNS:-5}" --gen "${GEN:-200}" 2>/dev/null | grep -v '^|--\|^| model'
+    done
+  done
+done
