@@ -69,7 +69,7 @@ impl ApiError {
         }
     }
 
-    fn anthropic_type(&self) -> &'static str {
+    pub(super) fn anthropic_type(&self) -> &'static str {
         match self.status.as_u16() {
             401 => "authentication_error",
             404 => "not_found_error",

@@ -489,6 +489,17 @@ pub(super) fn stream_error_code(event: &Event) -> (&'static str, Option<&'static
     }
 }
 
+/// The Anthropic error `type` of a failure after the stream started, as the same failure
+/// before it would have had: a refused plugin config, a constraint that cannot go on and a
+/// scheduler's cancel are the client's (`invalid_request_error`), a shutdown is
+/// `overloaded_error` (clients retry it), the rest `api_error`.
+pub(super) fn stream_error_type(event: &Event) -> &'static str {
+    match event {
+        Event::Error(_) => "api_error",
+        _ => failure(event, Flavor::Anthropic).map_or("api_error", |e| e.anthropic_type()),
+    }
+}
+
 /// An error after the stream started: internal details go to the log; plugin faults and
 /// refusals are shown as they are (they name the plugin).
 fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
@@ -499,12 +510,7 @@ fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
             data(json!({"error": {"message": message, "type": kind, "param": null, "code": code}}))
         }
         Flavor::Anthropic => {
-            // Anthropic's error types: a refused plugin config or a constraint the request
-            // asked for and that cannot go on are the client's (invalid_request_error).
-            let kind = match event {
-                Event::Refused(_) | Event::Constraint { .. } => "invalid_request_error",
-                _ => "api_error",
-            };
+            let kind = stream_error_type(event);
             SseEvent::default()
                 .event("error")
                 .data(json!({"type": "error", "error": {"type": kind, "message": message}}).to_string())
@@ -1063,6 +1069,22 @@ mod tests {
         assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("regex"), Some("constraint_failed")));
         assert_eq!(stream_error_code(&event), ("invalid_request_error", Some("constraint_failed")));
         assert_eq!(stream_error_message(&event), "the regex constraint cannot go on");
+        assert_eq!(stream_error_type(&event), "invalid_request_error");
+    }
+
+    #[test]
+    fn anthropic_streams_type_their_failures_as_the_same_failure_before_the_stream() {
+        let cancel = |shutdown| Event::Cancelled(Cancel { message: "stopped".into(), shutdown });
+        let cases = [
+            (cancel(true), "overloaded_error"),
+            (cancel(false), "invalid_request_error"),
+            (Event::Refused("bad config".into()), "invalid_request_error"),
+            (Event::PluginFault("plugin x trapped".into()), "api_error"),
+            (Event::Error("boom".into()), "api_error"),
+        ];
+        for (event, kind) in cases {
+            assert_eq!(stream_error_type(&event), kind, "{event:?}");
+        }
     }
 
     /// One engine on a tiny random model for all tests of this module.
