@@ -22,7 +22,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// A plugin chosen for one request, with its config (for `host_init`) and params (`host_begin`).
 #[derive(Debug, Clone)]
@@ -474,17 +474,36 @@ impl ExternalSampler for PluginSampler {
 
 /// A constraint plugin (ABI.md §5.6) as the request's constraint: each start (on the
 /// engine thread, when the request starts) makes an instance, hands it the vocabulary and
-/// begins the request with its params and seed.
+/// begins the request with its params and seed — or, after `ConstraintSpec::prepare` (the
+/// server's, before the request reaches the engine), takes the instance it made and handed
+/// the vocabulary, and begins it.
 pub fn constraint_spec(registry: Arc<PluginRegistry>, selected: Selected, vocab: Arc<Vec<u8>>) -> ConstraintSpec {
     let kind = selected.plugin.name().to_string();
     let tokens = vocab.get(..4).map_or(0, |n| u32::from_le_bytes(n.try_into().expect("4 bytes")) as usize);
     let words = tokens.div_ceil(32);
+    let selected = Arc::new(selected);
+    let make = {
+        let selected = selected.clone();
+        move || -> Result<Instance> {
+            let mut instance = registry.runtime.instantiate(&selected.plugin, &selected.config)?;
+            instance.constraint_vocab(&vocab)?;
+            Ok(instance)
+        }
+    };
+    let made: Arc<Mutex<Option<Result<Instance>>>> = Arc::default();
+    let prepare = {
+        let (made, make) = (made.clone(), make.clone());
+        move || {
+            let instance = make();
+            *made.lock().unwrap_or_else(|p| p.into_inner()) = Some(instance);
+        }
+    };
     ConstraintSpec::new(kind, move |seed| {
         if let Some(q) = selected.plugin.quarantine() {
             bail!(runtime::PluginFault(q.message));
         }
-        let started = registry.runtime.instantiate(&selected.plugin, &selected.config).and_then(|mut instance| {
-            instance.constraint_vocab(&vocab)?;
+        let prepared = made.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let started = prepared.unwrap_or_else(&make).and_then(|mut instance| {
             instance.begin(&selected.params, seed)?;
             Ok(instance)
         });
@@ -500,6 +519,7 @@ pub fn constraint_spec(registry: Arc<PluginRegistry>, selected: Selected, vocab:
             Err(e) => Err(e),
         }
     })
+    .with_prepare(prepare)
 }
 
 /// Every token's bytes as a constraint plugin receives them (ABI.md §5.6): the token count,
@@ -1124,10 +1144,23 @@ mod tests {
             .map(|w| w.as_bytes().to_vec())
             .collect();
         let (eos, vocab) = (6u32, words.len());
-        let selected =
-            Selected { plugin, config: serde_json::json!({}), params: serde_json::json!({}), fallback: false };
+        let selected = Selected {
+            plugin: plugin.clone(),
+            config: serde_json::json!({}),
+            params: serde_json::json!({}),
+            fallback: false,
+        };
         let spec = constraint_spec(registry.clone(), selected, Arc::new(encode_vocab(&words, &[eos])));
+        // Prepared ahead (as the server does, off the engine thread), a start only begins the
+        // instance made and handed the vocabulary; the next start makes its own.
+        spec.prepare();
+        let calls = || plugin.calls.load(Ordering::Relaxed);
+        let prepared = calls();
         let mut guard = crate::engine::Guard::start(&spec, 7, &[eos], vocab).unwrap();
+        assert_eq!(calls() - prepared, 1, "constraint_begin only");
+        let begun = calls();
+        drop(crate::engine::Guard::start(&spec, 7, &[eos], vocab).unwrap());
+        assert_eq!(calls() - begun, 3, "host_alloc and constraint_vocab, then constraint_begin");
         let open = |m: Option<crate::engine::constraint::Bits>| crate::engine::constraint::tests::open(&m, vocab);
         // Nothing written: no leading space, no end yet; "Dog", "", the special token and
         // "a.b" never.

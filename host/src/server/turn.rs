@@ -163,11 +163,18 @@ impl AppState {
             }
             let registry = self.plugins.clone().expect("a selected plugin comes from the registry");
             let grammars = self.grammars.clone();
-            let vocab = tokio::task::spawn_blocking(move || grammars.plugin_vocab())
+            // The plugin's instance and its vocabulary tables are made here, not on the
+            // engine thread every running request waits on.
+            let spec = tokio::task::spawn_blocking(move || {
+                let spec = crate::plugins::constraint_spec(registry, selected, grammars.plugin_vocab()?);
+                spec.prepare();
+                anyhow::Ok(spec)
+            });
+            let spec = spec
                 .await
                 .map_err(|e| ApiError::internal(e).flavor(flavor))?
                 .map_err(|e| ApiError::internal(format!("{e:#}")).flavor(flavor))?;
-            return Ok(Some(crate::plugins::constraint_spec(registry, selected, vocab)));
+            return Ok(Some(spec));
         }
         let Some(structure) = structure else { return Ok(None) };
         let grammars = self.grammars.clone();
