@@ -590,6 +590,12 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
         for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
+            if r.gen_tokens < MIN_RATE_TOKENS {
+                // A forced run commits its tokens at one instant: two tokens, one of them
+                // forced, would read as thousands of tokens a second.
+                println!("{} tokens: too few for a decode rate", r.gen_tokens);
+                continue;
+            }
             println!(
                 "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
                 match &r.constraint {
@@ -605,6 +611,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     Ok(())
 }
+
+/// The fewest generated tokens whose decode rate `host bench` compares with plain decoding.
+const MIN_RATE_TOKENS: usize = 16;
 
 /// Milliseconds per step of a summed duration.
 fn per_step(secs: f64, steps: usize) -> f64 {
