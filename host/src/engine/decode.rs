@@ -202,9 +202,6 @@ pub struct Generation<'m> {
     masking: constraint::Masking,
     /// When a constrained step works out its mask beside other host work (`Overlap`).
     pub(crate) overlap: Overlap,
-    /// `Overlap::Ahead`: the processed logits `[1, V]` of the forward over the pending
-    /// token, started with its sampling.
-    ahead: Option<Array>,
     /// Whether tokens a constraint forces are committed in runs (`forced_run`); for
     /// measuring, `HOST_FORCED_RUNS=off` turns it off.
     pub(crate) fast_forward: bool,
@@ -230,9 +227,6 @@ pub(crate) enum Overlap {
     Always,
     /// Always after the next forward's start.
     Never,
-    /// A step's sampling and the next step's forward started together, the token read
-    /// and the mask worked out before them: one dispatch a step, as an unconstrained step.
-    Ahead,
 }
 
 impl Overlap {
@@ -240,7 +234,6 @@ impl Overlap {
         match std::env::var("HOST_MASK_OVERLAP").as_deref() {
             Ok("always") => Overlap::Always,
             Ok("never") => Overlap::Never,
-            Ok("ahead") => Overlap::Ahead,
             _ => Overlap::Auto,
         }
     }
@@ -372,7 +365,6 @@ impl<'m> Generation<'m> {
             abandoned_step: false,
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
-            ahead: None,
             fast_forward: std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"),
             prompt_len: prompt.len(),
             generated: 0,
@@ -462,7 +454,6 @@ impl<'m> Generation<'m> {
             self.pending = Some(self.step(&input, position)?);
         }
         let Some((y, logprobs)) = self.pending.take() else { return Ok(()) };
-        debug_assert!(self.ahead.is_none() || self.constraint.is_some(), "only constrained steps run ahead");
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative;
@@ -479,9 +470,6 @@ impl<'m> Generation<'m> {
         let mut forward_queued = None;
         let t0 = Instant::now();
         if queued && self.constraint.is_some() {
-            if let Some(logits) = self.ahead.take() {
-                return self.ahead_step(&y, logprobs, logits);
-            }
             let logits = self.forward(&y)?;
             let slow = self.constraint.as_ref().is_some_and(Guard::slow);
             match self.overlap {
@@ -644,41 +632,11 @@ impl<'m> Generation<'m> {
         self.queue_pick(&last, mask, self.prompt_len + self.generated)
     }
 
-    /// A constrained step (`Overlap::Ahead`) whose forward (`logits`) started with the
-    /// sampling of its input `y`: the token is read, the constraint takes it and works out
-    /// the next mask, and the sampling is started with the forward after it.
-    fn ahead_step(&mut self, y: &Array, logprobs: Array, logits: Array) -> Result<()> {
-        let t0 = Instant::now();
-        let id = y.item_i32()? as u32;
-        self.stats.wait_secs += t0.elapsed().as_secs_f64();
-        self.stats.pipelined_steps += 1;
-        self.stats.decode_steps += 1;
-        self.abandoned_step = true;
-        let guard = self.constraint.as_mut().expect("a constrained step");
-        guard.accept(id)?;
-        if self.commit(id, logprobs) {
-            return Ok(());
-        }
-        let mask = self.constraint.as_mut().expect("a constrained step").mask()?;
-        self.after_mask(logits, mask)
-    }
-
     /// A constrained step's second half, started behind its forward (`logits`): the step in
-    /// flight from here on. Ahead (`Overlap::Ahead`), the forward over its token is built and
-    /// started with it, unless that token is the last one.
+    /// flight from here on.
     fn queue_pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<()> {
-        let t0 = Instant::now();
         let next = self.pick(logits, mask, position)?;
-        if self.overlap == Overlap::Ahead && self.generated + 1 < self.options.max_tokens {
-            let forward = self.forward(&next.0)?;
-            let t1 = Instant::now();
-            mlx::async_eval(&[&next.0, &next.1, &forward])?;
-            self.stats.build_secs += (t1 - t0).as_secs_f64();
-            self.stats.dispatch_secs += t1.elapsed().as_secs_f64();
-            self.ahead = Some(forward);
-        } else {
-            mlx::async_eval(&[&next.0, &next.1])?;
-        }
+        mlx::async_eval(&[&next.0, &next.1])?;
         self.pending = Some(next);
         self.abandoned_step = false;
         Ok(())
@@ -1431,12 +1389,11 @@ mod tests {
             // Forced tokens committed in runs and fed together (1, 4 and the end), with each
             // mask worked out after the next forward's start or beside it (as when the device is
             // ahead of the host): the same tokens, and log-probabilities to rounding.
-            for overlap in [Overlap::Never, Overlap::Always, Overlap::Ahead] {
+            for overlap in [Overlap::Never, Overlap::Always] {
                 let (tokens, stats) = decode(&params, overlap, true);
                 assert_eq!(ids(&tokens), plain, "{overlap:?} {params:?}");
                 assert_eq!((stats.forced_tokens, stats.masks), (6, plain.len()), "{stats:?}");
                 assert_eq!(stats.overlapped_masks, if overlap == Overlap::Always { plain.len() - 6 } else { 0 });
-                assert_eq!(stats.pipelined_steps, plain.len() - 6, "{overlap:?}");
                 for (i, (a, b)) in tokens.iter().zip(&stepped).enumerate() {
                     let (a, b) = (a.logprobs.to_vec_f32().unwrap(), b.logprobs.to_vec_f32().unwrap());
                     let close = a.iter().zip(&b).all(|(x, y)| x == y || (x - y).abs() < 1e-4);
