@@ -214,10 +214,13 @@ pub struct Generation<'m> {
 
 /// When a constrained step works out its mask, which needs the token before it. For
 /// measuring (`bench/device/mask-overlap.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
-/// `never`) picks it. A fourth way, the token read first and the mask worked out beside
-/// building the next forward, then forward and sampling started together, measured
-/// 0.63-0.75x against auto's 0.79-0.92x on the H200 (the device finishes a forward ~0.6 ms
-/// after MLX has started all of it, and that wait is then on every step; bench/RESULTS.md).
+/// `never`) picks it. Two more ways were measured on the H200 and dropped (bench/RESULTS.md,
+/// session 24), both one dispatch a step with the token read before it: the token read
+/// first and the mask worked out beside building the next forward (0.63-0.75x against
+/// auto's 0.79-0.92x), and a step's sampling started together with the next forward
+/// (0.50-0.76x against 0.84-0.91x on llama-1b). The device finishes a step 0.5-1 ms after
+/// MLX has started all of it (it launches a step as CUDA graphs of 20 kernels), and a
+/// token read right after its dispatch waits that long on every step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Overlap {
     /// Beside the next forward's start when the token is already there and masks are slow,
