@@ -78,6 +78,49 @@ fn streamed_text_equals_the_json_text() {
     assert!(stats.contains("tok/s") && stats.contains("peak memory"), "{stats}");
 }
 
+/// `--regex`, `--json-schema`: the output holds to them; the tokens they force (on this
+/// byte-level vocabulary, every byte a regex's literal or a schema's key spells) are counted.
+#[test]
+fn generate_holds_its_output_to_a_regex_or_a_json_schema() {
+    let v = json_of(&generate(&["--prompt", "hi", "--max-tokens", "20", "--json", "--regex", "[ab]{2}-done"]));
+    let text = v["text"].as_str().unwrap();
+    assert!(text.len() == 7 && text[..2].bytes().all(|b| b == b'a' || b == b'b') && text.ends_with("-done"), "{v}");
+    assert!(v["forced_tokens"].as_u64().unwrap() >= 5, "\"-done\" is forced: {v}");
+    assert_eq!(v["finish_reason"], "stop", "{v}");
+    let dir = std::env::temp_dir().join(format!("host-cli-schema-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let schema = dir.join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {"kind": {"enum": ["cat"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["kind", "n"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let v = json_of(&generate(&[
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "40",
+        "--json",
+        "--json-schema",
+        schema.to_str().unwrap(),
+    ]));
+    let out: Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert_eq!(out["kind"], "cat", "{v}");
+    assert!((0..=9).contains(&out["n"].as_i64().unwrap()), "{v}");
+    assert!(v["forced_tokens"].as_u64().unwrap() >= 10, "the keys and \"cat\" are forced: {v}");
+    // A schema that is not JSON, one llguidance refuses, and two structures at once.
+    std::fs::write(&schema, "{not json").unwrap();
+    let err = stderr_of_failure(&generate(&["--prompt", "hi", "--json-schema", schema.to_str().unwrap()]));
+    assert!(err.contains("is not JSON; give --json-schema a file holding a JSON schema"), "{err}");
+    std::fs::write(&schema, r#"{"type": "object", "not": {"required": ["a"]}}"#).unwrap();
+    let err = stderr_of_failure(&generate(&["--prompt", "hi", "--json-schema", schema.to_str().unwrap()]));
+    assert!(err.contains("--json-schema does not compile") && err.contains("not"), "{err}");
+    let both = generate(&["--prompt", "hi", "--json-object", "--regex", "a"]);
+    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"), "{both:?}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn bad_input_gets_a_clear_error() {
     let err = stderr_of_failure(&generate(&["--prompt", "hi", "--temp", "-1"]));

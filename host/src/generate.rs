@@ -1,7 +1,10 @@
 //! `host generate`: one prompt in, a streamed completion (or one JSON object) out.
 
 use crate::default_model;
-use crate::engine::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecMethod, Speculation};
+use crate::engine::{
+    DecodeOptions, FinishReason, Generation, Guard, Hooks, Sampler, SamplingParams, SpecMethod, Speculation,
+};
+use crate::structured::{CompileError, Grammars, Structure};
 use anyhow::{bail, Context, Result};
 use mlx::Device;
 use models::{Detokenizer, Loaded};
@@ -131,6 +134,18 @@ pub struct Args {
     /// Split the model over this many processes (tensor parallel; 1: off).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// Hold the output to the JSON schema in FILE, as `response_format`'s `json_schema` does.
+    #[arg(long, value_name = "FILE", group = "structure")]
+    pub json_schema: Option<PathBuf>,
+    /// Hold the output to a JSON object.
+    #[arg(long, group = "structure")]
+    pub json_object: bool,
+    /// Hold the whole output to a regex.
+    #[arg(long, group = "structure")]
+    pub regex: Option<String>,
+    /// Hold the output to a grammar: Lark in llguidance's dialect, or GBNF (`root ::= ...`).
+    #[arg(long, group = "structure")]
+    pub grammar: Option<String>,
 }
 
 fn parse_bias(s: &str) -> std::result::Result<(u32, f32), String> {
@@ -156,6 +171,24 @@ impl Args {
             logit_bias: self.logit_bias.iter().copied().collect(),
             seed: self.seed,
         }
+    }
+
+    /// The structure the output is held to (`--json-schema`, `--json-object`, `--regex`,
+    /// `--grammar`; at most one), with the flag that gave it.
+    fn structure(&self) -> Result<Option<(&'static str, Structure)>> {
+        Ok(if let Some(path) = &self.json_schema {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let schema = serde_json::from_str(&text).with_context(|| {
+                format!("{} is not JSON; give --json-schema a file holding a JSON schema", path.display())
+            })?;
+            Some(("--json-schema", Structure::JsonSchema(schema)))
+        } else if self.json_object {
+            Some(("--json-object", Structure::JsonObject))
+        } else if let Some(rx) = &self.regex {
+            Some(("--regex", Structure::Regex(rx.clone())))
+        } else {
+            self.grammar.as_ref().map(|g| ("--grammar", Structure::Grammar(g.clone())))
+        })
     }
 
     fn prompt_bytes(&self) -> Result<Vec<u8>> {
@@ -208,6 +241,8 @@ pub struct JsonOutput {
     pub tokens_per_step: f64,
     /// Batch rows scored by verifications of several candidates (`--draft-candidates`).
     pub candidate_rows: usize,
+    /// Tokens the output's structure forced, committed without sampling.
+    pub forced_tokens: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -238,10 +273,25 @@ pub fn run(args: Args) -> Result<()> {
             options.prefill_step_size,
         )?),
     };
+    // The output's structure, compiled by llguidance against the vocabulary as a server's
+    // `response_format` is.
+    let tokenizer = std::sync::Arc::new(loaded.tokenizer);
+    let constraint = match args.structure()? {
+        Some((flag, structure)) => {
+            let (vocab, eos) = (loaded.info.vocab_size, &loaded.info.eos_token_ids);
+            let grammars = Grammars::new(tokenizer.clone(), vocab, eos.clone());
+            let spec = grammars.compile(&structure).map_err(|e| match e {
+                CompileError::Invalid(why) => anyhow::anyhow!("{flag} does not compile: {why}"),
+                CompileError::Internal(e) => e,
+            })?;
+            Some(Guard::start(&spec, sampler.seed(), eos, vocab)?)
+        }
+        None => None,
+    };
     let model = loaded.model.as_ref();
-    let hooks = Hooks { external: None, speculation, constraint: None };
+    let hooks = Hooks { external: None, speculation, constraint };
     let mut generation = Generation::start_with(model, model.make_cache(), &prompt_ids, sampler, options, hooks)?;
-    let mut detok = Detokenizer::new(&loaded.tokenizer);
+    let mut detok = Detokenizer::new(&tokenizer);
     let mut stdout = std::io::stdout().lock();
     let (mut text, mut ids, mut finish) = (String::new(), Vec::new(), FinishReason::Length);
     while let Some(token) = generation.next_token()? {
@@ -280,6 +330,7 @@ pub fn run(args: Args) -> Result<()> {
             acceptance_rate: stats.acceptance_rate(),
             tokens_per_step: stats.tokens_per_step(),
             candidate_rows: stats.candidate_rows,
+            forced_tokens: stats.forced_tokens,
         };
         serde_json::to_writer(&mut stdout, &out)?;
         writeln!(stdout)?;
