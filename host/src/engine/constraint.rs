@@ -205,6 +205,10 @@ impl Guard {
             _ => Vec::new(),
         };
         bits.resize(self.vocab.div_ceil(32), 0);
+        // Bits past the vocabulary name no token (a forced one would be fed to the model).
+        if let (Some(last), tail @ 1..) = (bits.last_mut(), self.vocab % 32) {
+            *last &= (1u32 << tail) - 1;
+        }
         for &e in &self.eos {
             if (e as usize) < self.vocab && allowed.permits(e, &self.eos) {
                 bits[e as usize / 32] |= 1 << (e % 32);
@@ -451,6 +455,9 @@ pub(crate) mod tests {
         assert_eq!(open(&g.mask().unwrap(), vocab), vec![1, 2], "a complete constraint allows only the end");
         g.accept(2).unwrap();
         assert!(g.accept(7).is_err(), "a token the constraint refuses is an error");
+        // A bit past the vocabulary names no token: cleared, so 69 alone is forced.
+        let mut g = Guard::start(&script(vec![vec![69, 75]], vocab), 0, &[1, 2], vocab).unwrap();
+        assert_eq!(g.mask().unwrap().as_deref().and_then(only_token), Some(69));
     }
 
     #[test]

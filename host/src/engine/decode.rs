@@ -213,7 +213,7 @@ pub struct Generation<'m> {
 }
 
 /// When a constrained step works out its mask, which needs the token before it. For
-/// measuring (`bench/device/mask-overlap.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
+/// measuring (`bench/device/constrained-steps.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
 /// `never`) picks it. Two more ways were measured on the H200 and dropped (bench/RESULTS.md,
 /// session 24), both one dispatch a step with the token read before it: the token read
 /// first and the mask worked out beside building the next forward (0.63-0.75x against
@@ -573,7 +573,7 @@ impl<'m> Generation<'m> {
     /// the position after the last committed token) started: the sampling is queued behind
     /// the forward — unless the mask allows one token only. That token comes next whatever
     /// the logits say, and so may more after it (a JSON schema's keys and punctuation): see
-    /// `fast_forward`.
+    /// `forced_run`.
     fn after_mask(&mut self, logits: Array, mask: Option<constraint::Bits>) -> Result<()> {
         let forced = mask.as_deref().and_then(constraint::only_token).is_some();
         match mask {
