@@ -204,7 +204,7 @@ pub struct Generation<'m> {
     pub(crate) overlap: Overlap,
     /// Whether tokens a constraint forces are committed in runs (`forced_run`); for
     /// measuring, `HOST_FORCED_RUNS=off` turns it off.
-    pub(crate) fast_forward: bool,
+    pub(crate) forced_runs: bool,
     prompt_len: usize,
     generated: usize,
     started: Instant,
@@ -368,7 +368,7 @@ impl<'m> Generation<'m> {
             abandoned_step: false,
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
-            fast_forward: std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"),
+            forced_runs: std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"),
             prompt_len: prompt.len(),
             generated: 0,
             started,
@@ -573,11 +573,12 @@ impl<'m> Generation<'m> {
     /// the position after the last committed token) started: the sampling is queued behind
     /// the forward — unless the mask allows one token only. That token comes next whatever
     /// the logits say, and so may more after it (a JSON schema's keys and punctuation): see
-    /// `forced_run`.
+    /// `forced_run` (not with penalties over the history, whose logits processing a run's
+    /// forward would have to do position by position).
     fn after_mask(&mut self, logits: Array, mask: Option<constraint::Bits>) -> Result<()> {
         let forced = mask.as_deref().and_then(constraint::only_token).is_some();
         match mask {
-            Some(mask) if forced && self.fast_forward && self.history.is_none() => self.forced_run(logits, mask),
+            Some(mask) if forced && self.forced_runs && self.history.is_none() => self.forced_run(logits, mask),
             mask => self.queue_pick(&logits, mask, self.prompt_len + self.generated),
         }
     }
@@ -592,23 +593,23 @@ impl<'m> Generation<'m> {
     fn forced_run(&mut self, logits: Array, mask: constraint::Bits) -> Result<()> {
         let remaining = self.options.max_tokens.saturating_sub(self.generated);
         let guard = self.constraint.as_mut().expect("a constrained step");
-        let mut run: Vec<u32> = Vec::new();
-        let mut masks: Vec<Option<constraint::Bits>> = Vec::new();
-        // The mask of the position after the run, while the output goes on past it.
-        let mut after = Some(Some(mask));
-        while let Some(Some(mask)) = after.take() {
-            let Some(token) = constraint::only_token(&mask).filter(|_| run.len() < MAX_FORCED_RUN) else {
-                after = Some(Some(mask));
-                break;
+        let (mut run, mut masks) = (Vec::new(), Vec::new());
+        let mut current = Some(mask);
+        // The mask of the position after the run (`None` inside: anything goes), or `None`
+        // when the run ends the output.
+        let after = loop {
+            let token = match current.as_deref().and_then(constraint::only_token) {
+                Some(token) if run.len() < MAX_FORCED_RUN => token,
+                _ => break Some(current),
             };
             run.push(token);
-            masks.push(Some(mask));
+            masks.push(current.take());
             if guard.ends(token) || run.len() == remaining {
-                break;
+                break None;
             }
             guard.accept(token)?;
-            after = Some(guard.mask()?);
-        }
+            current = guard.mask()?;
+        };
         let k = run.len();
         let logits_run = {
             let input = tokens_array(&run)?.expand_dims(&[0])?;
@@ -1366,12 +1367,12 @@ mod tests {
         assert!(sets.iter().flatten().all(|&t| t != eos));
         let options = DecodeOptions { max_tokens: 60, eos_token_ids: vec![eos], prefill_step_size: 5 };
         let guard = || Some(Guard::start(&script(sets.clone(), vocab), 0, &[eos], vocab).unwrap());
-        let decode = |params: &SamplingParams, overlap: Overlap, fast_forward: bool| {
+        let decode = |params: &SamplingParams, overlap: Overlap, forced_runs: bool| {
             let sampler = Sampler::new(params.clone(), vocab).unwrap();
             let hooks = Hooks { constraint: guard(), ..Default::default() };
             let mut g =
                 Generation::start_with(model, model.make_cache(), &prompt, sampler, options.clone(), hooks).unwrap();
-            (g.overlap, g.fast_forward) = (overlap, fast_forward);
+            (g.overlap, g.forced_runs) = (overlap, forced_runs);
             let tokens: Vec<Token> = std::iter::from_fn(|| g.next_token().unwrap()).collect();
             (tokens, g.stats())
         };
@@ -1413,6 +1414,56 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A forced run that the constraint follows with "anything": the run stops there and the
+    /// next position is sampled freely, its mask asked for once (one mask per position).
+    #[test]
+    fn a_forced_run_ends_where_the_constraint_lets_anything_follow() {
+        use crate::engine::constraint::{Allowed, Constraint, ConstraintSpec};
+        struct ThenFree {
+            forced: Vec<u32>,
+            told: usize,
+            vocab: usize,
+        }
+        impl Constraint for ThenFree {
+            fn allowed(&mut self) -> Result<Allowed> {
+                let Some(&t) = self.forced.get(self.told) else { return Ok(Allowed::Anything) };
+                let mut bits = vec![0u32; self.vocab.div_ceil(32)];
+                bits[t as usize / 32] |= 1 << (t % 32);
+                Ok(Allowed::Tokens(bits))
+            }
+            fn accept(&mut self, _: u32) -> Result<()> {
+                self.told += 1;
+                Ok(())
+            }
+            fn rollback(&mut self, tokens: usize) -> Result<()> {
+                self.told -= tokens;
+                Ok(())
+            }
+        }
+        let model = testing::model("llama", 21).unwrap();
+        let (model, vocab) = (model.as_ref(), model.vocab_size());
+        let prompt = repetitive_prompt();
+        let spec = ConstraintSpec::new("then-free", move |_| {
+            Ok(Box::new(ThenFree { forced: vec![3, 4, 5], told: 0, vocab }) as Box<dyn Constraint>)
+        });
+        let options = DecodeOptions { max_tokens: 12, eos_token_ids: vec![], prefill_step_size: 5 };
+        let decode = |forced_runs: bool| {
+            let sampler = Sampler::new(SamplingParams::default(), vocab).unwrap();
+            let hooks = Hooks { constraint: Some(Guard::start(&spec, 0, &[], vocab).unwrap()), ..Default::default() };
+            let mut g =
+                Generation::start_with(model, model.make_cache(), &prompt, sampler, options.clone(), hooks).unwrap();
+            (g.overlap, g.forced_runs) = (Overlap::Never, forced_runs);
+            let ids: Vec<u32> = std::iter::from_fn(|| g.next_token().unwrap().map(|t| t.id)).collect();
+            (ids, g.stats())
+        };
+        let (stepped, _) = decode(false);
+        let (ids, stats) = decode(true);
+        assert_eq!(ids, stepped);
+        assert_eq!(ids[..3], [3, 4, 5]);
+        // The first token is sampled at the start; 4 and 5 are a run.
+        assert_eq!((stats.forced_tokens, stats.masks), (2, ids.len()), "{stats:?}");
     }
 
     #[test]
