@@ -270,14 +270,16 @@ pub fn only_token(mask: &[u32]) -> Option<u32> {
 }
 
 /// What applying masks needs on the device besides the masks: the 32 powers of two, `0`
-/// and `-inf` (in the logits' dtype). A generation or a batch keeps one, so a step uploads
-/// only its rows' bitsets: on the H200 each array made from host memory is a transfer the
+/// and `-inf` (in the logits' dtype), and the token ids for `forced`. A generation or a
+/// batch keeps one, so a step uploads only its rows' bitsets: on the H200 each array made from host memory is a transfer the
 /// device waits on, and the plain step has none.
 #[derive(Default)]
 pub struct Masking {
     /// `[1, 32]` u32 powers of two and u32 `0`.
     bits: Option<(Array, Array)>,
     neg_inf: Option<(Dtype, Array)>,
+    /// `[1, V]` int32 token ids, for `forced`.
+    ids: Option<Array>,
 }
 
 impl Masking {
@@ -304,12 +306,29 @@ impl Masking {
             }
         }
         let refused = self.refused(&bits, masks.len(), vocab)?;
-        let dtype = logits.dtype();
+        Ok(mlx::ops::where_(&refused, self.neg_inf(logits.dtype())?, logits)?)
+    }
+
+    /// The log-probabilities of tokens their masks force, one row each (`[K, vocab]` in
+    /// `dtype`): 0 for the token and -inf for the rest, what `apply` and a log-softmax give a
+    /// position whose mask allows one token — built without the logits or the masks (a
+    /// forced run's rows are rarely read: only for the API's `logprobs`).
+    pub fn forced(&mut self, tokens: &[u32], vocab: usize, dtype: Dtype) -> Result<Array> {
+        if self.ids.as_ref().is_none_or(|ids| ids.dim(-1) != vocab) {
+            self.ids = Some(Array::arange(0.0, vocab as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?);
+        }
+        let ids = self.ids.as_ref().expect("just set");
+        let tokens: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let chosen = ids.equal(&Array::from_i32(&tokens, &[tokens.len(), 1])?)?;
+        Ok(mlx::ops::where_(&chosen, &Array::scalar(0.0, dtype)?, self.neg_inf(dtype)?)?)
+    }
+
+    /// `-inf` in `dtype`, kept.
+    fn neg_inf(&mut self, dtype: Dtype) -> Result<&Array> {
         if self.neg_inf.as_ref().is_none_or(|(d, _)| *d != dtype) {
             self.neg_inf = Some((dtype, Array::scalar(f32::NEG_INFINITY, dtype)?));
         }
-        let neg_inf = &self.neg_inf.as_ref().expect("just set").1;
-        Ok(mlx::ops::where_(&refused, neg_inf, logits)?)
+        Ok(&self.neg_inf.as_ref().expect("just set").1)
     }
 
     /// `rows` bitsets of `vocab` bits (one after another, whole words each) as `[rows,

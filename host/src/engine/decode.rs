@@ -578,7 +578,7 @@ impl<'m> Generation<'m> {
     fn after_mask(&mut self, logits: Array, mask: Option<constraint::Bits>) -> Result<()> {
         let forced = mask.as_deref().and_then(constraint::only_token).is_some();
         match mask {
-            Some(mask) if forced && self.forced_runs && self.history.is_none() => self.forced_run(logits, mask),
+            Some(mask) if forced && self.forced_runs && self.history.is_none() => self.forced_run(&logits, mask),
             mask => self.queue_pick(&logits, mask, self.prompt_len + self.generated),
         }
     }
@@ -589,11 +589,11 @@ impl<'m> Generation<'m> {
     /// one forward, and queues the sampling of the position after them, under the first
     /// mask that leaves a choice. Without this every forced token would cost a forward and
     /// a sampling of its own. A forced token's log-probabilities are its mask's, as a sampled
-    /// one's are: from `logits` for the first, from the run's forward for the others.
-    fn forced_run(&mut self, logits: Array, mask: constraint::Bits) -> Result<()> {
+    /// one's are (`Masking::forced`). `logits` are the position's, for their dtype.
+    fn forced_run(&mut self, logits: &Array, mask: constraint::Bits) -> Result<()> {
         let remaining = self.options.max_tokens.saturating_sub(self.generated);
         let guard = self.constraint.as_mut().expect("a constrained step");
-        let (mut run, mut masks) = (Vec::new(), Vec::new());
+        let mut run = Vec::new();
         let mut current = Some(mask);
         // The mask of the position after the run (`None` inside: anything goes), or `None`
         // when the run ends the output.
@@ -603,22 +603,13 @@ impl<'m> Generation<'m> {
                 _ => break Some(current),
             };
             run.push(token);
-            masks.push(current.take());
             if guard.ends(token) || run.len() == remaining {
                 break None;
             }
             guard.accept(token)?;
             current = guard.mask()?;
         };
-        let k = run.len();
-        let logits_run = {
-            let input = tokens_array(&run)?.expand_dims(&[0])?;
-            let all = self.model.forward(&input, &mut self.cache)?.squeeze(&[0])?;
-            self.sampler.process(&all, None)?
-        };
-        // Row i: the logits token i of the run was forced at.
-        let before = mlx::ops::concatenate(&[&logits, &logits_run.slice_axis(0, 0, k as i32 - 1)?], 0)?;
-        let logprobs = log_softmax(&self.masking.apply(&before, &masks)?)?;
+        let logprobs = self.masking.forced(&run, logits.dim(-1), logits.dtype())?;
         for (i, &token) in run.iter().enumerate() {
             self.stats.forced_tokens += 1;
             let row = logprobs.slice_axis(0, i as i32, i as i32 + 1)?.squeeze(&[0])?;
@@ -626,13 +617,16 @@ impl<'m> Generation<'m> {
                 return Ok(());
             }
         }
-        self.stats.decode_steps += 1;
-        let last = logits_run.slice_axis(0, k as i32 - 1, k as i32)?;
         let mask = match after {
             Some(mask) => mask,
             // An end-of-sequence token the options do not stop at.
             None => self.constraint.as_mut().expect("a constrained step").mask()?,
         };
+        self.stats.decode_steps += 1;
+        let input = tokens_array(&run)?.expand_dims(&[0])?;
+        let last =
+            self.model.forward(&input, &mut self.cache)?.slice_axis(1, run.len() as i32 - 1, run.len() as i32)?;
+        let last = self.sampler.process(&last.squeeze(&[1])?, None)?;
         self.queue_pick(&last, mask, self.prompt_len + self.generated)
     }
 
