@@ -15,7 +15,9 @@
 //! batch knows nothing about text or requests; rows are named by a key.
 
 use super::constraint::{self, Guard};
-use super::decode::{external_frame, pick_from_frame, tokens_array, DecodeOptions, ExternalSampler, Token};
+use super::decode::{
+    external_frame, pick_from_frame, takes_forced_runs, tokens_array, DecodeOptions, ExternalSampler, Token,
+};
 use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
@@ -87,6 +89,21 @@ impl<'m> Row<'m> {
         self.key
     }
 
+    /// Whether the row would go faster as a generation of its own when it is alone
+    /// (`decode::takes_forced_runs`).
+    pub fn takes_forced_runs(&self) -> bool {
+        takes_forced_runs(self.constraint.is_some(), self.external.is_some(), self.sampler.params())
+    }
+
+    /// The row's sampler, options (`max_tokens` less the tokens it committed) and
+    /// constraint, for a generation of its own to go on where it left the batch: a left
+    /// row's cache holds its sequence but the last token, which is fed next at `position`.
+    pub fn into_parts(self) -> (Sampler, DecodeOptions, Option<Guard>) {
+        let mut options = self.options;
+        options.max_tokens -= self.generated;
+        (self.sampler, options, self.constraint)
+    }
+
     /// Tokens committed so far.
     pub fn generated(&self) -> usize {
         self.generated
@@ -148,6 +165,11 @@ impl<'m> Batch<'m> {
 
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// Row `key`, if it is in the batch.
+    pub fn row(&self, key: u64) -> Option<&Row<'m>> {
+        self.rows.iter().find(|r| r.key == key)
     }
 
     /// Bytes of KV the batch holds (padding included).

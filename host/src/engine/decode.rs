@@ -6,7 +6,7 @@
 //! their callers.
 
 use super::constraint::{self, Guard};
-use super::sampling::{log_softmax, Sampler};
+use super::sampling::{log_softmax, Sampler, SamplingParams};
 use super::speculative::{Drafts, Speculation, Verify};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
@@ -245,6 +245,33 @@ impl Overlap {
 /// The most tokens a constraint's forced run (`Generation::forced_run`) feeds in one forward.
 const MAX_FORCED_RUN: usize = 32;
 
+/// Whether tokens a constraint forces are committed in runs (`Generation::forced_run`);
+/// `HOST_FORCED_RUNS=off` turns it off, for measuring.
+pub fn forced_runs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"))
+}
+
+/// Whether a request goes faster decoding alone, as a generation, than as a batch's only
+/// row: under a constraint, whose forced tokens only a generation takes in runs (one forward
+/// for many, no sampling), unless a plugin sampler (serial either way) or penalties over the
+/// history (no runs) are in play.
+pub fn takes_forced_runs(constrained: bool, external: bool, params: &SamplingParams) -> bool {
+    constrained && !external && !params.needs_history() && forced_runs()
+}
+
+/// What a generation hands over to go on as a row of a batch (`Generation::hand_over`).
+pub struct Handover {
+    /// Holds the prompt and every committed token but the last, which the row feeds first.
+    pub cache: Vec<KvCache>,
+    pub sampler: Sampler,
+    /// The generation's, `max_tokens` less the tokens it committed.
+    pub options: DecodeOptions,
+    pub constraint: Option<Guard>,
+    /// What the generation did, to count before it ends.
+    pub stats: DecodeStats,
+}
+
 /// How many of `drafts` the model's `picks` (at the same positions) agree with, from the first.
 fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
     drafts.iter().zip(picks).take_while(|(d, p)| **d as i32 == **p).count()
@@ -368,7 +395,7 @@ impl<'m> Generation<'m> {
             abandoned_step: false,
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
-            forced_runs: std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"),
+            forced_runs: forced_runs(),
             prompt_len: prompt.len(),
             generated: 0,
             started,
@@ -955,6 +982,43 @@ impl<'m> Generation<'m> {
             stats.mask_secs = guard.mask_secs;
         }
         stats
+    }
+
+    /// Whether the generation can go on as a row of a batch from here (`hand_over`): every
+    /// committed token returned, not finished, and no hook a row lacks (speculation; a plugin
+    /// sampler, which makes the batch serial).
+    pub fn can_hand_over(&self) -> bool {
+        self.ready.is_empty()
+            && self.speculation.is_none()
+            && self.external.is_none()
+            && (self.pending.is_some() || self.next_input.is_some())
+    }
+
+    /// Ends decoding alone for a batch row to go on where it stopped (`can_hand_over` must
+    /// hold): the step in flight, which fed the last committed token and sampled past it, is
+    /// given up with that token's KV, so the row's first step feeds it again at the same
+    /// position (seeds are keyed by position: the same draw). The constraint has been told
+    /// every committed token and nothing else.
+    pub fn hand_over(mut self) -> Handover {
+        debug_assert!(self.can_hand_over());
+        let held = self.prompt_len + self.generated - 1;
+        for c in &mut self.cache {
+            let extra = c.offset().saturating_sub(held);
+            c.trim(extra);
+        }
+        // Nothing to wait for on drop: what the step in flight writes, the cache's next
+        // reader waits for.
+        self.pending = None;
+        self.abandoned_step = false;
+        let mut options = self.options.clone();
+        options.max_tokens -= self.generated;
+        Handover {
+            cache: std::mem::take(&mut self.cache),
+            sampler: self.sampler.clone(),
+            options,
+            stats: self.stats(),
+            constraint: self.constraint.take(),
+        }
     }
 
     /// The seed the sampler uses (the request's, or the one picked for it).

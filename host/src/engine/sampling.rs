@@ -106,6 +106,7 @@ impl SamplingParams {
 }
 
 /// A request's sampler, with the device arrays it reuses every step.
+#[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
     seed: u64,

@@ -10,6 +10,7 @@
 
 use super::batch::{Batch, Left, Row};
 use super::constraint::{ConstraintFailed, ConstraintSpec, Guard};
+use super::decode::takes_forced_runs;
 use super::prompt_cache::PromptCache;
 use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
 use super::stop::StopMatcher;
@@ -260,6 +261,9 @@ pub struct EngineStats {
     pub spec_accepted_tokens: AtomicUsize,
     pub spec_target_steps: AtomicUsize,
     pub spec_generated_tokens: AtomicUsize,
+    /// Tokens an output constraint forced and a request decoding alone committed in runs
+    /// (`Generation::forced_run`: without sampling, many in one forward).
+    pub forced_tokens: AtomicUsize,
 }
 
 /// Upper bounds of the batch-size histogram's buckets (`EngineStats::batch_size_counts`).
@@ -728,6 +732,7 @@ impl Worker {
             self.admit(m, &mut waiting, &mut running, &mut batch);
             let mut ended: Vec<(usize, Option<anyhow::Error>)> = Vec::new();
             self.prefill_some(m, &mut running, &mut batch, &mut ended);
+            self.rebalance(m, &mut running, &mut batch, &mut ended);
             if !batch.is_empty() {
                 self.stats.batch_step(batch.len());
                 match batch.step() {
@@ -836,7 +841,8 @@ impl Worker {
                     if job.events.is_closed() {
                         continue;
                     }
-                    match self.start(m, *job) {
+                    let alone = running.is_empty();
+                    match self.start(m, *job, alone) {
                         Ok(active) => running.push(active),
                         Err((job, e)) => {
                             let _ = job.events.send(failure(e));
@@ -892,6 +898,71 @@ impl Worker {
                 };
                 if let Err(e) = joined {
                     ended.push((i, Some(e)));
+                }
+            }
+        }
+    }
+
+    /// Moves a constrained request between decoding alone and the batch: alone (a generation
+    /// of its own, which takes a constraint's forced tokens in runs: `takes_forced_runs`)
+    /// while it is the only running request, a batch row (one forward for every request)
+    /// as soon as another joins the batch. Either way it goes on at the position where it
+    /// stopped, with the same sampler, constraint and remaining `max_tokens`.
+    fn rebalance<'m>(
+        &mut self,
+        m: Models<'m>,
+        running: &mut [Active<'m>],
+        batch: &mut Batch<'m>,
+        ended: &mut Vec<(usize, Option<anyhow::Error>)>,
+    ) {
+        if !m.model.batches() {
+            return;
+        }
+        let sequence = |a: &Active<'_>| -> Vec<u32> {
+            let mut s = a.job.request.prompt.clone();
+            s.extend(&a.generated);
+            s
+        };
+        // The batch's only row, nothing else running (a request prefilling would join next).
+        if let [a @ Active { source: Source::Batched, .. }] = running {
+            if batch.len() != 1 || !batch.row(a.job.seq).is_some_and(Row::takes_forced_runs) {
+                return;
+            }
+            let alone = (|| -> Result<()> {
+                let Some(Left { row, cache }) = batch.leave(a.job.seq)? else { return Ok(()) };
+                let (sampler, options, constraint) = row.into_parts();
+                let hooks = Hooks { constraint, ..Default::default() };
+                let generation = Generation::start_with(m.model, cache, &sequence(a), sampler, options, hooks)?;
+                a.source = Source::Solo(Box::new(generation));
+                Ok(())
+            })();
+            if let Err(e) = alone {
+                ended.push((0, Some(e.context("moving a request out of the batch"))));
+            }
+        } else if !batch.is_empty() {
+            for (i, a) in running.iter_mut().enumerate() {
+                if !matches!(&a.source, Source::Solo(g) if g.can_hand_over()) {
+                    continue;
+                }
+                let Source::Solo(generation) = std::mem::replace(&mut a.source, Source::Batched) else {
+                    unreachable!("matched above")
+                };
+                let handover = generation.hand_over();
+                self.stats.forced_tokens.fetch_add(handover.stats.forced_tokens, Ordering::Relaxed);
+                let sequence = sequence(a);
+                let joined = (|| -> Result<()> {
+                    let held = handover.cache.first().map_or(0, KvCache::offset);
+                    if held + 1 != sequence.len() {
+                        bail!(
+                            "a generation handed over a cache of {held} positions for a sequence of {}",
+                            sequence.len()
+                        );
+                    }
+                    let row = Row::new(a.job.seq, &sequence, handover.sampler, handover.options)?;
+                    batch.join(row.with_constraint(handover.constraint), &handover.cache)
+                })();
+                if let Err(e) = joined {
+                    ended.push((i, Some(e.context("moving a request into the batch"))));
                 }
             }
         }
@@ -1100,7 +1171,15 @@ impl Worker {
 
     /// Starts a job: prompt-cache lookup, plugins, prefill; sends `Started`.
     #[allow(clippy::result_large_err)]
-    fn start<'m>(&mut self, m: Models<'m>, job: Job) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
+    /// A request that is `alone` (nothing else running) and whose constraint may force runs of
+    /// tokens decodes as a generation of its own, which takes them (`rebalance` moves it into
+    /// the batch when another request joins).
+    fn start<'m>(
+        &mut self,
+        m: Models<'m>,
+        job: Job,
+        alone: bool,
+    ) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
         let request = &job.request;
         let prompt = &request.prompt;
         let (cache, reused) = self.cached_prefix(m, prompt);
@@ -1131,7 +1210,8 @@ impl Worker {
                 .map(|c| Guard::start(c, seed, &options.eos_token_ids, vocab))
                 .transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
-            let then = if speculation.is_none() && m.model.batches() {
+            let runs = alone && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
+            let then = if speculation.is_none() && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint)))
             } else {
@@ -1259,6 +1339,7 @@ impl Worker {
             Source::Solo(generation) => generation.stats(),
             _ => Default::default(),
         };
+        self.stats.forced_tokens.fetch_add(stats.forced_tokens, Ordering::Relaxed);
         let speculative = (request.speculative.method != SpecMethod::Off).then_some(SpecUsage {
             method: request.speculative.method,
             drafted_tokens: stats.drafted_tokens,
@@ -1644,6 +1725,68 @@ mod tests {
         };
         assert!(during >= chunks / 2, "{during} tokens of the running stream during {chunks} prefill chunks");
         drop((running, long, engine));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Issue 23: a lone constrained request decodes alone, taking its constraint's forced
+    /// tokens in runs (one forward for a run, no sampling); when another request joins it
+    /// moves into the batch, and out again once it is alone, going on each time where it
+    /// stopped: both requests write what they write alone.
+    #[test]
+    fn a_lone_constrained_request_takes_forced_runs_and_shares_the_batch_when_another_joins() {
+        let dir = std::env::temp_dir().join(format!("host-solo-constrained-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 9).unwrap();
+        let engine = Engine::start(EngineConfig {
+            max_batch: 4,
+            prompt_cache_bytes: 0,
+            warm_up: Some(false),
+            ..EngineConfig::cpu(dir.clone())
+        })
+        .unwrap();
+        // 400 positions, a choice of 16 tokens each, but from position 300 on three of every
+        // four are forced (runs of three): long after the other request below has finished.
+        let forced = |p: usize| p >= 300 && p % 4 != 3;
+        let allowed: Vec<Vec<u32>> =
+            (0..400).map(|p| if forced(p) { vec![40 + (p as u32 * 7) % 50] } else { (40..56).collect() }).collect();
+        let n_forced = (0..400).filter(|&p| forced(p)).count();
+        let constrained = || JobRequest {
+            constraint: Some(crate::engine::constraint::tests::script(allowed.clone(), 128)),
+            ..request(vec![5, 6, 7, 8], SamplingParams::default(), 400)
+        };
+        let mut no_eos = SamplingParams::default();
+        no_eos.logit_bias.insert(2, -1e9);
+        let other = || request((0..20).map(|t| 60 + t * 3).collect(), no_eos.clone(), 12);
+        let stat = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
+        let two_rows = || stat(&engine.stats.batch_size_counts[1]);
+
+        let alone = collect(&mut engine.submit(constrained()).unwrap());
+        assert_eq!(alone.1.as_ref().unwrap().1.completion_tokens, 400);
+        assert_eq!(stat(&engine.stats.forced_tokens), n_forced, "alone, every forced token is taken in a run");
+        assert_eq!(two_rows(), 0);
+        let other_alone = collect(&mut engine.submit(other()).unwrap());
+
+        let mut c = engine.submit(constrained()).unwrap();
+        // Decoding alone when the other arrives.
+        let first = loop {
+            match c.blocking_recv() {
+                Some(Event::Delta { text, .. }) => break text,
+                Some(Event::Started { .. }) => {}
+                other => panic!("{other:?}"),
+            }
+        };
+        let mut o = engine.submit(other()).unwrap();
+        let (mut together, other_together) = (collect(&mut c), collect(&mut o));
+        together.0.insert_str(0, &first);
+        assert!(two_rows() > 0, "the constrained request never shared the batch");
+        assert_eq!(together.0, alone.0, "the constrained request's output, moved into the batch and out");
+        assert_eq!(together.1.unwrap().1.completion_tokens, 400);
+        assert_eq!(other_together.0, other_alone.0);
+        assert_eq!(
+            stat(&engine.stats.forced_tokens),
+            2 * n_forced,
+            "alone again after the other request left, it takes the forced tokens in runs"
+        );
+        drop(engine);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
