@@ -302,6 +302,8 @@ pub struct Row {
     /// Of the decode steps, those whose mask was worked out beside the next forward's start
     /// (the token already computed: `Generation::overlapped`).
     pub overlapped_steps: Option<usize>,
+    /// Constrained steps whose forward and sampling started as one (`Generation::merged`).
+    pub merged_steps: Option<usize>,
     /// Tokens the constraint forced, committed in runs without sampling (`forced_run`).
     pub forced_tokens: Option<usize>,
     pub mask_ms: Option<f64>,
@@ -545,6 +547,7 @@ pub fn run(args: Args) -> Result<()> {
             constraint: structure.as_ref().map(BenchConstraint::kind),
             masks_per_token: structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
             overlapped_steps: structure.as_ref().map(|_| first.stats.overlapped_masks),
+            merged_steps: structure.as_ref().map(|_| first.stats.merged_steps),
             forced_tokens: structure.as_ref().map(|_| first.stats.forced_tokens),
             mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
             trie_ms,
@@ -578,13 +581,14 @@ pub fn run(args: Args) -> Result<()> {
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "{} constraint: {} tokens ({} forced), {:.3} ms per mask ({:.2} masks per token, {} steps overlapped); token trie {:.0} ms, compile {:.1} ms",
+                "{} constraint: {} tokens ({} forced), {:.3} ms per mask ({:.2} masks per token, {} steps overlapped, {} merged); token trie {:.0} ms, compile {:.1} ms",
                 r.constraint.as_deref().unwrap_or_default(),
                 r.gen_tokens,
                 r.forced_tokens.unwrap_or_default(),
                 r.mask_ms.unwrap_or_default(),
                 r.masks_per_token.unwrap_or_default(),
                 r.overlapped_steps.unwrap_or_default(),
+                r.merged_steps.unwrap_or_default(),
                 r.trie_ms.unwrap_or_default(),
                 r.compile_ms.unwrap_or_default()
             );

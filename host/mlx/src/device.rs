@@ -74,6 +74,34 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::async_eval(&list(arrays))?)
 }
 
+/// Starts `arrays` (as `async_eval`) together with a private copy of `value`, which another
+/// thread may then wait for and read (`Detached`) while this one goes on building and
+/// starting graphs.
+pub fn async_eval_detached(arrays: &[&Array], value: &Array) -> Result<Detached> {
+    let copy = value.copy()?;
+    let mut all = arrays.to_vec();
+    all.push(&copy);
+    async_eval(&all)?;
+    Ok(Detached(copy))
+}
+
+/// An array already started and held by nothing else (`async_eval_detached`). Arrays are
+/// not `Send` (a lazy graph belongs to its thread's stream); this one may go to another
+/// thread because its work is already on the stream: reading it only waits for the work's
+/// event and copies the values out, and its own state is nobody else's (its inputs are
+/// reached only through reference counts, which are atomic).
+pub struct Detached(Array);
+
+// SAFETY: see `Detached`: started before it exists, and owned by one thread at a time.
+unsafe impl Send for Detached {}
+
+impl Detached {
+    /// Waits for the value and reads it, as int32.
+    pub fn to_vec_i32(self) -> Result<Vec<i32>> {
+        self.0.to_vec_i32()
+    }
+}
+
 /// The not yet evaluated graph behind `arrays`, in Graphviz dot (MLX's `export_to_dot`):
 /// one node per primitive, which is what MLX dispatches as a kernel.
 pub fn graph_dot(arrays: &[&Array]) -> String {

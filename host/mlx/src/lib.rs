@@ -14,7 +14,9 @@ pub mod io;
 pub mod ops;
 
 pub use array::Array;
-pub use device::{async_eval, eval, graph_dot, memory, synchronize, version, Device, Stream};
+pub use device::{
+    async_eval, async_eval_detached, eval, graph_dot, memory, synchronize, version, Detached, Device, Stream,
+};
 pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use ops::{fast, random};

@@ -142,6 +142,9 @@ pub struct DecodeStats {
     pub mask_secs: f64,
     /// Constrained steps whose mask was worked out beside the next forward's dispatch.
     pub overlapped_masks: usize,
+    /// Constrained steps started as one dispatch (forward and sampling), the token before
+    /// them already there and the mask worked out before it (`Generation::merged`).
+    pub merged_steps: usize,
     /// Tokens the constraint forced (its mask allowed one), committed without sampling and
     /// fed to the model in runs (`Generation::forced_run`).
     pub forced_tokens: usize,
@@ -196,6 +199,8 @@ pub struct Generation<'m> {
     history: Option<Array>,
     /// The step whose token is read next: (token `[1]`, logprobs `[V]`).
     pending: Option<(Array, Array)>,
+    /// A constrained step in flight: its token's private copy, for `overlapped`.
+    pending_copy: Option<mlx::Detached>,
     /// Generation finished with a step still queued behind the last token (see `Drop`).
     abandoned_step: bool,
     /// The device constants a constraint's masks are applied with.
@@ -214,20 +219,26 @@ pub struct Generation<'m> {
 
 /// When a constrained step works out its mask, which needs the token before it. For
 /// measuring (`bench/device/constrained-steps.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
-/// `never`) picks it. Two more ways were measured on the H200 and dropped (bench/RESULTS.md,
-/// session 24), both one dispatch a step with the token read before it: the token read
-/// first and the mask worked out beside building the next forward (0.63-0.75x against
-/// auto's 0.79-0.92x), and a step's sampling started together with the next forward
-/// (0.50-0.76x against 0.84-0.91x on llama-1b). The device finishes a step 0.5-1 ms after
-/// MLX has started all of it (it launches a step as CUDA graphs of 20 kernels), and a
-/// token read right after its dispatch waits that long on every step.
+/// `merged`, `never`) picks it. Measured on the H200 (bench/RESULTS.md, session 25): with
+/// the token waited for on a helper thread while the next forward is started, llama-1b's
+/// json_schema and regex went from 0.91-0.92x (never) to 1.00-1.02x; where the token is
+/// already there and the mask quick (SmolLM2, the lowercase plugin), one dispatch for
+/// forward and sampling (merged) gave 1.10x against 0.93x. Two more ways were measured and
+/// dropped (session 24), both one dispatch a step with the token read on this thread before
+/// it, waiting: the mask worked out beside building the next forward (0.63-0.75x), and a
+/// step's sampling started together with the next forward (0.50-0.76x on llama-1b). The
+/// device finishes a step 0.5-1 ms after MLX has started all of it, and a token read right
+/// after its dispatch waits that long on every step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Overlap {
-    /// Beside the next forward's start when the token is already there and masks are slow,
-    /// else after that start (while the device runs it).
+    /// Before the next forward's start, forward and sampling then started as one
+    /// (`Generation::merged`), when the token is already there once that forward is built
+    /// and masks are quick; else beside the forward's start (`Generation::overlapped`).
     Auto,
-    /// Always beside the next forward's start, waiting for the token first.
+    /// Always beside the next forward's start, the token waited for on a helper thread.
     Always,
+    /// Always before it, forward and sampling started as one, waiting for the token first.
+    Merged,
     /// Always after the next forward's start.
     Never,
 }
@@ -236,6 +247,7 @@ impl Overlap {
     fn from_env() -> Overlap {
         match std::env::var("HOST_MASK_OVERLAP").as_deref() {
             Ok("always") => Overlap::Always,
+            Ok("merged") => Overlap::Merged,
             Ok("never") => Overlap::Never,
             _ => Overlap::Auto,
         }
@@ -392,6 +404,7 @@ impl<'m> Generation<'m> {
             options,
             history: None,
             pending: None,
+            pending_copy: None,
             abandoned_step: false,
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
@@ -484,6 +497,7 @@ impl<'m> Generation<'m> {
             self.pending = Some(self.step(&input, position)?);
         }
         let Some((y, logprobs)) = self.pending.take() else { return Ok(()) };
+        let copy = self.pending_copy.take();
         let n = self.generated;
         // Serial when a plugin picks tokens (read after the step: a sampler that failed with
         // fallback has just been dropped) or when the next step will likely be speculative;
@@ -503,9 +517,10 @@ impl<'m> Generation<'m> {
             let logits = self.forward(&y)?;
             let slow = self.constraint.as_ref().is_some_and(Guard::slow);
             match self.overlap {
-                Overlap::Always => return self.overlapped(&y, logprobs, logits, t0),
-                Overlap::Auto if slow && y.is_available() => return self.overlapped(&y, logprobs, logits, t0),
-                _ => {}
+                Overlap::Auto if y.is_available() && !slow => return self.merged(&y, logprobs, logits, t0),
+                Overlap::Auto | Overlap::Always => return self.overlapped(&y, copy, logprobs, logits, t0),
+                Overlap::Merged => return self.merged(&y, logprobs, logits, t0),
+                Overlap::Never => {}
             }
             forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
@@ -564,19 +579,38 @@ impl<'m> Generation<'m> {
         Ok(logits)
     }
 
-    /// A constrained step whose token `y` is already computed (the device is ahead of this
-    /// thread, as on the H200 for a 1B model, where starting a forward costs the host ~1 ms):
-    /// the token is read first, and the constraint takes it and works out the next mask on
-    /// a helper thread while this one starts the next forward (`logits`, built from `t0` on),
-    /// so the mask costs no time of its own; then the sampling is queued behind the forward.
-    fn overlapped(&mut self, y: &Array, logprobs: Array, logits: Array, t0: Instant) -> Result<()> {
+    /// A constrained step whose mask is worked out beside the next forward's start (`logits`,
+    /// built from `t0` on): a helper thread reads the token, tells the constraint and asks
+    /// it for the next mask while this one starts the forward (MLX's `async_eval`, ~1 ms of
+    /// host time for a 1B model on the H200), so neither the mask nor the wait for the
+    /// token cost time of their own; then the sampling is queued behind the forward. The
+    /// helper waits on `copy`, the token's private copy started with its step
+    /// (`queue_pick`); without one (the first step) the token `y` is read here first.
+    fn overlapped(
+        &mut self,
+        y: &Array,
+        copy: Option<mlx::Detached>,
+        logprobs: Array,
+        logits: Array,
+        t0: Instant,
+    ) -> Result<()> {
         debug_assert!(self.speculation.is_none() && self.external.is_none(), "such steps are serial");
         let t1 = Instant::now();
-        let id = y.item_i32()? as u32;
+        let read = match copy {
+            Some(copy) => Err(copy),
+            None => Ok(y.item_i32()? as u32),
+        };
         let t2 = Instant::now();
         let guard = self.constraint.as_mut().expect("a constrained step");
         let (dispatched, told) = std::thread::scope(|scope| {
-            let helper = scope.spawn(|| guard.accept(id).map(|()| guard.mask()));
+            let helper = scope.spawn(move || -> Result<(u32, Result<Option<constraint::Bits>>)> {
+                let id = match read {
+                    Ok(id) => id,
+                    Err(copy) => copy.to_vec_i32()?[0] as u32,
+                };
+                guard.accept(id)?;
+                Ok((id, guard.mask()))
+            });
             let dispatched = mlx::async_eval(&[&logits]);
             (dispatched, helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
         });
@@ -585,7 +619,7 @@ impl<'m> Generation<'m> {
         self.stats.dispatch_secs += t2.elapsed().as_secs_f64();
         self.abandoned_step = true;
         dispatched?;
-        let mask = told?;
+        let (id, mask) = told?;
         self.stats.pipelined_steps += 1;
         self.stats.decode_steps += 1;
         self.stats.overlapped_masks += 1;
@@ -594,6 +628,33 @@ impl<'m> Generation<'m> {
             return Ok(());
         }
         self.after_mask(logits, mask?)
+    }
+
+    /// A constrained step whose token `y` is already computed and whose constraint is quick:
+    /// the token is read and told to the constraint, the next mask worked out, and the next
+    /// step's forward (`logits`, built from `t0` on, not yet started) and its sampling are
+    /// started as one (one `async_eval`, as an unconstrained step), rather than the forward
+    /// first and the sampling behind it once the mask is known (two).
+    fn merged(&mut self, y: &Array, logprobs: Array, logits: Array, t0: Instant) -> Result<()> {
+        debug_assert!(self.speculation.is_none() && self.external.is_none(), "such steps are serial");
+        let t1 = Instant::now();
+        let id = y.item_i32()? as u32;
+        self.stats.build_secs += (t1 - t0).as_secs_f64();
+        self.stats.wait_secs += t1.elapsed().as_secs_f64();
+        let guard = self.constraint.as_mut().expect("a constrained step");
+        guard.accept(id)?;
+        self.stats.pipelined_steps += 1;
+        self.stats.decode_steps += 1;
+        self.stats.merged_steps += 1;
+        if self.commit(id, logprobs) {
+            // The forward, never started, is not needed (the cache's next reader would run it).
+            return Ok(());
+        }
+        let mask = self.constraint.as_mut().expect("a constrained step").mask()?;
+        let t2 = Instant::now();
+        self.after_mask(logits, mask)?;
+        self.stats.dispatch_secs += t2.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// A constrained step's second half once its mask is known, its forward (`logits`, for
@@ -661,7 +722,7 @@ impl<'m> Generation<'m> {
     /// flight from here on.
     fn queue_pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<()> {
         let next = self.pick(logits, mask, position)?;
-        mlx::async_eval(&[&next.0, &next.1])?;
+        self.pending_copy = Some(mlx::async_eval_detached(&[&next.0, &next.1], &next.0)?);
         self.pending = Some(next);
         self.abandoned_step = false;
         Ok(())
@@ -1009,6 +1070,7 @@ impl<'m> Generation<'m> {
         // Nothing to wait for on drop: what the step in flight writes, the cache's next
         // reader waits for.
         self.pending = None;
+        self.pending_copy = None;
         self.abandoned_step = false;
         let mut options = self.options.clone();
         options.max_tokens -= self.generated;
@@ -1449,13 +1511,18 @@ mod tests {
                 assert!(sets[i].contains(t), "token {i} ({t}) is outside its set {:?}", sets[i]);
             }
             // Forced tokens committed in runs and fed together (1, 4 and the end), with each
-            // mask worked out after the next forward's start or beside it (as when the device is
-            // ahead of the host): the same tokens, and log-probabilities to rounding.
-            for overlap in [Overlap::Never, Overlap::Always] {
+            // mask worked out after the next forward's start, beside it, or before it with
+            // forward and sampling started as one (the last two as when the device is ahead of
+            // the host): the same tokens, and log-probabilities to rounding.
+            for overlap in [Overlap::Never, Overlap::Always, Overlap::Merged] {
                 let (tokens, stats) = decode(&params, overlap, true);
                 assert_eq!(ids(&tokens), plain, "{overlap:?} {params:?}");
                 assert_eq!((stats.forced_tokens, stats.masks), (6, plain.len()), "{stats:?}");
-                assert_eq!(stats.overlapped_masks, if overlap == Overlap::Always { plain.len() - 6 } else { 0 });
+                let steps = |way| if overlap == way { plain.len() - 6 } else { 0 };
+                assert_eq!(
+                    (stats.overlapped_masks, stats.merged_steps),
+                    (steps(Overlap::Always), steps(Overlap::Merged))
+                );
                 for (i, (a, b)) in tokens.iter().zip(&stepped).enumerate() {
                     let (a, b) = (a.logprobs.to_vec_f32().unwrap(), b.logprobs.to_vec_f32().unwrap());
                     let close = a.iter().zip(&b).all(|(x, y)| x == y || (x - y).abs() < 1e-4);
