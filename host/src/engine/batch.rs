@@ -17,7 +17,7 @@
 use super::constraint::{self, Guard};
 use super::decode::{
     external_frame, pick_from_frame, takes_forced_runs, tokens_array, DecodeOptions, ExternalSampler, FinishReason,
-    Token,
+    Overlap, Token,
 };
 use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
@@ -140,6 +140,9 @@ pub struct Batch<'m> {
     steps: usize,
     /// The device constants the rows' constraint masks are applied with.
     masking: constraint::Masking,
+    /// `Never`: a constrained step's tokens are read and its masks worked out on this thread
+    /// after the next forward's start, not beside it (`HOST_MASK_OVERLAP`, for measuring).
+    overlap: Overlap,
 }
 
 /// A batch's step ends with no MLX work of its own running (see `Generation`'s `Drop`).
@@ -163,6 +166,7 @@ impl<'m> Batch<'m> {
             pending: None,
             steps: 0,
             masking: constraint::Masking::default(),
+            overlap: Overlap::from_env(),
         }
     }
 
@@ -254,6 +258,23 @@ impl<'m> Batch<'m> {
         if !constrained {
             self.pending = Some(self.build(Some(&current))?);
             return self.read(current);
+        }
+        if self.overlap == Overlap::Never {
+            // For measuring: the tokens read and the masks worked out after the forward's start.
+            let (keys, logits) = self.forward(Some(&current))?;
+            mlx::async_eval(&[&logits])?;
+            let out = match self.read(current) {
+                Ok(out) => out,
+                Err(e) => {
+                    let _ = mlx::synchronize();
+                    return Err(e);
+                }
+            };
+            let ended: Vec<u64> =
+                out.iter().filter(|(_, t)| !t.as_ref().is_ok_and(|t| t.finish.is_none())).map(|(k, _)| *k).collect();
+            let masks = masks(&mut self.rows, &ended);
+            self.pending = Some(self.sample(keys, &logits, masks)?);
+            return Ok(out);
         }
         // With a constrained row only the next step's forward is started before this step's
         // tokens are read (its masks need them): a helper thread waits for them, tells the

@@ -244,7 +244,7 @@ pub(crate) enum Overlap {
 }
 
 impl Overlap {
-    fn from_env() -> Overlap {
+    pub(crate) fn from_env() -> Overlap {
         match std::env::var("HOST_MASK_OVERLAP").as_deref() {
             Ok("always") => Overlap::Always,
             Ok("merged") => Overlap::Merged,
