@@ -14,7 +14,7 @@
 //! masks are worked out while that forward runs, and its sampling is queued after them. The
 //! batch knows nothing about text or requests; rows are named by a key.
 
-use super::constraint::{self, Guard};
+use super::constraint::{self, Guard, SLOW_MASK_SECS};
 use super::decode::{
     external_frame, pick_from_frame, takes_forced_runs, tokens_array, DecodeOptions, ExternalSampler, FinishReason,
     Overlap, Token,
@@ -140,8 +140,9 @@ pub struct Batch<'m> {
     steps: usize,
     /// The device constants the rows' constraint masks are applied with.
     masking: constraint::Masking,
-    /// `Never`: a constrained step's tokens are read and its masks worked out on this thread
-    /// after the next forward's start, not beside it (`HOST_MASK_OVERLAP`, for measuring).
+    /// How a constrained step's tokens are read and its masks worked out: `Auto` beside the
+    /// next forward's start when the masks are slow, else after it on this thread; `Always`
+    /// and `Never` one or the other (`HOST_MASK_OVERLAP`, for measuring).
     overlap: Overlap,
 }
 
@@ -259,8 +260,10 @@ impl<'m> Batch<'m> {
             self.pending = Some(self.build(Some(&current))?);
             return self.read(current);
         }
-        if self.overlap == Overlap::Never {
-            // For measuring: the tokens read and the masks worked out after the forward's start.
+        let mask_secs: f64 = self.rows.iter().filter_map(|r| r.constraint.as_ref()).map(Guard::mean_secs).sum();
+        if self.overlap == Overlap::Never || (self.overlap != Overlap::Always && mask_secs <= SLOW_MASK_SECS) {
+            // Quick masks (or, for measuring, every mask): the tokens read and the masks
+            // worked out here, after the forward's start (a helper thread costs more).
             let (keys, logits) = self.forward(Some(&current))?;
             mlx::async_eval(&[&logits])?;
             let out = match self.read(current) {
@@ -740,26 +743,39 @@ mod tests {
         assert_eq!(expected[1].last(), Some(&eos));
         assert!(expected[1].iter().zip(&sets).all(|(t, s)| s.contains(t)), "{:?}", expected[1]);
         assert_ne!(expected[1], solo(1, false), "the constraint changes the output");
-        let mut batch = Batch::new(model);
-        for (i, p) in prompts.iter().enumerate() {
-            let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
-            let row = Row::new(i as u64, p, sampler, opts.clone()).unwrap().with_constraint((i == 1).then(guard));
-            batch.join(row, &prefilled(model, p)).unwrap();
-        }
-        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-        while !batch.is_empty() {
-            let tokens = batch.step().unwrap();
-            assert!(batch.pending.is_some(), "the next step is in flight when the tokens are read (pipelined)");
-            for (key, token) in tokens {
-                let token = token.unwrap();
-                got.entry(key).or_default().push(token.id);
-                if token.finish.is_some() {
-                    batch.leave(key).unwrap();
+        // The tokens read and the masks worked out after the next forward's start, and on a
+        // helper thread beside it (as for slow masks).
+        for overlap in [Overlap::Never, Overlap::Always] {
+            let mut batch = Batch::new(model);
+            batch.overlap = overlap;
+            let join = |batch: &mut Batch, i: usize| {
+                let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
+                let row = Row::new(i as u64, &prompts[i], sampler, opts.clone()).unwrap();
+                batch.join(row.with_constraint((i == 1).then(guard)), &prefilled(model, &prompts[i])).unwrap();
+            };
+            join(&mut batch, 0);
+            join(&mut batch, 2);
+            let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+            let mut steps = 0;
+            while !batch.is_empty() {
+                // The constrained row joins a batch whose step in flight was built without one.
+                if steps == 2 {
+                    join(&mut batch, 1);
+                }
+                steps += 1;
+                let tokens = batch.step().unwrap();
+                assert!(batch.pending.is_some(), "the next step is in flight when the tokens are read (pipelined)");
+                for (key, token) in tokens {
+                    let token = token.unwrap();
+                    got.entry(key).or_default().push(token.id);
+                    if token.finish.is_some() {
+                        batch.leave(key).unwrap();
+                    }
                 }
             }
-        }
-        for (i, want) in expected.iter().enumerate() {
-            assert_eq!(got.get(&(i as u64)), Some(want), "row {i}");
+            for (i, want) in expected.iter().enumerate() {
+                assert_eq!(got.get(&(i as u64)), Some(want), "row {i}, {overlap:?}");
+            }
         }
     }
 
@@ -798,23 +814,26 @@ mod tests {
             Ok(Box::new(Breaks { ok: 3, seen: 0 }) as Box<dyn crate::engine::Constraint>)
         });
         let greedy = SamplingParams::default();
-        let mut batch = Batch::new(model);
-        for (i, p) in prompts.iter().enumerate() {
-            let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
-            let guard = (i == 1).then(|| Guard::start(&spec, 0, &[], model.vocab_size()).unwrap());
-            let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_constraint(guard);
-            batch.join(row, &prefilled(model, p)).unwrap();
-        }
-        let (got, failed) = drain(&mut batch);
-        assert_eq!(failed.len(), 1, "{failed:?}");
-        assert_eq!(failed[0].0, 1);
-        assert!(
-            failed[0].1.contains("output constraint") && failed[0].1.contains("broke at output position 3"),
-            "{failed:?}"
-        );
-        assert_eq!(got[&1].len(), 3, "the row had its tokens before the failure");
-        for i in [0, 2] {
-            assert_eq!(got[&(i as u64)], alone(model, &prompts[i], &greedy, n), "row {i}");
+        for overlap in [Overlap::Never, Overlap::Always] {
+            let mut batch = Batch::new(model);
+            batch.overlap = overlap;
+            for (i, p) in prompts.iter().enumerate() {
+                let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+                let guard = (i == 1).then(|| Guard::start(&spec, 0, &[], model.vocab_size()).unwrap());
+                let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_constraint(guard);
+                batch.join(row, &prefilled(model, p)).unwrap();
+            }
+            let (got, failed) = drain(&mut batch);
+            assert_eq!(failed.len(), 1, "{failed:?}");
+            assert_eq!(failed[0].0, 1);
+            assert!(
+                failed[0].1.contains("output constraint") && failed[0].1.contains("broke at output position 3"),
+                "{failed:?}"
+            );
+            assert_eq!(got[&1].len(), 3, "the row had its tokens before the failure ({overlap:?})");
+            for i in [0, 2] {
+                assert_eq!(got[&(i as u64)], alone(model, &prompts[i], &greedy, n), "row {i}, {overlap:?}");
+            }
         }
     }
 

@@ -117,6 +117,14 @@ impl std::error::Error for ConstraintFailed {}
 /// A step's masks go to helper threads when they took longer than this together.
 pub const PARALLEL_MASKS_SECS: f64 = 150e-6;
 
+/// Masks (of one constraint, or of a batch step's constraints together) that take longer than
+/// this on average are worked out on a helper thread beside the next forward's start, the
+/// token waited for there too; quicker ones on the engine thread (a helper costs ~20-50 µs
+/// to start and join). Measured on the H200 (bench/RESULTS.md, session 25): llguidance's
+/// JSON-schema and regex masks (0.06-0.4 ms) gain 0.1x there; the lowercase plugin's
+/// (0.02 ms) lost as much.
+pub const SLOW_MASK_SECS: f64 = 50e-6;
+
 /// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens,
 /// end-of-sequence tokens kept out of the constraint, tentative drafts rolled back.
 pub struct Guard {
@@ -136,10 +144,15 @@ impl Guard {
         Ok(Guard { inner: spec.start(seed)?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
     }
 
-    /// Whether its masks have taken long enough (over 50 µs on average) that working one out
-    /// beside other host work pays for a helper thread (~20 µs to start).
+    /// Whether its masks have taken long enough (over `SLOW_MASK_SECS` on average) that
+    /// working one out beside other host work pays for a helper thread (~20 µs to start).
     pub fn slow(&self) -> bool {
-        self.masks > 0 && self.mask_secs / self.masks as f64 > 50e-6
+        self.mean_secs() > SLOW_MASK_SECS
+    }
+
+    /// Seconds a mask has taken on average (0 before the first).
+    pub fn mean_secs(&self) -> f64 {
+        self.mask_secs / self.masks.max(1) as f64
     }
 
     /// The mask of the next position: the allowed tokens as a bitset of `V` bits (bit

@@ -219,21 +219,21 @@ pub struct Generation<'m> {
 
 /// When a constrained step works out its mask, which needs the token before it. For
 /// measuring (`bench/device/constrained-steps.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
-/// `merged`, `never`) picks it. Measured on the H200 (bench/RESULTS.md, session 25): with
-/// the token waited for on a helper thread while the next forward is started, llama-1b's
-/// json_schema and regex went from 0.91-0.92x (never) to 1.00-1.02x; where the token is
-/// already there and the mask quick (SmolLM2, the lowercase plugin), one dispatch for
-/// forward and sampling (merged) gave 1.10x against 0.93x. Two more ways were measured and
-/// dropped (session 24), both one dispatch a step with the token read on this thread before
-/// it, waiting: the mask worked out beside building the next forward (0.63-0.75x), and a
-/// step's sampling started together with the next forward (0.50-0.76x on llama-1b). The
-/// device finishes a step 0.5-1 ms after MLX has started all of it, and a token read right
-/// after its dispatch waits that long on every step.
+/// `merged`, `never`) picks it. Measured on the H200 (bench/RESULTS.md, session 25): slow
+/// masks (llguidance's JSON schema and regex on llama-1b) gain 0.1x from the helper thread
+/// (0.98x and 0.89x against 0.86x and 0.78x never), quick ones lose to its start; where the
+/// token is already there and the mask quick (SmolLM2, the lowercase plugin), one dispatch
+/// for forward and sampling (merged) gave 1.00-1.10x against 0.83-0.98x. Two more ways were
+/// measured and dropped (session 24), both one dispatch a step with the token read on this
+/// thread before it, waiting: the mask worked out beside building the next forward
+/// (0.63-0.75x), and a step's sampling started together with the next forward (0.50-0.76x
+/// on llama-1b). The device finishes a step 0.5-1 ms after MLX has started all of it, and a
+/// token read right after its dispatch waits that long on every step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Overlap {
-    /// Before the next forward's start, forward and sampling then started as one
-    /// (`Generation::merged`), when the token is already there once that forward is built
-    /// and masks are quick; else beside the forward's start (`Generation::overlapped`).
+    /// Slow masks (`Guard::slow`) beside the next forward's start (`Generation::overlapped`);
+    /// quick ones before it, forward and sampling then started as one (`Generation::merged`),
+    /// when the token is already there once that forward is built, else after it.
     Auto,
     /// Always beside the next forward's start, the token waited for on a helper thread.
     Always,
@@ -517,10 +517,11 @@ impl<'m> Generation<'m> {
             let logits = self.forward(&y)?;
             let slow = self.constraint.as_ref().is_some_and(Guard::slow);
             match self.overlap {
-                Overlap::Auto if y.is_available() && !slow => return self.merged(&y, logprobs, logits, t0),
-                Overlap::Auto | Overlap::Always => return self.overlapped(&y, copy, logprobs, logits, t0),
+                Overlap::Auto if slow => return self.overlapped(&y, copy, logprobs, logits, t0),
+                Overlap::Auto if y.is_available() => return self.merged(&y, logprobs, logits, t0),
+                Overlap::Always => return self.overlapped(&y, copy, logprobs, logits, t0),
                 Overlap::Merged => return self.merged(&y, logprobs, logits, t0),
-                Overlap::Never => {}
+                Overlap::Auto | Overlap::Never => {}
             }
             forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
