@@ -4,7 +4,7 @@
 # --paired-plain`), for the kit's llama-1b shape and SmolLM2 bfloat16: the JSON schema, the
 # regex and the lowercase plugin of bench/structured.sh. A way is NAME or NAME:VAR=VALUE,...
 # with the engine's measuring switches (host/src/engine/decode.rs): HOST_MASK_OVERLAP (auto,
-# always, never: when the mask is worked out) and HOST_FORCED_RUNS (off: every forced token
+# always, merged, never: when the mask is worked out) and HOST_FORCED_RUNS (off: every forced token
 # sampled in a step of its own). Needs the MLX site (/tmp/site) and the data bundle (/tmp/data).
 #   bash bench/device/constrained-steps.sh /tmp/host default runs-off:HOST_FORCED_RUNS=off
 set -uo pipefail

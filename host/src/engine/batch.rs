@@ -318,7 +318,7 @@ impl<'m> Batch<'m> {
             let dispatched = mlx::async_eval(&[&logits]);
             (dispatched, helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
         });
-        let helped = match dispatched.map_err(anyhow::Error::from).and_then(|()| helped) {
+        let helped = match dispatched.map_err(anyhow::Error::from).and(helped) {
             Ok(helped) => helped,
             Err(e) => {
                 // No MLX work outlives the batch's failure (see `Drop`).
