@@ -5,7 +5,8 @@
 # regex and the lowercase plugin of bench/structured.sh. A way is NAME or NAME:VAR=VALUE,...
 # with the engine's measuring switches (host/src/engine/decode.rs): HOST_MASK_OVERLAP (auto,
 # always, merged, never: when the mask is worked out) and HOST_FORCED_RUNS (off: every forced token
-# sampled in a step of its own). Needs the MLX site (/tmp/site) and the data bundle (/tmp/data).
+# sampled in a step of its own). MODELS picks the model folders (default both). Needs the MLX
+# site (/tmp/site) and the data bundle (/tmp/data).
 #   bash bench/device/constrained-steps.sh /tmp/host default runs-off:HOST_FORCED_RUNS=off
 set -uo pipefail
 HOST=${1:-/tmp/host}
@@ -23,7 +24,7 @@ trap 'rm -rf "$WORK"' EXIT
 "$HOST" plugins build-wat examples/wat/lowercase.wat "$WORK/lowercase.wasm"
 echo '{"plugin": "lowercase.wasm"}' > "$WORK/lowercase.json"
 S=bench/structured
-for model in /tmp/llama-1b $M/smollm2-bfloat16; do
+for model in ${MODELS:-/tmp/llama-1b $M/smollm2-bfloat16}; do
   for c in $S/people.json $S/regex.json "$WORK/lowercase.json"; do
     for way in $WAYS; do
       name=${way%%:*}

@@ -435,9 +435,9 @@ def test_the_priority_policy_serves_high_priority_first_and_pauses_the_running_r
         s.stop()
 
 
-@pytest.mark.parametrize("prompt_cache", ["256M", "0"])
+@pytest.mark.parametrize("prompt_cache,constrained", [("256M", False), ("0", False), ("256M", True)])
 def test_the_priority_policy_drops_the_running_request_when_memory_is_short_and_it_recomputes_the_same_text(
-        prompt_cache):
+        prompt_cache, constrained):
     # A budget below SmolLM2's context (~5,600 tokens of KV beside the weights), so that
     # `max_model_len` is the memory budget's.
     s = Server("--scheduler", "priority", "--memory-budget", "800M", "--prompt-cache-bytes", prompt_cache)
@@ -445,10 +445,13 @@ def test_the_priority_policy_drops_the_running_request_when_memory_is_short_and_
         t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
         # The running request alone may reach nearly the whole budget, so no other fits beside
         # it with its KV kept. It ends early at a stop string taken from its own greedy text.
+        # Constrained, it decodes alone (taking forced runs) until it is dropped, and resumes
+        # as a batch row.
+        extra = {"regex": "[^#]*"} if constrained else {}
         long_max = t["max_model_len"] - t["count"] - 8
-        probe = chat(s, messages=LONG, max_tokens=40)["choices"][0]["message"]["content"]
+        probe = chat(s, messages=LONG, max_tokens=40, **extra)["choices"][0]["message"]["content"]
         stop = " ".join(probe.split()[-3:])
-        body = {"max_tokens": long_max, "stop": [stop]}
+        body = {"max_tokens": long_max, "stop": [stop], **extra}
         alone = chat(s, messages=LONG, **body)["choices"][0]["message"]["content"]
         assert alone and stop not in alone
         results = race_one(s, body)
@@ -476,7 +479,7 @@ def test_the_priority_policy_drops_the_running_request_when_memory_is_short_and_
 def race_one(server, long_body):
     """A long streamed request runs; a priority-10 request arrives. {key: (time, status, text)}."""
     results = {}
-    long = start_long(server, results, long_body["max_tokens"], stop=long_body["stop"])
+    long = start_long(server, results, **long_body)
     high = timed(server, results, "high", max_tokens=5, priority=10)
     for t in (long, high):
         t.join(300)

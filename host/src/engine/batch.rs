@@ -179,6 +179,11 @@ impl<'m> Batch<'m> {
         self.rows.is_empty()
     }
 
+    /// Whether the model decodes rows in batches (a tensor-parallel one does not).
+    pub fn batches(&self) -> bool {
+        self.model.batches()
+    }
+
     /// Row `key`, if it is in the batch.
     pub fn row(&self, key: u64) -> Option<&Row<'m>> {
         self.rows.iter().find(|r| r.key == key)

@@ -1043,8 +1043,9 @@ impl Worker {
         // every paused request, the running one and the next could all reach their maximum
         // length within the memory budget (and at most MAX_PAUSED wait so). Otherwise the
         // preempted request is dropped: its KV goes to the prompt cache (which may evict it)
-        // and is recomputed when it resumes. A request decoding alone (speculation, tensor
-        // parallelism) keeps its own generation's state, so it is only ever paused.
+        // and is recomputed when it resumes. A request decoding alone for speculation or
+        // tensor parallelism keeps its own generation's state, so it is only ever paused (a
+        // lone constrained one is dropped as the batch row it would otherwise be).
         let held = || -> usize {
             running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
                 + waiting
@@ -1058,7 +1059,12 @@ impl Worker {
         let reserved_tokens = held();
         let short = budget > 0 && reserved_tokens > budget;
         let keep = !short && paused < MAX_PAUSED;
-        let droppable = matches!(running[index].source, Source::Batched | Source::Prefill { .. });
+        let droppable = match &running[index].source {
+            Source::Batched | Source::Prefill { .. } => true,
+            // A lone constrained request decoding alone goes on as a batch row.
+            Source::Solo(g) => g.can_hand_over() && batch.batches(),
+            _ => false,
+        };
         if !keep && !droppable {
             let a = &running[index];
             let key = Some(a.job.key());
@@ -1117,9 +1123,17 @@ impl Worker {
                 (sequence, left.cache, Then::Batch(Box::new(left.row)))
             }
             Source::Prefill { cache, then, .. } => (active.job.request.prompt.clone(), cache, then),
+            Source::Solo(generation) if generation.can_hand_over() && batch.batches() => {
+                let handover = generation.hand_over();
+                self.stats.forced_tokens.fetch_add(handover.stats.forced_tokens, Ordering::Relaxed);
+                let mut sequence = active.job.request.prompt.clone();
+                sequence.extend(&active.generated);
+                let row = Row::new(active.job.seq, &sequence, handover.sampler, handover.options)?;
+                (sequence, handover.cache, Then::Batch(Box::new(row.with_constraint(handover.constraint))))
+            }
             other => {
                 active.source = other;
-                bail!("only a batch row or a prefilling request can be dropped")
+                bail!("only a batch row, a prefilling request or a lone constrained one can be dropped")
             }
         };
         // The cache holds the sequence but its last token (or, prefilling, a prefix of it).
