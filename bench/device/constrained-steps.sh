@@ -12,13 +12,7 @@ set -uo pipefail
 HOST=${1:-/tmp/host}
 shift || true
 WAYS=${*:-default}
-. /tmp/site/env.sh
-export PYTHONPATH=$PYTHONPATH:$(ls /tmp/data/whl/gguf-*.whl)
-M=/dev/shm/m
-mkdir -p $M
-[ -f $M/smollm2-bfloat16/model.safetensors ] ||
-  python3 /tmp/data/gguf_to_hf.py /tmp/data/SmolLM2-135M-Instruct.Q4_1.gguf $M/smollm2-bfloat16 --dtype bfloat16 > /dev/null
-bash bench/device/kit-models.sh llama-1b > /dev/null
+. bench/device/structured-models.sh
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 "$HOST" plugins build-wat examples/wat/lowercase.wat "$WORK/lowercase.wasm"
