@@ -1,6 +1,8 @@
 //! `Array`: an owned handle to a (possibly lazy) MLX array, and its elementwise, shape and
 //! reduction methods. Arrays are not `Send`: MLX binds a lazy graph to the thread's default
-//! stream, so all arrays of one model live on one thread (the engine thread).
+//! stream, so all arrays of one model live on one thread (the engine thread). The one
+//! exception is `Detached` (`async_eval_detached`): a started array's private copy, which
+//! another thread may wait for and read.
 
 use crate::ffi::ffi;
 use crate::{Dtype, Error, Result};
