@@ -119,7 +119,8 @@ pub struct Left<'m> {
 }
 
 /// A built step, in flight: its rows' keys in row order, their tokens and log-probabilities,
-/// and, when a row is constrained, the tokens' private copy for a helper thread to read.
+/// and, when the next step's masks will be worked out on a helper thread, the tokens'
+/// private copy for it to read.
 struct Step {
     keys: Vec<u64>,
     tokens: Array,
@@ -140,9 +141,7 @@ pub struct Batch<'m> {
     steps: usize,
     /// The device constants the rows' constraint masks are applied with.
     masking: constraint::Masking,
-    /// How a constrained step's tokens are read and its masks worked out: `Auto` beside the
-    /// next forward's start when the masks are slow, else after it on this thread; `Always`
-    /// and `Never` one or the other (`HOST_MASK_OVERLAP`, for measuring).
+    /// Where a constrained step's tokens are read and its masks worked out (`beside`).
     overlap: Overlap,
 }
 
@@ -265,65 +264,47 @@ impl<'m> Batch<'m> {
             self.pending = Some(self.build(Some(&current))?);
             return self.read(current);
         }
-        let mask_secs: f64 = self.rows.iter().filter_map(|r| r.constraint.as_ref()).map(Guard::mean_secs).sum();
-        if self.overlap == Overlap::Never || (self.overlap != Overlap::Always && mask_secs <= SLOW_MASK_SECS) {
-            // Quick masks (or, for measuring, every mask): the tokens read and the masks
-            // worked out here, after the forward's start (a helper thread costs more).
-            let (keys, logits) = self.forward(Some(&current))?;
-            mlx::async_eval(&[&logits])?;
-            let out = match self.read(current) {
-                Ok(out) => out,
-                Err(e) => {
-                    let _ = mlx::synchronize();
-                    return Err(e);
-                }
-            };
-            let ended: Vec<u64> =
-                out.iter().filter(|(_, t)| !t.as_ref().is_ok_and(|t| t.finish.is_none())).map(|(k, _)| *k).collect();
-            let masks = masks(&mut self.rows, &ended);
-            self.pending = Some(self.sample(keys, &logits, masks)?);
-            return Ok(out);
-        }
         // With a constrained row only the next step's forward is started before this step's
-        // tokens are read (its masks need them): a helper thread waits for them, tells the
-        // constraints and works out the next masks while this one starts the forward (~1 ms
-        // of host time for a 1B model on the H200); the sampling is started behind it with
-        // the masks. (Without the tokens' copy, the step's sampling built unconstrained, they
-        // are read here first.)
+        // tokens are read (its masks need them). Reading them, telling the constraints and
+        // working out the next masks happen after that start here, or, when the masks are
+        // slow, beside it on a helper thread (starting a forward costs ~1 ms of host time for
+        // a 1B model on the H200), which reads the tokens' private copy (`Step::copy`, made
+        // when the step was built if its masks were slow then). The sampling is started behind
+        // the forward with the masks.
         let (keys, logits) = self.forward(Some(&current))?;
         let mut current = current;
-        let copy = current.copy.take();
-        let read_here = match &copy {
-            None => Some(current.tokens.to_vec_i32().context("reading the batch's tokens")?),
+        let copy = current.copy.take().filter(|_| self.beside());
+        let read_here = match copy {
+            None => Some(current.tokens.to_vec_i32().context("reading the batch's tokens")),
             Some(_) => None,
         };
         let step_keys = &current.keys;
         let guards: Vec<Telling> = (self.rows.iter_mut())
             .filter_map(|r| {
                 let guard = r.constraint.as_mut()?;
-                Some(Telling {
-                    key: r.key,
-                    guard,
-                    options: &r.options,
-                    generated: r.generated,
-                    failed: r.failed.is_some(),
-                })
+                let failed = r.failed.is_some();
+                Some(Telling { key: r.key, guard, options: &r.options, generated: r.generated, failed })
             })
             .collect();
-        let (dispatched, helped) = std::thread::scope(|scope| {
-            let helper = scope.spawn(move || -> Result<Helped> {
-                let ids = match (read_here, copy) {
-                    (Some(ids), _) => ids,
-                    (None, Some(copy)) => copy.to_vec_i32().context("reading the batch's tokens")?,
-                    (None, None) => unreachable!("one or the other"),
-                };
-                let (accepted, masks) = tell_constraints(guards, step_keys, &ids);
-                Ok(Helped { ids, accepted, masks })
-            });
-            let dispatched = mlx::async_eval(&[&logits]);
-            (dispatched, helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-        });
-        let helped = match dispatched.map_err(anyhow::Error::from).and(helped) {
+        let work = move |read: Option<Result<Vec<i32>>>, copy: Option<mlx::Detached>| -> Result<Helped> {
+            let ids = match (read, copy) {
+                (Some(ids), _) => ids?,
+                (None, Some(copy)) => copy.to_vec_i32().context("reading the batch's tokens")?,
+                (None, None) => unreachable!("the tokens are read here or from their copy"),
+            };
+            let (accepted, masks) = tell_constraints(guards, step_keys, &ids);
+            Ok(Helped { ids, accepted, masks })
+        };
+        let helped = match copy {
+            Some(copy) => std::thread::scope(|scope| {
+                let helper = scope.spawn(move || work(None, Some(copy)));
+                let dispatched = mlx::async_eval(&[&logits]);
+                let helped = helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                dispatched.map_err(anyhow::Error::from).and(helped)
+            }),
+            None => mlx::async_eval(&[&logits]).map_err(anyhow::Error::from).and_then(|()| work(read_here, None)),
+        };
+        let helped = match helped {
             Ok(helped) => helped,
             Err(e) => {
                 // No MLX work outlives the batch's failure (see `Drop`).
@@ -331,18 +312,35 @@ impl<'m> Batch<'m> {
                 return Err(e);
             }
         };
-        let told = tell(&mut self.rows, &current.keys, &helped.ids, Some(helped.accepted));
+        for (key, said) in helped.accepted {
+            if let (Err(e), Some(row)) = (said, self.rows.iter_mut().find(|r| r.key == key)) {
+                row.failed = Some(e.context("the output constraint"));
+            }
+        }
+        let told = tell(&mut self.rows, &current.keys, &helped.ids, false);
         let masks = place(&mut self.rows, helped.masks);
         let out = self.tokens(&current, told)?;
         self.pending = Some(self.sample(keys, &logits, masks)?);
         Ok(out)
     }
 
+    /// Whether a constrained step's tokens are read and its masks worked out on a helper
+    /// thread beside the next forward's start: when the rows' masks together are slow
+    /// (`SLOW_MASK_SECS`; `HOST_MASK_OVERLAP=always|never` for measuring).
+    fn beside(&self) -> bool {
+        let mask_secs: f64 = self.rows.iter().filter_map(|r| r.constraint.as_ref()).map(Guard::mean_secs).sum();
+        match self.overlap {
+            Overlap::Always => true,
+            Overlap::Never => false,
+            _ => mask_secs > SLOW_MASK_SECS,
+        }
+    }
+
     /// Reads the step `current` (evaluating it): each row's token with its finish, told to
     /// its sampler plugin and constraint.
     fn read(&mut self, current: Step) -> Result<Vec<(u64, Result<Token>)>> {
         let ids = current.tokens.to_vec_i32().context("reading the batch's tokens")?;
-        let told = tell(&mut self.rows, &current.keys, &ids, None);
+        let told = tell(&mut self.rows, &current.keys, &ids, true);
         self.tokens(&current, told)
     }
 
@@ -454,7 +452,7 @@ impl<'m> Batch<'m> {
         for row in &mut self.rows {
             row.position += 1;
         }
-        let copy = if self.rows.iter().any(|r| r.constraint.is_some()) {
+        let copy = if self.rows.iter().any(|r| r.constraint.is_some()) && self.beside() {
             Some(mlx::async_eval_detached(&[&tokens, &logprobs], &tokens)?)
         } else {
             mlx::async_eval(&[&tokens, &logprobs])?;
@@ -493,10 +491,9 @@ impl<'m> Batch<'m> {
 }
 
 /// Tells each row of a step its token `ids` (in the step's row order, `keys`): its sampler
-/// plugin and its constraint are told (unless the constraints were told already: what they
-/// said, `accepted`), its limits checked.
-fn tell(rows: &mut [Row<'_>], keys: &[u64], ids: &[i32], accepted: Option<Vec<(u64, Result<()>)>>) -> Vec<Told> {
-    let mut accepted = accepted;
+/// plugin, and its constraint unless `constraints` is false (they were told already, a
+/// refusal set as the row's failure), are told, its limits checked.
+fn tell(rows: &mut [Row<'_>], keys: &[u64], ids: &[i32], constraints: bool) -> Vec<Told> {
     let mut out = Vec::with_capacity(ids.len());
     for (&key, &id) in keys.iter().zip(ids) {
         let Some(row) = rows.iter_mut().find(|r| r.key == key) else { continue };
@@ -516,12 +513,8 @@ fn tell(rows: &mut [Row<'_>], keys: &[u64], ids: &[i32], accepted: Option<Vec<(u
                 }
             }
         }
-        if let Some(guard) = row.constraint.as_mut() {
-            let said = match accepted.as_mut().and_then(|a| a.iter().position(|(k, _)| *k == key)) {
-                Some(i) => accepted.as_mut().expect("found in it").swap_remove(i).1,
-                None => guard.accept(id),
-            };
-            if let Err(e) = said {
+        if let Some(guard) = row.constraint.as_mut().filter(|_| constraints) {
+            if let Err(e) = guard.accept(id) {
                 out.push((key, Err(e.context("the output constraint"))));
                 continue;
             }

@@ -199,7 +199,8 @@ pub struct Generation<'m> {
     history: Option<Array>,
     /// The step whose token is read next: (token `[1]`, logprobs `[V]`).
     pending: Option<(Array, Array)>,
-    /// A constrained step in flight: its token's private copy, for `overlapped`.
+    /// A constrained step in flight whose next mask is worked out on a helper thread: its
+    /// token's private copy, for `overlapped` to read there.
     pending_copy: Option<mlx::Detached>,
     /// Generation finished with a step still queued behind the last token (see `Drop`).
     abandoned_step: bool,
@@ -515,13 +516,13 @@ impl<'m> Generation<'m> {
         let t0 = Instant::now();
         if queued && self.constraint.is_some() {
             let logits = self.forward(&y)?;
-            let slow = self.constraint.as_ref().is_some_and(Guard::slow);
+            if self.beside() {
+                return self.overlapped(&y, copy, logprobs, logits, t0);
+            }
             match self.overlap {
-                Overlap::Auto if slow => return self.overlapped(&y, copy, logprobs, logits, t0),
                 Overlap::Auto if y.is_available() => return self.merged(&y, logprobs, logits, t0),
-                Overlap::Always => return self.overlapped(&y, copy, logprobs, logits, t0),
                 Overlap::Merged => return self.merged(&y, logprobs, logits, t0),
-                Overlap::Auto | Overlap::Never => {}
+                _ => {}
             }
             forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
@@ -580,13 +581,24 @@ impl<'m> Generation<'m> {
         Ok(logits)
     }
 
+    /// Whether a constrained step's mask is worked out on a helper thread beside the next
+    /// forward's start (`overlapped`): when the constraint's masks are slow (`Guard::slow`;
+    /// `HOST_MASK_OVERLAP` for measuring).
+    fn beside(&self) -> bool {
+        match self.overlap {
+            Overlap::Always => true,
+            Overlap::Auto => self.constraint.as_ref().is_some_and(Guard::slow),
+            Overlap::Merged | Overlap::Never => false,
+        }
+    }
+
     /// A constrained step whose mask is worked out beside the next forward's start (`logits`,
     /// built from `t0` on): a helper thread reads the token, tells the constraint and asks
     /// it for the next mask while this one starts the forward (MLX's `async_eval`, ~1 ms of
     /// host time for a 1B model on the H200), so neither the mask nor the wait for the
     /// token cost time of their own; then the sampling is queued behind the forward. The
     /// helper waits on `copy`, the token's private copy started with its step
-    /// (`queue_pick`); without one (the first step) the token `y` is read here first.
+    /// (`queue_pick`, when masks were slow then); without one the token `y` is read here first.
     fn overlapped(
         &mut self,
         y: &Array,
@@ -723,7 +735,12 @@ impl<'m> Generation<'m> {
     /// flight from here on.
     fn queue_pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<()> {
         let next = self.pick(logits, mask, position)?;
-        self.pending_copy = Some(mlx::async_eval_detached(&[&next.0, &next.1], &next.0)?);
+        self.pending_copy = if self.beside() {
+            Some(mlx::async_eval_detached(&[&next.0, &next.1], &next.0)?)
+        } else {
+            mlx::async_eval(&[&next.0, &next.1])?;
+            None
+        };
         self.pending = Some(next);
         self.abandoned_step = false;
         Ok(())
