@@ -8,9 +8,13 @@ Starts `host serve` on a free loopback port and warms it up. Then, for each of t
 of N concurrent greedy completions (`/v1/completions`, so models without a chat template
 serve too; all unconstrained; one with `response_format: json_schema` and N-1 without; all
 constrained), measures the aggregate completion tok/s
-(tokens over the wall time of the round) and the mean tok/s of the unconstrained requests
-(completion tokens over each request's latency), median over rounds, and prints a markdown
-table with each mix's ratio to the unconstrained one. Only the standard library is needed.
+(tokens over the wall time of the round), every request's mean tok/s (completion tokens over
+its latency: the rate its client sees) and the unconstrained requests' mean tok/s, median over
+rounds, and prints a markdown table with each mix's ratios to the unconstrained one and its
+mean completion length. The aggregate also counts length: a JSON answer that ends early
+leaves the batch with fewer rows for the rest of the round (a host-bound step costs about the
+same with fewer rows), so the per-request rate is the decode speed to compare. Only the
+standard library is needed.
 """
 import argparse
 import concurrent.futures
@@ -63,7 +67,9 @@ def round_of(port, flags, max_tokens):
         done = list(pool.map(lambda a: post(port, body(a[0], a[1], max_tokens)), enumerate(flags)))
         wall = time.perf_counter() - t
     free = [n / s for (n, s), c in zip(done, flags) if not c]
-    return sum(n for n, _ in done) / wall, statistics.mean(free) if free else None
+    every = statistics.mean(n / s for n, s in done)
+    length = statistics.mean(n for n, _ in done)
+    return sum(n for n, _ in done) / wall, statistics.mean(free) if free else None, every, length
 
 
 def main():
@@ -94,15 +100,17 @@ def main():
                 results.setdefault(name, []).append(round_of(port, flags, a.max_tokens))
         print(f"model: {a.model}; device: {a.device}; {n} concurrent greedy completions, max_tokens {a.max_tokens}; "
               f"median of {a.rounds} rounds\n")
-        print("| mix | aggregate tok/s | ratio | unconstrained requests' mean tok/s | ratio |")
-        print("|---|---|---|---|---|")
-        base_agg = statistics.median(r[0] for r in results["unconstrained"])
-        base_free = statistics.median(r[1] for r in results["unconstrained"])
+        print("| mix | aggregate tok/s | ratio | every request's mean tok/s | ratio "
+              "| unconstrained requests' mean tok/s | ratio | mean tokens |")
+        print("|---|---|---|---|---|---|---|---|")
+        base = results["unconstrained"]
+        base_agg, base_free, base_every = (statistics.median(r[i] for r in base) for i in (0, 1, 2))
         for name, rs in results.items():
-            agg = statistics.median(r[0] for r in rs)
+            agg, every, length = (statistics.median(r[i] for r in rs) for i in (0, 2, 3))
             free = [r[1] for r in rs if r[1] is not None]
             free_cell = f"{statistics.median(free):.1f} | {statistics.median(free) / base_free:.2f}x" if free else "- | -"
-            print(f"| {name} | {agg:.1f} | {agg / base_agg:.2f}x | {free_cell} |")
+            print(f"| {name} | {agg:.1f} | {agg / base_agg:.2f}x | {every:.1f} | {every / base_every:.2f}x "
+                  f"| {free_cell} | {length:.0f} |")
     finally:
         server.terminate()
         server.wait(timeout=30)
