@@ -316,6 +316,49 @@ fn bench_measures_a_prompt_file_with_speculation() {
     std::fs::remove_file(file).ok();
 }
 
+/// `host bench --batch` with every row held to a constraint: each batch size's row reports
+/// the rows' output length (where the regex ends them), their masks per mask and per step, and
+/// the ratio to a plain batch run to the same lengths in the same process.
+#[test]
+fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
+    let file = std::env::temp_dir().join(format!("host-bench-batch-prompt-{}.txt", std::process::id()));
+    std::fs::write(&file, "abcabcabcabcabcabc").unwrap();
+    let constraint = std::env::temp_dir().join(format!("host-bench-batch-constraint-{}.json", std::process::id()));
+    std::fs::write(&constraint, r#"{"regex": "[abc]{3}"}"#).unwrap();
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_host"))
+            .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--batch", "1,3", "--model"])
+            .arg(model_dir())
+            .args(extra)
+            .output_within(HANG)
+    };
+    let out = bench(&["--prompt-file", file.to_str().unwrap(), "--constraint", constraint.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.iter().map(|r| r["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
+    for row in &rows {
+        assert_eq!(row["constraint"], "regex", "{row}");
+        // Three letters then the end (the tiny model has no reason to stop there otherwise).
+        let length = row["mean_row_tokens"].as_f64().unwrap();
+        assert!((2.0..=4.0).contains(&length), "{row}");
+        assert!(row["mask_ms"].as_f64().unwrap() > 0.0, "{row}");
+        // A step masks every row: three rows' masks take longer a step than one mask.
+        let (per_step, per_mask) = (row["mask_ms_per_step"].as_f64().unwrap(), row["mask_ms"].as_f64().unwrap());
+        assert!(per_step > 0.0 && (row["batch"] == 1 || per_step > 1.5 * per_mask), "{row}");
+        assert!(row["vs_plain"].as_f64().unwrap() > 0.0 && row["plain_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    // Plain batches of random prompts report no constraint; a constraint needs the prompt.
+    let plain = bench(&[]);
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let row: Value = serde_json::from_str(String::from_utf8_lossy(&plain.stdout).lines().next().unwrap()).unwrap();
+    assert!(row["constraint"].is_null() && row["vs_plain"].is_null(), "{row}");
+    let refused = bench(&["--constraint", constraint.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--batch takes --constraint and --prompt-file together"));
+    std::fs::remove_file(constraint).ok();
+    std::fs::remove_file(file).ok();
+}
+
 /// The deadline every run of the binary here has: a child that hangs fails its test, with its
 /// stderr, instead of holding the suite until CI's time limit (a hang at exit did, once).
 #[test]

@@ -3,7 +3,9 @@
 //! peak memory, and decode speed against a memory-bandwidth floor (weight bytes read per
 //! token / bandwidth). Prompts are seeded random token ids; end of sequence is ignored.
 //! `--batch 1,8,32` measures batched decoding instead (`engine::batch::Batch`, the server's
-//! engine): B prompts of each length decoded together, aggregate and per-stream decode tok/s.
+//! engine): B prompts of each length decoded together, aggregate and per-stream decode tok/s;
+//! with `--constraint` and `--prompt-file`, B rows answering the prompt, each held to the
+//! constraint, each run paired with a plain batch run to the same row lengths.
 
 use crate::engine::speculative::PromptLookup;
 use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
@@ -60,7 +62,8 @@ pub struct Args {
     /// constraint plugin `{"plugin": "FILE.wasm", "params": {...}}` (a relative path is from
     /// the JSON file's folder; a name without `.wasm` is a built-in plugin, e.g. `guidance`). The row then reports the constraint's mask time per step and
     /// its compile time (a plugin's: instantiation, vocabulary and `host_begin`); with
-    /// --paired-plain every run is paired with an unconstrained one.
+    /// --paired-plain every run is paired with an unconstrained one. With --batch every row
+    /// is held to it (row i's prompt ends "(#i)") and every run is paired with a plain batch.
     #[arg(long)]
     pub constraint: Option<PathBuf>,
 }
@@ -106,6 +109,57 @@ fn read_constraint(path: &std::path::Path) -> Result<BenchConstraint> {
     }))
 }
 
+/// Compiles `--constraint`'s structure or plugin for a model (`info`, with its `tokenizer`):
+/// the spec, the token trie's build (a server's first constrained request; a plugin's
+/// vocabulary) and the structure's compile (a plugin's start), in ms.
+fn compile_constraint(
+    c: &BenchConstraint,
+    tokenizer: models::Tokenizer,
+    info: &models::ModelInfo,
+) -> Result<(crate::engine::ConstraintSpec, f64, f64)> {
+    let (vocab, eos) = (info.vocab_size, info.eos_token_ids.clone());
+    let grammars = crate::structured::Grammars::new(std::sync::Arc::new(tokenizer), vocab, eos.clone());
+    match c {
+        BenchConstraint::Plugin { file, params } => {
+            let t = Instant::now();
+            let words = grammars.plugin_vocab()?;
+            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
+            let (registry, plugin) = match file.extension().is_some_and(|e| e == "wasm") {
+                true => {
+                    let registry = crate::plugins::PluginRegistry::new()?;
+                    let plugin = registry.load_file(file)?;
+                    (registry, plugin)
+                }
+                false => {
+                    let registry = crate::plugins::PluginRegistry::with_builtins()?;
+                    let name = file.to_string_lossy();
+                    let plugin = registry.get(&name).with_context(|| format!("no built-in plugin {name}"))?;
+                    (registry, plugin)
+                }
+            };
+            let kind = crate::plugins::abi_v1::Kind::Constraint;
+            let selected = registry.select(kind, &plugin.manifest.name, None, Some(params.clone()), false)?;
+            let spec = crate::plugins::constraint_spec(registry, selected, words);
+            let t = Instant::now();
+            drop(crate::engine::Guard::start(&spec, 0, &eos, vocab)?);
+            Ok((spec, trie_ms, t.elapsed().as_secs_f64() * 1e3))
+        }
+        BenchConstraint::Structure(s) => {
+            let t = Instant::now();
+            grammars.prepare()?;
+            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
+            let t = Instant::now();
+            let spec = grammars.compile(s).map_err(|e| match e {
+                crate::structured::CompileError::Invalid(why) => {
+                    anyhow::anyhow!("the constraint does not compile: {why}")
+                }
+                crate::structured::CompileError::Internal(e) => e,
+            })?;
+            Ok((spec, trie_ms, t.elapsed().as_secs_f64() * 1e3))
+        }
+    }
+}
+
 /// One (prompt length, batch size)'s results with `--batch`.
 #[derive(Debug, Serialize)]
 pub struct BatchRow {
@@ -124,90 +178,194 @@ pub struct BatchRow {
     pub prefill_tps: f64,
     pub peak_memory_bytes: usize,
     pub warmup_s: f64,
+    /// With --constraint (every row held to it): its kind; the rows' mean output length
+    /// (first run); the median over runs of decode tok/s against a plain batch of the same
+    /// prompts run to the same lengths in this process (each run paired with one); and the
+    /// rows' masks in ms, per mask and per step (all rows' together, first run).
+    pub constraint: Option<String>,
+    pub mean_row_tokens: Option<f64>,
+    pub plain_decode_tps: Option<f64>,
+    pub vs_plain: Option<f64>,
+    pub mask_ms: Option<f64>,
+    pub mask_ms_per_step: Option<f64>,
+}
+
+/// One batched generation's measurements.
+struct BatchRun {
+    /// Seconds to the first step's tokens, and from there to the last.
+    ttft: f64,
+    rest: f64,
+    /// Tokens after each row's first.
+    tokens: usize,
+    /// Each row's tokens (first included), in row order.
+    lengths: Vec<usize>,
+    steps: usize,
+    /// The rows' constraints' masks and seconds spent on them.
+    masks: usize,
+    mask_secs: f64,
 }
 
 /// One batched generation: `prompts` prefilled one after another and joined, then stepped
-/// until every row has `gen` tokens. Returns (seconds to the first tokens, seconds from
-/// there to the last, tokens after each row's first).
-fn run_batch(model: &dyn models::CausalLm, prompts: &[Vec<u32>], gen: usize) -> Result<(f64, f64, usize)> {
+/// until every row has finished: at `gen[i]` tokens for row i, or, held to `constraint`, at
+/// its end of sequence.
+fn run_batch(
+    model: &dyn models::CausalLm,
+    prompts: &[Vec<u32>],
+    gen: &[usize],
+    constraint: Option<(&crate::engine::ConstraintSpec, &[u32])>,
+) -> Result<BatchRun> {
     use crate::engine::batch::{Batch, Row as BatchRowState};
     let started = Instant::now();
     let mut batch = Batch::new(model);
-    for (key, ids) in prompts.iter().enumerate() {
+    for (key, (ids, &gen)) in prompts.iter().zip(gen).enumerate() {
         let mut cache = model.make_cache();
         crate::engine::decode::prefill(model, &mut cache, &ids[..ids.len() - 1], 2048)?;
         let sampler = Sampler::new(SamplingParams::default(), model.vocab_size())?;
-        let options = DecodeOptions { max_tokens: gen, eos_token_ids: Vec::new(), ..Default::default() };
-        batch.join(BatchRowState::new(key as u64, ids, sampler, options)?, &cache)?;
+        let eos = constraint.map_or(Vec::new(), |(_, eos)| eos.to_vec());
+        let guard = constraint
+            .map(|(c, eos)| crate::engine::Guard::start(c, key as u64, eos, model.vocab_size()))
+            .transpose()?;
+        let options = DecodeOptions { max_tokens: gen, eos_token_ids: eos, ..Default::default() };
+        batch.join(BatchRowState::new(key as u64, ids, sampler, options)?.with_constraint(guard), &cache)?;
     }
-    let (mut first, mut tokens) = (None, 0);
+    let mut run = BatchRun {
+        ttft: 0.0,
+        rest: 0.0,
+        tokens: 0,
+        lengths: vec![0; prompts.len()],
+        steps: 0,
+        masks: 0,
+        mask_secs: 0.0,
+    };
+    let mut first = None;
     while !batch.is_empty() {
         let out = batch.step()?;
+        run.steps += 1;
         if first.is_none() && !out.is_empty() {
             first = Some(Instant::now());
         } else {
-            tokens += out.len();
+            run.tokens += out.len();
         }
         for (key, token) in out {
+            run.lengths[key as usize] += 1;
             if token?.finish.is_some() {
-                batch.leave(key)?;
+                let left = batch.leave(key)?.context("a row that finished is in the batch")?;
+                if let (_, _, Some(guard)) = left.row.into_parts() {
+                    run.masks += guard.masks;
+                    run.mask_secs += guard.mask_secs;
+                }
             }
         }
     }
     let end = Instant::now();
     let first = first.unwrap_or(end);
-    Ok(((first - started).as_secs_f64(), (end - first).as_secs_f64(), tokens))
+    run.ttft = (first - started).as_secs_f64();
+    run.rest = (end - first).as_secs_f64();
+    Ok(run)
 }
 
 /// `host bench --batch`: a table (or JSON lines) of batched decoding per prompt length and
-/// batch size.
+/// batch size; with --constraint, of batches whose every row is held to it, each run paired
+/// with a plain batch of the same shape.
 fn run_batches(args: &Args) -> Result<()> {
     if args.batch.contains(&0) || args.gen < 2 || args.runs == 0 || args.prompt_lengths.contains(&0) {
         bail!("every --batch size must be at least 1, --gen at least 2, --runs at least 1 and every prompt length at least 1");
     }
-    if args.spec.config()?.method != SpecMethod::Off || args.prompt_file.is_some() {
-        bail!("--batch measures plain batched decoding of random prompts; leave out --speculative and --prompt-file");
+    if args.spec.config()?.method != SpecMethod::Off {
+        bail!("--batch measures batched decoding without speculation; leave out --speculative");
     }
+    if args.constraint.is_some() != args.prompt_file.is_some() {
+        bail!("--batch takes --constraint and --prompt-file together (constrained rows answer the prompt, row i with \"(#i)\" appended) or neither (random prompts)");
+    }
+    let structure = args.constraint.as_deref().map(read_constraint).transpose()?;
+    let text = match &args.prompt_file {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
+        None => None,
+    };
     let device = select_device(args.device)?;
     let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
-    let model = loaded.model.as_ref();
-    if !model.batches() {
+    if !loaded.model.batches() {
         bail!("this model does not decode in batches (tensor-parallel models do not yet)");
     }
     let vocab = loaded.info.vocab_size;
     let name = loaded.info.source.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    // Each length's prompts (one per row of the largest batch).
+    let most = args.batch.iter().copied().max().unwrap_or(1);
+    let lengths: Vec<Vec<Vec<u32>>> = match &text {
+        Some(t) => {
+            let row = |r: usize| {
+                prompt_tokens(&loaded, &[t.as_slice(), format!("\n\n(#{r})").as_bytes()].concat(), None, false)
+            };
+            vec![(0..most).map(row).collect::<Result<_>>()?]
+        }
+        None => (args.prompt_lengths.iter().enumerate())
+            .map(|(i, &len)| (0..most).map(|r| prompt(len, vocab, 1 + i as u64 + 1000 * r as u64)).collect())
+            .collect(),
+    };
+    let eos = loaded.info.eos_token_ids.clone();
+    let compiled = match &structure {
+        Some(c) => Some(compile_constraint(c, loaded.tokenizer, &loaded.info)?.0),
+        None => None,
+    };
+    let constraint = compiled.as_ref().map(|c| (c, eos.as_slice()));
+    let model = loaded.model.as_ref();
     if !args.json {
         eprintln!("host bench --batch: {name} on {device} (mlx {}), {} runs per row", mlx::version(), args.runs);
     }
     let mut rows = Vec::new();
-    for (i, &len) in args.prompt_lengths.iter().enumerate() {
+    for all in &lengths {
         for &b in &args.batch {
-            let prompts: Vec<Vec<u32>> = (0..b).map(|r| prompt(len, vocab, 1 + i as u64 + 1000 * r as u64)).collect();
+            let prompts = &all[..b];
             let t = Instant::now();
-            run_batch(model, &prompts, args.gen.min(16))?;
+            run_batch(model, prompts, &vec![args.gen.min(16); b], None)?;
+            // Held to a constraint, a warm-up at full length gives the rows' lengths: the
+            // plain batch paired with each run runs every row to its constrained length, so
+            // both have as many rows at every step.
+            let shape = constraint.map(|c| run_batch(model, prompts, &vec![args.gen; b], Some(c))).transpose()?;
             let warmup_s = t.elapsed().as_secs_f64();
-            let (mut ttft, mut decode, mut peak) = (Vec::new(), Vec::new(), 0);
-            for _ in 0..args.runs {
+            let (mut ttft, mut decode, mut peak, mut firsts) = (Vec::new(), Vec::new(), 0, None);
+            let (mut plain_decode, mut ratios) = (Vec::new(), Vec::new());
+            let tps = |r: &BatchRun| r.tokens as f64 / r.rest;
+            for i in 0..args.runs {
                 mlx::memory::reset_peak();
-                let (first, rest, tokens) = run_batch(model, &prompts, args.gen)?;
-                ttft.push(first);
-                decode.push(tokens as f64 / rest);
+                // Paired: plain first in even runs, second in odd ones.
+                let plain_run = || shape.as_ref().map(|s| run_batch(model, prompts, &s.lengths, None)).transpose();
+                let mut plain = if i % 2 == 0 { plain_run()? } else { None };
+                let r = run_batch(model, prompts, &vec![args.gen; b], constraint)?;
+                if plain.is_none() {
+                    plain = plain_run()?;
+                }
+                if let Some(p) = plain {
+                    plain_decode.push(tps(&p));
+                    ratios.push(tps(&r) / tps(&p));
+                }
+                ttft.push(r.ttft);
+                decode.push(tps(&r));
+                firsts.get_or_insert(r);
                 peak = peak.max(mlx::memory::peak());
             }
+            let first = firsts.expect("at least one run");
             let (ttft, decode_tps) = (median(ttft), median(decode));
+            let held = |v: f64| structure.as_ref().map(|_| v);
             let row = BatchRow {
                 model: name.clone(),
                 device: device.to_string(),
-                prompt_tokens: len,
+                prompt_tokens: prompts[0].len(),
                 batch: b,
                 gen_tokens: args.gen,
                 runs: args.runs,
                 decode_tps,
                 per_stream_decode_tps: decode_tps / b as f64,
                 ttft_ms: ttft * 1e3,
-                prefill_tps: (b * len) as f64 / ttft,
+                prefill_tps: prompts.iter().map(Vec::len).sum::<usize>() as f64 / ttft,
                 peak_memory_bytes: peak,
                 warmup_s,
+                constraint: structure.as_ref().map(BenchConstraint::kind),
+                mean_row_tokens: held(first.lengths.iter().sum::<usize>() as f64 / b as f64),
+                plain_decode_tps: structure.as_ref().map(|_| median(plain_decode)),
+                vs_plain: structure.as_ref().map(|_| median(ratios)),
+                mask_ms: held(per_step(first.mask_secs, first.masks)),
+                mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -229,6 +387,19 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.ttft_ms,
                 r.prefill_tps,
                 r.peak_memory_bytes as f64 / 1e9
+            );
+        }
+        for r in rows.iter().filter(|r| r.constraint.is_some()) {
+            println!(
+                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step",
+                r.batch,
+                r.constraint.as_deref().unwrap_or_default(),
+                r.vs_plain.unwrap_or_default(),
+                r.runs,
+                r.plain_decode_tps.unwrap_or_default(),
+                r.mean_row_tokens.unwrap_or_default(),
+                r.mask_ms.unwrap_or_default(),
+                r.mask_ms_per_step.unwrap_or_default()
             );
         }
     }
@@ -410,47 +581,9 @@ pub fn run(args: Args) -> Result<()> {
     // The constraint: the token trie's build (a server's first constrained request) and the
     // schema's compile, timed apart. The tokenizer is not needed after the prompts.
     let (compiled, trie_ms, compile_ms) = match &structure {
-        Some(BenchConstraint::Plugin { file, params }) => {
-            let tokenizer = std::sync::Arc::new(loaded.tokenizer);
-            let eos = loaded.info.eos_token_ids.clone();
-            let grammars = crate::structured::Grammars::new(tokenizer, vocab, eos.clone());
-            let t = Instant::now();
-            let words = grammars.plugin_vocab()?;
-            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
-            let (registry, plugin) = match file.extension().is_some_and(|e| e == "wasm") {
-                true => {
-                    let registry = crate::plugins::PluginRegistry::new()?;
-                    let plugin = registry.load_file(file)?;
-                    (registry, plugin)
-                }
-                false => {
-                    let registry = crate::plugins::PluginRegistry::with_builtins()?;
-                    let name = file.to_string_lossy();
-                    let plugin = registry.get(&name).with_context(|| format!("no built-in plugin {name}"))?;
-                    (registry, plugin)
-                }
-            };
-            let kind = crate::plugins::abi_v1::Kind::Constraint;
-            let selected = registry.select(kind, &plugin.manifest.name, None, Some(params.clone()), false)?;
-            let spec = crate::plugins::constraint_spec(registry, selected, words);
-            let t = Instant::now();
-            drop(crate::engine::Guard::start(&spec, 0, &eos, vocab)?);
-            (Some(spec), Some(trie_ms), Some(t.elapsed().as_secs_f64() * 1e3))
-        }
-        Some(BenchConstraint::Structure(s)) => {
-            let tokenizer = std::sync::Arc::new(loaded.tokenizer);
-            let grammars = crate::structured::Grammars::new(tokenizer, vocab, loaded.info.eos_token_ids.clone());
-            let t = Instant::now();
-            grammars.prepare()?;
-            let trie_ms = t.elapsed().as_secs_f64() * 1e3;
-            let t = Instant::now();
-            let spec = grammars.compile(s).map_err(|e| match e {
-                crate::structured::CompileError::Invalid(why) => {
-                    anyhow::anyhow!("the constraint does not compile: {why}")
-                }
-                crate::structured::CompileError::Internal(e) => e,
-            })?;
-            (Some(spec), Some(trie_ms), Some(t.elapsed().as_secs_f64() * 1e3))
+        Some(c) => {
+            let (spec, trie_ms, compile_ms) = compile_constraint(c, loaded.tokenizer, &loaded.info)?;
+            (Some(spec), Some(trie_ms), Some(compile_ms))
         }
         None => (None, None, None),
     };
