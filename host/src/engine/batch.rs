@@ -545,32 +545,36 @@ struct Helped {
 
 /// Tells each constrained row's constraint its token of the step (`ids`, in the step's row
 /// order, `keys`; a row that joined since has none) and works out the next masks of those
-/// that go on (not failed, not ended by the constraint or by their limits).
+/// that go on (not failed, not ended by the constraint or by their limits): each row's accept
+/// and mask together, the rows on helper threads when their masks are slow together
+/// (`constraint::each`; llguidance's accept and mask of a row are independent of the others').
 #[allow(clippy::type_complexity)]
 fn tell_constraints(
     guards: Vec<Telling<'_>>,
     keys: &[u64],
     ids: &[i32],
 ) -> (Vec<(u64, Result<()>)>, Vec<(u64, Result<Option<constraint::Bits>>)>) {
-    let mut accepted = Vec::new();
-    let mut going_on = Vec::new();
-    for t in guards {
+    let serial: f64 = guards.iter().filter(|t| !t.failed).map(|t| t.guard.mean_secs()).sum();
+    let told = constraint::each(guards, serial, |t| {
         let Some(i) = keys.iter().position(|&k| k == t.key) else {
-            going_on.push((t.key, t.guard));
-            continue;
+            return (t.key, None, Some(t.guard.mask()));
         };
         if t.failed {
-            continue;
+            return (t.key, None, None);
         }
         let id = ids[i] as u32;
         let said = t.guard.accept(id);
         let ends = said.is_err() || t.options.finish(id, t.generated + 1).is_some();
-        accepted.push((t.key, said));
-        if !ends {
-            going_on.push((t.key, t.guard));
-        }
+        let mask = (!ends).then(|| t.guard.mask());
+        (t.key, Some(said), mask)
+    });
+    let mut accepted = Vec::new();
+    let mut masks = Vec::new();
+    for (key, said, mask) in told {
+        accepted.extend(said.map(|said| (key, said)));
+        masks.extend(mask.map(|mask| (key, mask)));
     }
-    (accepted, Guard::masks(going_on))
+    (accepted, masks)
 }
 
 /// Each row's constraint mask for the next position (`None` for rows without one and for

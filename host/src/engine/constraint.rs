@@ -125,6 +125,37 @@ pub const PARALLEL_MASKS_SECS: f64 = 150e-6;
 /// (0.02 ms) lost as much.
 pub const SLOW_MASK_SECS: f64 = 50e-6;
 
+/// `work` on each of `items` (in their order): on helper threads when there are several and
+/// `serial` (the seconds they would take one after another) is over [`PARALLEL_MASKS_SECS`],
+/// the calling thread taking the first share, else on this thread (starting a thread costs
+/// ~20 µs). At most 8 threads.
+pub fn each<T: Send, R: Send>(items: Vec<T>, serial: f64, work: impl Fn(T) -> R + Sync) -> Vec<R> {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8));
+    if items.len() < 2 || threads < 2 || serial < PARALLEL_MASKS_SECS {
+        return items.into_iter().map(work).collect();
+    }
+    let per = items.len().div_ceil(threads.min(items.len()));
+    let mut chunks: Vec<Vec<T>> = Vec::new();
+    for (i, item) in items.into_iter().enumerate() {
+        if i % per == 0 {
+            chunks.push(Vec::with_capacity(per));
+        }
+        chunks.last_mut().expect("a chunk").push(item);
+    }
+    let work = &work;
+    let run = move |chunk: Vec<T>| chunk.into_iter().map(work).collect::<Vec<_>>();
+    let mine = chunks.remove(0);
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = chunks.into_iter().map(|c| scope.spawn(move || run(c))).collect();
+        let mut out = run(mine);
+        for h in helpers {
+            out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        }
+        out
+    })
+}
+
 /// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens,
 /// end-of-sequence tokens kept out of the constraint, tentative drafts rolled back.
 pub struct Guard {
@@ -167,30 +198,8 @@ impl Guard {
     /// llguidance rows over a 128K vocabulary, ~0.2 ms a mask each; the rows' masks are
     /// independent), else on this thread (starting a thread costs ~20 µs).
     pub fn masks<K: Send>(guards: Vec<(K, &mut Guard)>) -> Vec<(K, Result<Option<Bits>>)> {
-        static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let threads = *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8));
-        let serial: f64 = guards.iter().map(|(_, g)| g.mask_secs / g.masks.max(1) as f64).sum();
-        if guards.len() < 2 || threads < 2 || serial < PARALLEL_MASKS_SECS {
-            return guards.into_iter().map(|(k, g)| (k, g.mask())).collect();
-        }
-        let per = guards.len().div_ceil(threads.min(guards.len()));
-        let mut chunks: Vec<Vec<(K, &mut Guard)>> = Vec::new();
-        for (i, g) in guards.into_iter().enumerate() {
-            if i % per == 0 {
-                chunks.push(Vec::with_capacity(per));
-            }
-            chunks.last_mut().expect("a chunk").push(g);
-        }
-        let run = |chunk: Vec<(K, &mut Guard)>| chunk.into_iter().map(|(k, g)| (k, g.mask())).collect::<Vec<_>>();
-        let mine = chunks.remove(0);
-        std::thread::scope(|scope| {
-            let helpers: Vec<_> = chunks.into_iter().map(|c| scope.spawn(move || run(c))).collect();
-            let mut out = run(mine);
-            for h in helpers {
-                out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-            }
-            out
-        })
+        let serial: f64 = guards.iter().map(|(_, g)| g.mean_secs()).sum();
+        each(guards, serial, |(k, g)| (k, g.mask()))
     }
 
     fn allowed(&mut self) -> Result<Allowed> {
