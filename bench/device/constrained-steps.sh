@@ -5,8 +5,10 @@
 # regex and the lowercase plugin of bench/structured.sh. A way is NAME or NAME:VAR=VALUE,...
 # with the engine's measuring switches (host/src/engine/decode.rs): HOST_MASK_OVERLAP (auto,
 # always, merged, never: when the mask is worked out) and HOST_FORCED_RUNS (off: every forced token
-# sampled in a step of its own). MODELS picks the model folders (default both). Needs the MLX
-# site (/tmp/site) and the data bundle (/tmp/data).
+# sampled in a step of its own). MODELS picks the model folders (default both). BATCH=8
+# measures batches of 8 rows each held to the constraint instead (`host bench --batch 8`, each
+# run paired with a plain batch of the same row lengths). Needs the MLX site (/tmp/site) and
+# the data bundle (/tmp/data).
 #   bash bench/device/constrained-steps.sh /tmp/host default runs-off:HOST_FORCED_RUNS=off
 set -uo pipefail
 HOST=${1:-/tmp/host}
@@ -18,6 +20,8 @@ trap 'rm -rf "$WORK"' EXIT
 "$HOST" plugins build-wat examples/wat/lowercase.wat "$WORK/lowercase.wasm"
 echo '{"plugin": "lowercase.wasm"}' > "$WORK/lowercase.json"
 S=bench/structured
+pairing=(--paired-plain)
+[ -n "${BATCH:-}" ] && pairing=(--batch "$BATCH")
 for model in ${MODELS:-/tmp/llama-1b $M/smollm2-bfloat16}; do
   for c in $S/people.json $S/regex.json "$WORK/lowercase.json"; do
     for way in $WAYS; do
@@ -26,7 +30,7 @@ for model in ${MODELS:-/tmp/llama-1b $M/smollm2-bfloat16}; do
       [ "$name" != "$way" ] && IFS=, read -ra vars <<< "${way#*:}"
       echo "== $(basename $model) $(basename $c) $name"
       env "${vars[@]}" "$HOST" bench --model "$model" --device gpu --prompt-file $S/prompt.txt \
-        --constraint "$c" --paired-plain --runs "${RUNS:-5}" --gen "${GEN:-200}" 2>/dev/null | grep -v '^|--\|^| model'
+        --constraint "$c" "${pairing[@]}" --runs "${RUNS:-5}" --gen "${GEN:-200}" 2>/dev/null | grep -v '^|--\|^| model'
     done
   done
 done
