@@ -188,6 +188,10 @@ pub struct BatchRow {
     pub vs_plain: Option<f64>,
     pub mask_ms: Option<f64>,
     pub mask_ms_per_step: Option<f64>,
+    /// The first run's steps, and of them those whose quick masks came before the forward's
+    /// start, the forward started with the sampling in one dispatch (`Batch::merged_steps`).
+    pub merged_steps: Option<usize>,
+    pub steps: Option<usize>,
 }
 
 /// One batched generation's measurements.
@@ -200,6 +204,7 @@ struct BatchRun {
     /// Each row's tokens (first included), in row order.
     lengths: Vec<usize>,
     steps: usize,
+    merged_steps: usize,
     /// The rows' constraints' masks and seconds spent on them.
     masks: usize,
     mask_secs: f64,
@@ -234,6 +239,7 @@ fn run_batch(
         tokens: 0,
         lengths: vec![0; prompts.len()],
         steps: 0,
+        merged_steps: 0,
         masks: 0,
         mask_secs: 0.0,
     };
@@ -259,6 +265,7 @@ fn run_batch(
     }
     let end = Instant::now();
     let first = first.unwrap_or(end);
+    run.merged_steps = batch.merged_steps();
     run.ttft = (first - started).as_secs_f64();
     run.rest = (end - first).as_secs_f64();
     Ok(run)
@@ -366,6 +373,8 @@ fn run_batches(args: &Args) -> Result<()> {
                 vs_plain: structure.as_ref().map(|_| median(ratios)),
                 mask_ms: held(per_step(first.mask_secs, first.masks)),
                 mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
+                merged_steps: structure.as_ref().map(|_| first.merged_steps),
+                steps: structure.as_ref().map(|_| first.steps),
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -391,7 +400,7 @@ fn run_batches(args: &Args) -> Result<()> {
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step",
+                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged",
                 r.batch,
                 r.constraint.as_deref().unwrap_or_default(),
                 r.vs_plain.unwrap_or_default(),
@@ -399,7 +408,9 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.plain_decode_tps.unwrap_or_default(),
                 r.mean_row_tokens.unwrap_or_default(),
                 r.mask_ms.unwrap_or_default(),
-                r.mask_ms_per_step.unwrap_or_default()
+                r.mask_ms_per_step.unwrap_or_default(),
+                r.merged_steps.unwrap_or_default(),
+                r.steps.unwrap_or_default()
             );
         }
     }

@@ -143,6 +143,8 @@ pub struct Batch<'m> {
     masking: constraint::Masking,
     /// Where a constrained step's tokens are read and its masks worked out (`beside`).
     overlap: Overlap,
+    /// Constrained steps whose forward started with their sampling (`merged`).
+    merged_steps: usize,
 }
 
 /// A batch's step ends with no MLX work of its own running (see `Generation`'s `Drop`).
@@ -167,7 +169,15 @@ impl<'m> Batch<'m> {
             steps: 0,
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
+            merged_steps: 0,
         }
+    }
+
+    /// Constrained steps so far whose tokens were already there when the next forward was
+    /// built, and whose quick masks were worked out before that forward started, with its
+    /// sampling, in one dispatch.
+    pub fn merged_steps(&self) -> usize {
+        self.merged_steps
     }
 
     pub fn len(&self) -> usize {
@@ -264,20 +274,24 @@ impl<'m> Batch<'m> {
             self.pending = Some(self.build(Some(&current))?);
             return self.read(current);
         }
-        // With a constrained row only the next step's forward is started before this step's
-        // tokens are read (its masks need them). Reading them, telling the constraints and
-        // working out the next masks happen after that start here, or, when the masks are
-        // slow, beside it on a helper thread (starting a forward costs ~1 ms of host time for
-        // a 1B model on the H200), which reads the tokens' private copy (`Step::copy`, made
-        // when the step was built if its masks were slow then). The sampling is started behind
-        // the forward with the masks.
+        // With a constrained row only the next step's forward is built before this step's
+        // tokens are read (its masks need them). When the masks are slow, reading the tokens,
+        // telling the constraints and working out the next masks happen on a helper thread
+        // beside the forward's start (starting a forward costs ~1 ms of host time for a 1B
+        // model on the H200); the helper reads the tokens' private copy (`Step::copy`, made
+        // when the step was built if its masks were slow then). When they are quick and the
+        // tokens are already there, that work is done first and the forward starts with the
+        // sampling, in one dispatch as an unconstrained step (`merged`); else it is done here
+        // after the forward's start. The sampling is started behind the forward with the masks.
         let (keys, logits) = self.forward(Some(&current))?;
         let mut current = current;
         let copy = current.copy.take().filter(|_| self.beside());
-        let read_here = match copy {
-            None => Some(current.tokens.to_vec_i32().context("reading the batch's tokens")),
-            Some(_) => None,
-        };
+        let merged = copy.is_none()
+            && match self.overlap {
+                Overlap::Merged => true,
+                Overlap::Auto => current.tokens.is_available(),
+                Overlap::Always | Overlap::Never => false,
+            };
         let step_keys = &current.keys;
         let guards: Vec<Telling> = (self.rows.iter_mut())
             .filter_map(|r| {
@@ -286,23 +300,24 @@ impl<'m> Batch<'m> {
                 Some(Telling { key: r.key, guard, options: &r.options, generated: r.generated, failed })
             })
             .collect();
-        let work = move |read: Option<Result<Vec<i32>>>, copy: Option<mlx::Detached>| -> Result<Helped> {
-            let ids = match (read, copy) {
-                (Some(ids), _) => ids?,
-                (None, Some(copy)) => copy.to_vec_i32().context("reading the batch's tokens")?,
-                (None, None) => unreachable!("the tokens are read here or from their copy"),
-            };
+        let work = move |ids: Result<Vec<i32>>| -> Result<Helped> {
+            let ids = ids.context("reading the batch's tokens")?;
             let (accepted, masks) = tell_constraints(guards, step_keys, &ids);
             Ok(Helped { ids, accepted, masks })
         };
+        let read = || current.tokens.to_vec_i32().map_err(anyhow::Error::from);
         let helped = match copy {
             Some(copy) => std::thread::scope(|scope| {
-                let helper = scope.spawn(move || work(None, Some(copy)));
+                let helper = scope.spawn(move || work(copy.to_vec_i32().map_err(anyhow::Error::from)));
                 let dispatched = mlx::async_eval(&[&logits]);
                 let helped = helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
                 dispatched.map_err(anyhow::Error::from).and(helped)
             }),
-            None => mlx::async_eval(&[&logits]).map_err(anyhow::Error::from).and_then(|()| work(read_here, None)),
+            None if merged => {
+                self.merged_steps += 1;
+                work(read())
+            }
+            None => mlx::async_eval(&[&logits]).map_err(anyhow::Error::from).and_then(|()| work(read())),
         };
         let helped = match helped {
             Ok(helped) => helped,
@@ -745,9 +760,10 @@ mod tests {
         assert_eq!(expected[1].last(), Some(&eos));
         assert!(expected[1].iter().zip(&sets).all(|(t, s)| s.contains(t)), "{:?}", expected[1]);
         assert_ne!(expected[1], solo(1, false), "the constraint changes the output");
-        // The tokens read and the masks worked out after the next forward's start, and on a
-        // helper thread beside it (as for slow masks).
-        for overlap in [Overlap::Never, Overlap::Always] {
+        // The tokens read and the masks worked out after the next forward's start, on a
+        // helper thread beside it (as for slow masks), and before it, the forward started with
+        // the sampling (as for quick ones whose tokens are there).
+        for overlap in [Overlap::Never, Overlap::Always, Overlap::Merged] {
             let mut batch = Batch::new(model);
             batch.overlap = overlap;
             let join = |batch: &mut Batch, i: usize| {
@@ -777,6 +793,13 @@ mod tests {
             }
             for (i, want) in expected.iter().enumerate() {
                 assert_eq!(got.get(&(i as u64)), Some(want), "row {i}, {overlap:?}");
+            }
+            // Merged: every constrained step read its tokens first and started the forward
+            // with the sampling (the last step of the batch has nothing to build).
+            let merged = batch.merged_steps();
+            match overlap {
+                Overlap::Merged => assert!(merged >= expected[1].len() - 1, "{merged} of {}", expected[1].len()),
+                _ => assert_eq!(merged, 0, "{overlap:?}"),
             }
         }
     }
@@ -816,7 +839,7 @@ mod tests {
             Ok(Box::new(Breaks { ok: 3, seen: 0 }) as Box<dyn crate::engine::Constraint>)
         });
         let greedy = SamplingParams::default();
-        for overlap in [Overlap::Never, Overlap::Always] {
+        for overlap in [Overlap::Never, Overlap::Always, Overlap::Merged] {
             let mut batch = Batch::new(model);
             batch.overlap = overlap;
             for (i, p) in prompts.iter().enumerate() {
