@@ -285,13 +285,9 @@ impl<'m> Batch<'m> {
         // after the forward's start. The sampling is started behind the forward with the masks.
         let (keys, logits) = self.forward(Some(&current))?;
         let mut current = current;
-        let copy = current.copy.take().filter(|_| self.beside());
-        let merged = copy.is_none()
-            && match self.overlap {
-                Overlap::Merged => true,
-                Overlap::Auto => current.tokens.is_available(),
-                Overlap::Always | Overlap::Never => false,
-            };
+        let beside = self.beside();
+        let copy = current.copy.take().filter(|_| beside);
+        let merged = !beside && self.overlap.merges(|| current.tokens.is_available());
         let step_keys = &current.keys;
         let guards: Vec<Telling> = (self.rows.iter_mut())
             .filter_map(|r| {
@@ -341,14 +337,10 @@ impl<'m> Batch<'m> {
 
     /// Whether a constrained step's tokens are read and its masks worked out on a helper
     /// thread beside the next forward's start: when the rows' masks together are slow
-    /// (`SLOW_MASK_SECS`; `HOST_MASK_OVERLAP=always|never` for measuring).
+    /// (`SLOW_MASK_SECS`; `Overlap::beside`, `HOST_MASK_OVERLAP` for measuring).
     fn beside(&self) -> bool {
         let mask_secs: f64 = self.rows.iter().filter_map(|r| r.constraint.as_ref()).map(Guard::mean_secs).sum();
-        match self.overlap {
-            Overlap::Always => true,
-            Overlap::Never => false,
-            _ => mask_secs > SLOW_MASK_SECS,
-        }
+        self.overlap.beside(mask_secs > SLOW_MASK_SECS)
     }
 
     /// Reads the step `current` (evaluating it): each row's token with its finish, told to

@@ -253,6 +253,28 @@ impl Overlap {
             _ => Overlap::Auto,
         }
     }
+
+    /// Whether a constrained step's token is waited for, told to the constraint and the next
+    /// mask worked out on a helper thread beside the next forward's start, the masks being
+    /// `slow` (a generation's: `Guard::slow`; a batch step's together: over `SLOW_MASK_SECS`).
+    pub(crate) fn beside(self, slow: bool) -> bool {
+        match self {
+            Overlap::Always => true,
+            Overlap::Auto => slow,
+            Overlap::Merged | Overlap::Never => false,
+        }
+    }
+
+    /// Whether a constrained step not worked out beside (`beside`) is worked out before the
+    /// next forward's start, forward and sampling then one dispatch: under `Auto` when the
+    /// token is already there (`available`, asked only then); else it is after the start.
+    pub(crate) fn merges(self, available: impl FnOnce() -> bool) -> bool {
+        match self {
+            Overlap::Merged => true,
+            Overlap::Auto => available(),
+            Overlap::Always | Overlap::Never => false,
+        }
+    }
 }
 
 /// The most tokens a constraint's forced run (`Generation::forced_run`) feeds in one forward.
@@ -519,10 +541,8 @@ impl<'m> Generation<'m> {
             if self.beside() {
                 return self.overlapped(&y, copy, logprobs, logits, t0);
             }
-            match self.overlap {
-                Overlap::Auto if y.is_available() => return self.merged(&y, logprobs, logits, t0),
-                Overlap::Merged => return self.merged(&y, logprobs, logits, t0),
-                _ => {}
+            if self.overlap.merges(|| y.is_available()) {
+                return self.merged(&y, logprobs, logits, t0);
             }
             forward_queued = Some(self.dispatch_forward(logits, t0)?);
         } else if queued {
@@ -585,11 +605,7 @@ impl<'m> Generation<'m> {
     /// forward's start (`overlapped`): when the constraint's masks are slow (`Guard::slow`;
     /// `HOST_MASK_OVERLAP` for measuring).
     fn beside(&self) -> bool {
-        match self.overlap {
-            Overlap::Always => true,
-            Overlap::Auto => self.constraint.as_ref().is_some_and(Guard::slow),
-            Overlap::Merged | Overlap::Never => false,
-        }
+        self.overlap.beside(self.constraint.as_ref().is_some_and(Guard::slow))
     }
 
     /// A constrained step whose mask is worked out beside the next forward's start (`logits`,
@@ -1286,6 +1302,29 @@ mod tests {
             seq.push(id);
         }
         out
+    }
+
+    /// The policy the solo and batch steps share: under `Auto` slow masks go beside the next
+    /// forward's start, quick ones before it when the token is there (else after it); the
+    /// measuring switches force one way whatever the masks cost.
+    #[test]
+    fn when_a_constrained_step_works_out_its_masks() {
+        use Overlap::*;
+        let way = |o: Overlap, slow: bool, available: bool| match (o.beside(slow), o.merges(|| available)) {
+            (true, _) => "beside",
+            (false, true) => "merged",
+            (false, false) => "after",
+        };
+        assert_eq!(way(Auto, true, true), "beside");
+        assert_eq!(way(Auto, false, true), "merged");
+        assert_eq!(way(Auto, false, false), "after");
+        for (slow, available) in [(true, true), (false, false)] {
+            assert_eq!(way(Always, slow, available), "beside");
+            assert_eq!(way(Merged, slow, available), "merged");
+            assert_eq!(way(Never, slow, available), "after");
+        }
+        // The token's availability is asked only where it decides.
+        assert!(!Never.merges(|| panic!("asked")) && Merged.merges(|| panic!("asked")));
     }
 
     #[test]
