@@ -192,6 +192,10 @@ pub struct BatchRow {
     /// start, the forward started with the sampling in one dispatch (`Batch::merged_steps`).
     pub merged_steps: Option<usize>,
     pub steps: Option<usize>,
+    /// Row masks applied on the device in the first run, and of them those sent from the
+    /// host (the rest were kept there: `Masking`).
+    pub masks_applied: Option<usize>,
+    pub masks_sent: Option<usize>,
 }
 
 /// One batched generation's measurements.
@@ -208,6 +212,9 @@ struct BatchRun {
     /// The rows' constraints' masks and seconds spent on them.
     masks: usize,
     mask_secs: f64,
+    /// Row masks applied on the device, and of them those sent from the host.
+    masks_applied: usize,
+    masks_sent: usize,
 }
 
 /// One batched generation: `prompts` prefilled one after another and joined, then stepped
@@ -242,6 +249,8 @@ fn run_batch(
         merged_steps: 0,
         masks: 0,
         mask_secs: 0.0,
+        masks_applied: 0,
+        masks_sent: 0,
     };
     let mut first = None;
     while !batch.is_empty() {
@@ -266,6 +275,7 @@ fn run_batch(
     let end = Instant::now();
     let first = first.unwrap_or(end);
     run.merged_steps = batch.merged_steps();
+    (run.masks_applied, run.masks_sent) = batch.masks_sent();
     run.ttft = (first - started).as_secs_f64();
     run.rest = (end - first).as_secs_f64();
     Ok(run)
@@ -375,6 +385,8 @@ fn run_batches(args: &Args) -> Result<()> {
                 mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
                 merged_steps: structure.as_ref().map(|_| first.merged_steps),
                 steps: structure.as_ref().map(|_| first.steps),
+                masks_applied: structure.as_ref().map(|_| first.masks_applied),
+                masks_sent: structure.as_ref().map(|_| first.masks_sent),
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -400,7 +412,7 @@ fn run_batches(args: &Args) -> Result<()> {
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged",
+                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged; {} of {} masks sent to the device",
                 r.batch,
                 r.constraint.as_deref().unwrap_or_default(),
                 r.vs_plain.unwrap_or_default(),
@@ -410,7 +422,9 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.mask_ms.unwrap_or_default(),
                 r.mask_ms_per_step.unwrap_or_default(),
                 r.merged_steps.unwrap_or_default(),
-                r.steps.unwrap_or_default()
+                r.steps.unwrap_or_default(),
+                r.masks_sent.unwrap_or_default(),
+                r.masks_applied.unwrap_or_default()
             );
         }
     }
@@ -471,6 +485,9 @@ pub struct Row {
     /// of speculative over plain decode tok/s.
     pub plain_decode_tps: Option<f64>,
     pub vs_plain: Option<f64>,
+    /// With --paired-plain: the first plain run's step on the engine's thread, ms: build /
+    /// dispatch / wait (as `build_ms` ...), to set beside the measured run's.
+    pub plain_step_split_ms: Option<[f64; 3]>,
     /// With --prompt-file: prompt lookup's ceiling on the first run's text (tokens per target
     /// step if every step verified a draft, `PromptLookup::ceiling`; greedy speculation writes
     /// plain decoding's text), at most `--num-draft-tokens` drafted and unbounded.
@@ -489,6 +506,13 @@ pub struct Row {
     /// Tokens the constraint forced, committed in runs without sampling (`forced_run`).
     pub forced_tokens: Option<usize>,
     pub mask_ms: Option<f64>,
+    /// Per token told to the constraint, ms; per sampling started behind its forward (the
+    /// engine thread's build and `async_eval`; a merged step's forward dispatch with it), ms.
+    pub accept_ms: Option<f64>,
+    pub pick_ms: Option<f64>,
+    /// Masks applied on the device (first run), and of them those sent from the host.
+    pub masks_applied: Option<usize>,
+    pub masks_sent: Option<usize>,
     pub trie_ms: Option<f64>,
     pub compile_ms: Option<f64>,
 }
@@ -629,7 +653,7 @@ pub fn run(args: Args) -> Result<()> {
         let warmup_s = t.elapsed().as_secs_f64();
         let tps = |r: &Run| (r.ids.len().max(2) - 1) as f64 / r.rest;
         let (mut ttft, mut decode, mut peak, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
-        let (mut plain_decode, mut ratios) = (Vec::new(), Vec::new());
+        let (mut plain_decode, mut ratios, mut plain_split) = (Vec::new(), Vec::new(), None);
         for i in 0..args.runs {
             // Paired: plain first in even runs, second in odd ones.
             let plain_run = || run_once(&plain_setup, ids, args.gen);
@@ -639,6 +663,7 @@ pub fn run(args: Args) -> Result<()> {
                 plain = Some(plain_run()?);
             }
             if let Some(p) = plain {
+                plain_split.get_or_insert_with(|| step_split(&p.stats));
                 plain_decode.push(tps(&p));
                 ratios.push(tps(&r) / tps(&p));
             }
@@ -675,9 +700,9 @@ pub fn run(args: Args) -> Result<()> {
             token_ids: text.as_ref().map(|_| first.ids.clone()),
             runs_identical: runs.iter().all(|r| r.ids == first.ids),
             step_ms: 1e3 / decode_tps,
-            build_ms: per_step(first.stats.build_secs, first.stats.pipelined_steps),
-            dispatch_ms: per_step(first.stats.dispatch_secs, first.stats.pipelined_steps),
-            wait_ms: per_step(first.stats.wait_secs, first.stats.pipelined_steps),
+            build_ms: step_split(&first.stats)[0],
+            dispatch_ms: step_split(&first.stats)[1],
+            wait_ms: step_split(&first.stats)[2],
             verifications: first.stats.verifications,
             verify_ms: per_step(first.stats.verify_secs, first.stats.verifications),
             verify_draft_ms: per_step(first.stats.verify_draft_secs, first.stats.verifications),
@@ -686,6 +711,7 @@ pub fn run(args: Args) -> Result<()> {
             verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
             plain_decode_tps: args.paired_plain.then(|| median(plain_decode)),
             vs_plain: args.paired_plain.then(|| median(ratios)),
+            plain_step_split_ms: plain_split,
             lookup_ceiling: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, Some(spec.num_draft_tokens))),
             lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
             constraint: structure.as_ref().map(BenchConstraint::kind),
@@ -694,6 +720,10 @@ pub fn run(args: Args) -> Result<()> {
             merged_steps: structure.as_ref().map(|_| first.stats.merged_steps),
             forced_tokens: structure.as_ref().map(|_| first.stats.forced_tokens),
             mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
+            accept_ms: structure.as_ref().map(|_| per_step(first.stats.accept_secs, first.stats.accepts)),
+            pick_ms: structure.as_ref().map(|_| per_step(first.stats.pick_secs, first.stats.picks)),
+            masks_applied: structure.as_ref().map(|_| first.stats.masks_applied),
+            masks_sent: structure.as_ref().map(|_| first.stats.masks_sent),
             trie_ms,
             compile_ms,
         };
@@ -725,12 +755,16 @@ pub fn run(args: Args) -> Result<()> {
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "{} constraint: {} tokens ({} forced), {:.3} ms per mask ({:.2} masks per token, {} steps overlapped, {} merged); token trie {:.0} ms, compile {:.1} ms",
+                "{} constraint: {} tokens ({} forced), {:.3} ms per mask, {:.3} per accept, {:.3} per sampling queued ({:.2} masks per token, {} of {} applied sent to the device, {} steps overlapped, {} merged); token trie {:.0} ms, compile {:.1} ms",
                 r.constraint.as_deref().unwrap_or_default(),
                 r.gen_tokens,
                 r.forced_tokens.unwrap_or_default(),
                 r.mask_ms.unwrap_or_default(),
+                r.accept_ms.unwrap_or_default(),
+                r.pick_ms.unwrap_or_default(),
                 r.masks_per_token.unwrap_or_default(),
+                r.masks_sent.unwrap_or_default(),
+                r.masks_applied.unwrap_or_default(),
                 r.overlapped_steps.unwrap_or_default(),
                 r.merged_steps.unwrap_or_default(),
                 r.trie_ms.unwrap_or_default(),
@@ -744,8 +778,9 @@ pub fn run(args: Args) -> Result<()> {
                 println!("{} tokens: too few for a decode rate", r.gen_tokens);
                 continue;
             }
+            let [build, dispatch, wait] = r.plain_step_split_ms.unwrap_or_default();
             println!(
-                "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s)",
+                "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s, step ms: build {build:.2} / dispatch {dispatch:.2} / wait {wait:.2})",
                 match &r.constraint {
                     Some(c) => format!("{c} constraint, speculation {}", r.speculative),
                     None => format!("{} speculation", r.speculative),
@@ -762,6 +797,12 @@ pub fn run(args: Args) -> Result<()> {
 
 /// The fewest generated tokens whose decode rate `host bench` compares with plain decoding.
 const MIN_RATE_TOKENS: usize = 16;
+
+/// A run's pipelined decode step on the engine's thread, ms: build / dispatch / wait.
+fn step_split(stats: &crate::engine::DecodeStats) -> [f64; 3] {
+    let steps = stats.pipelined_steps;
+    [per_step(stats.build_secs, steps), per_step(stats.dispatch_secs, steps), per_step(stats.wait_secs, steps)]
+}
 
 /// Milliseconds per step of a summed duration.
 fn per_step(secs: f64, steps: usize) -> f64 {

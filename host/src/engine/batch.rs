@@ -180,6 +180,11 @@ impl<'m> Batch<'m> {
         self.merged_steps
     }
 
+    /// Row masks applied so far, and of them those sent from the host (`Masking`).
+    pub fn masks_sent(&self) -> (usize, usize) {
+        (self.masking.applied, self.masking.sent)
+    }
+
     pub fn len(&self) -> usize {
         self.rows.len()
     }

@@ -166,13 +166,24 @@ pub struct Guard {
     /// the row), for `DecodeStats`.
     pub masks: usize,
     pub mask_secs: f64,
+    /// Tokens told to the constraint and the seconds that took.
+    pub accepts: usize,
+    pub accept_secs: f64,
 }
 
 impl Guard {
     /// Starts `spec` for a request whose random seed is `seed`, on a model of `vocab` tokens
     /// whose end-of-sequence tokens are `eos`.
     pub fn start(spec: &ConstraintSpec, seed: u64, eos: &[u32], vocab: usize) -> Result<Guard> {
-        Ok(Guard { inner: spec.start(seed)?, eos: eos.to_vec(), vocab, masks: 0, mask_secs: 0.0 })
+        Ok(Guard {
+            inner: spec.start(seed)?,
+            eos: eos.to_vec(),
+            vocab,
+            masks: 0,
+            mask_secs: 0.0,
+            accepts: 0,
+            accept_secs: 0.0,
+        })
     }
 
     /// Whether its masks have taken long enough (over `SLOW_MASK_SECS` on average) that
@@ -249,7 +260,11 @@ impl Guard {
         if self.eos.contains(&id) {
             return Ok(());
         }
-        self.inner.accept(id)
+        let started = std::time::Instant::now();
+        let accepted = self.inner.accept(id);
+        self.accepts += 1;
+        self.accept_secs += started.elapsed().as_secs_f64();
+        accepted
     }
 
     /// The masks of a verification's `drafts.len() + 1` positions (from the last committed
@@ -281,6 +296,12 @@ impl Guard {
     }
 }
 
+/// A mask's hash, for finding it among the kept ones (FxHash's mixing, a word at a time:
+/// ~4 µs for a 128K vocabulary's 4,008 words).
+fn hash_words(words: &[u32]) -> u64 {
+    words.iter().fold(words.len() as u64, |h, &w| (h.rotate_left(5) ^ w as u64).wrapping_mul(0x517c_c1b7_2722_0a95))
+}
+
 /// A mask: the allowed tokens' bits (bit `t % 32` of word `t / 32`).
 pub type Bits = Vec<u32>;
 
@@ -292,9 +313,14 @@ pub fn only_token(mask: &[u32]) -> Option<u32> {
 }
 
 /// What applying masks needs on the device besides the masks: the 32 powers of two, `0`
-/// and `-inf` (in the logits' dtype), and the token ids for `forced`. A generation or a
-/// batch keeps one, so a step uploads only its rows' bitsets: on the H200 each array made from host memory is a transfer the
-/// device waits on, and the plain step has none.
+/// and `-inf` (in the logits' dtype), the token ids for `forced`, and the masks met lately,
+/// expanded there. A generation or a batch keeps one. On the H200 a mask made from host
+/// memory is the constrained step's largest cost: a 128K vocabulary's 16 KB bitset, sent,
+/// expanded and applied, cost its sampling 0.35 ms against 0.15 ms for one already there
+/// (`bench/device/pick-cost.py`, bench/RESULTS.md session 27) — the device's buffers are
+/// managed memory, whose pages move to the host for the copy and back for the kernel. A
+/// constraint's masks repeat (a JSON string's characters, a regex's loop, a plugin's rule),
+/// so each mask is sent once and kept, expanded, while it is among the last `KEPT_MASKS` used.
 #[derive(Default)]
 pub struct Masking {
     /// `[1, 32]` u32 powers of two and u32 `0`.
@@ -302,33 +328,103 @@ pub struct Masking {
     neg_inf: Option<(Dtype, Array)>,
     /// `[1, V]` int32 token ids, for `forced`.
     ids: Option<Array>,
+    /// Masks met lately: each one's words, its hash, the step it was last used at, and its
+    /// `[1, V]` bool row on the device (true where refused). Least recently used goes first.
+    kept: Vec<Kept>,
+    /// An all-false `[1, V]` row, for rows without a mask beside rows with one.
+    open_row: Option<Array>,
+    uses: u64,
+    /// Masks applied, and of them those sent from the host (not kept from before).
+    pub applied: usize,
+    pub sent: usize,
+}
+
+struct Kept {
+    hash: u64,
+    words: Bits,
+    last_used: u64,
+    refused: Array,
+}
+
+/// How many expanded masks a `Masking` keeps (a 128K vocabulary's take 128 KB each).
+pub const KEPT_MASKS: usize = 64;
+
+/// `KEPT_MASKS`, or for measuring `HOST_KEPT_MASKS` (0: every mask sent every time).
+fn kept_masks() -> usize {
+    static KEPT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEPT.get_or_init(|| std::env::var("HOST_KEPT_MASKS").ok().and_then(|v| v.parse().ok()).unwrap_or(KEPT_MASKS))
 }
 
 impl Masking {
     /// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
-    /// token's logit becomes -inf; rows without a mask are left as they are. The rows'
-    /// bitsets go to the device together (`V / 8` bytes a row) and are expanded there in one
-    /// go: a `[1, V]` float row built on the host for each cost a step on the H200 ~0.4 ms
-    /// for SmolLM2's 49K tokens and ~0.9 ms for a 128K vocabulary (bench/RESULTS.md).
+    /// token's logit becomes -inf; rows without a mask are left as they are. Masks met lately
+    /// are used as kept on the device; the rest go there together (`V / 8` bytes a row) and
+    /// are expanded in one go, then kept.
     pub fn apply(&mut self, logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
         if masks.iter().all(Option::is_none) {
             return Ok(logits.clone());
         }
         let vocab = logits.dim(-1);
         let words = vocab.div_ceil(32);
-        let mut bits = Vec::with_capacity(masks.len() * words);
-        for mask in masks {
-            match mask {
-                Some(m) => {
-                    let m = &m[..m.len().min(words)];
-                    bits.extend_from_slice(m);
-                    bits.resize(bits.len() + words - m.len(), 0);
-                }
-                None => bits.resize(bits.len() + words, u32::MAX),
+        let wanted: Vec<Option<(u64, Bits)>> = (masks.iter())
+            .map(|m| {
+                m.as_ref().map(|m| {
+                    let mut m = m[..m.len().min(words)].to_vec();
+                    m.resize(words, 0);
+                    (hash_words(&m), m)
+                })
+            })
+            .collect();
+        if kept_masks() == 0 || self.kept.first().is_some_and(|k| k.refused.dim(-1) != vocab) {
+            self.kept.clear();
+        }
+        let find =
+            |kept: &[Kept], (hash, words): &(u64, Bits)| kept.iter().position(|k| k.hash == *hash && k.words == *words);
+        self.uses += 1;
+        let mut fresh: Vec<&(u64, Bits)> = Vec::new();
+        for w in wanted.iter().flatten() {
+            self.applied += 1;
+            match find(&self.kept, w) {
+                Some(i) => self.kept[i].last_used = self.uses,
+                None if !fresh.contains(&w) => fresh.push(w),
+                None => {}
             }
         }
-        let refused = self.refused(&bits, masks.len(), vocab)?;
+        if !fresh.is_empty() {
+            // Room for the new ones: the least recently used go, never one this call uses.
+            while self.kept.len() + fresh.len() > kept_masks() {
+                let unused = self.kept.iter().enumerate().filter(|(_, k)| k.last_used < self.uses);
+                let Some((i, _)) = unused.min_by_key(|(_, k)| k.last_used) else { break };
+                self.kept.swap_remove(i);
+            }
+            self.sent += fresh.len();
+            let all: Vec<u32> = fresh.iter().flat_map(|(_, w)| w.iter().copied()).collect();
+            let refused = self.refused(&all, fresh.len(), vocab)?;
+            for (j, (hash, words)) in fresh.into_iter().enumerate() {
+                let refused = refused.slice_axis(0, j as i32, j as i32 + 1)?;
+                self.kept.push(Kept { hash: *hash, words: words.clone(), last_used: self.uses, refused });
+            }
+        }
+        let mut rows = Vec::with_capacity(wanted.len());
+        for w in &wanted {
+            rows.push(match w {
+                Some(w) => self.kept[find(&self.kept, w).expect("kept above")].refused.clone(),
+                None => self.open_row(vocab)?,
+            });
+        }
+        let refused = match rows.as_slice() {
+            [one] => one.clone(),
+            many => mlx::ops::concatenate(&many.iter().collect::<Vec<_>>(), 0)?,
+        };
         Ok(mlx::ops::where_(&refused, self.neg_inf(logits.dtype())?, logits)?)
+    }
+
+    /// An all-false `[1, vocab]` row (nothing refused), kept.
+    fn open_row(&mut self, vocab: usize) -> Result<Array> {
+        if self.open_row.as_ref().is_none_or(|r| r.dim(-1) != vocab) {
+            self.open_row = Some(Array::zeros(&[1, vocab], Dtype::Bool)?);
+        }
+        Ok(self.open_row.clone().expect("just set"))
     }
 
     /// The log-probabilities of tokens their masks force, one row each (`[K, vocab]` in
@@ -538,6 +634,50 @@ pub(crate) mod tests {
         assert_eq!(row(1), (0..vocab).collect::<Vec<_>>(), "the unmasked row is as it was");
         assert_eq!(row(2), vec![1, 64]);
         assert!(out.iter().all(|&x| x == 1.5 || x == f32::NEG_INFINITY));
+    }
+
+    /// Masks met before are used as kept on the device (not sent again) and give what a
+    /// fresh one gives; one evicted (over `KEPT_MASKS` newer ones) is sent again.
+    #[test]
+    fn masks_met_before_are_kept_on_the_device_and_apply_as_sent_ones() {
+        let vocab = 70;
+        // Allows token t and those above it up to t + 3 (so masks differ by t).
+        let mask = |t: u32| -> Bits {
+            let mut bits = vec![0u32; 3];
+            for u in t..(t + 4).min(vocab as u32) {
+                bits[u as usize / 32] |= 1 << (u % 32);
+            }
+            bits
+        };
+        let open_of = |out: &Array, rows: usize| -> Vec<Vec<usize>> {
+            let out = out.to_vec_f32().unwrap();
+            (0..rows).map(|r| (0..vocab).filter(|&t| out[r * vocab + t].is_finite()).collect()).collect()
+        };
+        let logits = Array::from_f32(&vec![0.5; 3 * vocab], &[3, vocab]).unwrap();
+        let mut masking = Masking::default();
+        let out = masking.apply(&logits, &[Some(mask(5)), None, Some(mask(40))]).unwrap();
+        assert_eq!(open_of(&out, 3), vec![vec![5, 6, 7, 8], (0..vocab).collect(), vec![40, 41, 42, 43]]);
+        assert_eq!((masking.applied, masking.sent), (2, 2));
+        // The same two again, swapped and repeated, and one new one twice: one more sent.
+        let out = masking.apply(&logits, &[Some(mask(40)), Some(mask(66)), Some(mask(66))]).unwrap();
+        assert_eq!(open_of(&out, 3), vec![vec![40, 41, 42, 43], vec![66, 67, 68, 69], vec![66, 67, 68, 69]]);
+        let one = Array::from_f32(&vec![0.5; vocab], &[1, vocab]).unwrap();
+        let out = masking.apply(&one, &[Some(mask(5))]).unwrap();
+        assert_eq!(open_of(&out, 1), vec![vec![5, 6, 7, 8]]);
+        assert_eq!((masking.applied, masking.sent), (6, 3));
+        // KEPT_MASKS newer masks push mask(5) out (mask(0) .. used one at a time: the
+        // least recently used goes first); mask(5) is then sent again, still right.
+        let fillers: Vec<Bits> = (0..KEPT_MASKS).map(|i| vec![i as u32 + 1, 1 << 31, 0]).collect();
+        for f in &fillers {
+            masking.apply(&one, &[Some(f.clone())]).unwrap();
+        }
+        assert_eq!(masking.sent, 3 + KEPT_MASKS);
+        let out = masking.apply(&one, &[Some(mask(5))]).unwrap();
+        assert_eq!(open_of(&out, 1), vec![vec![5, 6, 7, 8]]);
+        assert_eq!(masking.sent, 4 + KEPT_MASKS);
+        // The newest filler was kept.
+        masking.apply(&one, &[Some(fillers[KEPT_MASKS - 1].clone())]).unwrap();
+        assert_eq!(masking.sent, 4 + KEPT_MASKS);
     }
 
     #[test]

@@ -140,6 +140,17 @@ pub struct DecodeStats {
     /// them (on the CPU, while the step's forward runs).
     pub masks: usize,
     pub mask_secs: f64,
+    /// Tokens told to the constraint, and the seconds that took (wherever it ran).
+    pub accepts: usize,
+    pub accept_secs: f64,
+    /// Masks applied on the device, and of them those sent from the host (the rest were
+    /// kept there from an earlier step: `Masking`).
+    pub masks_applied: usize,
+    pub masks_sent: usize,
+    /// Constrained steps' samplings started behind their forwards (`queue_pick`), and the
+    /// engine thread's seconds building and handing them to MLX.
+    pub picks: usize,
+    pub pick_secs: f64,
     /// Constrained steps whose mask was worked out beside the next forward's dispatch.
     pub overlapped_masks: usize,
     /// Constrained steps started as one dispatch (forward and sampling), the token before
@@ -750,6 +761,7 @@ impl<'m> Generation<'m> {
     /// A constrained step's second half, started behind its forward (`logits`): the step in
     /// flight from here on.
     fn queue_pick(&mut self, logits: &Array, mask: Option<constraint::Bits>, position: usize) -> Result<()> {
+        let started = Instant::now();
         let next = self.pick(logits, mask, position)?;
         self.pending_copy = if self.beside() {
             Some(mlx::async_eval_detached(&[&next.0, &next.1], &next.0)?)
@@ -757,6 +769,8 @@ impl<'m> Generation<'m> {
             mlx::async_eval(&[&next.0, &next.1])?;
             None
         };
+        self.stats.picks += 1;
+        self.stats.pick_secs += started.elapsed().as_secs_f64();
         self.pending = Some(next);
         self.abandoned_step = false;
         Ok(())
@@ -1075,7 +1089,11 @@ impl<'m> Generation<'m> {
         if let Some(guard) = &self.constraint {
             stats.masks = guard.masks;
             stats.mask_secs = guard.mask_secs;
+            stats.accepts = guard.accepts;
+            stats.accept_secs = guard.accept_secs;
         }
+        stats.masks_applied = self.masking.applied;
+        stats.masks_sent = self.masking.sent;
         stats
     }
 
