@@ -2,7 +2,7 @@
 # Runs on the device machine: constrained requests through `host serve`
 # (`bench/structured_batch.py`: all unconstrained, one json_schema request among them, all
 # constrained) for the kit's llama-1b shape and SmolLM2 bfloat16, at each client count in
-# CLIENTS (default "1 8"), under each way given: NAME or NAME:VAR=VALUE,... with the engine's
+# CLIENTS (default "1 8"; MODELS picks the model folders), under each way given: NAME or NAME:VAR=VALUE,... with the engine's
 # measuring switches (host/src/engine/decode.rs): HOST_FORCED_RUNS (off: a lone constrained
 # request stays a batch row and samples every token) and HOST_MASK_OVERLAP (never: a
 # constrained batch step reads its tokens and works out its masks on the engine thread after
@@ -13,7 +13,7 @@ HOST=${1:-/tmp/host}
 shift || true
 WAYS=${*:-default}
 . bench/device/structured-models.sh
-for model in /tmp/llama-1b $M/smollm2-bfloat16; do
+for model in ${MODELS:-/tmp/llama-1b $M/smollm2-bfloat16}; do
   for n in ${CLIENTS:-1 8}; do
     for way in $WAYS; do
       name=${way%%:*}
