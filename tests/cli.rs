@@ -347,6 +347,10 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
         let (per_step, per_mask) = (row["mask_ms_per_step"].as_f64().unwrap(), row["mask_ms"].as_f64().unwrap());
         assert!(per_step > 0.0 && (row["batch"] == 1 || per_step > 1.5 * per_mask), "{row}");
         assert!(row["vs_plain"].as_f64().unwrap() > 0.0 && row["plain_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
+        // [abc] at each of the three letters, in every row: that mask goes to the device
+        // once and is kept there (`Masking`), so fewer are sent than applied.
+        let (sent, applied) = (row["masks_sent"].as_u64().unwrap(), row["masks_applied"].as_u64().unwrap());
+        assert!(sent >= 1 && sent < applied, "{row}");
     }
     // Plain batches of random prompts report no constraint; a constraint needs the prompt.
     let plain = bench(&[]);
