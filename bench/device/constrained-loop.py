@@ -83,29 +83,24 @@ def plain(cache):
     return t
 
 
-def two_evals(cache):
-    y = pick(forward(prompt[-1:], cache))
-    mx.async_eval(y)
-    t = time.perf_counter()
-    for _ in range(GEN):
-        logits = forward(y, cache)
-        mx.async_eval(logits)
-        y.item()
-        y = pick(logits)
-        mx.async_eval(y)
-    return t
+def separate(forward_first):
+    """The sampling started after the token is read: behind the next forward already
+    started (`forward_first`, two evaluations) or with it (merged, one)."""
 
-
-def merged(cache):
-    y = pick(forward(prompt[-1:], cache))
-    mx.async_eval(y)
-    t = time.perf_counter()
-    for _ in range(GEN):
-        logits = forward(y, cache)
-        y.item()
-        y = pick(logits)
+    def run(cache):
+        y = pick(forward(prompt[-1:], cache))
         mx.async_eval(y)
-    return t
+        t = time.perf_counter()
+        for _ in range(GEN):
+            logits = forward(y, cache)
+            if forward_first:
+                mx.async_eval(logits)
+            y.item()
+            y = pick(logits)
+            mx.async_eval(y)
+        return t
+
+    return run
 
 
 def chained(stream):
@@ -127,8 +122,8 @@ def chained(stream):
 
 ways = {
     "plain": plain,
-    "two-evals": two_evals,
-    "merged": merged,
+    "two-evals": separate(forward_first=True),
+    "merged": separate(forward_first=False),
     "chained": chained(mx.default_stream(mx.default_device())),
     "chained-2s": chained(side),
 }
