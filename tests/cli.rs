@@ -294,6 +294,13 @@ fn bench_measures_a_prompt_file_with_speculation() {
     assert!(row["mask_ms"].as_f64().unwrap() > 0.0 && row["masks_per_token"].as_f64().unwrap() >= 1.0, "{row}");
     assert!(row["trie_ms"].as_f64().unwrap() > 0.0 && row["compile_ms"].as_f64().unwrap() > 0.0, "{row}");
     assert!(row["vs_plain"].as_f64().unwrap() > 0.0, "{row}");
+    // Where the time goes: the constraint's accepts, the masks applied on the device (those
+    // sent among them), and the paired plain run's pipelined step (build / dispatch / wait).
+    assert!(row["accept_ms"].as_f64().unwrap() > 0.0, "{row}");
+    let (sent, applied) = (row["masks_sent"].as_u64().unwrap(), row["masks_applied"].as_u64().unwrap());
+    assert!(sent >= 1 && sent <= applied, "{row}");
+    let split: Vec<f64> = row["plain_step_split_ms"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert!(split.len() == 3 && split[1] > 0.0 && split.iter().all(|&ms| ms >= 0.0), "{row}");
     std::fs::remove_file(constraint).ok();
     // A constraint plugin (examples/wat/lowercase.wat) the same way: a mask per token, its
     // vocabulary and start timed.

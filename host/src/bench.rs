@@ -275,7 +275,7 @@ fn run_batch(
     let end = Instant::now();
     let first = first.unwrap_or(end);
     run.merged_steps = batch.merged_steps();
-    (run.masks_applied, run.masks_sent) = batch.masks_sent();
+    (run.masks_applied, run.masks_sent) = batch.mask_counts();
     run.ttft = (first - started).as_secs_f64();
     run.rest = (end - first).as_secs_f64();
     Ok(run)
@@ -506,8 +506,9 @@ pub struct Row {
     /// Tokens the constraint forced, committed in runs without sampling (`forced_run`).
     pub forced_tokens: Option<usize>,
     pub mask_ms: Option<f64>,
-    /// Per token told to the constraint, ms; per sampling started behind its forward (the
-    /// engine thread's build and `async_eval`; a merged step's forward dispatch with it), ms.
+    /// Per token told to the constraint, ms; per sampling queued (`DecodeStats::pick_secs`:
+    /// the engine thread's build and `async_eval` of it; a merged step's or a forced run's
+    /// with its forward), ms.
     pub accept_ms: Option<f64>,
     pub pick_ms: Option<f64>,
     /// Masks applied on the device (first run), and of them those sent from the host.
@@ -673,6 +674,7 @@ pub fn run(args: Args) -> Result<()> {
             runs.push(r);
         }
         let first = &runs[0];
+        let [build_ms, dispatch_ms, wait_ms] = step_split(&first.stats);
         let ttft = median(ttft);
         let first_decode_tps = decode[0];
         let decode_tps = median(decode);
@@ -700,9 +702,9 @@ pub fn run(args: Args) -> Result<()> {
             token_ids: text.as_ref().map(|_| first.ids.clone()),
             runs_identical: runs.iter().all(|r| r.ids == first.ids),
             step_ms: 1e3 / decode_tps,
-            build_ms: step_split(&first.stats)[0],
-            dispatch_ms: step_split(&first.stats)[1],
-            wait_ms: step_split(&first.stats)[2],
+            build_ms,
+            dispatch_ms,
+            wait_ms,
             verifications: first.stats.verifications,
             verify_ms: per_step(first.stats.verify_secs, first.stats.verifications),
             verify_draft_ms: per_step(first.stats.verify_draft_secs, first.stats.verifications),

@@ -180,8 +180,9 @@ impl<'m> Batch<'m> {
         self.merged_steps
     }
 
-    /// Row masks applied so far, and of them those sent from the host (`Masking`).
-    pub fn masks_sent(&self) -> (usize, usize) {
+    /// Row masks applied so far, and of them those sent from the host (`Masking`): (applied,
+    /// sent).
+    pub fn mask_counts(&self) -> (usize, usize) {
         (self.masking.applied, self.masking.sent)
     }
 

@@ -332,8 +332,9 @@ pub struct Masking {
     neg_inf: Option<(Dtype, Array)>,
     /// `[1, V]` int32 token ids, for `forced`.
     ids: Option<Array>,
-    /// Masks met lately: each one's words, its hash, the step it was last used at, and its
-    /// `[1, V]` bool row on the device (true where refused). Least recently used goes first.
+    /// Masks met lately: each one's words, its hash, the `apply` call it was last used in
+    /// (`uses` counts them), and its `[1, V]` bool row on the device (true where refused).
+    /// Least recently used goes first.
     kept: Vec<Kept>,
     /// An all-false `[1, V]` row, for rows without a mask beside rows with one.
     open_row: Option<Array>,
@@ -412,8 +413,12 @@ impl Masking {
             self.sent += fresh.len();
             let all: Vec<u32> = fresh.iter().flat_map(|(_, w)| w.iter().copied()).collect();
             let refused = self.refused(&all, fresh.len(), vocab)?;
+            let several = fresh.len() > 1;
             for (j, (hash, words)) in fresh.into_iter().enumerate() {
                 let refused = refused.slice_axis(0, j as i32, j as i32 + 1)?;
+                // A row of several gets a buffer of its own: a view would keep all of
+                // them on the device for as long as any one is kept.
+                let refused = if several { refused.copy()? } else { refused };
                 self.kept.push(Kept { hash: *hash, words: words.to_vec(), last_used: self.uses, refused });
             }
         }

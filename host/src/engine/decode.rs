@@ -147,8 +147,10 @@ pub struct DecodeStats {
     /// kept there from an earlier step: `Masking`).
     pub masks_applied: usize,
     pub masks_sent: usize,
-    /// Constrained steps' samplings started behind their forwards (`queue_pick`), and the
-    /// engine thread's seconds building and handing them to MLX.
+    /// Constrained steps' samplings started by `queue_pick`, and the engine thread's seconds
+    /// building and handing them to MLX: behind a forward already started (its own
+    /// dispatch, the common case), or — a merged step's, a forced run's — with the forward
+    /// it follows, whose building and dispatch it then includes.
     pub picks: usize,
     pub pick_secs: f64,
     /// Constrained steps whose mask was worked out beside the next forward's dispatch.
@@ -239,8 +241,10 @@ pub struct Generation<'m> {
 /// measured and dropped (session 24), both one dispatch a step with the token read on this
 /// thread before it, waiting: the mask worked out beside building the next forward
 /// (0.63-0.75x), and a step's sampling started together with the next forward (0.50-0.76x
-/// on llama-1b). The device finishes a step 0.5-1 ms after MLX has started all of it, and a
-/// token read right after its dispatch waits that long on every step.
+/// on llama-1b; 0.79-0.89x again in session 27, `bench/device/constrained-loop.py` in
+/// mlx-lm's own model, a second stream for the sampling no better). The device finishes a
+/// step 0.5-1 ms after MLX has started all of it, and a token read right after its dispatch
+/// waits that long on every step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Overlap {
     /// Slow masks (`Guard::slow`) beside the next forward's start (`Generation::overlapped`);
