@@ -358,12 +358,21 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
         // once and is kept there (`Masking`), so fewer are sent than applied.
         let (sent, applied) = (row["masks_sent"].as_u64().unwrap(), row["masks_applied"].as_u64().unwrap());
         assert!(sent >= 1 && sent < applied, "{row}");
+        // The engine thread's step split, of the constrained batch and of its plain pair:
+        // build, dispatch, wait, tell, pick (only a constrained step samples apart).
+        let split = |key: &str| -> Vec<f64> { row[key].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect() };
+        let (held, plain) = (split("step_split_ms"), split("plain_step_split_ms"));
+        assert!(held.len() == 5 && held[0] > 0.0 && held[1] > 0.0 && held[4] > 0.0, "{row}");
+        assert!(plain.len() == 5 && plain[0] > 0.0 && plain[1] > 0.0 && plain[4] == 0.0, "{row}");
+        let (step, plain_step) = (row["step_ms"].as_f64().unwrap(), row["plain_step_ms"].as_f64().unwrap());
+        assert!(step > 0.0 && plain_step > 0.0, "{row}");
     }
     // Plain batches of random prompts report no constraint; a constraint needs the prompt.
     let plain = bench(&[]);
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     let row: Value = serde_json::from_str(String::from_utf8_lossy(&plain.stdout).lines().next().unwrap()).unwrap();
     assert!(row["constraint"].is_null() && row["vs_plain"].is_null(), "{row}");
+    assert!(row["plain_step_split_ms"].is_null() && row["step_split_ms"][1].as_f64().unwrap() > 0.0, "{row}");
     let refused = bench(&["--constraint", constraint.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--batch takes --constraint and --prompt-file together"));
     std::fs::remove_file(constraint).ok();

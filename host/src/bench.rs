@@ -196,6 +196,13 @@ pub struct BatchRow {
     /// host (the rest were kept there: `Masking`).
     pub masks_applied: Option<usize>,
     pub masks_sent: Option<usize>,
+    /// The engine thread's time per step (ms, first run): build, dispatch, wait, tell, pick
+    /// (`engine::batch::StepSplit`); with --constraint, also the paired plain batch's, and
+    /// both batches' whole step (ms, the run's decode time over its steps).
+    pub step_split_ms: [f64; 5],
+    pub step_ms: f64,
+    pub plain_step_split_ms: Option<[f64; 5]>,
+    pub plain_step_ms: Option<f64>,
 }
 
 /// One batched generation's measurements.
@@ -215,6 +222,14 @@ struct BatchRun {
     /// Row masks applied on the device, and of them those sent from the host.
     masks_applied: usize,
     masks_sent: usize,
+    split: crate::engine::batch::StepSplit,
+}
+
+impl BatchRun {
+    /// Decode milliseconds per step after the first.
+    fn step_ms(&self) -> f64 {
+        self.rest * 1e3 / self.steps.saturating_sub(1).max(1) as f64
+    }
 }
 
 /// One batched generation: `prompts` prefilled one after another and joined, then stepped
@@ -251,6 +266,7 @@ fn run_batch(
         mask_secs: 0.0,
         masks_applied: 0,
         masks_sent: 0,
+        split: Default::default(),
     };
     let mut first = None;
     while !batch.is_empty() {
@@ -276,6 +292,7 @@ fn run_batch(
     let first = first.unwrap_or(end);
     run.merged_steps = batch.merged_steps();
     (run.masks_applied, run.masks_sent) = batch.mask_counts();
+    run.split = batch.split();
     run.ttft = (first - started).as_secs_f64();
     run.rest = (end - first).as_secs_f64();
     Ok(run)
@@ -341,7 +358,7 @@ fn run_batches(args: &Args) -> Result<()> {
             let shape = constraint.map(|c| run_batch(model, prompts, &vec![args.gen; b], Some(c))).transpose()?;
             let warmup_s = t.elapsed().as_secs_f64();
             let (mut ttft, mut decode, mut peak, mut firsts) = (Vec::new(), Vec::new(), 0, None);
-            let (mut plain_decode, mut ratios) = (Vec::new(), Vec::new());
+            let (mut plain_decode, mut ratios, mut first_plain) = (Vec::new(), Vec::new(), None);
             let tps = |r: &BatchRun| r.tokens as f64 / r.rest;
             for i in 0..args.runs {
                 mlx::memory::reset_peak();
@@ -355,6 +372,7 @@ fn run_batches(args: &Args) -> Result<()> {
                 if let Some(p) = plain {
                     plain_decode.push(tps(&p));
                     ratios.push(tps(&r) / tps(&p));
+                    first_plain.get_or_insert(p);
                 }
                 ttft.push(r.ttft);
                 decode.push(tps(&r));
@@ -387,6 +405,10 @@ fn run_batches(args: &Args) -> Result<()> {
                 steps: structure.as_ref().map(|_| first.steps),
                 masks_applied: structure.as_ref().map(|_| first.masks_applied),
                 masks_sent: structure.as_ref().map(|_| first.masks_sent),
+                step_split_ms: first.split.per_step_ms(),
+                step_ms: first.step_ms(),
+                plain_step_split_ms: first_plain.as_ref().map(|p| p.split.per_step_ms()),
+                plain_step_ms: first_plain.as_ref().map(BatchRun::step_ms),
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -410,9 +432,10 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.peak_memory_bytes as f64 / 1e9
             );
         }
+        let split = |s: &[f64; 5]| s.map(|v| format!("{v:.3}")).join("/");
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
-                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged; {} of {} masks sent to the device",
+                "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged; {} of {} masks sent to the device; a step {:.3} ms, build/dispatch/wait/tell/pick {} (plain: {:.3} ms, {})",
                 r.batch,
                 r.constraint.as_deref().unwrap_or_default(),
                 r.vs_plain.unwrap_or_default(),
@@ -424,7 +447,11 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.merged_steps.unwrap_or_default(),
                 r.steps.unwrap_or_default(),
                 r.masks_sent.unwrap_or_default(),
-                r.masks_applied.unwrap_or_default()
+                r.masks_applied.unwrap_or_default(),
+                r.step_ms,
+                split(&r.step_split_ms),
+                r.plain_step_ms.unwrap_or_default(),
+                split(&r.plain_step_split_ms.unwrap_or_default())
             );
         }
     }

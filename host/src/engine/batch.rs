@@ -23,6 +23,7 @@ use super::sampling::{log_softmax, Sampler};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
+use std::time::Instant;
 
 /// One sequence of the batch.
 pub struct Row<'m> {
@@ -145,6 +146,39 @@ pub struct Batch<'m> {
     overlap: Overlap,
     /// Constrained steps whose forward started with their sampling (`merged`).
     merged_steps: usize,
+    /// Where the steps spent the engine thread's time.
+    split: StepSplit,
+}
+
+/// Where a batch's steps spend the engine thread's time, summed in seconds (`host bench
+/// --batch` prints them per step, a constrained batch's beside its plain one's).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepSplit {
+    /// Steps whose next step was built while they were in flight (every step but a first).
+    pub steps: usize,
+    /// Building the next step's graph: its forward, and unless a constrained row waits for
+    /// masks, its sampling.
+    pub build: f64,
+    /// Handing that graph to MLX (`async_eval`).
+    pub dispatch: f64,
+    /// Waiting after the dispatch for this step's tokens; with a constrained row, also for
+    /// the constraints told them and their next masks (a helper thread's join, or that work
+    /// done here).
+    pub wait: f64,
+    /// Telling the rows their tokens (sampler plugins, limits; constraints when not
+    /// already) and cutting their log-probabilities.
+    pub tell: f64,
+    /// A constrained step's separate sampling: applying the masks (`Masking`), building the
+    /// sampling and handing it to MLX.
+    pub pick: f64,
+}
+
+impl StepSplit {
+    /// Milliseconds per step: build, dispatch, wait, tell, pick.
+    pub fn per_step_ms(&self) -> [f64; 5] {
+        let n = self.steps.max(1) as f64;
+        [self.build, self.dispatch, self.wait, self.tell, self.pick].map(|s| s * 1e3 / n)
+    }
 }
 
 /// A batch's step ends with no MLX work of its own running (see `Generation`'s `Drop`).
@@ -170,7 +204,13 @@ impl<'m> Batch<'m> {
             masking: constraint::Masking::default(),
             overlap: Overlap::from_env(),
             merged_steps: 0,
+            split: StepSplit::default(),
         }
+    }
+
+    /// Where the steps so far spent the engine thread's time.
+    pub fn split(&self) -> StepSplit {
+        self.split
     }
 
     /// Constrained steps so far whose tokens were already there when the next forward was
@@ -277,7 +317,14 @@ impl<'m> Batch<'m> {
             return self.read(current);
         }
         if !constrained {
-            self.pending = Some(self.build(Some(&current))?);
+            let t0 = Instant::now();
+            let (keys, logits) = self.forward(Some(&current))?;
+            let next = self.sample(keys, &logits, Vec::new())?;
+            let t1 = Instant::now();
+            self.pending = Some(self.start(next)?);
+            self.split.build += (t1 - t0).as_secs_f64();
+            self.split.dispatch += t1.elapsed().as_secs_f64();
+            self.split.steps += 1;
             return self.read(current);
         }
         // With a constrained row only the next step's forward is built before this step's
@@ -289,7 +336,10 @@ impl<'m> Batch<'m> {
         // tokens are already there, that work is done first and the forward starts with the
         // sampling, in one dispatch as an unconstrained step (`merged`); else it is done here
         // after the forward's start. The sampling is started behind the forward with the masks.
+        let t0 = Instant::now();
         let (keys, logits) = self.forward(Some(&current))?;
+        let t1 = Instant::now();
+        let mut dispatched_at = t1;
         let mut current = current;
         let beside = self.beside();
         let copy = current.copy.take().filter(|_| beside);
@@ -308,10 +358,12 @@ impl<'m> Batch<'m> {
             Ok(Helped { ids, accepted, masks })
         };
         let read = || current.tokens.to_vec_i32().map_err(anyhow::Error::from);
+        let dispatched_at = &mut dispatched_at;
         let helped = match copy {
             Some(copy) => std::thread::scope(|scope| {
                 let helper = scope.spawn(move || work(copy.to_vec_i32().map_err(anyhow::Error::from)));
                 let dispatched = mlx::async_eval(&[&logits]);
+                *dispatched_at = Instant::now();
                 let helped = helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
                 dispatched.map_err(anyhow::Error::from).and(helped)
             }),
@@ -319,8 +371,12 @@ impl<'m> Batch<'m> {
                 self.merged_steps += 1;
                 work(read())
             }
-            None => mlx::async_eval(&[&logits]).map_err(anyhow::Error::from).and_then(|()| work(read())),
+            None => mlx::async_eval(&[&logits]).map_err(anyhow::Error::from).and_then(|()| {
+                *dispatched_at = Instant::now();
+                work(read())
+            }),
         };
+        let t2 = Instant::now();
         let helped = match helped {
             Ok(helped) => helped,
             Err(e) => {
@@ -337,7 +393,16 @@ impl<'m> Batch<'m> {
         let told = tell(&mut self.rows, &current.keys, &helped.ids, false);
         let masks = place(&mut self.rows, helped.masks);
         let out = self.tokens(&current, told)?;
-        self.pending = Some(self.sample(keys, &logits, masks)?);
+        let t3 = Instant::now();
+        let next = self.sample(keys, &logits, masks)?;
+        self.pending = Some(self.start(next)?);
+        // A merged step's forward is handed to MLX with its sampling (in `pick`).
+        self.split.build += (t1 - t0).as_secs_f64();
+        self.split.dispatch += (*dispatched_at - t1).as_secs_f64();
+        self.split.wait += (t2 - *dispatched_at).as_secs_f64();
+        self.split.tell += (t3 - t2).as_secs_f64();
+        self.split.pick += t3.elapsed().as_secs_f64();
+        self.split.steps += 1;
         Ok(out)
     }
 
@@ -352,9 +417,14 @@ impl<'m> Batch<'m> {
     /// Reads the step `current` (evaluating it): each row's token with its finish, told to
     /// its sampler plugin and constraint.
     fn read(&mut self, current: Step) -> Result<Vec<(u64, Result<Token>)>> {
+        let t0 = Instant::now();
         let ids = current.tokens.to_vec_i32().context("reading the batch's tokens")?;
+        let t1 = Instant::now();
         let told = tell(&mut self.rows, &current.keys, &ids, true);
-        self.tokens(&current, told)
+        let out = self.tokens(&current, told);
+        self.split.wait += (t1 - t0).as_secs_f64();
+        self.split.tell += t1.elapsed().as_secs_f64();
+        out
     }
 
     /// The step `current`'s tokens as told to its rows, with their log-probabilities.
@@ -391,7 +461,8 @@ impl<'m> Batch<'m> {
         } else {
             Vec::new()
         };
-        self.sample(keys, &logits, masks)
+        let step = self.sample(keys, &logits, masks)?;
+        self.start(step)
     }
 
     /// A step's first half: the forward over every row (as `build`) and the rows' logits
@@ -435,7 +506,8 @@ impl<'m> Batch<'m> {
     }
 
     /// A step's second half: every row's token from the processed `logits` of the forward
-    /// over `keys` (its rows, in row order) under `masks` (none: no row is masked), started.
+    /// over `keys` (its rows, in row order) under `masks` (none: no row is masked), built
+    /// (`start` starts it).
     fn sample(&mut self, keys: Vec<u64>, logits: &Array, masks: Vec<Option<constraint::Bits>>) -> Result<Step> {
         let masked;
         let logits = if masks.is_empty() {
@@ -465,13 +537,18 @@ impl<'m> Batch<'m> {
         for row in &mut self.rows {
             row.position += 1;
         }
-        let copy = if self.rows.iter().any(|r| r.constraint.is_some()) && self.beside() {
-            Some(mlx::async_eval_detached(&[&tokens, &logprobs], &tokens)?)
+        Ok(Step { keys, tokens, logprobs, copy: None })
+    }
+
+    /// Hands a built step to MLX: with the tokens' private copy when the next step's masks
+    /// will be worked out on a helper thread (`beside`).
+    fn start(&self, mut step: Step) -> Result<Step> {
+        if self.rows.iter().any(|r| r.constraint.is_some()) && self.beside() {
+            step.copy = Some(mlx::async_eval_detached(&[&step.tokens, &step.logprobs], &step.tokens)?);
         } else {
-            mlx::async_eval(&[&tokens, &logprobs])?;
-            None
-        };
-        Ok(Step { keys, tokens, logprobs, copy })
+            mlx::async_eval(&[&step.tokens, &step.logprobs])?;
+        }
+        Ok(step)
     }
 
     /// Each plugin row's pick from its processed logits (a row of `logits`, `[B, V]`): the
