@@ -360,13 +360,17 @@ impl<'m> Batch<'m> {
         let read = || current.tokens.to_vec_i32().map_err(anyhow::Error::from);
         let dispatched_at = &mut dispatched_at;
         let helped = match copy {
-            Some(copy) => std::thread::scope(|scope| {
-                let helper = scope.spawn(move || work(copy.to_vec_i32().map_err(anyhow::Error::from)));
-                let dispatched = mlx::async_eval(&[&logits]);
-                *dispatched_at = Instant::now();
-                let helped = helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            Some(copy) => {
+                let (helped, dispatched) = constraint::beside(
+                    move || work(copy.to_vec_i32().map_err(anyhow::Error::from)),
+                    || {
+                        let dispatched = mlx::async_eval(&[&logits]);
+                        *dispatched_at = Instant::now();
+                        dispatched
+                    },
+                );
                 dispatched.map_err(anyhow::Error::from).and(helped)
-            }),
+            }
             None if merged => {
                 self.merged_steps += 1;
                 work(read())

@@ -126,13 +126,56 @@ pub const PARALLEL_MASKS_SECS: f64 = 150e-6;
 /// (0.02 ms) lost as much.
 pub const SLOW_MASK_SECS: f64 = 50e-6;
 
+/// Threads for constraint work beside the engine thread: at most 8.
+fn threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8))
+}
+
+/// The threads constraint work runs on beside the engine thread, kept from step to step
+/// (starting one costs ~20-40 µs, and a batch step of slow masks started up to 8). `None`
+/// under `HOST_MASK_POOL=spawn` (a measuring switch: threads started per call, as before),
+/// or if the pool could not be made.
+fn pool() -> Option<&'static rayon_core::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon_core::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        if std::env::var("HOST_MASK_POOL").is_ok_and(|v| v == "spawn") {
+            return None;
+        }
+        let built = rayon_core::ThreadPoolBuilder::new()
+            .num_threads(threads())
+            .thread_name(|i| format!("host-constraint-{i}"))
+            .build();
+        built.map_err(|e| tracing::warn!("constraint threads: {e}; starting them per step instead")).ok()
+    })
+    .as_ref()
+}
+
+/// Runs `helper` on another thread while `here` runs on this one, and gives both results
+/// (a panic in either goes on in the caller).
+pub fn beside<A: Send, B>(helper: impl FnOnce() -> A + Send, here: impl FnOnce() -> B) -> (A, B) {
+    match pool() {
+        Some(pool) => {
+            let mut helped = None;
+            let mine = pool.in_place_scope(|scope| {
+                scope.spawn(|_| helped = Some(helper()));
+                here()
+            });
+            (helped.expect("the scope waits for its helper"), mine)
+        }
+        None => std::thread::scope(|scope| {
+            let helper = scope.spawn(helper);
+            let mine = here();
+            (helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)), mine)
+        }),
+    }
+}
+
 /// `work` on each of `items` (in their order): on helper threads when there are several and
 /// `serial` (the seconds they would take one after another) is over [`PARALLEL_MASKS_SECS`],
-/// the calling thread taking the first share, else on this thread (starting a thread costs
-/// ~20 µs). At most 8 threads.
+/// the calling thread taking the first share, else on this thread.
 pub fn each<T: Send, R: Send>(items: Vec<T>, serial: f64, work: impl Fn(T) -> R + Sync) -> Vec<R> {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let threads = *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8));
+    let threads = threads();
     if items.len() < 2 || threads < 2 || serial < PARALLEL_MASKS_SECS {
         return items.into_iter().map(work).collect();
     }
@@ -147,14 +190,27 @@ pub fn each<T: Send, R: Send>(items: Vec<T>, serial: f64, work: impl Fn(T) -> R 
     let work = &work;
     let run = move |chunk: Vec<T>| chunk.into_iter().map(work).collect::<Vec<_>>();
     let mine = chunks.remove(0);
-    std::thread::scope(|scope| {
-        let helpers: Vec<_> = chunks.into_iter().map(|c| scope.spawn(move || run(c))).collect();
-        let mut out = run(mine);
-        for h in helpers {
-            out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+    match pool() {
+        Some(pool) => {
+            let mut theirs: Vec<Vec<R>> = chunks.iter().map(|_| Vec::new()).collect();
+            let mut out = pool.in_place_scope(|scope| {
+                for (chunk, slot) in chunks.into_iter().zip(theirs.iter_mut()) {
+                    scope.spawn(move |_| *slot = run(chunk));
+                }
+                run(mine)
+            });
+            out.extend(theirs.into_iter().flatten());
+            out
         }
-        out
-    })
+        None => std::thread::scope(|scope| {
+            let helpers: Vec<_> = chunks.into_iter().map(|c| scope.spawn(move || run(c))).collect();
+            let mut out = run(mine);
+            for h in helpers {
+                out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            }
+            out
+        }),
+    }
 }
 
 /// A row's constraint as the decode loops use it: masks as bitsets of allowed tokens,
@@ -529,6 +585,25 @@ pub(crate) mod tests {
     /// [`Masking::apply`] with its constants built anew.
     pub fn apply(logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
         Masking::default().apply(logits, masks)
+    }
+
+    #[test]
+    fn constraint_work_beside_the_engine_thread_keeps_its_order_and_its_panics() {
+        let here = std::thread::current().id();
+        let slow = each((0..20).collect(), 1.0, |i: usize| (i * 2, std::thread::current().id()));
+        assert_eq!(slow.iter().map(|o| o.0).collect::<Vec<_>>(), (0..20).map(|i| i * 2).collect::<Vec<_>>());
+        assert_eq!(slow[0].1, here, "the caller takes the first share");
+        assert!(threads() < 2 || slow.iter().any(|o| o.1 != here), "slow work is shared with helpers");
+        let quick = each(vec![1, 2, 3], 0.0, |_: i32| std::thread::current().id());
+        assert!(quick.iter().all(|&t| t == here), "quick work stays on the calling thread");
+        let (helped, mine) = beside(|| std::thread::current().id(), || std::thread::current().id());
+        assert!(helped != here && mine == here);
+        // Twice: the pool's threads are kept, and a helper's panic reaches the caller.
+        for _ in 0..2 {
+            let broke = std::panic::catch_unwind(|| beside(|| -> i32 { panic!("the helper broke") }, || 1));
+            assert!(broke.is_err());
+            assert_eq!(beside(|| 2, || 3), (2, 3));
+        }
     }
 
     #[test]

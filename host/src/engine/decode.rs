@@ -646,18 +646,17 @@ impl<'m> Generation<'m> {
         };
         let t2 = Instant::now();
         let guard = self.constraint.as_mut().expect("a constrained step");
-        let (dispatched, told) = std::thread::scope(|scope| {
-            let helper = scope.spawn(move || -> Result<(u32, Result<Option<constraint::Bits>>)> {
+        let (told, dispatched) = constraint::beside(
+            move || -> Result<(u32, Result<Option<constraint::Bits>>)> {
                 let id = match read {
                     Ok(id) => id,
                     Err(copy) => copy.to_vec_i32()?[0] as u32,
                 };
                 guard.accept(id)?;
                 Ok((id, guard.mask()))
-            });
-            let dispatched = mlx::async_eval(&[&logits]);
-            (dispatched, helper.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-        });
+            },
+            || mlx::async_eval(&[&logits]),
+        );
         self.stats.build_secs += (t1 - t0).as_secs_f64();
         self.stats.wait_secs += (t2 - t1).as_secs_f64();
         self.stats.dispatch_secs += t2.elapsed().as_secs_f64();
