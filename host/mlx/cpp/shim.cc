@@ -15,6 +15,7 @@
 #include "mlx/backend/cuda/cuda.h"
 #include "mlx/graph_utils.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -324,6 +325,63 @@ array qmv4(const array& x, const array& w, const array& scales, const array& bia
   return kernel({x, w, scales, biases}, {out_shape}, {x.dtype()}, {warps * 32, 1, 1}, {256, 1, 1},
                 {{"T", x.dtype()}, {"ROWS", rows}, {"IN", in}, {"GROUP", group_size}, {"R", kQmv4RowsPerWarp}},
                 std::nullopt, false, {})[0];
+}
+
+// ---- Constraint masks applied to a batch's logits (issue 23) ---------------------------------
+// A constrained batch step refuses each row's tokens by a `[1, V]` bool row kept on the device
+// (true where refused). With MLX's ops that is a concatenate of the B rows (one copy kernel per
+// row) and a where: B + 1 launches on the engine thread's separate sampling, a step's only
+// work beyond an unconstrained one's (bench/RESULTS.md, session 28: 0.17 ms of a 2.4 ms
+// llama-1b batch-of-8 step, most of it launches). This kernel reads the rows where they lie:
+// one launch for up to kMaskedRows rows (more are taken in groups). On the CPU, or under
+// HOST_MASK_KERNEL=0 (for A/B runs; read once), MLX's ops do it.
+constexpr int kMaskedRows = 8;
+constexpr const char* kMaskedRowsSource = R"CUDA(
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  if (t >= V) return;
+  const bool* rows[8] = {m0, m1, m2, m3, m4, m5, m6, m7};
+  const size_t at = static_cast<size_t>(r) * V + t;
+  out[at] = rows[r][t] ? static_cast<T>(__int_as_float(0xff800000)) : logits[at];
+)CUDA";
+
+bool masked_rows_kernel_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HOST_MASK_KERNEL");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
+array masked_rows_array(const array& logits, const ArrayList& rows, const array& neg_inf) {
+  const auto& refused = rows.items;
+  const int b = logits.ndim() == 2 ? logits.shape(0) : -1;
+  if (b != static_cast<int>(refused.size()) || b < 1) {
+    throw std::invalid_argument("masked_rows: a [B, V] logits array and B refused rows are needed");
+  }
+  static const bool cuda = mx::cu::is_available();
+  const auto dt = logits.dtype();
+  const bool applies = masked_rows_kernel_enabled() && cuda && mx::default_device() == mx::Device::gpu &&
+                       (dt == mx::bfloat16 || dt == mx::float16 || dt == mx::float32);
+  if (!applies) {
+    const array all = refused.size() == 1 ? refused[0] : mx::concatenate(refused, 0);
+    return mx::where(all, neg_inf, logits);
+  }
+  static const auto kernel =
+      mx::fast::cuda_kernel("host_masked_rows", {"logits", "m0", "m1", "m2", "m3", "m4", "m5", "m6", "m7"}, {"out"},
+                            kMaskedRowsSource, "");
+  const int v = logits.shape(1);
+  const int blocks = (v + 255) / 256;
+  std::vector<array> parts;
+  for (int start = 0; start < b; start += kMaskedRows) {
+    const int n = std::min(kMaskedRows, b - start);
+    std::vector<array> inputs{n == b ? logits : mx::slice(logits, {start, 0}, {start + n, v})};
+    for (int i = 0; i < kMaskedRows; ++i) inputs.push_back(refused[start + std::min(i, n - 1)]);
+    const mx::Shape shape{n, v};
+    parts.push_back(kernel(inputs, {shape}, {dt}, {blocks * 256, n, 1}, {256, 1, 1}, {{"T", dt}, {"V", v}},
+                           std::nullopt, false, {})[0]);
+  }
+  return parts.size() == 1 ? parts[0] : mx::concatenate(parts, 0);
 }
 
 // ---- Causal attention of a short query (speculative verification, issue 5) ------------------
@@ -679,6 +737,9 @@ Ptr scatter_add_axis(const array& a, const array& idx, const array& v, int32_t a
   return wrap(mx::scatter_add_axis(a, idx, v, axis));
 }
 Ptr concatenate(const ArrayList& arrays, int32_t axis) { return wrap(mx::concatenate(arrays.items, axis)); }
+Ptr masked_rows(const array& logits, const ArrayList& rows, const array& neg_inf) {
+  return wrap(masked_rows_array(logits, rows, neg_inf));
+}
 Ptr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
 Ptr copy(const array& a) { return wrap(mx::copy(a)); }
 

@@ -103,6 +103,7 @@ Ptr take_along_axis(const array& a, const array& indices, int32_t axis);
 Ptr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis);
 Ptr scatter_add_axis(const array& a, const array& indices, const array& values, int32_t axis);
 Ptr concatenate(const ArrayList& arrays, int32_t axis);
+Ptr masked_rows(const array& logits, const ArrayList& rows, const array& neg_inf);
 Ptr contiguous(const array& a);
 Ptr copy(const array& a);
 

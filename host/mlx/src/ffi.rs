@@ -87,6 +87,7 @@ pub(crate) mod ffi {
         fn put_along_axis(a: &array, indices: &array, values: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn scatter_add_axis(a: &array, indices: &array, values: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<array>>;
+        fn masked_rows(logits: &array, rows: &ArrayList, neg_inf: &array) -> Result<UniquePtr<array>>;
         fn contiguous(a: &array) -> Result<UniquePtr<array>>;
         fn copy(a: &array) -> Result<UniquePtr<array>>;
 

@@ -74,6 +74,14 @@ pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
     wrap(ffi::concatenate(&list(arrays), axis))
 }
 
+/// `logits` (`[B, V]`) with row `i`'s tokens where `refused[i]` (`[1, V]` bool) is true set to
+/// `neg_inf` (a `-inf` scalar of the logits' dtype): `where(concatenate(refused), neg_inf,
+/// logits)`, in one kernel on a CUDA GPU (the host's, `shim.cc` `masked_rows`;
+/// `HOST_MASK_KERNEL=0` keeps MLX's ops).
+pub fn masked_rows(logits: &Array, refused: &[&Array], neg_inf: &Array) -> Result<Array> {
+    wrap(ffi::masked_rows(&logits.0, &list(refused), &neg_inf.0))
+}
+
 /// `a @ b[rhs_indices]` batched (`mx.gather_mm` with only right-hand indices): the expert
 /// products of a mixture-of-experts layer. `sorted_indices` promises the indices are sorted.
 pub fn gather_mm(a: &Array, b: &Array, rhs_indices: &Array, sorted_indices: bool) -> Result<Array> {

@@ -133,6 +133,38 @@ fn fast_kernels_agree_with_their_definitions() {
     assert_eq!(o.to_vec_f32().unwrap(), vec![5.0, 7.0]);
 }
 
+/// On a CUDA GPU `masked_rows` is the host's kernel (one row of refused tokens per logits
+/// row, read where it lies, groups of 8): it must give exactly `where(concatenate, -inf,
+/// logits)`, in every float dtype, for a vocabulary that is no multiple of the block and for
+/// more rows than a group. (On the CPU both sides are MLX's ops.)
+#[test]
+fn masked_rows_are_where_over_the_concatenated_rows() {
+    let vocab = 1000;
+    for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+        for batch in [1, 3, 8, 11] {
+            let values: Vec<f32> = (0..batch * vocab).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
+            let logits = arr(&values, &[batch, vocab]).astype(dtype).unwrap();
+            let refused: Vec<Array> = (0..batch)
+                .map(|r| {
+                    let bits: Vec<f32> = (0..vocab).map(|t| ((t * 31 + r * 17) % 5 < 2) as u8 as f32).collect();
+                    arr(&bits, &[1, vocab]).astype(Dtype::Bool).unwrap()
+                })
+                .collect();
+            let rows: Vec<&Array> = refused.iter().collect();
+            let neg_inf = Array::scalar(f32::NEG_INFINITY, dtype).unwrap();
+            let got = ops::masked_rows(&logits, &rows, &neg_inf).unwrap();
+            let want = ops::where_(&ops::concatenate(&rows, 0).unwrap(), &neg_inf, &logits).unwrap();
+            assert_eq!((got.shape(), got.dtype()), (vec![batch, vocab], dtype));
+            let (got, want) = (got.astype(Dtype::Float32).unwrap(), want.astype(Dtype::Float32).unwrap());
+            let (got, want) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} batch {batch}");
+            assert!(got.iter().filter(|v| **v == f32::NEG_INFINITY).count() >= batch * vocab / 3);
+        }
+    }
+    let err = ops::masked_rows(&arr(&[0.0; 6], &[2, 3]), &[&arr(&[1.0; 3], &[1, 3])], &arr(&[0.0], &[])).unwrap_err();
+    assert!(err.to_string().contains("B refused rows"), "{err}");
+}
+
 #[test]
 fn swiglu_is_silu_gate_times_x() {
     let g = arr(&[-1.0, 0.0, 2.0], &[3]);

@@ -485,11 +485,17 @@ impl Masking {
                 None => self.open_row(vocab)?,
             });
         }
+        let rows: Vec<&Array> = rows.iter().collect();
+        let neg_inf = self.neg_inf(logits.dtype())?;
+        if logits.ndim() == 2 && logits.dim(0) == rows.len() {
+            // One kernel on a GPU, where the rows lie (`masked_rows`).
+            return Ok(mlx::ops::masked_rows(logits, &rows, neg_inf)?);
+        }
         let refused = match rows.as_slice() {
-            [one] => one.clone(),
-            many => mlx::ops::concatenate(&many.iter().collect::<Vec<_>>(), 0)?,
+            [one] => (*one).clone(),
+            many => mlx::ops::concatenate(many, 0)?,
         };
-        Ok(mlx::ops::where_(&refused, self.neg_inf(logits.dtype())?, logits)?)
+        Ok(mlx::ops::where_(&refused, neg_inf, logits)?)
     }
 
     /// An all-false `[1, vocab]` row (nothing refused), kept.
