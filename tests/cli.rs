@@ -360,7 +360,8 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
         assert!(sent >= 1 && sent < applied, "{row}");
         // The engine thread's step split, of the constrained batch and of its plain pair:
         // build, dispatch, wait, tell, pick (only a constrained step samples apart).
-        let split = |key: &str| -> Vec<f64> { row[key].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect() };
+        let split =
+            |key: &str| -> Vec<f64> { row[key].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect() };
         let (held, plain) = (split("step_split_ms"), split("plain_step_split_ms"));
         assert!(held.len() == 5 && held[0] > 0.0 && held[1] > 0.0 && held[4] > 0.0, "{row}");
         assert!(plain.len() == 5 && plain[0] > 0.0 && plain[1] > 0.0 && plain[4] == 0.0, "{row}");

@@ -154,10 +154,11 @@ pub struct Batch<'m> {
 /// --batch` prints them per step, a constrained batch's beside its plain one's).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepSplit {
-    /// Steps whose next step was built while they were in flight (every step but a first).
+    /// Steps read (`step` calls that gave tokens).
     pub steps: usize,
-    /// Building the next step's graph: its forward, and unless a constrained row waits for
-    /// masks, its sampling.
+    /// Building the next step's graph while this one is in flight: its forward, and unless a
+    /// constrained row waits for masks, its sampling (a serial batch's, with a plugin row,
+    /// is built when it is read: not counted).
     pub build: f64,
     /// Handing that graph to MLX (`async_eval`).
     pub dispatch: f64,
@@ -169,7 +170,8 @@ pub struct StepSplit {
     /// already) and cutting their log-probabilities.
     pub tell: f64,
     /// A constrained step's separate sampling: applying the masks (`Masking`), building the
-    /// sampling and handing it to MLX.
+    /// sampling and handing it to MLX (a merged step's forward with it: then its dispatch is
+    /// here, not in `dispatch`).
     pub pick: f64,
 }
 
@@ -324,7 +326,6 @@ impl<'m> Batch<'m> {
             self.pending = Some(self.start(next)?);
             self.split.build += (t1 - t0).as_secs_f64();
             self.split.dispatch += t1.elapsed().as_secs_f64();
-            self.split.steps += 1;
             return self.read(current);
         }
         // With a constrained row only the next step's forward is built before this step's
@@ -428,6 +429,7 @@ impl<'m> Batch<'m> {
         let out = self.tokens(&current, told);
         self.split.wait += (t1 - t0).as_secs_f64();
         self.split.tell += t1.elapsed().as_secs_f64();
+        self.split.steps += 1;
         out
     }
 
