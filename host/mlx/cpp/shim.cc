@@ -361,7 +361,11 @@ array masked_rows_array(const array& logits, const ArrayList& rows, const array&
   }
   static const bool cuda = mx::cu::is_available();
   const auto dt = logits.dtype();
-  const bool applies = masked_rows_kernel_enabled() && cuda && mx::default_device() == mx::Device::gpu &&
+  const int v = logits.shape(1);
+  const bool rows_fit = std::all_of(refused.begin(), refused.end(), [v](const array& r) {
+    return r.dtype() == mx::bool_ && r.ndim() == 2 && r.shape(0) == 1 && r.shape(1) == v;
+  });
+  const bool applies = masked_rows_kernel_enabled() && cuda && mx::default_device() == mx::Device::gpu && rows_fit &&
                        (dt == mx::bfloat16 || dt == mx::float16 || dt == mx::float32);
   if (!applies) {
     const array all = refused.size() == 1 ? refused[0] : mx::concatenate(refused, 0);
@@ -370,7 +374,6 @@ array masked_rows_array(const array& logits, const ArrayList& rows, const array&
   static const auto kernel =
       mx::fast::cuda_kernel("host_masked_rows", {"logits", "m0", "m1", "m2", "m3", "m4", "m5", "m6", "m7"}, {"out"},
                             kMaskedRowsSource, "");
-  const int v = logits.shape(1);
   const int blocks = (v + 255) / 256;
   std::vector<array> parts;
   for (int start = 0; start < b; start += kMaskedRows) {
