@@ -319,13 +319,7 @@ impl<'m> Batch<'m> {
             return self.read(current);
         }
         if !constrained {
-            let t0 = Instant::now();
-            let (keys, logits) = self.forward(Some(&current))?;
-            let next = self.sample(keys, &logits, Vec::new())?;
-            let t1 = Instant::now();
-            self.pending = Some(self.start(next)?);
-            self.split.build += (t1 - t0).as_secs_f64();
-            self.split.dispatch += t1.elapsed().as_secs_f64();
+            self.pending = Some(self.build(Some(&current))?);
             return self.read(current);
         }
         // With a constrained row only the next step's forward is built before this step's
@@ -459,6 +453,7 @@ impl<'m> Batch<'m> {
     /// Builds and starts one step over every row: rows in `previous` feed its (lazy) token,
     /// rows that joined since feed their `last`.
     fn build(&mut self, previous: Option<&Step>) -> Result<Step> {
+        let t0 = Instant::now();
         let (keys, logits) = self.forward(previous)?;
         let masks = if self.rows.iter().any(|r| r.constraint.is_some()) {
             // The forward runs while the constraints work out their masks.
@@ -468,7 +463,14 @@ impl<'m> Batch<'m> {
             Vec::new()
         };
         let step = self.sample(keys, &logits, masks)?;
-        self.start(step)
+        let t1 = Instant::now();
+        let step = self.start(step)?;
+        if previous.is_some() {
+            // Built behind a step in flight (a batch's first step is not).
+            self.split.build += (t1 - t0).as_secs_f64();
+            self.split.dispatch += t1.elapsed().as_secs_f64();
+        }
+        Ok(step)
     }
 
     /// A step's first half: the forward over every row (as `build`) and the rows' logits

@@ -417,8 +417,9 @@ fn kept_masks() -> usize {
 }
 
 impl Masking {
-    /// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`): a refused
-    /// token's logit becomes -inf; rows without a mask are left as they are. Masks met lately
+    /// Applies the masks of rows (`masks[i]` for row `i` of `logits`, `[N, V]`; an error
+    /// unless there are N): a refused token's logit becomes -inf; rows without a mask are
+    /// left as they are. Masks met lately
     /// are used as kept on the device; the rest go there together (`V / 8` bytes a row) and
     /// are expanded in one go, then kept.
     pub fn apply(&mut self, logits: &Array, masks: &[Option<Bits>]) -> Result<Array> {
@@ -485,17 +486,9 @@ impl Masking {
                 None => self.open_row(vocab)?,
             });
         }
+        // One kernel on a GPU, reading the rows where they lie (`masked_rows`).
         let rows: Vec<&Array> = rows.iter().collect();
-        let neg_inf = self.neg_inf(logits.dtype())?;
-        if logits.ndim() == 2 && logits.dim(0) == rows.len() {
-            // One kernel on a GPU, where the rows lie (`masked_rows`).
-            return Ok(mlx::ops::masked_rows(logits, &rows, neg_inf)?);
-        }
-        let refused = match rows.as_slice() {
-            [one] => (*one).clone(),
-            many => mlx::ops::concatenate(many, 0)?,
-        };
-        Ok(mlx::ops::where_(&refused, neg_inf, logits)?)
+        Ok(mlx::ops::masked_rows(logits, &rows, self.neg_inf(logits.dtype())?)?)
     }
 
     /// An all-false `[1, vocab]` row (nothing refused), kept.
@@ -604,6 +597,14 @@ pub(crate) mod tests {
         assert!(quick.iter().all(|&t| t == here), "quick work stays on the calling thread");
         let (helped, mine) = beside(|| std::thread::current().id(), || std::thread::current().id());
         assert!(helped != here && mine == here);
+        // The helpers are the kept pool's threads, not ones started for the call.
+        if std::env::var("HOST_MASK_POOL").map_or(true, |v| v != "spawn") {
+            let (name, _) = beside(|| std::thread::current().name().map(str::to_owned), || ());
+            assert!(name.is_some_and(|n| n.starts_with("host-constraint-")));
+            let slow = each((0..4).collect(), 1.0, |_: i32| std::thread::current().name().map(str::to_owned));
+            let last = slow.last().expect("four results").as_deref();
+            assert!(threads() < 2 || last.is_some_and(|n| n.starts_with("host-constraint-")), "{slow:?}");
+        }
         // Twice: the pool's threads are kept, and a helper's panic reaches the caller.
         for _ in 0..2 {
             let broke = std::panic::catch_unwind(|| beside(|| -> i32 { panic!("the helper broke") }, || 1));
@@ -780,6 +781,9 @@ pub(crate) mod tests {
         // The newest filler was kept.
         masking.apply(&one, &[Some(fillers[KEPT_MASKS - 1].clone())]).unwrap();
         assert_eq!(masking.sent, 4 + KEPT_MASKS);
+        // A mask for each row, or a clear error.
+        let e = masking.apply(&logits, &[Some(mask(5))]).unwrap_err().to_string();
+        assert!(e.contains("B refused rows"), "{e}");
     }
 
     #[test]
