@@ -53,9 +53,9 @@ fn main() -> Result<()> {
     };
     let tokens: usize = rest.first().map(|s| s.parse()).transpose()?.unwrap_or(64);
     let runs: usize = rest.get(1).map(|s| s.parse()).transpose()?.unwrap_or(5);
-    host::generate::select_device(host::generate::DeviceChoice::Auto)?;
-    let loaded = host::generate::load_model(Some(&PathBuf::from(model)))?;
-    let prompt = host::generate::prompt_tokens(&loaded, b"Write a long story about a dragon.", None, false)?;
+    host::load::select_device(host::load::DeviceChoice::Auto)?;
+    let loaded = host::load::load_model(Some(&PathBuf::from(model)))?;
+    let prompt = host::cli::generate::prompt_tokens(&loaded, b"Write a long story about a dragon.", None, false)?;
     let registry = PluginRegistry::new()?;
     let cand = registry.load_file(&PathBuf::from(candidate)).context("loading the candidate-tier plugin")?;
     let full = registry.load_file(&PathBuf::from(full)).context("loading the full-vocabulary plugin")?;
@@ -175,7 +175,7 @@ fn batched(
     let prompts: Vec<Vec<u32>> = (0..b)
         .map(|i| {
             let text = format!("Write a long story about dragon number {i}.");
-            host::generate::prompt_tokens(loaded, text.as_bytes(), None, false)
+            host::cli::generate::prompt_tokens(loaded, text.as_bytes(), None, false)
         })
         .collect::<Result<_>>()?;
     // (seconds per step after the first, plugin seconds per step) for `k` plugin rows.
@@ -187,7 +187,7 @@ fn batched(
             let mut batch = Batch::new(model);
             for (key, prompt) in prompts.iter().enumerate() {
                 let mut cache = model.make_cache();
-                host::engine::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 2048)?;
+                host::engine::step::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 2048)?;
                 let external = plugin
                     .filter(|_| key < k)
                     .map(|p| timed_sampler(registry, p, config, prompt, vocab, &in_plugin))

@@ -11,7 +11,7 @@ mod common;
 
 use common::{OutputWithin, HANG};
 use host::engine::batch::{Batch, Row};
-use host::engine::decode::prefill;
+use host::engine::step::prefill;
 use host::engine::{DecodeOptions, Generation, Sampler, SamplingParams};
 use serde_json::Value;
 use std::collections::HashMap;

@@ -2,7 +2,7 @@
 //! flags on top. Defaults live in one place, `Default for ServeConfig`.
 
 use crate::engine::speculative::{SpecConfig, SpecMethod, Verify};
-use crate::generate::DeviceChoice;
+use crate::load::DeviceChoice;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::net::IpAddr;
@@ -66,7 +66,7 @@ pub struct ServeConfig {
     pub plugins: Option<PathBuf>,
     /// Plugins for requests that carry no `plugins` field (same shape as that field).
     /// Default: none.
-    pub default_plugins: Option<crate::server::openai::PluginsField>,
+    pub default_plugins: Option<crate::plugins::request::PluginsField>,
     /// A draft model for speculative decoding (must share the model's tokenizer). Default: none.
     pub draft_model: Option<PathBuf>,
     /// Speculative decoding for requests that do not choose: off, prompt-lookup or draft.
@@ -110,7 +110,7 @@ pub struct ServeConfig {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelDefaults {
-    pub default_plugins: Option<crate::server::openai::PluginsField>,
+    pub default_plugins: Option<crate::plugins::request::PluginsField>,
     pub tool_adapter: Option<String>,
     pub reasoning_parser: Option<String>,
 }

@@ -14,30 +14,30 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate a completion for one prompt, streaming it to stdout.
-    Generate(host::generate::Args),
+    Generate(host::cli::generate::Args),
     /// Measure prefill, decode, time to first token and memory on one model.
-    Bench(host::bench::Args),
+    Bench(host::cli::bench::Args),
     /// Serve the OpenAI and Anthropic APIs over HTTP.
     Serve(host::config::ServeArgs),
     /// Run an agent harness (pi, opencode, codex, claude) against `host serve`.
-    Launch(host::launch::Args),
+    Launch(host::cli::launch::Args),
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::plugins::PluginsCommand),
     /// One rank of a tensor-parallel group (launched by `--tensor-parallel`).
     #[command(hide = true)]
-    TpWorker(host::tp::WorkerArgs),
+    TpWorker(host::load::tp::WorkerArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => host::generate::run(args),
-        Command::Bench(args) => host::bench::run(args),
+        Command::Generate(args) => host::cli::generate::run(args),
+        Command::Bench(args) => host::cli::bench::run(args),
         Command::Serve(args) => host::server::run(args),
-        Command::Launch(args) => host::launch::run(args),
+        Command::Launch(args) => host::cli::launch::run(args),
         Command::Plugins(command) => host::plugins::run_command(command),
-        Command::TpWorker(args) => host::tp::worker(args),
+        Command::TpWorker(args) => host::load::tp::worker(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

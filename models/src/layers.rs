@@ -8,6 +8,13 @@ use mlx::fast::{self, Mask};
 use mlx::{ops, Array, Dtype};
 use serde_json::Value;
 
+/// A layer that maps hidden states to hidden states, as a part of a model that another
+/// module's layer holds without naming its type (Qwen2-MoE's shared expert, a decoder MLP,
+/// inside `moe::SparseMoe`).
+pub(crate) trait Forward {
+    fn forward(&self, x: &Array) -> Result<Array>;
+}
+
 /// `nn.Linear` or `nn.QuantizedLinear`.
 pub enum Linear {
     Dense { weight: Array, bias: Option<Array> },

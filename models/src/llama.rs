@@ -3,7 +3,7 @@
 
 use crate::cache::{KvCache, LayerCache};
 use crate::layers::{
-    attention, attention_unfused, causal_mask, short_query, Embedding, Linear, Positions, RmsNorm, Rope,
+    attention, attention_unfused, causal_mask, short_query, Embedding, Forward, Linear, Positions, RmsNorm, Rope,
 };
 use crate::weights::Weights;
 use crate::BatchKvCache;
@@ -500,6 +500,12 @@ impl Mlp {
         })
     }
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        Forward::forward(self, x)
+    }
+}
+
+impl Forward for Mlp {
+    fn forward(&self, x: &Array) -> Result<Array> {
         let gate_up = self.gate_up.forward(x)?;
         let gated = match self.activation {
             Activation::Silu => ops::swiglu(&gate_up[0], &gate_up[1])?,
@@ -611,6 +617,7 @@ impl Model {
                             let shared = m.shared.map(|ffn| {
                                 let s = Dims { ffn, ..d.clone() };
                                 Mlp::load(w, &format!("{p}.mlp.shared_expert"), &s, Activation::Silu, tp)
+                                    .map(|m| Box::new(m) as Box<dyn Forward>)
                             });
                             let moe =
                                 crate::moe::SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m, shared.transpose()?);

@@ -4,8 +4,8 @@
 //! softmax top-k router of its Qwen MoE blocks (`qwen3_moe.py`), with Qwen2-MoE's
 //! sigmoid-gated shared expert (`qwen2_moe.py`).
 
+use crate::layers::Forward;
 use crate::layers::Linear;
-use crate::llama::Mlp;
 use crate::weights::{Quantization, Weights};
 use crate::{Error, Result};
 use mlx::{ops, Array, Device, Dtype};
@@ -206,7 +206,7 @@ pub(crate) struct SparseMoe {
 /// Qwen2-MoE's `shared_expert` (the decoder's dense SwiGLU MLP at its own width, as mlx-lm's
 /// `MLP`) and its one-unit gate.
 struct SharedExpert {
-    mlp: Mlp,
+    mlp: Box<dyn Forward>,
     gate: Linear,
 }
 
@@ -220,7 +220,13 @@ impl SparseMoe {
     /// The block under `p` (the router `{p}.gate`, the experts `{p}.switch_mlp.{gate,up,down}_proj`,
     /// or the names `m` gives), with `shared` (`{p}.shared_expert`, loaded by the decoder) gated
     /// by `{p}.shared_expert_gate`.
-    pub(crate) fn load(w: &Weights, p: &str, hidden: usize, m: &MoeDims, shared: Option<Mlp>) -> Result<Self> {
+    pub(crate) fn load(
+        w: &Weights,
+        p: &str,
+        hidden: usize,
+        m: &MoeDims,
+        shared: Option<Box<dyn Forward>>,
+    ) -> Result<Self> {
         if m.top_k == 0 || m.top_k > m.experts {
             return Err(Error::Invalid(format!(
                 "num_experts_per_tok is {}; it must be between 1 and num_experts ({})",

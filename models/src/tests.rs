@@ -169,8 +169,9 @@ fn moe_layer_equals_its_dense_definition(arch: &str) {
     let shared = (arch == "qwen2_moe").then(|| {
         let d: crate::llama::Config = serde_json::from_value(testing::config("llama")).unwrap();
         let tp = crate::llama::Tp::of(&Default::default());
-        crate::llama::Mlp::load(&w, &format!("{p}.shared_expert"), &d.dims(), crate::llama::Activation::Silu, tp)
-            .unwrap()
+        let mlp =
+            crate::llama::Mlp::load(&w, &format!("{p}.shared_expert"), &d.dims(), crate::llama::Activation::Silu, tp);
+        Box::new(mlp.unwrap()) as Box<dyn crate::layers::Forward>
     });
     let has_shared = shared.is_some();
     let moe = crate::moe::SparseMoe::load(&w, p, 64, &dims, shared).unwrap();

@@ -39,11 +39,14 @@ BASES = [
 ]
 # Values of every JSON type and a few hostile shapes.
 VALUES = [None, True, 0, -1, 1.5, 10 ** 30, 1e308, "", "x", "\u0000\ud7ff", "a b c " * 50, [], [None], [1, "a"],
-          {}, {"a": 1}, {"type": "nope"}, [[[[[[[[]]]]]]]], {"a": {"b": {"c": {"d": {}}}}}]
+          {}, {"a": 1}, {"type": "nope"}, [[[[[[[[]]]]]]]], {"a": {"b": {"c": {"d": {}}}}}, "L" * 200_000]
+# An error quotes at most a short prefix of what the client sent (issue 42: a 1 MB value was
+# echoed whole by 24 fields).
+MAX_MESSAGE = 2000
 
 
 # Words of Rust's that an error message must not show a client.
-RUST = re.compile(r"\b(f32|f64|u8|u32|u64|i64|usize|struct [A-Z]|enum [A-Z]|Option<|Vec<)")
+RUST = re.compile(r"\b(f32|f64|u8|u32|u64|i64|usize|struct [A-Z]|enum [A-Z]|Option<|Vec<|Some\()")
 
 
 def paths(v, at=()):
@@ -148,6 +151,8 @@ def test_2000_structure_aware_mutations_get_no_5xx_and_errors_in_shape(srv):
                 bad.append((route, path, kind, "shape", r.text[:200]))
             elif r.status_code >= 400 and RUST.search(r.json()["error"]["message"]):
                 bad.append((route, path, kind, "a Rust type in the message", r.text[:200]))
+            elif r.status_code >= 400 and len(r.json()["error"]["message"]) > MAX_MESSAGE:
+                bad.append((route, path, kind, "a long value echoed", r.text[:200]))
             elif r.status_code == 400 and not route.startswith("/v1/messages"):
                 error = r.json()["error"]
                 if not names_the_field(path, kind, error["param"], error["message"]):

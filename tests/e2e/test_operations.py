@@ -4,6 +4,7 @@ import json
 import random
 import re
 import socket
+import subprocess
 import threading
 import time
 
@@ -45,7 +46,9 @@ def test_api_key_is_required_when_configured(fresh):
 
 
 def test_requests_beyond_the_queue_limit_get_429(fresh):
-    s = fresh("--queue-limit", "1")
+    # Two rows and one waiting place: of eight at once, at least five are refused (a burst
+    # into free rows is not counted against the limit, issue 42).
+    s = fresh("--queue-limit", "1", "--max-batch", "2")
     body = {"messages": LONG, "max_tokens": 60, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120), range(8)))
@@ -466,6 +469,29 @@ def test_sigterm_during_an_orphaned_prefill_exits_within_the_grace_period(fresh,
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
 
 
+def test_sigterm_after_the_only_client_left_a_long_prefill_exits_0(fresh, tmp_path):
+    """Issue 42: a streamed ~3,000-word prompt whose client leaves after 3 s, then SIGTERM:
+    no connection is left, so the server ended at once, `main` returned while the prefill
+    still ran, and the exit hung for good in OpenBLAS's exit handler. Now the engine thread
+    is stopped (after its current chunk) before the process exits."""
+    config = tmp_path / "grace.toml"
+    config.write_text("shutdown_grace_secs = 2\n")
+    s = fresh("--config", str(config), "--prompt-cache-bytes", "0")
+    body = {"messages": [{"role": "user", "content": "the story goes on " * 750}], "max_tokens": 4, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the stream is open: the prefill is under way
+        time.sleep(3)
+    started = time.time()
+    s.proc.terminate()
+    try:
+        code = s.proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        pytest.fail("host serve still running 40 s after SIGTERM:\n" + "".join(s.log[-10:]))
+    print(f"exit {time.time() - started:.1f} s after SIGTERM")
+    assert code == 0, "".join(s.log[-10:])
+
+
 def test_requests_still_running_after_the_grace_period_are_stopped_with_a_clear_error(fresh, tmp_path):
     # With a generation still running when the grace period ends, the server used to exit
     # under it: the stream stopped without an error, and the exit could hang (OpenBLAS) or
@@ -485,6 +511,11 @@ def test_requests_still_running_after_the_grace_period_are_stopped_with_a_clear_
             waiting = pool.submit(httpx.post, s.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
             time.sleep(0.3)
             s.proc.terminate()
+            # In the grace period new connections are refused, not left unanswered (issue 42).
+            time.sleep(0.3)
+            host, port = s.url[7:].split(":")
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, int(port)), timeout=5).close()
             lines.extend(it)
         queued = waiting.result()
     data = [l[len("data: "):] for l in lines if l.startswith("data: ")]

@@ -25,7 +25,11 @@ def host(*args, **kw):
 
 
 def toolchain_env(tmp):
-    env = dict(os.environ, HOST=BINARY, CARGO_TARGET_DIR=str(tmp / "target"), CARGO_NET_OFFLINE="true")
+    # No HOST and no `host` on PATH: each build.sh finds the binary that wrote it (issue 42).
+    env = dict(os.environ, CARGO_TARGET_DIR=str(tmp / "target"), CARGO_NET_OFFLINE="true")
+    env.pop("HOST", None)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not os.path.exists(os.path.join(p, "host")))
     if os.environ.get("HOST_ASC"):
         env["ASC"] = os.environ["HOST_ASC"]
     if os.environ.get("HOST_ZIG_DIR"):

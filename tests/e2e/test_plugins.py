@@ -465,7 +465,9 @@ def test_one_file_per_name_settings_by_name_and_the_way_back_from_quarantine(tmp
     """In a live folder: a second file declaring a taken name is refused (and deleting it
     changes nothing else); NAME.toml is matched by the plugin's name, not the file's, and
     reloads the plugin when it changes; a quarantined plugin comes back when its time is up
-    (quarantine_secs) and at once when its file is replaced."""
+    (quarantine_secs) and at once when its file is replaced. The folder is given as a
+    relative path, as the README's `--plugins plugins/` (issue 42: files present at start
+    could then be neither replaced nor deleted)."""
     live = tmp_path / "live"
     live.mkdir()
     scripted = (plugins_dir / "scripted.wasm").read_bytes()
@@ -475,7 +477,7 @@ def test_one_file_per_name_settings_by_name_and_the_way_back_from_quarantine(tmp
     (live / "top-n-sigma.toml").write_text("config = { n = 0.0001 }\n")
     (live / "trap-sample.wasm").write_bytes((plugins_dir / "trap-sample.wasm").read_bytes())
     (live / "trap-sample.toml").write_text("quarantine_secs = 2\n")
-    s = Server("--plugins", str(live), "--prompt-cache-bytes", "0")
+    s = Server("--plugins", "live", "--prompt-cache-bytes", "0", cwd=tmp_path)
 
     def status():
         return [p for p in httpx.get(s.url + "/v1/plugins").json()["data"] if not p["source"].startswith("builtin:")]

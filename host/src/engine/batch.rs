@@ -16,10 +16,10 @@
 
 use super::constraint::{self, Guard, SLOW_MASK_SECS};
 use super::decode::{
-    external_frame, pick_from_frame, takes_forced_runs, tokens_array, DecodeOptions, ExternalSampler, FinishReason,
-    Overlap, Token,
+    external_frame, pick_from_frame, takes_forced_runs, DecodeOptions, ExternalSampler, FinishReason, Overlap, Token,
 };
 use super::sampling::{log_softmax, Sampler};
+use super::step::tokens_array;
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
@@ -747,7 +747,7 @@ mod tests {
 
     fn prefilled(model: &dyn CausalLm, prompt: &[u32]) -> Vec<KvCache> {
         let mut cache = model.make_cache();
-        crate::engine::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 8).unwrap();
+        crate::engine::step::prefill(model, &mut cache, &prompt[..prompt.len() - 1], 8).unwrap();
         cache
     }
 

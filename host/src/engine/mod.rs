@@ -6,12 +6,18 @@
 pub mod batch;
 pub mod constraint;
 pub mod decode;
+pub mod handle;
+pub mod job;
+mod output;
 pub mod prompt_cache;
 pub mod queue;
 pub mod sampling;
 pub mod speculative;
+pub mod stats;
+pub mod step;
 pub mod stop;
-pub mod worker;
+mod warm_up;
+mod worker;
 
 pub use constraint::{Allowed, Constraint, ConstraintSpec, Guard};
 pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Hooks, Pick, Token};

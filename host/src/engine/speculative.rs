@@ -279,7 +279,7 @@ impl Drafter for DraftModel<'_> {
         }
         let new = &seq[self.held..];
         let (head, tail) = new.split_at(new.len().saturating_sub(self.prefill_step_size));
-        super::decode::prefill(self.model, &mut self.cache, head, self.prefill_step_size)?;
+        super::step::prefill(self.model, &mut self.cache, head, self.prefill_step_size)?;
         let mut input = ids_array(tail)?;
         let (mut tokens, mut dists) = (Vec::with_capacity(k), Vec::new());
         for i in 0..k {
@@ -323,39 +323,6 @@ impl Drafter for DraftModel<'_> {
     fn likely(&self, _seq: &[u32]) -> bool {
         true
     }
-}
-
-/// Refuses a draft model whose vocabulary differs from the target's: the same size of
-/// logits row and the same token string for every id.
-pub fn check_draft(target: &models::Loaded, draft: &models::Loaded) -> Result<()> {
-    let (t, d) = (&target.info, &draft.info);
-    let fix = "use a draft model made from the same tokenizer (e.g. a smaller model of the same family)";
-    if t.vocab_size != d.vocab_size {
-        bail!(
-            "the draft model {} has a vocabulary of {} tokens but the model {} has {}; {fix}",
-            d.source.display(),
-            d.vocab_size,
-            t.source.display(),
-            t.vocab_size
-        );
-    }
-    let (tv, dv) = (target.tokenizer.vocabulary(), draft.tokenizer.vocabulary());
-    let mut differ: Vec<(&String, &u32)> = tv.iter().filter(|(tok, id)| dv.get(*tok) != Some(id)).collect();
-    if !differ.is_empty() || tv.len() != dv.len() {
-        differ.sort_by_key(|(_, id)| **id);
-        let example = differ
-            .first()
-            .map(|(tok, id)| format!(" (e.g. {tok:?} is token {id} for the model, {:?} for the draft)", dv.get(*tok)))
-            .unwrap_or_default();
-        bail!(
-            "the draft model {} does not share the tokenizer of {}: {} of {} token strings differ{example}; {fix}",
-            d.source.display(),
-            t.source.display(),
-            differ.len().max(tv.len().abs_diff(dv.len())),
-            tv.len()
-        );
-    }
-    Ok(())
 }
 
 /// When to speculate and how much: the draft length grows by 2 after a fully accepted step

@@ -9,487 +9,41 @@
 //! notices at the next token and frees the job's cache.
 
 use super::batch::{Batch, Left, Row};
-use super::constraint::{ConstraintFailed, ConstraintSpec, Guard};
+use super::constraint::{ConstraintFailed, Guard};
 use super::decode::takes_forced_runs;
+use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
+use super::output::{char_split, flush, logprob, route, Plugins, Tools};
 use super::prompt_cache::PromptCache;
 use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
+use super::stats::EngineStats;
 use super::stop::StopMatcher;
-use super::{
-    DecodeOptions, FinishReason, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation,
-};
-use crate::generate::{load_draft, load_model_split, select_device, DeviceChoice};
+use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
+
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
-use crate::plugins::{
-    PluginReasoning, PluginRegistry, PluginSampler, PluginScheduler, PluginTools, ReasoningOutput, Selection,
-    ToolOutput,
-};
+use crate::plugins::{PluginReasoning, PluginRegistry, PluginSampler, PluginTools, ReasoningOutput, Selection};
 use anyhow::{bail, Context, Result};
-use mlx::{memory, Array, Device};
+use mlx::{memory, Array};
 use models::{CausalLm, Detokenizer, KvCache, ModelInfo, Tokenizer};
-use std::path::PathBuf;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-/// How the engine thread is set up.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    pub model: Option<PathBuf>,
-    pub device: DeviceChoice,
-    /// Jobs waiting beyond the running one; more are refused.
-    pub queue_limit: usize,
-    pub prompt_cache_bytes: usize,
-    pub prefill_step_size: usize,
-    /// Most requests decoded at once (rows of the batch and requests decoding alone).
-    pub max_batch: usize,
-    /// Prompt tokens prefilled between two batch steps, less one per running row: a long
-    /// prompt joins in chunks instead of stalling the streams already running.
-    pub step_token_budget: usize,
-    /// Plugins requests may select.
-    pub plugins: Option<Arc<PluginRegistry>>,
-    /// A draft model for speculative decoding (checked against the model's tokenizer).
-    pub draft_model: Option<PathBuf>,
-    /// The scheduling-policy plugin and its config; `None`: first come, first served.
-    pub scheduler: Option<(String, serde_json::Value)>,
-    /// Ranks to split the model over (1: no tensor parallelism).
-    pub tensor_parallel: usize,
-    /// Run short generations before serving so the device compiles its kernels then, not in
-    /// the first requests (`None`: on GPUs only).
-    pub warm_up: Option<bool>,
-}
-
-impl EngineConfig {
-    /// `model` on the CPU with small limits and nothing optional (plugins, draft, scheduler,
-    /// tensor parallelism, warm-up) turned on: the base that tests adjust.
-    pub fn cpu(model: PathBuf) -> EngineConfig {
-        EngineConfig {
-            model: Some(model),
-            device: DeviceChoice::Cpu,
-            queue_limit: 4,
-            prompt_cache_bytes: 1 << 20,
-            prefill_step_size: 64,
-            max_batch: 8,
-            step_token_budget: 512,
-            plugins: None,
-            draft_model: None,
-            scheduler: None,
-            tensor_parallel: 1,
-            warm_up: Some(false),
-        }
-    }
-}
-
-/// One generation request, as the server hands it to the engine.
-#[derive(Debug, Clone)]
-pub struct JobRequest {
-    pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub max_tokens: usize,
-    pub stop: Vec<String>,
-    /// Return this many alternatives with each token's log-probability (`None`: no logprobs).
-    pub top_logprobs: Option<usize>,
-    /// Sampler and stop-rule plugins for this request.
-    pub plugins: Selection,
-    /// Speculative decoding for this request (`SpecMethod::Off` for none).
-    pub speculative: SpecConfig,
-    /// What the output is held to (structured output), if anything.
-    pub constraint: Option<ConstraintSpec>,
-    /// For the scheduling policy: higher is more urgent (default 0).
-    pub priority: i64,
-    /// For the scheduling policy: who sent it (OpenAI `user`, Anthropic `metadata.user_id`).
-    pub client: Option<String>,
-}
-
-/// A token's log-probability and the most likely alternatives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<(String, f32)>,
-}
-
-/// Why a job finished.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Finish {
-    /// End-of-sequence token.
-    Eos,
-    /// A stop string matched (it is not part of the text).
-    StopString(String),
-    /// A stop-rule plugin ended generation.
-    StopRule(String),
-    Length,
-    /// The model called tools (the tool adapter reported calls).
-    ToolCalls,
-}
-
-impl Finish {
-    /// OpenAI's `finish_reason`.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Finish::Eos | Finish::StopString(_) | Finish::StopRule(_) => "stop",
-            Finish::Length => "length",
-            Finish::ToolCalls => "tool_calls",
-        }
-    }
-}
-
-/// The byte index that leaves the last `keep` characters of `s` after it.
-fn char_split(s: &str, keep: usize) -> usize {
-    if keep == 0 {
-        return s.len();
-    }
-    s.char_indices().rev().nth(keep - 1).map_or(0, |(i, _)| i)
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    /// Prompt tokens whose KV came from the prompt cache.
-    pub cached_tokens: usize,
-    /// Set when the request decoded speculatively.
-    pub speculative: Option<SpecUsage>,
-}
-
-/// How speculation went for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SpecUsage {
-    pub method: SpecMethod,
-    pub drafted_tokens: usize,
-    pub accepted_tokens: usize,
-    /// Target-model forwards while decoding (plain steps and verifications).
-    pub target_steps: usize,
-}
-
-/// What a job reports, in order: `Started`, any number of `Delta`s, then `Done` or `Error`.
-#[derive(Debug, Clone)]
-pub enum Event {
-    Started {
-        prompt_tokens: usize,
-        cached_tokens: usize,
-    },
-    /// New text (possibly empty while a stop string or a character is unresolved) and the
-    /// log-probabilities of the tokens that produced it, when asked for.
-    Delta {
-        text: String,
-        logprobs: Vec<TokenLogprob>,
-    },
-    /// The tool adapter found a call: its index in this response, id and function name.
-    ToolCall {
-        index: usize,
-        id: String,
-        name: String,
-    },
-    /// More of call `index`'s JSON arguments.
-    ToolArgs {
-        index: usize,
-        delta: String,
-    },
-    /// More of the model's thinking (the reasoning parser's), apart from the answer.
-    Reasoning {
-        text: String,
-    },
-    Done {
-        finish: Finish,
-        usage: Usage,
-    },
-    /// An internal failure; details are in the log.
-    Error(String),
-    /// The request's plugin config or params were refused (a client error).
-    Refused(String),
-    /// A plugin failed while serving this request; the message names it.
-    PluginFault(String),
-    /// The request's output constraint could not go on (a client error about `param`).
-    Constraint {
-        param: &'static str,
-        message: String,
-    },
-    /// The request was stopped before it finished: by the scheduling policy or because the
-    /// server is shutting down.
-    Cancelled(Cancel),
-}
-
-/// Why a request was stopped, in words for the client.
-#[derive(Debug, Clone)]
-pub struct Cancel {
-    pub message: String,
-    /// Stopped by the server's shutdown (after its grace period), not by the policy.
-    pub shutdown: bool,
-}
-
-struct Job {
-    request: JobRequest,
-    events: UnboundedSender<Event>,
-    /// Engine-wide sequence number (the policy's id: `r<seq>`).
-    seq: u64,
-    arrived: Instant,
-}
-
-impl Job {
-    fn key(&self) -> String {
-        format!("r{}", self.seq)
-    }
-}
-
-/// Counters the engine keeps for `/metrics`.
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    pub queue_depth: AtomicUsize,
-    pub prompt_tokens: AtomicUsize,
-    pub generation_tokens: AtomicUsize,
-    pub cached_tokens: AtomicUsize,
-    pub prompt_cache_bytes: AtomicUsize,
-    pub prompt_cache_hits: AtomicUsize,
-    pub active_memory: AtomicUsize,
-    /// Requests decoding now (batch rows, prefilling and solo ones), and the batch's rows.
-    pub running: AtomicUsize,
-    pub batch_rows: AtomicUsize,
-    /// Bytes of KV the batch holds (padding included).
-    pub batch_kv_bytes: AtomicUsize,
-    /// Running requests the policy paused for a waiting one.
-    pub preemptions: AtomicUsize,
-    /// Batch steps by rows: `batch_size_counts[i]` counts steps of at most `BATCH_SIZE_BUCKETS[i]`
-    /// rows that exceed the bucket before it (the last bucket: everything above); and the
-    /// rows of all steps summed.
-    pub batch_size_counts: [AtomicUsize; BATCH_SIZE_BUCKETS.len() + 1],
-    pub batch_rows_total: AtomicUsize,
-    /// Speculative decoding: tokens drafted, drafts accepted, target forwards while decoding
-    /// speculatively, and tokens those requests generated.
-    pub spec_drafted_tokens: AtomicUsize,
-    pub spec_accepted_tokens: AtomicUsize,
-    pub spec_target_steps: AtomicUsize,
-    pub spec_generated_tokens: AtomicUsize,
-    /// Tokens an output constraint forced and a request decoding alone committed in runs
-    /// (`Generation::forced_run`: without sampling, many in one forward).
-    pub forced_tokens: AtomicUsize,
-}
-
-/// Upper bounds of the batch-size histogram's buckets (`EngineStats::batch_size_counts`).
-pub const BATCH_SIZE_BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
-
-impl EngineStats {
-    fn batch_step(&self, rows: usize) {
-        let bucket = BATCH_SIZE_BUCKETS.iter().position(|&b| rows <= b).unwrap_or(BATCH_SIZE_BUCKETS.len());
-        self.batch_size_counts[bucket].fetch_add(1, Ordering::Relaxed);
-        self.batch_rows_total.fetch_add(rows, Ordering::Relaxed);
-    }
-}
-
-/// The server's handle on the engine thread.
-pub struct Engine {
-    /// `None` once the engine is shutting down.
-    jobs: Mutex<Option<SyncSender<Job>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-    pub tokenizer: Arc<Tokenizer>,
-    pub info: ModelInfo,
-    pub device: Device,
-    pub stats: Arc<EngineStats>,
-    /// Bytes of memory held once the model is loaded (weights and runtime), and, when the
-    /// warm-up ran, the most a step needed beyond them.
-    pub baseline_memory: usize,
-    /// Whether a draft model is loaded (requests may ask for `draft` speculation).
-    pub has_draft: bool,
-    /// How long the warm-up took, if one ran.
-    pub warmed_up: Option<Duration>,
-    queue_limit: usize,
-    next_seq: std::sync::atomic::AtomicU64,
-    /// The sequence tokens whose KV fits the server's memory budget (0: not set, no limit):
-    /// a request is paused only if it, the other paused ones and the one it yields to fit.
-    kv_budget_tokens: Arc<AtomicUsize>,
-    /// Set by `stop_now`: the engine thread ends every request and exits after its step.
-    abort: Arc<AtomicBool>,
-}
-
-/// Why a job was not accepted.
-#[derive(Debug, PartialEq, Eq)]
-pub enum SubmitError {
-    QueueFull(usize),
-    Stopped,
-}
-
-impl Engine {
-    /// Starts the engine thread and waits until the model is loaded.
-    pub fn start(config: EngineConfig) -> Result<Engine> {
-        if config.max_batch == 0 || config.step_token_budget == 0 {
-            anyhow::bail!("the engine needs max_batch and step_token_budget of at least 1");
-        }
-        let (jobs, rx) = sync_channel::<Job>(config.queue_limit.max(1));
-        let queue_limit = config.queue_limit;
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let stats = Arc::new(EngineStats::default());
-        let thread_stats = stats.clone();
-        let has_draft = config.draft_model.is_some();
-        let kv_budget_tokens = Arc::new(AtomicUsize::new(0));
-        let thread_budget = kv_budget_tokens.clone();
-        let abort = Arc::new(AtomicBool::new(false));
-        let thread_abort = abort.clone();
-        let thread = std::thread::Builder::new()
-            .name("engine".into())
-            .spawn(move || {
-                let loaded = (|| -> Result<_> {
-                    let device = select_device(config.device)?;
-                    let loaded = load_model_split(config.model.as_deref(), config.tensor_parallel, config.device)?;
-                    let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
-                    let mut warmed = None;
-                    let mut working = 0;
-                    if config.warm_up.unwrap_or(device == Device::Gpu) {
-                        memory::reset_peak();
-                        let took = warm_up(
-                            loaded.model.as_ref(),
-                            draft.as_ref().map(|d| d.model.as_ref()),
-                            loaded.info.vocab_size,
-                            config.prefill_step_size,
-                            config.max_batch,
-                        )?;
-                        // What a step needs beyond the weights (activations; on GPUs, the
-                        // dequantized copies of quantized weights for batches, which MLX
-                        // frees only when the step's work completes) is kept out of the KV
-                        // budget: the warm-up ran batches up to `max_batch`.
-                        working = memory::peak().saturating_sub(memory::active());
-                        tracing::info!(
-                            ms = took.as_millis() as u64,
-                            step_working_bytes = working,
-                            "warm-up done (kernels compiled)"
-                        );
-                        warmed = Some(took);
-                    }
-                    Ok((device, loaded, draft, warmed, working))
-                })();
-                match loaded {
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                    }
-                    Ok((device, loaded, draft, warmed, working)) => {
-                        let tokenizer = Arc::new(loaded.tokenizer);
-                        let baseline = memory::active() + working;
-                        let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline, warmed)));
-                        let policy = match (&config.scheduler, &config.plugins) {
-                            (Some((name, cfg)), Some(registry)) => {
-                                Some(Box::new(PluginScheduler::new(registry.clone(), name.clone(), cfg.clone()))
-                                    as Box<dyn Policy>)
-                            }
-                            _ => None,
-                        };
-                        let worker = Worker {
-                            plugins: config.plugins.clone(),
-                            info: loaded.info,
-                            cache: PromptCache::new(config.prompt_cache_bytes),
-                            stats: thread_stats,
-                            prefill_step_size: config.prefill_step_size,
-                            max_batch: config.max_batch,
-                            step_token_budget: config.step_token_budget,
-                            policy,
-                            kv_budget_tokens: thread_budget,
-                            not_paused: None,
-                            abort: thread_abort,
-                        };
-                        let draft = draft.map(|d| d.model);
-                        let models =
-                            Models { model: loaded.model.as_ref(), draft: draft.as_deref(), tokenizer: &tokenizer };
-                        worker.run(models, rx);
-                    }
-                }
-            })
-            .context("spawning the engine thread")?;
-        let (tokenizer, info, device, baseline_memory, warmed_up) =
-            ready_rx.recv().context("the engine thread exited while loading the model")??;
-        Ok(Engine {
-            jobs: Mutex::new(Some(jobs)),
-            thread: Mutex::new(Some(thread)),
-            tokenizer,
-            info,
-            device,
-            stats,
-            baseline_memory,
-            has_draft,
-            warmed_up,
-            queue_limit,
-            next_seq: Default::default(),
-            kv_budget_tokens,
-            abort,
-        })
-    }
-
-    /// Sets how many sequence tokens of KV the memory budget holds (see `kv_budget_tokens`).
-    pub fn set_kv_budget_tokens(&self, tokens: usize) {
-        self.kv_budget_tokens.store(tokens, Ordering::Relaxed);
-    }
-
-    /// Queues a job; its events arrive on the returned receiver. Dropping the receiver
-    /// cancels the job.
-    pub fn submit(&self, request: JobRequest) -> std::result::Result<UnboundedReceiver<Event>, SubmitError> {
-        let (events, rx) = unbounded_channel();
-        let jobs = self.jobs.lock().expect("engine queue lock");
-        let Some(jobs) = jobs.as_ref() else { return Err(SubmitError::Stopped) };
-        // Jobs wait in the engine's own queue (where the policy orders them), so the limit
-        // is counted here, not by the channel.
-        let depth = self.stats.queue_depth.fetch_add(1, Ordering::SeqCst);
-        if depth >= self.queue_limit {
-            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::QueueFull(depth));
-        }
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        match jobs.try_send(Job { request, events, seq, arrived: Instant::now() }) {
-            Ok(()) => Ok(rx),
-            Err(e) => {
-                self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                Err(match e {
-                    TrySendError::Full(_) => SubmitError::QueueFull(self.stats.queue_depth.load(Ordering::SeqCst)),
-                    TrySendError::Disconnected(_) => SubmitError::Stopped,
-                })
-            }
-        }
-    }
-
-    /// Stops the engine now (the server's grace period is over): requests still running or
-    /// waiting end with a `Cancel { shutdown: true }`, and the engine thread exits after its
-    /// current step, so no MLX work outlives it when the process exits (MLX's allocator and
-    /// the BLAS library's threads go at exit: a step running then failed with `bad_alloc`
-    /// or hung the exit). Waits up to `wait`; returns whether the thread has stopped.
-    pub fn stop_now(&self, wait: Duration) -> bool {
-        self.jobs.lock().map(|mut j| j.take()).ok();
-        self.abort.store(true, Ordering::SeqCst);
-        let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) else { return true };
-        let deadline = Instant::now() + wait;
-        while !thread.is_finished() {
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = thread.join();
-        true
-    }
-}
-
-/// Stops the engine thread and waits for it: the model's MLX arrays are freed on that thread
-/// before the process goes on to exit (MLX's static state must outlive them; a process that
-/// exits while the thread still frees arrays can abort).
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.jobs.lock().map(|mut j| j.take()).ok();
-        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
-            let _ = thread.join();
-        }
-    }
-}
-
-struct Worker {
-    plugins: Option<Arc<PluginRegistry>>,
-    info: ModelInfo,
-    cache: PromptCache,
-    stats: Arc<EngineStats>,
-    prefill_step_size: usize,
-    max_batch: usize,
-    step_token_budget: usize,
+pub(super) struct Worker {
+    pub(super) plugins: Option<Arc<PluginRegistry>>,
+    pub(super) info: ModelInfo,
+    pub(super) cache: PromptCache,
+    pub(super) stats: Arc<EngineStats>,
+    pub(super) prefill_step_size: usize,
+    pub(super) max_batch: usize,
+    pub(super) step_token_budget: usize,
     /// The queue policy; `None`: first come, first served.
-    policy: Option<Box<dyn Policy>>,
-    kv_budget_tokens: Arc<AtomicUsize>,
+    pub(super) policy: Option<Box<dyn Policy>>,
+    pub(super) kv_budget_tokens: Arc<AtomicUsize>,
     /// The running request a pause was last refused for (logged once per request).
-    not_paused: Option<String>,
-    abort: Arc<AtomicBool>,
+    pub(super) not_paused: Option<String>,
+    pub(super) abort: Arc<AtomicBool>,
 }
 
 impl Active<'_> {
@@ -516,10 +70,10 @@ fn kv_reserved(job: &Job) -> usize {
 
 /// What generation borrows for as long as the engine thread runs.
 #[derive(Clone, Copy)]
-struct Models<'m> {
-    model: &'m dyn CausalLm,
-    draft: Option<&'m dyn CausalLm>,
-    tokenizer: &'m Tokenizer,
+pub(super) struct Models<'m> {
+    pub(super) model: &'m dyn CausalLm,
+    pub(super) draft: Option<&'m dyn CausalLm>,
+    pub(super) tokenizer: &'m Tokenizer,
 }
 
 /// At most this many requests wait paused (each keeps its KV cache in memory).
@@ -543,12 +97,6 @@ impl Waiting<'_> {
             Waiting::Paused(active) => &active.job,
         }
     }
-}
-
-/// A tool adapter on a request's output, and how many calls it has reported.
-struct Tools {
-    adapter: PluginTools,
-    calls: usize,
 }
 
 /// Where a running request's tokens come from.
@@ -598,71 +146,6 @@ struct Active<'m> {
     finish: Option<Finish>,
 }
 
-/// Draft lengths whose verification shapes the warm-up compiles (the default
-/// `num_draft_tokens`; longer drafts asked for per request compile on first use).
-const WARM_UP_DRAFTS: usize = 8;
-
-/// Runs two short generations (a 64-token prefill, then greedy and sampled decode steps), the
-/// forwards a speculative verification of 1..=WARM_UP_DRAFTS drafts runs (with its greedy
-/// pick over all rows), a short generation of the draft model, and a few batch steps at each
-/// power-of-two batch size up to `max_batch`, so the device compiles its kernels at start
-/// rather than in the first requests. Leaves no state behind: the caches are dropped and
-/// nothing reaches the prompt cache or the stats.
-fn warm_up(
-    model: &dyn CausalLm,
-    draft: Option<&dyn CausalLm>,
-    vocab: usize,
-    prefill_step_size: usize,
-    max_batch: usize,
-) -> Result<Duration> {
-    let started = Instant::now();
-    let prompt = warm_up_prompt(vocab);
-    for (model, temperature) in [(Some(model), 0.0), (Some(model), 1.0), (draft, 0.0)] {
-        let Some(model) = model else { continue };
-        let params = SamplingParams { temperature, seed: Some(0), ..Default::default() };
-        let options = DecodeOptions { max_tokens: 4, eos_token_ids: vec![], prefill_step_size };
-        let mut generation = Generation::start(model, &prompt, Sampler::new(params, vocab)?, options)?;
-        while generation.next_token()?.is_some() {}
-    }
-    let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
-    let mut cache = model.make_cache();
-    mlx::eval(&[&model.forward(&Array::from_i32(&ids, &[1, ids.len()])?, &mut cache)?])?;
-    for width in 2..=WARM_UP_DRAFTS + 1 {
-        let logits = model.forward(&Array::from_i32(&ids[..width], &[1, width])?, &mut cache)?.squeeze(&[0])?;
-        mlx::eval(&[&super::sampling::log_softmax(&logits)?.argmax(-1, false)?])?;
-        for c in &mut cache {
-            c.trim(width);
-        }
-    }
-    if model.batches() {
-        let mut rows = 2;
-        while rows <= max_batch {
-            let mut batch = Batch::new(model);
-            for key in 0..rows {
-                let prompt = &prompt[..8 + key % 8];
-                let mut cache = model.make_cache();
-                super::decode::prefill(model, &mut cache, &prompt[..prompt.len() - 1], prefill_step_size)?;
-                let params = SamplingParams { temperature: (key % 2) as f32, seed: Some(0), ..Default::default() };
-                let options = DecodeOptions { max_tokens: 3, eos_token_ids: vec![], prefill_step_size };
-                batch.join(Row::new(key as u64, prompt, Sampler::new(params, vocab)?, options)?, &cache)?;
-            }
-            while !batch.is_empty() {
-                for (key, token) in batch.step()? {
-                    if token?.finish.is_some() {
-                        batch.leave(key)?;
-                    }
-                }
-            }
-            rows *= 2;
-        }
-    }
-    Ok(started.elapsed())
-}
-
-fn warm_up_prompt(vocab: usize) -> Vec<u32> {
-    (0..64u32).map(|i| (i * 7919 + 13) % vocab as u32).collect()
-}
-
 /// The event for a failed job: a refused plugin config (400), a plugin fault, or an
 /// internal error.
 fn failure(e: anyhow::Error) -> Event {
@@ -685,7 +168,7 @@ impl Worker {
     /// cancel), start waiting requests while slots are free and the memory budget allows,
     /// then advance everything running by a token: prefill chunks of joining prompts within
     /// the step's token budget, one batch step, one token of each request decoding alone.
-    fn run<'m>(mut self, m: Models<'m>, rx: Receiver<Job>) {
+    pub(super) fn run<'m>(mut self, m: Models<'m>, rx: Receiver<Job>) {
         let mut waiting: Vec<Waiting<'m>> = Vec::new();
         let mut running: Vec<Active<'m>> = Vec::new();
         let mut batch = Batch::new(m.model);
@@ -877,8 +360,7 @@ impl Worker {
             budget -= n;
             // (A resumed request whose KV the prompt cache held whole has nothing to prefill.)
             if !chunk.is_empty() {
-                if let Err(e) =
-                    super::decode::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill")
+                if let Err(e) = super::step::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill")
                 {
                     ended.push((i, Some(e)));
                     continue;
@@ -1435,16 +917,6 @@ impl Worker {
     }
 }
 
-/// A request's started plugin instances.
-#[derive(Default)]
-struct Plugins {
-    sampler: Option<Box<dyn super::ExternalSampler>>,
-    /// Stop rules: (instance, characters to hold back, fallback allowed).
-    stops: Vec<(Instance, usize, bool)>,
-    tools: Option<PluginTools>,
-    reasoning: Option<PluginReasoning>,
-}
-
 /// Sends a token's text down the parsers and out with its logprobs: the reasoning parser
 /// (thinking goes out as `Event::Reasoning`), then the tool adapter over the rest (the
 /// reply's forced opening first), each flushed at the end of output. `Ok(false)` when the
@@ -1496,58 +968,14 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
     Ok(events.into_iter().all(|e| a.job.events.send(e).is_ok()))
 }
 
-/// Moves pending content into a `Delta` event.
-fn flush(events: &mut Vec<Event>, content: &mut String) {
-    if !content.is_empty() {
-        events.push(Event::Delta { text: std::mem::take(content), logprobs: vec![] });
-    }
-}
-
-/// Turns a tool adapter's output into events (content gathers in `content`). `true` when a
-/// second call arrives where one was asked for: the reply ends before it.
-fn route(
-    tools: &mut Tools,
-    out: Vec<ToolOutput>,
-    one_call: bool,
-    events: &mut Vec<Event>,
-    content: &mut String,
-) -> bool {
-    for o in out {
-        match o {
-            ToolOutput::Content(c) => content.push_str(&c),
-            ToolOutput::Call { .. } if one_call && tools.calls > 0 => return true,
-            ToolOutput::Call { index, id, name } => {
-                flush(events, content);
-                tools.calls += 1;
-                events.push(Event::ToolCall { index, id, name });
-            }
-            ToolOutput::Args { index, delta } => events.push(Event::ToolArgs { index, delta }),
-        }
-    }
-    false
-}
-
-/// The chosen token's log-probability and the `k` most likely tokens.
-fn logprob(tokenizer: &Tokenizer, logprobs: &Array, id: u32, k: usize) -> Result<TokenLogprob> {
-    let all = logprobs.astype(mlx::Dtype::Float32)?;
-    let chosen = all.take(&Array::from_i32(&[id as i32], &[1])?, 0)?.item_f32()?;
-    let mut top = Vec::new();
-    if k > 0 {
-        let idx = all.negative()?.argpartition(k as i32 - 1, 0)?.slice_axis(0, 0, k as i32)?;
-        let values = all.take(&idx, 0)?.to_vec_f32()?;
-        let ids = idx.to_vec_i32()?;
-        let mut pairs: Vec<(u32, f32)> = ids.into_iter().map(|i| i as u32).zip(values).collect();
-        pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
-        for (t, lp) in pairs {
-            top.push((tokenizer.decode(&[t])?, lp));
-        }
-    }
-    Ok(TokenLogprob { token: tokenizer.decode(&[id])?, logprob: chosen, top })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::handle::{Engine, EngineConfig};
+    use crate::engine::job::{JobRequest, SubmitError};
+    use crate::engine::warm_up::warm_up_prompt;
+    use crate::engine::{SamplingParams, SpecConfig};
+    use tokio::sync::mpsc::UnboundedReceiver;
 
     #[test]
     fn a_constraint_that_cannot_go_on_fails_its_request_as_the_clients_error() {
@@ -1643,6 +1071,31 @@ mod tests {
             }
         }
         (text, None)
+    }
+
+    /// The queue limit counts the requests that must wait: a burst into free rows is taken
+    /// whole (issue 42: 72 at once got 429s with 32 rows free), a request beyond the rows
+    /// and the limit is refused.
+    #[test]
+    fn a_burst_into_free_rows_is_not_counted_against_the_queue_limit() {
+        let dir = std::env::temp_dir().join(format!("host-burst-worker-{}", std::process::id()));
+        models::testing::write_model(&dir, "llama", 5).unwrap();
+        let engine =
+            Engine::start(EngineConfig { max_batch: 4, queue_limit: 1, ..EngineConfig::cpu(dir.clone()) }).unwrap();
+        let mut endless = SamplingParams::default();
+        endless.logit_bias.insert(1, -1e9);
+        let job = |i: u32| request(vec![40 + i, 41, 42], endless.clone(), 100_000);
+        let accepted: Vec<_> = (0..5).map(|i| engine.submit(job(i))).collect();
+        assert!(accepted.iter().all(Result::is_ok), "four free rows and a queue of one take five at once");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while engine.stats.running.load(Ordering::SeqCst) < 4 {
+            assert!(Instant::now() < deadline, "the rows did not fill");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(engine.submit(job(9)).err(), Some(SubmitError::QueueFull(1)));
+        drop(accepted);
+        assert!(engine.stop_now(Duration::from_secs(30)));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Issue 19, in the engine: requests running together as rows of one batch, each with its

@@ -101,11 +101,7 @@ impl Manifest {
                 env!("CARGO_PKG_VERSION")
             );
         }
-        let name_ok = !self.name.is_empty()
-            && self.name.len() <= 64
-            && self.name.bytes().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-            && self.name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'_');
-        if !name_ok {
+        if !name_ok(&self.name) {
             bail!("plugin name {:?} is invalid: use [a-z0-9][a-z0-9_-]*, at most 64 bytes", self.name);
         }
         if self.kinds.is_empty() {
@@ -214,6 +210,23 @@ fn leb(mut n: u32) -> Vec<u8> {
 }
 
 /// Reads and validates the manifest of a module.
+/// Whether `name` is a valid plugin name: `[a-z0-9][a-z0-9_-]*`, at most 64 bytes.
+fn name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'_')
+}
+
+/// The plugin name a module's manifest declares, when it is a valid name, even if the rest
+/// of the manifest is refused: a refused file is listed, and a request naming it told why,
+/// under the name its author gave it.
+pub fn declared_name(wasm: &[u8]) -> Option<String> {
+    let payload = custom_section(wasm, MANIFEST_SECTION).ok().flatten()?;
+    let value: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    value.get("name")?.as_str().filter(|n| name_ok(n)).map(str::to_string)
+}
+
 pub fn manifest(wasm: &[u8]) -> Result<Manifest> {
     let payload = custom_section(wasm, MANIFEST_SECTION)?.with_context(|| {
         format!("no `{MANIFEST_SECTION}` custom section: every plugin declares its ABI version, name and kinds there (see plugin-sdk/ABI.md)")
@@ -245,6 +258,11 @@ mod tests {
         assert!(err(r#"{"abi": 7, "name": "x", "kinds": ["stop"]}"#)
             .contains("built for ABI v7, this host supports v1..=v1"));
         assert!(err(r#"{"abi": 1, "name": "Bad Name", "kinds": ["stop"]}"#).contains("is invalid"));
+        // A refused manifest still tells its (valid) name.
+        let big_k = module(r#"{"abi": 1, "name": "wide", "kinds": ["sampler"], "sampler": {"k": 5000}}"#);
+        assert!(manifest(&big_k).is_err());
+        assert_eq!(declared_name(&big_k).as_deref(), Some("wide"));
+        assert_eq!(declared_name(&module(r#"{"abi": 1, "name": "Bad Name"}"#)), None);
         assert!(err(r#"{"abi": 1, "name": "x", "kinds": []}"#).contains("declares no kinds"));
         assert!(err(r#"{"abi": 1, "name": "x", "kinds": ["sampler"], "sampler": {"k": 0}}"#).contains("sampler.k"));
         assert!(err(r#"{"abi": 1, "name": "x", "kinds": ["magic"]}"#).contains("not a valid manifest"));

@@ -5,6 +5,7 @@
 pub mod abi_v1;
 pub mod new;
 pub mod reload;
+pub mod request;
 pub mod runtime;
 
 /// The built-in plugins (`plugins/*`, built to wasm by `build.rs`): (crate name, module).
@@ -111,6 +112,18 @@ impl Refusal {
     }
 }
 
+/// The one spelling of a plugin file's path that the registry keeps: absolute, its folder
+/// with links resolved (the file itself may be gone). The start-up scan of a relative
+/// `--plugins` folder and the watcher's absolute paths must name a file the same way, or a
+/// file present at start could be neither replaced ("a duplicate of" itself) nor removed.
+pub fn file_key(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent().and_then(|d| d.canonicalize().ok()), absolute.file_name()) {
+        (Some(dir), Some(name)) => dir.join(name),
+        _ => absolute,
+    }
+}
+
 /// The settings file of the plugin `name` loaded from `path`: `NAME.toml` beside it, or one
 /// named like the `.wasm` file; both at once is an error.
 fn settings_for(path: &Path, name: Option<&str>) -> Result<PluginSettings> {
@@ -179,9 +192,11 @@ impl PluginRegistry {
     /// on success it replaces the plugin of the same name that this file provided before.
     /// Refused when another file already provides the name.
     pub fn load_file(&self, path: &Path) -> Result<Arc<Plugin>> {
+        let key = file_key(path);
+        let path = key.as_path();
         let mut name = None;
         let result = std::fs::read(path).with_context(|| format!("reading {}", path.display())).and_then(|wasm| {
-            name = abi_v1::manifest(&wasm).ok().map(|m| m.name);
+            name = abi_v1::declared_name(&wasm);
             let settings = settings_for(path, name.as_deref())?;
             self.runtime.load(&wasm, path, false, settings)
         });
@@ -240,6 +255,8 @@ impl PluginRegistry {
     /// The `.wasm` files a settings file `toml` may belong to: those whose plugin is named
     /// after it and the one named like it.
     pub fn files_for_settings(&self, toml: &Path) -> Vec<PathBuf> {
+        let key = file_key(toml);
+        let toml = key.as_path();
         let Some(stem) = toml.file_stem().map(|s| s.to_string_lossy().into_owned()) else { return vec![] };
         let dir = toml.parent();
         let mut files: Vec<PathBuf> = vec![toml.with_extension("wasm")];
@@ -272,6 +289,8 @@ impl PluginRegistry {
     /// Drops whatever was loaded from `path` (the file was deleted); a file refused because
     /// this one had its name loads now.
     pub fn remove_file(&self, path: &Path) {
+        let key = file_key(path);
+        let path = key.as_path();
         self.failed.write().expect("registry lock").remove(path);
         let mut plugins = self.plugins.write().expect("registry lock");
         let gone: Vec<String> = plugins.iter().filter(|(_, p)| p.source == path).map(|(n, _)| n.clone()).collect();
@@ -1029,6 +1048,46 @@ mod tests {
         assert_eq!(registry.get("dup").unwrap().manifest.version, "3");
         assert_eq!(registry.get("other").unwrap().manifest.version, "4");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A file refused at manifest validation is listed under the name its manifest declares,
+    /// and a request naming it is told of the refusal (not "unknown sampler plugin").
+    #[test]
+    fn a_refused_manifest_is_known_by_its_declared_name() {
+        let dir = temp_dir("refused-name");
+        let wasm = wat::parse_str(
+            r#"(module (@custom "host.plugin" "{\"abi\": 1, \"name\": \"wide\", \"kinds\": [\"sampler\"], \"sampler\": {\"k\": 5000}}"))"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join("wide-file.wasm"), wasm).unwrap();
+        let registry = PluginRegistry::new().unwrap();
+        assert_eq!(registry.load_dir(&dir).unwrap(), 0);
+        let refused: Vec<_> = registry.status().into_iter().filter(|s| s.state == "refused").collect();
+        assert_eq!(refused.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["wide"]);
+        let e = format!("{:#}", registry.select(Kind::Sampler, "wide", None, None, false).err().unwrap());
+        assert!(e.contains("was refused") && e.contains("wide-file.wasm") && e.contains("sampler.k"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A folder given as a relative path (the start-up scan) and the watcher's absolute
+    /// paths name the same files: a file present at start can be replaced, then removed.
+    #[test]
+    fn a_relative_plugins_folder_names_its_files_as_the_watcher_does() {
+        let rel = PathBuf::from(format!("registry-relative-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&rel);
+        std::fs::create_dir_all(&rel).unwrap();
+        std::fs::write(rel.join("hot.wasm"), plugin_wasm("hot", "stop", "0")).unwrap();
+        let registry = PluginRegistry::new().unwrap();
+        assert_eq!(registry.load_dir(&rel).unwrap(), 1);
+        let absolute = std::env::current_dir().unwrap().join(&rel).join("hot.wasm");
+        std::fs::write(&absolute, plugin_wasm("hot", "stop", "1")).unwrap();
+        let replaced = registry.load_file(&absolute);
+        assert!(replaced.is_ok(), "{:#}", replaced.unwrap_err());
+        assert_eq!(registry.get("hot").unwrap().manifest.version, "1");
+        std::fs::remove_file(&absolute).unwrap();
+        registry.remove_file(&absolute);
+        assert!(registry.get("hot").is_none() && registry.status().iter().all(|s| s.state != "refused"));
+        std::fs::remove_dir_all(rel).unwrap();
     }
 
     /// Settings are matched by the plugin's name (or the file's stem; both is an error), and

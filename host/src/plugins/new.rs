@@ -118,8 +118,13 @@ pub fn write(name: &str, kind: Kind, lang: Lang, dir: &Path) -> Result<Vec<Strin
     }
     let wat_string = manifest.replace('\\', "\\\\").replace('"', "\\\"");
     let deps = if (lang, kind) == (Lang::Rust, Kind::Scheduler) { "serde_json = \"1\"\n" } else { "" };
+    // The build scripts call the binary that wrote them when HOST is not set (after `cargo
+    // build` it is rarely on PATH); inside single quotes in the script.
+    let binary = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "host".into());
+    let binary = binary.replace('\'', "'\\''");
     let fill = |text: &str| {
         text.replace("@ALLOC@", allocator(lang))
+            .replace("@HOST_BIN@", &binary)
             .replace("@MANIFEST_WAT@", &wat_string)
             .replace("@MANIFEST@", &manifest)
             .replace("@DEPENDENCIES@", deps)

@@ -25,6 +25,8 @@ pub struct ReloadHandle {
 pub fn watch(registry: Arc<PluginRegistry>, dir: &Path) -> Result<ReloadHandle> {
     let (tx, rx) = channel::<notify::Result<notify::Event>>();
     let mut watcher = notify::recommended_watcher(tx).context("starting the plugins folder watcher")?;
+    // Watched by its canonical path, so the events name files as the registry does.
+    let dir = &dir.canonicalize().with_context(|| format!("reading the plugins folder {}", dir.display()))?;
     watcher.watch(dir, RecursiveMode::NonRecursive).with_context(|| format!("watching {}", dir.display()))?;
     std::thread::Builder::new()
         .name("plugin-reload".into())

@@ -120,6 +120,19 @@ fn log_line(text: &str) -> String {
     out
 }
 
+/// The longest fault message kept (a plugin's text in it is cut, not echoed whole).
+const FAULT_MESSAGE_CHARS: usize = 1000;
+
+/// A message that may hold a plugin's text (a trap or error it caused, its output) as it may
+/// reach a log line or a client: one line, control characters escaped, cut short.
+pub fn plugin_text(text: &str) -> String {
+    let line = log_line(text);
+    match line.char_indices().nth(FAULT_MESSAGE_CHARS) {
+        Some((at, _)) => format!("{}…", &line[..at]),
+        None => line,
+    }
+}
+
 /// The memory cap of one instance. A `memory.grow` past the cap returns -1 to the plugin
 /// (which may handle it: `host_alloc` may return 0); the denial is remembered, so a trap that
 /// follows is reported as the memory limit.
@@ -227,6 +240,7 @@ impl Plugin {
     /// [`UNHEALTHY_AFTER`] in a row a plugin file is quarantined (a built-in never is: it is
     /// part of the server).
     pub fn fault(&self, message: String) -> anyhow::Error {
+        let message = plugin_text(&message);
         self.faults.fetch_add(1, Ordering::Relaxed);
         let mut health = self.health.lock().expect("plugin health lock");
         health.in_a_row += 1;
@@ -269,10 +283,11 @@ impl Plugin {
         })
     }
 
-    /// Not quarantined, and fewer than [`UNHEALTHY_AFTER`] faults in a row.
+    /// Not quarantined, and no fault since its last use without one (`GET /v1/plugins` shows
+    /// `unhealthy` while faults in a row build up towards quarantine).
     pub fn healthy(&self) -> bool {
         let health = self.health.lock().expect("plugin health lock");
-        health.in_a_row < UNHEALTHY_AFTER && health.until.is_none_or(|t| Instant::now() >= t)
+        health.in_a_row == 0 && health.until.is_none_or(|t| Instant::now() >= t)
     }
 
     /// The last fault's message, if it faulted.
@@ -331,6 +346,10 @@ impl PluginRuntime {
         let mut config = Config::new();
         // Deadlines: the epoch ticker wakes each call's check of its thread CPU time.
         config.epoch_interruption(true);
+        // No wasm backtraces: they carry the module's `name` section (function and module
+        // names of the plugin's choosing, unescaped, several lines) into fault messages,
+        // which reach the log and the client. A fault names the plugin and its entry point.
+        config.wasm_backtrace_max_frames(None);
         if let Some(cache) = module_cache() {
             config.cache(Some(cache));
         }
@@ -363,8 +382,11 @@ impl PluginRuntime {
                     if lines >= LOG_LINES || logged + text.len() > LOG_BYTES {
                         return Ok(());
                     }
+                    // A plugin's "error" is at most a server WARN: most are a refusal of the
+                    // client's config or params (the SDK logs why `host_init` said no), and
+                    // the server's own ERROR lines mean the server failed.
                     match level {
-                        0 => tracing::error!(plugin, "{text}"),
+                        0 => tracing::warn!(plugin, plugin_level = "error", "{text}"),
                         1 => tracing::warn!(plugin, "{text}"),
                         2 => tracing::info!(plugin, "{text}"),
                         _ => tracing::debug!(plugin, "{text}"),
@@ -556,7 +578,7 @@ fn module_cache() -> Option<wasmtime::Cache> {
     if std::env::var("HOST_PLUGIN_CACHE").as_deref() == Ok("off") {
         return None;
     }
-    let dir = crate::default_model::cache_dir().ok()?.join("wasm-modules");
+    let dir = crate::load::default_model::cache_dir().ok()?.join("wasm-modules");
     let mut config = wasmtime::CacheConfig::new();
     config.with_directory(&dir);
     match wasmtime::Cache::new(config) {
@@ -614,6 +636,7 @@ impl std::error::Error for PluginFault {}
 fn blame(plugin: &Plugin, request_data: bool, message: String) -> anyhow::Error {
     if request_data && plugin.builtin {
         plugin.request_faults.fetch_add(1, Ordering::Relaxed);
+        let message = plugin_text(&message);
         anyhow::Error::new(PluginRefused(format!(
             "{message}: this request's own data (its tools, plugin config or params) made the built-in plugin fail; send less or simpler data"
         )))
@@ -1222,6 +1245,35 @@ mod tests {
         assert_eq!(negative.faults.load(Ordering::Relaxed), 1);
     }
 
+    /// A plugin's `name` section (function and module names of its choosing) never reaches a
+    /// fault message, and text from the plugin in one is a single escaped line.
+    #[test]
+    fn fault_messages_carry_no_name_section_and_no_forged_lines() {
+        let module = |check: &str| {
+            format!(
+                r#"(module (@name "mod\nERROR host::server: forged")
+                (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"named\", \"kinds\": [\"stop\"]}}")
+                (import "host" "log" (func $log (param i32 i32 i32)))
+                (memory (export "memory") 1)
+                (func (export "host_alloc") (param i32) (result i32) (i32.const 1024))
+                (func $inner (@name "inner\nERROR host::server: forged") (result i32) {check})
+                (func (export "stop_check") (param i32 i32 i32) (result i32) (call $inner)))"#
+            )
+        };
+        let runtime = PluginRuntime::new().unwrap();
+        for check in ["unreachable", "(call $log (i32.const 2) (i32.const 16) (i32.const -1)) (i32.const -1)"] {
+            let wasm = wat::parse_str(module(check)).unwrap();
+            let plugin =
+                Arc::new(runtime.load(&wasm, Path::new("named.wasm"), false, PluginSettings::default()).unwrap());
+            let e = runtime.instantiate(&plugin, &serde_json::json!({})).unwrap().stop_check(1, "x").unwrap_err();
+            let text = format!("{e:#}");
+            assert!(e.downcast_ref::<PluginFault>().is_some() && text.contains("stop_check"), "{text}");
+            assert!(!text.contains("forged") && !text.contains('\n'), "{text}");
+        }
+        assert_eq!(plugin_text("a\nb\u{1b}"), "a\\nb\\u{1b}");
+        assert_eq!(plugin_text(&"x".repeat(5000)).chars().count(), FAULT_MESSAGE_CHARS + 1);
+    }
+
     fn stop_rule(name: &str, extra: &str, check: &str) -> Vec<u8> {
         wat::parse_str(format!(
             r#"(module (@custom "host.plugin" "{{\"abi\": 1, \"name\": \"{name}\", \"kinds\": [\"stop\"]}}")
@@ -1344,6 +1396,7 @@ mod tests {
         let plugin = load(false, 30);
         for _ in 0..2 {
             assert!(request(&plugin, "bad").is_err());
+            assert!(!plugin.healthy() && plugin.quarantine().is_none(), "unhealthy while faults build up");
         }
         request(&plugin, "good").unwrap();
         assert!(plugin.quarantine().is_none() && plugin.healthy());

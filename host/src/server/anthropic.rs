@@ -6,7 +6,7 @@
 use super::error::{ApiError, Flavor};
 use super::openai::ToolChoice;
 use super::turn::Turn;
-use crate::engine::worker::{Finish, Usage};
+use crate::engine::job::{Finish, Usage};
 use crate::engine::SamplingParams;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -41,7 +41,7 @@ pub struct MessagesRequest {
     /// The structured-outputs beta's name for `output_config.format`.
     pub output_format: Option<Value>,
     #[serde(default, deserialize_with = "super::openai::object")]
-    pub plugins: Option<super::openai::PluginsField>,
+    pub plugins: Option<crate::plugins::request::PluginsField>,
     /// Speculative decoding for this request (extension; see `openai::speculative`).
     pub speculative: Option<Value>,
     /// `metadata.user_id` is the request's client for the scheduling policy.
@@ -148,15 +148,16 @@ const BILLING_HEADER: &str = "x-anthropic-billing-header:";
 
 /// Refuses a block this server cannot read, saying why.
 fn unreadable(param: &str, kind: &str) -> ApiError {
+    let shown = super::error::quoted(kind);
     match kind {
         "image" | "document" | "search_result" => invalid(
             param,
-            format!("{param} is a {kind:?} block, and this server's model reads text only; send the content as text"),
+            format!("{param} is a {shown} block, and this server's model reads text only; send the content as text"),
         ),
         _ => invalid(
             param,
             format!(
-                "content blocks of type {kind:?} are not supported here; use text, tool_use, tool_result (or thinking)"
+                "content blocks of type {shown} are not supported here; use text, tool_use, tool_result (or thinking)"
             ),
         ),
     }
@@ -287,7 +288,7 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
 /// out of the prompt: the model could not call them here.
 pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError> {
     let Some(tools) = tools else { return Ok(None) };
-    let mut out = Vec::new();
+    let (mut out, mut at) = (Vec::new(), Vec::new());
     for (i, t) in tools.iter().enumerate() {
         let name = t
             .get("name")
@@ -309,7 +310,17 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
             function["strict"] = strict.clone();
         }
         out.push(json!({"type": "function", "function": function}));
+        at.push(i);
     }
+    // Checked here, before any plugin sees them: an error names the tool's field as the
+    // request wrote it (`tools[i].input_schema`, not OpenAI's `parameters`).
+    let fields = [
+        (".function.name", ".name"),
+        (".function.parameters", ".input_schema"),
+        (".function.description", ".description"),
+        (".function", ""),
+    ];
+    super::openai::check_converted_tools(&out, &at, &fields).map_err(|e| e.flavor(Flavor::Anthropic))?;
     Ok(Some(out))
 }
 

@@ -82,8 +82,26 @@ impl ApiError {
     }
 }
 
+/// The longest error message sent: past it, the middle goes (a value the client sent,
+/// quoted whole, is the usual cause; the start says what was wrong, the end what to do).
+const MAX_MESSAGE_CHARS: usize = 1200;
+
+/// `message` within [`MAX_MESSAGE_CHARS`]: its first 800 and last 300 characters.
+fn bounded(message: String) -> String {
+    let count = message.chars().count();
+    if count <= MAX_MESSAGE_CHARS {
+        return message;
+    }
+    let head: String = message.chars().take(800).collect();
+    let tail: String = message.chars().skip(count - 300).collect();
+    format!("{head} … ({} characters left out) … {tail}", count - 1100)
+}
+
 impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    fn into_response(mut self) -> Response {
+        self.message = bounded(std::mem::take(&mut self.message));
+        self.param =
+            self.param.map(|p| if p.chars().count() > 300 { p.chars().take(300).collect::<String>() + "…" } else { p });
         let body = match self.flavor {
             Flavor::OpenAi => json!({"error": {
                 "message": self.message, "type": self.openai_type(), "param": self.param, "code": self.code,
@@ -109,7 +127,7 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesReje
         return Err(ApiError::bad_request("the request body is empty; send a JSON object"));
     }
     let mut json = serde_json::Deserializer::from_slice(&body);
-    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut json).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() {
@@ -126,7 +144,15 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesReje
         };
         let at = param.as_ref().filter(|_| missing.is_none()).map(|p| format!("`{p}`: ")).unwrap_or_default();
         ApiError { param, ..ApiError::bad_request(format!("invalid request: {at}{}", readable(&message))) }
-    })
+    })?;
+    // One JSON value and nothing after it (`{…}garbage` and `{…}{…}` were taken).
+    json.end().map_err(|e| {
+        ApiError::bad_request(format!(
+            "malformed JSON: {}; the body must be one JSON value with nothing after it",
+            readable(&e.to_string())
+        ))
+    })?;
+    Ok(value)
 }
 
 /// Longest message text taken from a parser error (which may quote a client's value whole).
@@ -158,6 +184,15 @@ fn readable(message: &str) -> String {
     shorten(head) + &shorten(tail)
 }
 
+/// A value the client sent as an error message quotes it: in quotes, escaped, and at most
+/// 100 characters of it (a 1 MB `type` is not echoed whole).
+pub fn quoted(text: &str) -> String {
+    match text.char_indices().nth(100) {
+        Some((at, _)) => format!("{:?}…", &text[..at]),
+        None => format!("{text:?}"),
+    }
+}
+
 /// `text`, cut to [`MAX_ERROR_CHARS`] characters.
 fn shorten(text: &str) -> String {
     match text.chars().count() > MAX_ERROR_CHARS {
@@ -183,6 +218,21 @@ mod tests {
         inner: Option<Inner>,
     }
 
+    /// A message quoting a long value is cut in the middle when it goes out; a value quoted
+    /// by `quoted` is cut to its first 100 characters.
+    #[test]
+    fn long_messages_keep_their_start_and_end() {
+        let long = format!("`x` is {}; use y", quoted(&"v".repeat(5000)));
+        assert!(long.len() < 200 && long.ends_with("…; use y"), "{long}");
+        let message = bounded(format!("start {} end", "m".repeat(1 << 20)));
+        assert!(
+            message.starts_with("start ") && message.ends_with(" end") && message.len() < 1300,
+            "{}",
+            message.len()
+        );
+        assert_eq!(bounded("short".into()), "short");
+    }
+
     #[test]
     fn parse_errors_name_the_field_and_no_rust_types() {
         let parse = |body: String| parse_body::<Req>(Ok(body.into_bytes().into())).unwrap_err();
@@ -196,5 +246,11 @@ mod tests {
         let e = parse(format!(r#"{{"items": "{}"}}"#, "x".repeat(1 << 20)));
         assert!(e.message.len() < 1000 && e.message.contains("expected a list"), "{}", e.message);
         assert!(parse("{".into()).message.starts_with("malformed JSON"));
+        // Nothing may follow the value but white space.
+        for trailing in [r#"{"items": []}garbage"#, r#"{"items": []}{"x": 1}"#] {
+            let e = parse(trailing.into());
+            assert!(e.message.starts_with("malformed JSON") && e.message.contains("trailing"), "{}", e.message);
+        }
+        assert!(parse_body::<Req>(Ok(b"{\"items\": []} \n".to_vec().into())).is_ok());
     }
 }

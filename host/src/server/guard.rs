@@ -8,7 +8,9 @@
 //!   origin is the server's own or on the `cors_origins` list; those get CORS headers and
 //!   their preflight (`OPTIONS`) answered. A "simple" cross-site POST (`text/plain`, sent
 //!   without preflight) is refused before it reaches a handler.
-//! - `POST` bodies must be declared JSON (`Content-Type: application/json` or `+json`).
+//! - `Host` is one valid authority (several, none on HTTP/1.1, or a malformed one: 400).
+//! - `POST` bodies must be declared JSON, once (`Content-Type: application/json` or
+//!   `+json`), on the routes that take one ([`json_body`]).
 
 use super::error::{ApiError, Flavor};
 use axum::extract::{Request, State};
@@ -68,14 +70,29 @@ fn refuse(status: StatusCode, code: &'static str, message: String, flavor: Flavo
 
 /// The middleware: refuses what the policy does not allow, answers preflights, and adds the
 /// CORS headers to an allowed cross-origin request's response.
-pub async fn guard(State(state): State<super::routes::Shared>, req: Request, next: Next) -> Response {
-    let policy = &state.guard;
+pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Response {
     let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
     let headers = req.headers();
     let text = |h: &HeaderMap, name: header::HeaderName| {
         h.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
     };
+    // RFC 9110 §7.2 / RFC 9112 §3.2: exactly one valid Host on HTTP/1.1 (HTTP/2 carries the
+    // authority in the URI). Several Host headers used to pass on the first one's word.
+    let hosts = headers.get_all(header::HOST).iter().count();
     let host = text(headers, header::HOST).or_else(|| req.uri().authority().map(|a| a.to_string()));
+    let bad_host = match (&host, hosts) {
+        (_, 2..) => Some(format!("{hosts} Host headers; send exactly one")),
+        (None, _) if req.version() == axum::http::Version::HTTP_11 => {
+            Some("no Host header; an HTTP/1.1 request must name the host it is for".to_string())
+        }
+        (Some(h), _) if h.parse::<axum::http::uri::Authority>().is_err() => {
+            Some(format!("the Host {:?} is not a valid host name or address (with an optional port)", short(h)))
+        }
+        _ => None,
+    };
+    if let Some(message) = bad_host {
+        return refuse(StatusCode::BAD_REQUEST, "invalid_host", message, flavor);
+    }
     if let Some(host) = host.as_deref().filter(|h| !policy.host_ok(h)) {
         let message = format!(
             "the Host {host:?} is not one this server answers to (IP addresses, localhost and --allowed-host names are): \
@@ -108,20 +125,47 @@ pub async fn guard(State(state): State<super::routes::Shared>, req: Request, nex
         }
         return response;
     }
-    if req.method() == Method::POST {
-        let kind = text(headers, header::CONTENT_TYPE).unwrap_or_default();
-        let essence = kind.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-        if essence != "application/json" && !essence.ends_with("+json") {
-            let got = if kind.is_empty() { "none".to_string() } else { format!("{kind:?}") };
-            let message = format!("send the request body as JSON with `Content-Type: application/json` (got {got})");
-            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
-        }
-    }
     let mut response = next.run(req).await;
     if let Some(origin) = &origin {
         cors(response.headers_mut(), origin);
     }
     response
+}
+
+/// A route's `POST` body must be declared JSON, once (`Content-Type: application/json` or
+/// `+json`). Applied to the routes only (`Router::route_layer`): a `POST` to a path that takes
+/// none is a 405, whatever its type.
+pub async fn json_body(req: Request, next: Next) -> Response {
+    if req.method() == Method::POST {
+        let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+        let kinds: Vec<String> = req
+            .headers()
+            .get_all(header::CONTENT_TYPE)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect();
+        if kinds.len() > 1 {
+            let message =
+                format!("{} Content-Type headers; send exactly one: `Content-Type: application/json`", kinds.len());
+            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
+        }
+        let kind = kinds.into_iter().next().unwrap_or_default();
+        let essence = kind.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            let got = if kind.is_empty() { "none".to_string() } else { format!("{:?}", short(&kind)) };
+            let message = format!("send the request body as JSON with `Content-Type: application/json` (got {got})");
+            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
+        }
+    }
+    next.run(req).await
+}
+
+/// A header value as an error message quotes it: at most 100 characters.
+fn short(value: &str) -> String {
+    match value.char_indices().nth(100) {
+        Some((at, _)) => format!("{}…", &value[..at]),
+        None => value.to_string(),
+    }
 }
 
 fn cors(h: &mut HeaderMap, origin: &str) {

@@ -1,7 +1,7 @@
 //! Prometheus text metrics: requests by route and status, time-to-first-token and
 //! inter-token latency histograms, token counters, queue depth and prompt-cache figures.
 
-use crate::engine::worker::{EngineStats, BATCH_SIZE_BUCKETS};
+use crate::engine::stats::{EngineStats, BATCH_SIZE_BUCKETS};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;

@@ -11,7 +11,7 @@ pub mod routes;
 pub mod turn;
 
 use crate::config::{ServeArgs, ServeConfig};
-use crate::engine::worker::{Engine, EngineConfig};
+use crate::engine::handle::{Engine, EngineConfig};
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
@@ -51,7 +51,9 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     };
     let reasoning_parser = match config.reasoning_parser.as_deref() {
         Some("none" | "off") => None,
-        Some(name) => Some(openai::PluginRef { name: name.into(), config: None, params: None, fallback: false }),
+        Some(name) => {
+            Some(crate::plugins::request::PluginRef { name: name.into(), config: None, params: None, fallback: false })
+        }
         None => plugins.as_ref().and_then(|_| detect_reasoning_parser(engine.tokenizer.chat_template())),
     };
     let budget = memory_budget(config, &engine);
@@ -126,10 +128,15 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
 /// `harmony-channels` for OpenAI's harmony (GPT-OSS: `<|channel|>analysis`); `None` for
 /// templates without them. Runs with `fallback` on: if it faults, the text passes
 /// through as content.
-pub fn detect_reasoning_parser(template: Option<&str>) -> Option<openai::PluginRef> {
+pub fn detect_reasoning_parser(template: Option<&str>) -> Option<crate::plugins::request::PluginRef> {
     let t = template.unwrap_or("");
     if t.contains("<|channel|>") {
-        return Some(openai::PluginRef { name: "harmony-channels".into(), config: None, params: None, fallback: true });
+        return Some(crate::plugins::request::PluginRef {
+            name: "harmony-channels".into(),
+            config: None,
+            params: None,
+            fallback: true,
+        });
     }
     let config = if t.contains("<think>") {
         None
@@ -138,7 +145,7 @@ pub fn detect_reasoning_parser(template: Option<&str>) -> Option<openai::PluginR
     } else {
         return None;
     };
-    Some(openai::PluginRef { name: "think".into(), config, params: None, fallback: true })
+    Some(crate::plugins::request::PluginRef { name: "think".into(), config, params: None, fallback: true })
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -217,6 +224,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     })?);
     let state = state(&config, engine.clone(), Some(registry));
     let stopping = engine.clone();
+    let finished = engine.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     runtime.block_on(async move {
@@ -257,6 +265,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 });
             })
             .await;
+        // Every connection has closed, but a request whose client left may still be running
+        // (a long prefill): stop the engine thread before `main` returns, so no MLX or BLAS
+        // work is in flight when the process exits (OpenBLAS's exit handler joins its
+        // threads and hung for good on one a running prefill held).
+        let stopped = tokio::task::spawn_blocking(move || finished.stop_now(std::time::Duration::from_secs(30)))
+            .await
+            .unwrap_or(false);
+        if !stopped {
+            eprintln!("host: the engine did not stop within 30 s; exiting anyway");
+        }
+        eprintln!("host: stopped");
         Ok(())
     })
 }
@@ -313,6 +332,9 @@ async fn serve(
             drop(permit);
         });
     }
+    // New connections are refused from here on (they used to wait in the backlog, never
+    // answered, until the process exited).
+    drop(listener);
     graceful.shutdown().await;
 }
 

@@ -3,44 +3,13 @@
 //! known fields are type- and range-checked with messages that name them.
 
 use super::error::ApiError;
-use crate::engine::worker::{Finish, SpecUsage, TokenLogprob, Usage};
+use crate::engine::job::{Finish, SpecUsage, TokenLogprob, Usage};
 use crate::engine::{SamplingParams, SpecConfig, SpecMethod, Verify};
+use crate::plugins::request::PluginsField;
 use crate::structured::Structure;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
-
-/// One plugin named in a request's `plugins` extension field.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginRef {
-    pub name: String,
-    #[serde(default)]
-    pub config: Option<Value>,
-    #[serde(default)]
-    pub params: Option<Value>,
-    /// On a plugin fault, carry on without the plugin (native sampling, or without that stop
-    /// rule) instead of failing the request.
-    #[serde(default)]
-    pub fallback: bool,
-}
-
-/// The `plugins` extension field (both APIs): at most one sampler, any stop rules.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginsField {
-    pub sampler: Option<PluginRef>,
-    #[serde(default)]
-    pub stop: Vec<PluginRef>,
-    /// The tool-call adapter for requests with tools (default: the server's, chosen from
-    /// the model's chat template).
-    pub tool: Option<PluginRef>,
-    /// The reasoning parser for chat replies (default: the server's, chosen from the
-    /// model's chat template); `{"name": "none"}` leaves the thinking in the text.
-    pub reasoning: Option<PluginRef>,
-    /// A constraint plugin over the output (instead of `response_format`, `regex`, `grammar`).
-    pub constraint: Option<PluginRef>,
-}
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -555,6 +524,43 @@ impl ToolChoice {
     }
 }
 
+/// [`check_tools`] over tools converted to OpenAI's shape from another API's: an error names
+/// the tool and its field as the request wrote them, in its path and in its message.
+/// `at[j]`: the request's index of converted tool `j`; `fields`: (OpenAI's path under a tool,
+/// the API's), most specific first.
+pub fn check_converted_tools(chat: &Vec<Value>, at: &[usize], fields: &[(&str, &str)]) -> Result<(), ApiError> {
+    check_tools(Some(chat)).map_err(|mut e| {
+        let Some((j, rest)) = e.param.as_deref().and_then(|p| p.strip_prefix("tools[")).and_then(|p| {
+            let (j, rest) = p.split_once(']')?;
+            Some((j.parse::<usize>().ok()?, rest.to_string()))
+        }) else {
+            return e;
+        };
+        let i = at.get(j).copied().unwrap_or(j);
+        let (from, to) =
+            fields.iter().find(|(from, _)| rest == *from).copied().unwrap_or((rest.as_str(), rest.as_str()));
+        let param = format!("tools[{i}]{to}");
+        let mut message = e.message.clone();
+        for (from, to) in fields {
+            message = message.replace(&format!("tools[{j}]{from}"), &format!("tools[{i}]{to}"));
+        }
+        message = message.replace(&format!("tools[{j}]"), &format!("tools[{i}]"));
+        // The field's own name in the message (`parameters` -> `input_schema`).
+        let (ours, theirs) = (from.rsplit('.').next().unwrap_or(""), to.rsplit('.').next().unwrap_or(""));
+        if !ours.is_empty() && !theirs.is_empty() && ours != theirs {
+            message = message
+                .replace(&format!("`{ours}`"), &format!("`{theirs}`"))
+                .replace(&format!("the {ours} "), &format!("the {theirs} "));
+        }
+        if !message.contains(&param) {
+            message = format!("`{param}`: {message}");
+        }
+        e.param = Some(param);
+        e.message = message;
+        e
+    })
+}
+
 /// Checks `tools` (OpenAI shape): a list of `{"type": "function", "function": {"name",
 /// "description"?, "parameters"?}}`, names unique.
 pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
@@ -569,7 +575,10 @@ pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
         if kind != Some("function") {
             return Err(ApiError::invalid(
                 &param,
-                format!("{param} has type {kind:?}; this server takes tools of type \"function\""),
+                format!(
+                    "{param} has type {}; this server takes tools of type \"function\"",
+                    kind.map_or("none".into(), super::error::quoted)
+                ),
             ));
         }
         let f = t
@@ -611,7 +620,7 @@ pub fn check_tools(tools: Option<&Vec<Value>>) -> Result<(), ApiError> {
         if schema > MAX_TOOL_SCHEMA {
             return Err(ApiError::invalid(
                 &format!("{param}.function.parameters"),
-                format!("the parameters schema is {schema} bytes of JSON; at most {MAX_TOOL_SCHEMA}"),
+                format!("`parameters` is {schema} bytes of JSON; at most {MAX_TOOL_SCHEMA}"),
             ));
         }
     }

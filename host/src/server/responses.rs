@@ -8,9 +8,10 @@
 //! `previous_response_id` continues their conversation.
 
 use super::error::{ApiError, Flavor};
-use super::openai::{self, PluginsField, SamplingFields, ToolChoice};
+use super::openai::{self, SamplingFields, ToolChoice};
 use super::turn::Turn;
-use crate::engine::worker::{Event, Finish, Usage};
+use crate::engine::job::{Event, Finish, Usage};
+use crate::plugins::request::PluginsField;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, VecDeque};
@@ -93,13 +94,19 @@ fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
                     Some(kind @ ("input_image" | "input_file" | "input_audio")) => {
                         return Err(ApiError::invalid(
                             &param,
-                            format!("{param} is an {kind:?} part, and this server's model reads text only"),
+                            format!(
+                                "{param} is an {} part, and this server's model reads text only",
+                                super::error::quoted(kind)
+                            ),
                         ))
                     }
                     Some(kind) => {
                         return Err(ApiError::invalid(
                             &param,
-                            format!("content parts of type {kind:?} are not supported; use input_text"),
+                            format!(
+                                "content parts of type {} are not supported; use input_text",
+                                super::error::quoted(kind)
+                            ),
                         ))
                     }
                     None => return Err(ApiError::invalid(&param, format!("{param} needs a `type`"))),
@@ -214,18 +221,13 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
         })
         .unzip();
     // An error names the tool as the request wrote it (flat, and counting every tool).
-    openai::check_tools(Some(&chat)).map_err(|mut e| {
-        for (j, &i) in at.iter().enumerate() {
-            let (chat_name, ours) = (format!("tools[{j}]"), format!("tools[{i}]"));
-            let rename = |t: &str| t.replace(&format!("{chat_name}.function"), &ours).replace(&chat_name, &ours);
-            if e.param.as_deref().is_some_and(|p| p == chat_name || p.starts_with(&format!("{chat_name}."))) {
-                e.param = e.param.as_deref().map(rename);
-                e.message = rename(&e.message);
-                break;
-            }
-        }
-        e
-    })?;
+    let flat = [
+        (".function.name", ".name"),
+        (".function.parameters", ".parameters"),
+        (".function.description", ".description"),
+        (".function", ""),
+    ];
+    openai::check_converted_tools(&chat, &at, &flat)?;
     Ok(Some(chat))
 }
 
@@ -272,6 +274,7 @@ pub fn turn(r: &ResponsesRequest, history: Vec<Value>) -> Result<(Turn, Vec<Valu
         one_tool_call: r.parallel_tool_calls == Some(false),
         sampling: r.sampling.to_params(1.0)?,
         max_tokens,
+        max_tokens_param: "max_output_tokens",
         plugins: r.plugins.clone(),
         speculative: r.speculative.clone(),
         structure: match r.text.as_ref().and_then(|t| t.get("format")).filter(|f| !f.is_null()) {

@@ -9,7 +9,8 @@ use super::metrics::Metrics;
 use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
 use super::responses::{self, Output, ResponsesRequest};
 use super::turn::Turn;
-use crate::engine::worker::{Cancel, Engine, Event, Finish, JobRequest, TokenLogprob, Usage};
+use crate::engine::handle::Engine;
+use crate::engine::job::{Cancel, Event, Finish, JobRequest, TokenLogprob, Usage};
 use crate::engine::SpecConfig;
 use crate::plugins::PluginRegistry;
 use axum::body::Bytes;
@@ -44,14 +45,14 @@ pub struct AppState {
     pub created: u64,
     pub plugins: Option<Arc<PluginRegistry>>,
     /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
-    pub default_plugins: Option<openai::PluginsField>,
+    pub default_plugins: Option<crate::plugins::request::PluginsField>,
     /// Speculative decoding for requests that do not choose.
     pub speculative: SpecConfig,
     /// The tool-call adapter for requests with tools that do not name one (configured, or
     /// chosen from the chat template); `None`: tool calls stay in the text.
     pub tool_adapter: Option<String>,
     /// The default reasoning parser of chat turns (`reasoning_parser`, else the template's).
-    pub reasoning_parser: Option<openai::PluginRef>,
+    pub reasoning_parser: Option<crate::plugins::request::PluginRef>,
     /// Which hosts and web origins may use the server.
     pub guard: super::guard::Policy,
     /// How long a request body may take to arrive.
@@ -83,11 +84,12 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/plugins", get(list_plugins))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn(super::guard::json_body))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), bounded_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
-        .layer(middleware::from_fn_with_state(state.clone(), super::guard::guard))
+        .layer(middleware::from_fn_with_state(state.guard.clone(), super::guard::guard))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         // `bounded_body` enforces the limit (and reads what is over it); the extractors'
         // own limit (2 MB by default) would cut below it.
@@ -558,6 +560,7 @@ async fn chat_completions(
         template_kwargs: req.chat_template_kwargs,
         flavor: Flavor::OpenAi,
         max_tokens_is_ceiling: false,
+        max_tokens_param: if req.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
         model: req.model,
     };
     let rx = state.begin(turn, "chat", req.stream).await?.events;
@@ -672,7 +675,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
         Some(k) if (0..=5).contains(&k) => Some(k as usize),
         Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
     };
-    let max_tokens = state.admit(prompt.len(), Some(max))?;
+    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens")?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
@@ -1056,7 +1059,7 @@ async fn count_tokens(
 mod tests {
     use super::*;
     use crate::config::ServeConfig;
-    use crate::engine::worker::EngineConfig;
+    use crate::engine::handle::EngineConfig;
     use axum::body::Body;
     use http_body_util::BodyExt;
     use std::sync::OnceLock;
@@ -1109,6 +1112,9 @@ mod tests {
     /// Sends a request; returns the status and the body as JSON.
     async fn check(router: Router, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
         let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            req = req.header("host", "127.0.0.1");
+        }
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -1132,7 +1138,11 @@ mod tests {
 
     /// Sends a request; returns the status and the raw body.
     async fn raw(router: Router, method: &str, path: &str, body: &str) -> (u16, String) {
-        let req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "127.0.0.1")
+            .header("content-type", "application/json");
         let response = router.oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
         let status = response.status().as_u16();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -1155,6 +1165,38 @@ mod tests {
         let (status, headers) = (response.status().as_u16(), response.headers().clone());
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
         (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    /// Anthropic tools are checked before any plugin sees them, and an error names the field
+    /// as the request wrote it (issue 42: it named "plugin hermes's params", or OpenAI's
+    /// `parameters` for an `input_schema`), with a long value cut short.
+    #[tokio::test]
+    async fn anthropic_tool_errors_name_the_anthropic_field() {
+        let config = ServeConfig { max_body_bytes: 4 << 20, ..Default::default() };
+        let r = || app(crate::server::state(&config, engine(), None));
+        let props: serde_json::Map<String, Value> =
+            (0..20_000).map(|i| (format!("p{i}"), serde_json::json!({"type": "string"}))).collect();
+        for (tool, field) in [
+            (serde_json::json!({"name": "f".repeat(1 << 20), "input_schema": {"type": "object"}}), "tools[1].name"),
+            (
+                serde_json::json!({"name": "f", "input_schema": {"type": "object", "properties": props}}),
+                "tools[1].input_schema",
+            ),
+            (serde_json::json!({"name": "f", "input_schema": null}), "tools[1].input_schema"),
+        ] {
+            // A server tool first: left out of the prompt, still counted in the indices.
+            let tools = serde_json::json!([{"type": "web_search_20250305", "name": "web_search"}, tool]);
+            for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+                let body = serde_json::json!({"model": "m", "max_tokens": 1, "tools": tools,
+                    "messages": [{"role": "user", "content": "hi"}]});
+                let (status, v) = check(r(), "POST", path, &body.to_string(), &[]).await;
+                let message = v["error"]["message"].as_str().unwrap_or_default();
+                assert_eq!((status, v["type"].as_str()), (400, Some("error")), "{path}: {message:.300}");
+                assert!(message.contains(field), "{path} {field}: {message:.300}");
+                assert!(!message.contains("plugin") && !message.contains("parameters"), "{path}: {message:.300}");
+                assert!(message.len() < 1000, "{path}: {message:.300}");
+            }
+        }
     }
 
     /// Input that used to pass or to be answered badly: each a 4xx naming its field.
@@ -1219,6 +1261,20 @@ mod tests {
         assert!(v["error"]["message"].as_str().unwrap().contains("application/json"), "{v}");
         let (status, _, _) = sent(r(), "POST", "/v1/chat/completions", &[("host", "localhost:8080"), json], body).await;
         assert_eq!(status, 200);
+        // Exactly one valid Host (issue 42): a second one, none, or a malformed one is a 400.
+        for headers in
+            [&[("host", "127.0.0.1"), ("host", "evil.example"), json][..], &[json][..], &[("host", "[::1"), json][..]]
+        {
+            let (status, _, v) = sent(r(), "POST", "/v1/chat/completions", headers, body).await;
+            assert_eq!((status, v["error"]["code"].as_str()), (400, Some("invalid_host")), "{headers:?}: {v}");
+        }
+        // One Content-Type: two (the first JSON) are refused, not read as the first.
+        let two = [("host", "127.0.0.1"), json, ("content-type", "text/plain")];
+        let (status, _, v) = sent(r(), "POST", "/v1/chat/completions", &two, body).await;
+        assert_eq!((status, v["error"]["code"].as_str()), (415, Some("unsupported_media_type")), "{v}");
+        // A POST to a path that takes none is a 405 whatever its type (it was a 415).
+        let (status, _, v) = sent(r(), "POST", "/health", &[("host", "127.0.0.1")], "").await;
+        assert_eq!((status, v["error"]["code"].as_str()), (405, Some("method_not_allowed")), "{v}");
         // Allowed by configuration: a LAN name and a local web app's origin.
         let config = ServeConfig {
             allowed_hosts: vec!["box.lan".into()],
@@ -1431,6 +1487,18 @@ mod tests {
         let (status, v) =
             check(r(), "POST", "/v1/chat/completions", &format!(r#"{{"max_tokens": 128000, {messages}}}"#), &[]).await;
         assert_eq!((status, v["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{v}");
+        assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+        // The error names the field the client sent, in its API's name.
+        let (status, v) = check(
+            r(),
+            "POST",
+            "/v1/chat/completions",
+            &format!(r#"{{"max_completion_tokens": 128000, {messages}}}"#),
+            &[],
+        )
+        .await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_completion_tokens")), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("plus max_completion_tokens (128000)"), "{v}");
     }
 
     /// For a template that ignores tools, an assistant turn's earlier calls are written into
@@ -1454,7 +1522,8 @@ mod tests {
     async fn head_root_is_answered() {
         let (status, v) = check(router(None), "GET", "/", "", &[]).await;
         assert_eq!((status, v["service"].as_str()), (200, Some("host")));
-        let response = router(None).oneshot(Request::head("/").body(Body::empty()).unwrap()).await.unwrap();
+        let head = Request::head("/").header("host", "127.0.0.1").body(Body::empty()).unwrap();
+        let response = router(None).oneshot(head).await.unwrap();
         assert_eq!(response.status().as_u16(), 200);
     }
 
@@ -1495,6 +1564,7 @@ mod tests {
             let mut req = Request::builder()
                 .method("POST")
                 .uri("/v1/chat/completions")
+                .header("host", "127.0.0.1")
                 .header("content-type", "application/json");
             if let Some(n) = declared {
                 req = req.header("content-length", n.to_string());
@@ -1509,6 +1579,7 @@ mod tests {
         let req = Request::builder()
             .method("POST")
             .uri("/v1/chat/completions")
+            .header("host", "127.0.0.1")
             .header("content-type", "application/json")
             .header("content-length", "1000000000");
         let response =
@@ -1518,7 +1589,9 @@ mod tests {
         // Exactly at the limit (4 chunks = 64 KiB of spaces): read whole and parsed (as JSON,
         // which spaces alone are not: a 400, not a 413).
         let body = Body::from_stream(chunks(4, read.clone()));
-        let req = Request::post("/v1/chat/completions").header("content-type", "application/json");
+        let req = Request::post("/v1/chat/completions")
+            .header("host", "127.0.0.1")
+            .header("content-type", "application/json");
         let response = router(None).oneshot(req.body(body).unwrap()).await.unwrap();
         assert_eq!(response.status().as_u16(), 400);
     }

@@ -6,11 +6,13 @@
 //! and chat completions, Anthropic messages and Responses all get it.
 
 use super::error::{ApiError, Flavor};
-use super::openai::{self, PluginsField, ToolChoice};
+use super::openai::{self, ToolChoice};
 use super::routes::AppState;
-use crate::engine::worker::{Engine, Event, JobRequest, SubmitError};
+use crate::engine::handle::Engine;
+use crate::engine::job::{Event, JobRequest, SubmitError};
 use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
+use crate::plugins::request::PluginsField;
 use crate::plugins::runtime::{Instance, PluginRefused, Quarantined};
 use crate::plugins::{Selected, Selection};
 use crate::structured::{CompileError, Structure};
@@ -35,6 +37,9 @@ pub struct Turn {
     /// `max_tokens` is an upper bound the client sends whatever the model (Anthropic's
     /// required field): past what fits in the memory budget it is lowered, not refused.
     pub max_tokens_is_ceiling: bool,
+    /// The request's own name for `max_tokens` (`max_completion_tokens`,
+    /// `max_output_tokens`), which errors name; empty: `max_tokens`.
+    pub max_tokens_param: &'static str,
     pub stop: Vec<String>,
     pub top_logprobs: Option<usize>,
     /// The `plugins` extension field (`None`: the server's defaults).
@@ -84,7 +89,7 @@ impl AppState {
             Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
             n => n,
         };
-        let max_tokens = self.admit(prompt.len(), requested).map_err(|e| e.flavor(flavor))?;
+        let max_tokens = self.admit(prompt.len(), requested, turn.max_tokens_param).map_err(|e| e.flavor(flavor))?;
         let speculative = self.speculative(turn.speculative, flavor)?;
         let constraint = match (plugins.reply_grammar.take(), plugins.call_grammar.take()) {
             // A forced call's arguments held to the tool's schema, unless the request brings a
@@ -387,7 +392,9 @@ impl AppState {
     }
 
     /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
-    pub(super) fn admit(&self, prompt: usize, requested: Option<usize>) -> Result<usize, ApiError> {
+    /// `param`: the request's name for max_tokens (empty: `max_tokens`).
+    pub(super) fn admit(&self, prompt: usize, requested: Option<usize>, param: &str) -> Result<usize, ApiError> {
+        let param = if param.is_empty() { "max_tokens" } else { param };
         let fit = self.max_sequence_tokens;
         let limit = match self.context_tokens <= fit {
             true => format!("the model's context length of {fit} tokens"),
@@ -395,9 +402,9 @@ impl AppState {
         };
         let too_long = |max: usize| {
             ApiError::invalid(
-                "max_tokens",
+                param,
                 format!(
-                    "the prompt ({prompt} tokens) plus max_tokens ({max}) exceeds {limit}; shorten the prompt or lower max_tokens (at most {} here)",
+                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; shorten the prompt or lower {param} (at most {} here)",
                     fit.saturating_sub(prompt)
                 ),
             )
@@ -416,7 +423,7 @@ impl AppState {
     /// a `chat` request gets a reasoning parser (the field's `reasoning`, else the server's).
     pub(super) fn plugins(
         &self,
-        field: Option<openai::PluginsField>,
+        field: Option<crate::plugins::request::PluginsField>,
         tools: Option<&Vec<Value>>,
         flavor: Flavor,
         chat: bool,
@@ -425,7 +432,7 @@ impl AppState {
         let tool = field.tool.or_else(|| {
             let name = self.tool_adapter.clone()?;
             tools.filter(|t| !t.is_empty())?;
-            Some(openai::PluginRef { name, config: None, params: None, fallback: true })
+            Some(crate::plugins::request::PluginRef { name, config: None, params: None, fallback: true })
         });
         let reasoning = match field.reasoning {
             Some(r) if r.name == "none" => None,
@@ -448,7 +455,7 @@ impl AppState {
             .plugins
             .as_ref()
             .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
-        let pick = |kind: Kind, r: openai::PluginRef| {
+        let pick = |kind: Kind, r: crate::plugins::request::PluginRef| {
             for (what, v) in [("config", &r.config), ("params", &r.params)] {
                 let size = v.as_ref().map_or(0, |v| v.to_string().len());
                 if size > MAX_PLUGIN_JSON {

@@ -1,83 +1,17 @@
 //! `host generate`: one prompt in, a streamed completion (or one JSON object) out.
 
-use crate::default_model;
 use crate::engine::{
     DecodeOptions, FinishReason, Generation, Guard, Hooks, Sampler, SamplingParams, SpecMethod, Speculation,
 };
+use crate::load::{load_draft, load_model_split, select_device, DeviceChoice};
 use crate::structured::{CompileError, Grammars, Structure};
 use anyhow::{bail, Context, Result};
-use mlx::Device;
 use models::{Detokenizer, Loaded};
 use serde::Serialize;
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
-
-/// Which device MLX runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceChoice {
-    /// The GPU when this libmlx has one (Metal, CUDA), else the CPU.
-    Auto,
-    Cpu,
-    Gpu,
-}
-
-impl DeviceChoice {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceChoice::Auto => "auto",
-            DeviceChoice::Cpu => "cpu",
-            DeviceChoice::Gpu => "gpu",
-        }
-    }
-}
-
-/// Picks and sets the default device; an explicit `gpu` without one is an error.
-pub fn select_device(choice: DeviceChoice) -> Result<Device> {
-    let device = match choice {
-        DeviceChoice::Auto => {
-            if Device::gpu_available() {
-                Device::Gpu
-            } else {
-                Device::Cpu
-            }
-        }
-        DeviceChoice::Cpu => Device::Cpu,
-        DeviceChoice::Gpu if !Device::gpu_available() => {
-            bail!("--device gpu: this libmlx ({}) has no usable GPU; use --device cpu", mlx::version())
-        }
-        DeviceChoice::Gpu => Device::Gpu,
-    };
-    device.set_default()?;
-    Ok(device)
-}
-
-/// Loads a draft model for `target` and checks that it shares the target's tokenizer.
-pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
-    let draft = models::load(path).with_context(|| format!("loading the draft model from {}", path.display()))?;
-    crate::engine::speculative::check_draft(target, &draft)?;
-    Ok(draft)
-}
-
-/// Loads `path`, or the built-in default model (fetched on first use) when `None`.
-pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
-    load_model_split(path, 1, DeviceChoice::Auto)
-}
-
-/// As `load_model`, split over `tensor_parallel` ranks on `device` when more than 1 (this
-/// process becomes rank 0 and launches the others; see `tp.rs`).
-pub fn load_model_split(path: Option<&Path>, tensor_parallel: usize, device: DeviceChoice) -> Result<Loaded> {
-    let path = match path {
-        Some(p) => p.to_path_buf(),
-        None => default_model::ensure()?,
-    };
-    if tensor_parallel > 1 {
-        return crate::tp::load(&path, tensor_parallel, device);
-    }
-    models::load(&path).with_context(|| format!("loading model from {}", path.display()))
-}
+use std::path::PathBuf;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -14,7 +14,7 @@
 //! brings rank 0 down with a message naming it (a monitor thread), and workers exit when rank
 //! 0's control connection closes (or, before they have joined, when rank 0 is gone).
 
-use crate::generate::{select_device, DeviceChoice};
+use super::{select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
 use mlx::{Array, Device, Dtype};

@@ -7,9 +7,10 @@
 //! with `--constraint` and `--prompt-file`, B rows answering the prompt, each held to the
 //! constraint, each run paired with a plain batch run to the same row lengths.
 
+use super::generate::prompt_tokens;
 use crate::engine::speculative::PromptLookup;
 use crate::engine::{DecodeOptions, Generation, Hooks, Sampler, SamplingParams, SpecConfig, SpecMethod, Speculation};
-use crate::generate::{load_draft, load_model_split, prompt_tokens, select_device, DeviceChoice};
+use crate::load::{load_draft, load_model_split, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -246,7 +247,7 @@ fn run_batch(
     let mut batch = Batch::new(model);
     for (key, (ids, &gen)) in prompts.iter().zip(gen).enumerate() {
         let mut cache = model.make_cache();
-        crate::engine::decode::prefill(model, &mut cache, &ids[..ids.len() - 1], 2048)?;
+        crate::engine::step::prefill(model, &mut cache, &ids[..ids.len() - 1], 2048)?;
         let sampler = Sampler::new(SamplingParams::default(), model.vocab_size())?;
         let eos = constraint.map_or(Vec::new(), |(_, eos)| eos.to_vec());
         let guard = constraint
