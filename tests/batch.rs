@@ -7,7 +7,7 @@
 //!
 //! Gated like tests/parity.rs by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
-mod common;
+use super::common;
 
 use common::{OutputWithin, HANG};
 use host::engine::batch::{Batch, Row};

@@ -1,7 +1,7 @@
 //! `host generate` as a user runs it: the real binary on a tiny model folder written by the
 //! test (no network, no fixtures): output shapes, determinism, and clear errors on bad input.
 
-mod common;
+use super::common;
 
 use common::{OutputWithin, HANG};
 use serde_json::Value;

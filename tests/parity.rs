@@ -10,7 +10,7 @@
 //! Gated by the environment that `eval "$(scripts/test-fixtures.sh)"` sets; under CI a
 //! missing fixture is a failure, elsewhere the tests say they were skipped.
 
-mod common;
+use super::common;
 
 use common::{OutputWithin, HANG};
 use serde_json::Value;

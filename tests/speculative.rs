@@ -5,7 +5,7 @@
 //!
 //! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
-mod common;
+use super::common;
 
 use common::{generate, models, run};
 use std::path::Path;

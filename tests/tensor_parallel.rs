@@ -6,7 +6,7 @@
 //!
 //! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
-mod common;
+use super::common;
 
 use common::{generate, models, run};
 use serde_json::Value;

@@ -14,12 +14,12 @@
 //! masks are worked out while that forward runs, and its sampling is queued after them. The
 //! batch knows nothing about text or requests; rows are named by a key.
 
-use super::constraint::{self, Guard, SLOW_MASK_SECS};
-use super::decode::{
-    external_frame, pick_from_frame, takes_forced_runs, DecodeOptions, ExternalSampler, FinishReason, Overlap, Token,
-};
+use super::constraint::{self, takes_forced_runs, Guard, Overlap, SLOW_MASK_SECS};
+use super::external::{external_frame, pick_from_frame};
+use super::hooks::ExternalSampler;
 use super::sampling::{log_softmax, Sampler};
 use super::step::tokens_array;
+use super::step::{DecodeOptions, FinishReason, Token};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
@@ -92,7 +92,7 @@ impl<'m> Row<'m> {
     }
 
     /// Whether the row would go faster as a generation of its own when it is alone
-    /// (`decode::takes_forced_runs`).
+    /// (`constraint::takes_forced_runs`).
     pub fn takes_forced_runs(&self) -> bool {
         takes_forced_runs(self.constraint.is_some(), self.external.is_some(), self.sampler.params())
     }

@@ -8,6 +8,7 @@
 //! The engine knows constraints only through [`Constraint`]; what they are made from (a JSON
 //! schema, a regex, a grammar, a plugin) is the server's business (`crate::structured`).
 
+use super::SamplingParams;
 use anyhow::{bail, Result};
 use mlx::{Array, Dtype};
 use std::borrow::Cow;
@@ -792,4 +793,83 @@ pub(crate) mod tests {
         let e = g.mask().unwrap_err().to_string();
         assert!(e.contains("no end-of-sequence token"), "{e}");
     }
+}
+
+/// When a constrained step works out its mask, which needs the token before it. For
+/// measuring (`bench/device/constrained-steps.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
+/// `merged`, `never`) picks it. Measured on the H200 (bench/RESULTS.md, session 25): slow
+/// masks (llguidance's JSON schema and regex on llama-1b) gain 0.1x from the helper thread
+/// (0.98x and 0.89x against 0.86x and 0.78x never), quick ones lose to its start; where the
+/// token is already there and the mask quick (SmolLM2, the lowercase plugin), one dispatch
+/// for forward and sampling (merged) gave 1.00-1.10x against 0.83-0.98x. Two more ways were
+/// measured and dropped (session 24), both one dispatch a step with the token read on this
+/// thread before it, waiting: the mask worked out beside building the next forward
+/// (0.63-0.75x), and a step's sampling started together with the next forward (0.50-0.76x
+/// on llama-1b; 0.79-0.89x again in session 27, `bench/device/constrained-loop.py` in
+/// mlx-lm's own model, a second stream for the sampling no better). The device finishes a
+/// step 0.5-1 ms after MLX has started all of it, and a token read right after its dispatch
+/// waits that long on every step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Overlap {
+    /// Slow masks (`Guard::slow`) beside the next forward's start (`Generation::overlapped`);
+    /// quick ones before it, forward and sampling then started as one (`Generation::merged`),
+    /// when the token is already there once that forward is built, else after it.
+    Auto,
+    /// Always beside the next forward's start, the token waited for on a helper thread.
+    Always,
+    /// Always before it, forward and sampling started as one, waiting for the token first.
+    Merged,
+    /// Always after the next forward's start.
+    Never,
+}
+
+impl Overlap {
+    pub(crate) fn from_env() -> Overlap {
+        match std::env::var("HOST_MASK_OVERLAP").as_deref() {
+            Ok("always") => Overlap::Always,
+            Ok("merged") => Overlap::Merged,
+            Ok("never") => Overlap::Never,
+            _ => Overlap::Auto,
+        }
+    }
+
+    /// Whether a constrained step's token is waited for, told to the constraint and the next
+    /// mask worked out on a helper thread beside the next forward's start, the masks being
+    /// `slow` (a generation's: `Guard::slow`; a batch step's together: over `SLOW_MASK_SECS`).
+    pub(crate) fn beside(self, slow: bool) -> bool {
+        match self {
+            Overlap::Always => true,
+            Overlap::Auto => slow,
+            Overlap::Merged | Overlap::Never => false,
+        }
+    }
+
+    /// Whether a constrained step not worked out beside (`beside`) is worked out before the
+    /// next forward's start, forward and sampling then one dispatch: under `Auto` when the
+    /// token is already there (`available`, asked only then); else it is after the start.
+    pub(crate) fn merges(self, available: impl FnOnce() -> bool) -> bool {
+        match self {
+            Overlap::Merged => true,
+            Overlap::Auto => available(),
+            Overlap::Always | Overlap::Never => false,
+        }
+    }
+}
+
+/// The most tokens a constraint's forced run (`Generation::forced_run`) feeds in one forward.
+pub(super) const MAX_FORCED_RUN: usize = 32;
+
+/// Whether tokens a constraint forces are committed in runs (`Generation::forced_run`);
+/// `HOST_FORCED_RUNS=off` turns it off, for measuring.
+pub fn forced_runs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"))
+}
+
+/// Whether a request goes faster decoding alone, as a generation, than as a batch's only
+/// row: under a constraint, whose forced tokens only a generation takes in runs (one forward
+/// for many, no sampling), unless a plugin sampler (serial either way) or penalties over the
+/// history (no runs) are in play.
+pub fn takes_forced_runs(constrained: bool, external: bool, params: &SamplingParams) -> bool {
+    constrained && !external && !params.needs_history() && forced_runs()
 }

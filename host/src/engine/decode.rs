@@ -5,184 +5,19 @@
 //! This file reads as prefill, step, yield; stop strings and output formatting live with
 //! their callers.
 
-use super::constraint::{self, Guard};
-use super::sampling::{log_softmax, Sampler, SamplingParams};
+use super::constraint::{self, forced_runs, Guard, Overlap, MAX_FORCED_RUN};
+use super::external::pick_external;
+use super::hooks::ExternalSampler;
+use super::sampling::{log_softmax, Sampler};
 use super::speculative::{Drafts, Speculation, Verify};
+use super::stats::DecodeStats;
 use super::step::{prefill, tokens_array};
+use super::step::{DecodeOptions, Token};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
 use models::{CausalLm, KvCache};
 use std::collections::VecDeque;
 use std::time::Instant;
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token was generated (it is the last token yielded).
-    Stop,
-    /// `max_tokens` were generated.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
-/// What an external sampler (a plugin) sees at one position.
-pub enum Frame<'a> {
-    /// The top-k `(token, logit)` pairs, highest logit first.
-    Candidates(&'a mut [(u32, f32)]),
-    /// The whole logits row, indexed by token id.
-    Logits(&'a mut [f32]),
-}
-
-/// An external sampler's decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pick {
-    Token(u32),
-    /// Sample natively from the (possibly edited) frame.
-    Defer,
-}
-
-/// A token picker outside the engine (a sampler plugin). With one, decoding is serial: each
-/// step's logits are read back and the picker runs before the next step is built.
-pub trait ExternalSampler {
-    /// `Some(k)`: wants the top-k candidates; `None`: wants the full logits row.
-    fn candidates(&self) -> Option<usize>;
-    fn sample(&mut self, position: usize, frame: Frame<'_>) -> Result<Pick>;
-    /// Called with each committed token, in order.
-    fn accept(&mut self, tokens: &[u32]) -> Result<()>;
-    /// Whether a failure should hand sampling back to the native sampler (for the rest of
-    /// the request) instead of failing it.
-    fn fallback(&self) -> bool {
-        false
-    }
-}
-
-/// Limits and stop tokens of one generation.
-#[derive(Debug, Clone)]
-pub struct DecodeOptions {
-    pub max_tokens: usize,
-    pub eos_token_ids: Vec<u32>,
-    /// Prompt tokens per prefill forward pass (bounds activation memory on long prompts).
-    pub prefill_step_size: usize,
-}
-
-impl Default for DecodeOptions {
-    fn default() -> Self {
-        DecodeOptions { max_tokens: 256, eos_token_ids: Vec::new(), prefill_step_size: 2048 }
-    }
-}
-
-impl DecodeOptions {
-    /// Why generation ends at token `id`, the `generated`-th (counting it), if it does.
-    pub fn finish(&self, id: u32, generated: usize) -> Option<FinishReason> {
-        if self.eos_token_ids.contains(&id) {
-            Some(FinishReason::Stop)
-        } else if generated >= self.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        }
-    }
-}
-
-/// One generated token.
-#[derive(Debug)]
-pub struct Token {
-    pub id: u32,
-    /// Normalized log-probabilities over the vocabulary at this step (`[V]`, lazy).
-    pub logprobs: Array,
-    /// Set on the last token.
-    pub finish: Option<FinishReason>,
-}
-
-/// Throughput and memory of a finished (or ongoing) generation, measured as mlx-lm does:
-/// prompt time runs until the first token is ready, generation time from then on.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DecodeStats {
-    pub prompt_tokens: usize,
-    pub generated_tokens: usize,
-    pub prompt_tps: f64,
-    pub generation_tps: f64,
-    pub peak_memory_bytes: usize,
-    /// Target-model forwards after prefill (plain steps and speculative verifications).
-    pub decode_steps: usize,
-    /// Speculative decoding: tokens drafted and drafts accepted (of the candidate kept, when
-    /// several were scored), and batch rows scored by steps that verified several candidates.
-    pub drafted_tokens: usize,
-    pub accepted_tokens: usize,
-    pub candidate_rows: usize,
-    /// Where pipelined plain steps spend their time on the calling thread, summed: building
-    /// the next step's graph, handing it to MLX (`async_eval`), and waiting for the current
-    /// token (device time the CPU work did not hide).
-    pub pipelined_steps: usize,
-    pub build_secs: f64,
-    pub dispatch_secs: f64,
-    pub wait_secs: f64,
-    /// Speculative verifications and their time, summed (draft, forward, accept, commit).
-    pub verifications: usize,
-    pub verify_secs: f64,
-    /// Parts of `verify_secs`: drafting, building the verification's graph, handing it to MLX
-    /// and waiting for its picks. The last three are split for one candidate picked by the
-    /// native sampler (the common case); plugin and lossless verifications count their row-by-
-    /// row reads in the rest, several-candidate ones all of it. The rest is accepting
-    /// and committing.
-    pub verify_draft_secs: f64,
-    pub verify_build_secs: f64,
-    pub verify_dispatch_secs: f64,
-    pub verify_wait_secs: f64,
-    /// A constrained generation: masks computed and the seconds the constraint took for
-    /// them (on the CPU, while the step's forward runs).
-    pub masks: usize,
-    pub mask_secs: f64,
-    /// Tokens told to the constraint, and the seconds that took (wherever it ran).
-    pub accepts: usize,
-    pub accept_secs: f64,
-    /// Masks applied on the device, and of them those sent from the host (the rest were
-    /// kept there from an earlier step: `Masking`).
-    pub masks_applied: usize,
-    pub masks_sent: usize,
-    /// Constrained steps' samplings started by `queue_pick`, and the engine thread's seconds
-    /// building and handing them to MLX: behind a forward already started (its own
-    /// dispatch, the common case), or — a merged step's, a forced run's — with the forward
-    /// it follows, whose building and dispatch it then includes.
-    pub picks: usize,
-    pub pick_secs: f64,
-    /// Constrained steps whose mask was worked out beside the next forward's dispatch.
-    pub overlapped_masks: usize,
-    /// Constrained steps started as one dispatch (forward and sampling), the token before
-    /// them already there and the mask worked out before it (`Generation::merged`).
-    pub merged_steps: usize,
-    /// Tokens the constraint forced (its mask allowed one), committed without sampling and
-    /// fed to the model in runs (`Generation::forced_run`).
-    pub forced_tokens: usize,
-}
-
-impl DecodeStats {
-    /// Accepted drafts over drafted tokens (0 when nothing was drafted).
-    pub fn acceptance_rate(&self) -> f64 {
-        if self.drafted_tokens == 0 {
-            0.0
-        } else {
-            self.accepted_tokens as f64 / self.drafted_tokens as f64
-        }
-    }
-
-    /// Generated tokens per target forward (1 without speculation).
-    pub fn tokens_per_step(&self) -> f64 {
-        if self.decode_steps == 0 {
-            0.0
-        } else {
-            self.generated_tokens as f64 / self.decode_steps as f64
-        }
-    }
-}
 
 /// Optional parts of a generation: a sampler plugin, speculative decoding and a constraint
 /// on the output.
@@ -230,85 +65,6 @@ pub struct Generation<'m> {
     started: Instant,
     first_token_at: Option<Instant>,
     stats: DecodeStats,
-}
-
-/// When a constrained step works out its mask, which needs the token before it. For
-/// measuring (`bench/device/constrained-steps.sh`); `HOST_MASK_OVERLAP` (`auto`, `always`,
-/// `merged`, `never`) picks it. Measured on the H200 (bench/RESULTS.md, session 25): slow
-/// masks (llguidance's JSON schema and regex on llama-1b) gain 0.1x from the helper thread
-/// (0.98x and 0.89x against 0.86x and 0.78x never), quick ones lose to its start; where the
-/// token is already there and the mask quick (SmolLM2, the lowercase plugin), one dispatch
-/// for forward and sampling (merged) gave 1.00-1.10x against 0.83-0.98x. Two more ways were
-/// measured and dropped (session 24), both one dispatch a step with the token read on this
-/// thread before it, waiting: the mask worked out beside building the next forward
-/// (0.63-0.75x), and a step's sampling started together with the next forward (0.50-0.76x
-/// on llama-1b; 0.79-0.89x again in session 27, `bench/device/constrained-loop.py` in
-/// mlx-lm's own model, a second stream for the sampling no better). The device finishes a
-/// step 0.5-1 ms after MLX has started all of it, and a token read right after its dispatch
-/// waits that long on every step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Overlap {
-    /// Slow masks (`Guard::slow`) beside the next forward's start (`Generation::overlapped`);
-    /// quick ones before it, forward and sampling then started as one (`Generation::merged`),
-    /// when the token is already there once that forward is built, else after it.
-    Auto,
-    /// Always beside the next forward's start, the token waited for on a helper thread.
-    Always,
-    /// Always before it, forward and sampling started as one, waiting for the token first.
-    Merged,
-    /// Always after the next forward's start.
-    Never,
-}
-
-impl Overlap {
-    pub(crate) fn from_env() -> Overlap {
-        match std::env::var("HOST_MASK_OVERLAP").as_deref() {
-            Ok("always") => Overlap::Always,
-            Ok("merged") => Overlap::Merged,
-            Ok("never") => Overlap::Never,
-            _ => Overlap::Auto,
-        }
-    }
-
-    /// Whether a constrained step's token is waited for, told to the constraint and the next
-    /// mask worked out on a helper thread beside the next forward's start, the masks being
-    /// `slow` (a generation's: `Guard::slow`; a batch step's together: over `SLOW_MASK_SECS`).
-    pub(crate) fn beside(self, slow: bool) -> bool {
-        match self {
-            Overlap::Always => true,
-            Overlap::Auto => slow,
-            Overlap::Merged | Overlap::Never => false,
-        }
-    }
-
-    /// Whether a constrained step not worked out beside (`beside`) is worked out before the
-    /// next forward's start, forward and sampling then one dispatch: under `Auto` when the
-    /// token is already there (`available`, asked only then); else it is after the start.
-    pub(crate) fn merges(self, available: impl FnOnce() -> bool) -> bool {
-        match self {
-            Overlap::Merged => true,
-            Overlap::Auto => available(),
-            Overlap::Always | Overlap::Never => false,
-        }
-    }
-}
-
-/// The most tokens a constraint's forced run (`Generation::forced_run`) feeds in one forward.
-const MAX_FORCED_RUN: usize = 32;
-
-/// Whether tokens a constraint forces are committed in runs (`Generation::forced_run`);
-/// `HOST_FORCED_RUNS=off` turns it off, for measuring.
-pub fn forced_runs() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HOST_FORCED_RUNS").as_deref() != Ok("off"))
-}
-
-/// Whether a request goes faster decoding alone, as a generation, than as a batch's only
-/// row: under a constraint, whose forced tokens only a generation takes in runs (one forward
-/// for many, no sampling), unless a plugin sampler (serial either way) or penalties over the
-/// history (no runs) are in play.
-pub fn takes_forced_runs(constrained: bool, external: bool, params: &SamplingParams) -> bool {
-    constrained && !external && !params.needs_history() && forced_runs()
 }
 
 /// What a generation hands over to go on as a row of a batch (`Generation::hand_over`).
@@ -1152,97 +908,11 @@ impl<'m> Generation<'m> {
     }
 }
 
-/// Runs the external sampler on one step's processed logits (`[1, V]`); returns the chosen
-/// token as a `[1]` int32 array, sampling natively from the edited frame on `Pick::Defer`.
-fn pick_external(
-    external: &mut dyn ExternalSampler,
-    sampler: &Sampler,
-    logits: &Array,
-    position: usize,
-) -> Result<Array> {
-    let frame = external_frame(external, logits)?;
-    let id = pick_from_frame(external, sampler, position, frame, logits.dim(-1))?;
-    Ok(Array::from_i32(&[id as i32], &[1])?)
-}
-
-/// What an external sampler's frame is read from, still on the device (lazy).
-pub(crate) enum FrameArrays {
-    /// The top-k candidates: their float32 logits and token ids.
-    Candidates { logits: Array, ids: Array },
-    /// The whole float32 logits row.
-    Row(Array),
-}
-
-impl FrameArrays {
-    /// The arrays to evaluate before reading the frame.
-    pub(crate) fn arrays(&self) -> Vec<&Array> {
-        match self {
-            FrameArrays::Candidates { logits, ids } => vec![logits, ids],
-            FrameArrays::Row(row) => vec![row],
-        }
-    }
-}
-
-/// The frame `external` asks for, from processed logits `[1, V]`.
-pub(crate) fn external_frame(external: &dyn ExternalSampler, logits: &Array) -> Result<FrameArrays> {
-    let logits = logits.astype(mlx::Dtype::Float32)?;
-    Ok(match external.candidates() {
-        Some(k) => {
-            let k = k.min(logits.dim(-1)).max(1) as i32;
-            let ids = logits.negative()?.argpartition(k - 1, -1)?.slice_axis(-1, 0, k)?;
-            FrameArrays::Candidates { logits: logits.take_along_axis(&ids, -1)?, ids }
-        }
-        None => FrameArrays::Row(logits),
-    })
-}
-
-/// The external sampler's pick from a frame made by [`external_frame`] (read back here, so
-/// evaluating it first saves a round trip), sampling natively from the edited frame on
-/// `Pick::Defer`; a pick outside the vocabulary is an error.
-pub(crate) fn pick_from_frame(
-    external: &mut dyn ExternalSampler,
-    sampler: &Sampler,
-    position: usize,
-    frame: FrameArrays,
-    vocab: usize,
-) -> Result<u32> {
-    let native = |values: &[f32]| -> Result<usize> {
-        let row = Array::from_f32(values, &[1, values.len()])?;
-        let lp = log_softmax(&row)?;
-        Ok(sampler.sample(&lp, position)?.item_i32()? as usize)
-    };
-    let id = match frame {
-        FrameArrays::Candidates { logits, ids } => {
-            let values = logits.to_vec_f32()?;
-            let mut frame: Vec<(u32, f32)> = ids.to_vec_i32()?.into_iter().map(|t| t as u32).zip(values).collect();
-            frame.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            match external.sample(position, Frame::Candidates(&mut frame))? {
-                Pick::Token(t) => t,
-                Pick::Defer => {
-                    let values: Vec<f32> = frame.iter().map(|c| c.1).collect();
-                    frame[native(&values)?].0
-                }
-            }
-        }
-        FrameArrays::Row(row) => {
-            let mut row = row.to_vec_f32()?;
-            match external.sample(position, Frame::Logits(&mut row))? {
-                Pick::Token(t) => t,
-                Pick::Defer => native(&row)? as u32,
-            }
-        }
-    };
-    if id as usize >= vocab {
-        bail!("the external sampler picked token {id}, outside the vocabulary of {vocab}");
-    }
-    Ok(id)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::speculative::{SpecConfig, SpecMethod};
-    use crate::engine::SamplingParams;
+    use crate::engine::{FinishReason, Frame, Pick, SamplingParams};
     use models::testing;
 
     fn run(

@@ -6,7 +6,9 @@
 pub mod batch;
 pub mod constraint;
 pub mod decode;
+mod external;
 pub mod handle;
+pub mod hooks;
 pub mod job;
 mod output;
 pub mod prompt_cache;
@@ -20,6 +22,9 @@ mod warm_up;
 mod worker;
 
 pub use constraint::{Allowed, Constraint, ConstraintSpec, Guard};
-pub use decode::{DecodeOptions, DecodeStats, ExternalSampler, FinishReason, Frame, Generation, Hooks, Pick, Token};
+pub use decode::{Generation, Hooks};
+pub use hooks::{ExternalSampler, Frame, Pick};
 pub use sampling::{Sampler, SamplingParams};
 pub use speculative::{SpecConfig, SpecMethod, Speculation, Verify};
+pub use stats::DecodeStats;
+pub use step::{DecodeOptions, FinishReason, Token};

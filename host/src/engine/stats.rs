@@ -1,4 +1,4 @@
-//! The counters the engine keeps for `/metrics`.
+//! The counters the engine keeps for `/metrics`, and a generation's own (`DecodeStats`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -43,5 +43,87 @@ impl EngineStats {
         let bucket = BATCH_SIZE_BUCKETS.iter().position(|&b| rows <= b).unwrap_or(BATCH_SIZE_BUCKETS.len());
         self.batch_size_counts[bucket].fetch_add(1, Ordering::Relaxed);
         self.batch_rows_total.fetch_add(rows, Ordering::Relaxed);
+    }
+}
+
+/// Throughput and memory of a finished (or ongoing) generation, measured as mlx-lm does:
+/// prompt time runs until the first token is ready, generation time from then on.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecodeStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prompt_tps: f64,
+    pub generation_tps: f64,
+    pub peak_memory_bytes: usize,
+    /// Target-model forwards after prefill (plain steps and speculative verifications).
+    pub decode_steps: usize,
+    /// Speculative decoding: tokens drafted and drafts accepted (of the candidate kept, when
+    /// several were scored), and batch rows scored by steps that verified several candidates.
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    pub candidate_rows: usize,
+    /// Where pipelined plain steps spend their time on the calling thread, summed: building
+    /// the next step's graph, handing it to MLX (`async_eval`), and waiting for the current
+    /// token (device time the CPU work did not hide).
+    pub pipelined_steps: usize,
+    pub build_secs: f64,
+    pub dispatch_secs: f64,
+    pub wait_secs: f64,
+    /// Speculative verifications and their time, summed (draft, forward, accept, commit).
+    pub verifications: usize,
+    pub verify_secs: f64,
+    /// Parts of `verify_secs`: drafting, building the verification's graph, handing it to MLX
+    /// and waiting for its picks. The last three are split for one candidate picked by the
+    /// native sampler (the common case); plugin and lossless verifications count their row-by-
+    /// row reads in the rest, several-candidate ones all of it. The rest is accepting
+    /// and committing.
+    pub verify_draft_secs: f64,
+    pub verify_build_secs: f64,
+    pub verify_dispatch_secs: f64,
+    pub verify_wait_secs: f64,
+    /// A constrained generation: masks computed and the seconds the constraint took for
+    /// them (on the CPU, while the step's forward runs).
+    pub masks: usize,
+    pub mask_secs: f64,
+    /// Tokens told to the constraint, and the seconds that took (wherever it ran).
+    pub accepts: usize,
+    pub accept_secs: f64,
+    /// Masks applied on the device, and of them those sent from the host (the rest were
+    /// kept there from an earlier step: `Masking`).
+    pub masks_applied: usize,
+    pub masks_sent: usize,
+    /// Constrained steps' samplings started by `queue_pick`, and the engine thread's seconds
+    /// building and handing them to MLX: behind a forward already started (its own
+    /// dispatch, the common case), or — a merged step's, a forced run's — with the forward
+    /// it follows, whose building and dispatch it then includes.
+    pub picks: usize,
+    pub pick_secs: f64,
+    /// Constrained steps whose mask was worked out beside the next forward's dispatch.
+    pub overlapped_masks: usize,
+    /// Constrained steps started as one dispatch (forward and sampling), the token before
+    /// them already there and the mask worked out before it (`Generation::merged`).
+    pub merged_steps: usize,
+    /// Tokens the constraint forced (its mask allowed one), committed without sampling and
+    /// fed to the model in runs (`Generation::forced_run`).
+    pub forced_tokens: usize,
+}
+
+impl DecodeStats {
+    /// Accepted drafts over drafted tokens (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.drafted_tokens as f64
+        }
+    }
+
+    /// Generated tokens per target forward (1 without speculation).
+    pub fn tokens_per_step(&self) -> f64 {
+        if self.decode_steps == 0 {
+            0.0
+        } else {
+            self.generated_tokens as f64 / self.decode_steps as f64
+        }
     }
 }

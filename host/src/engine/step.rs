@@ -1,10 +1,66 @@
-//! What every decode loop shares: running a prompt into a cache (`prefill`) and token ids as
-//! an MLX array. The generation (`decode.rs`), speculative drafting (`speculative.rs`), the
+//! What every decode loop shares: its options and finish (`DecodeOptions`, `FinishReason`,
+//! `Token`), running a prompt into a cache (`prefill`) and token ids as an MLX array. The generation (`decode.rs`), speculative drafting (`speculative.rs`), the
 //! batch (`batch.rs`) and the engine thread (`worker.rs`) all call it; it calls none of them.
 
 use anyhow::Result;
 use mlx::Array;
 use models::{CausalLm, KvCache};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was generated (it is the last token yielded).
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Limits and stop tokens of one generation.
+#[derive(Debug, Clone)]
+pub struct DecodeOptions {
+    pub max_tokens: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// Prompt tokens per prefill forward pass (bounds activation memory on long prompts).
+    pub prefill_step_size: usize,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions { max_tokens: 256, eos_token_ids: Vec::new(), prefill_step_size: 2048 }
+    }
+}
+
+impl DecodeOptions {
+    /// Why generation ends at token `id`, the `generated`-th (counting it), if it does.
+    pub fn finish(&self, id: u32, generated: usize) -> Option<FinishReason> {
+        if self.eos_token_ids.contains(&id) {
+            Some(FinishReason::Stop)
+        } else if generated >= self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Debug)]
+pub struct Token {
+    pub id: u32,
+    /// Normalized log-probabilities over the vocabulary at this step (`[V]`, lazy).
+    pub logprobs: Array,
+    /// Set on the last token.
+    pub finish: Option<FinishReason>,
+}
 
 /// Runs `tokens` through `model` into `cache`, `step` positions per forward pass (bounding
 /// activation memory on long prompts), pipelined as decoding is: chunk k+1's graph is built

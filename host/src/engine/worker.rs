@@ -9,8 +9,8 @@
 //! notices at the next token and frees the job's cache.
 
 use super::batch::{Batch, Left, Row};
+use super::constraint::takes_forced_runs;
 use super::constraint::{ConstraintFailed, Guard};
-use super::decode::takes_forced_runs;
 use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
 use super::output::{char_split, flush, logprob, route, Plugins, Tools};
 use super::prompt_cache::PromptCache;

@@ -231,8 +231,10 @@ impl PluginRegistry {
 
     /// Records a refused file (the reason shows at `/v1/plugins` and in requests that name it).
     fn refuse(&self, path: &Path, name: Option<String>, e: anyhow::Error, duplicate: bool) -> anyhow::Error {
-        tracing::warn!(file = %path.display(), "plugin refused: {e:#}");
-        let refusal = Refusal { name, error: format!("{e:#}"), duplicate };
+        // The reason may quote the module (export names, its manifest): one escaped line.
+        let error = runtime::plugin_text(&format!("{e:#}"));
+        tracing::warn!(file = %path.display(), "plugin refused: {error}");
+        let refusal = Refusal { name, error, duplicate };
         self.failed.write().expect("registry lock").insert(path.to_path_buf(), refusal);
         e
     }

@@ -159,8 +159,9 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<axum::body::Bytes, BytesReje
 const MAX_ERROR_CHARS: usize = 300;
 
 /// A serde error message in the API's words: no Rust type names, and a value the client sent
-/// cut short rather than echoed whole.
-fn readable(message: &str) -> String {
+/// cut short rather than echoed whole. Also for a plugin's refusal of a request's config or
+/// params (the built-ins parse them with serde too).
+pub(crate) fn readable(message: &str) -> String {
     let mut text = message.to_string();
     if let Some(at) = text.find("data did not match any variant of untagged enum") {
         text.replace_range(at.., "the value has the wrong type or shape for this field");

@@ -355,7 +355,7 @@ pub(super) fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
 /// The HTTP error of an engine event that ends a request before it produced anything.
 fn failure(event: &Event, flavor: Flavor) -> Option<ApiError> {
     match event {
-        Event::Refused(m) => Some(ApiError::invalid("plugins", m.clone()).flavor(flavor)),
+        Event::Refused(m) => Some(ApiError::invalid("plugins", super::error::readable(m)).flavor(flavor)),
         Event::PluginFault(m) => Some(plugin_fault(m.clone(), flavor)),
         Event::Constraint { param, message } => {
             Some(ApiError::invalid(param, message.clone()).with_code("constraint_failed").flavor(flavor))
@@ -472,7 +472,8 @@ pub(super) fn stream_error_message(event: &Event) -> String {
             tracing::error!("generation failed mid-stream: {m}");
             "internal error; see the server log".to_string()
         }
-        Event::Refused(m) | Event::PluginFault(m) | Event::Constraint { message: m, .. } => m.clone(),
+        Event::Refused(m) => super::error::readable(m),
+        Event::PluginFault(m) | Event::Constraint { message: m, .. } => m.clone(),
         Event::Cancelled(c) => c.message.clone(),
         _ => String::new(),
     }
@@ -1073,6 +1074,20 @@ mod tests {
         assert_eq!(stream_error_code(&event), ("invalid_request_error", Some("constraint_failed")));
         assert_eq!(stream_error_message(&event), "the regex constraint cannot go on");
         assert_eq!(stream_error_type(&event), "invalid_request_error");
+    }
+
+    /// A built-in's refusal of a request's config speaks the API's words (its serde error named
+    /// Rust types: `expected f32`), before the stream and inside it.
+    #[test]
+    fn a_plugin_refusal_names_no_rust_types() {
+        let event = Event::Refused(
+            "plugin top-n-sigma refused its config (host_init returned 1): invalid type: string \"x\", expected f32"
+                .into(),
+        );
+        let e = failure(&event, Flavor::OpenAi).unwrap();
+        for message in [e.message, stream_error_message(&event)] {
+            assert!(message.contains("expected a number") && !message.contains("f32"), "{message}");
+        }
     }
 
     #[test]

@@ -248,7 +248,7 @@ impl AppState {
         match result {
             Ok(value) => Ok(value),
             Err(e) => match e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
-                Some(refused) => Err(ApiError::invalid("tools", refused.0.clone())),
+                Some(refused) => Err(ApiError::invalid("tools", super::error::readable(&refused.0))),
                 None if fallback => {
                     tracing::warn!("tool adapter {} left out of this prompt: {e:#}", adapter.plugin.name());
                     Ok(None)
