@@ -24,7 +24,17 @@ fi
 command -v npm >/dev/null || echo "test.sh: npm is missing: the agent-harness tests will fail (Debian: apt-get install nodejs npm)" >&2
 # (An assignment, so a failing fixture script stops here instead of leaving the tests to
 # fail one by one on missing fixtures.)
+# Each phase's time goes to stderr, and pytest lists its slowest tests: where CI's time goes.
+started=$SECONDS
 fixtures=$(scripts/test-fixtures.sh)
 eval "$fixtures"
+echo "test.sh: fixtures ready in $((SECONDS - started)) s" >&2
+started=$SECONDS
+cargo test --workspace --locked --no-run "$@"
+echo "test.sh: build in $((SECONDS - started)) s" >&2
+started=$SECONDS
 cargo test --workspace --locked "$@"
-HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q tests/e2e
+echo "test.sh: cargo test in $((SECONDS - started)) s" >&2
+started=$SECONDS
+HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q --durations=15 tests/e2e
+echo "test.sh: end-to-end tests in $((SECONDS - started)) s" >&2

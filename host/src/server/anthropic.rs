@@ -215,7 +215,10 @@ pub fn template_messages(system: Option<&Value>, messages: &[Value]) -> Result<V
         if !matches!(role, "user" | "assistant" | "system") {
             return Err(invalid(
                 &format!("{param}.role"),
-                format!("{param}.role must be \"user\", \"assistant\" or \"system\", got {role:?}"),
+                format!(
+                    "{param}.role must be \"user\", \"assistant\" or \"system\", got {}",
+                    super::error::quoted(role)
+                ),
             ));
         }
         if role == "system" {

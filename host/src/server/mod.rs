@@ -6,8 +6,12 @@ pub mod error;
 pub mod guard;
 pub mod metrics;
 pub mod openai;
+mod reply;
 pub mod responses;
 pub mod routes;
+pub mod state;
+mod store;
+mod tokens;
 pub mod turn;
 
 use crate::config::{ServeArgs, ServeConfig};
@@ -15,7 +19,7 @@ use crate::engine::handle::{Engine, EngineConfig};
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
-use routes::AppState;
+use state::AppState;
 use std::sync::Arc;
 
 /// The memory budget: configured, else 80% of GPU memory, else 60% of system RAM.

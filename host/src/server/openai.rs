@@ -353,7 +353,10 @@ pub fn response_format(format: &Value, param: &str) -> Result<Option<Structure>,
         }
         Some(other) => Err(ApiError::invalid(
             &format!("{param}.type"),
-            format!("`{param}` of type {other:?} is not supported; use \"text\", \"json_object\" or \"json_schema\""),
+            format!(
+                "`{param}` of type {} is not supported; use \"text\", \"json_object\" or \"json_schema\"",
+                super::error::quoted(other)
+            ),
         )),
         None => Err(ApiError::invalid(param, format!("`{param}` needs a `type`"))),
     }
@@ -403,7 +406,10 @@ pub fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
                     (Some(other), _) if other != "text" => {
                         return Err(ApiError::invalid(
                             param,
-                            format!("content parts of type {other:?} are not supported; this model takes text"),
+                            format!(
+                                "content parts of type {} are not supported; this model takes text",
+                                super::error::quoted(other)
+                            ),
                         ))
                     }
                     _ => return Err(ApiError::invalid(param, "a text content part needs a string `text`")),
@@ -437,7 +443,10 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             other => {
                 return Err(ApiError::invalid(
                     &format!("{param}.role"),
-                    format!("unknown role {other:?}; use system, developer, user, assistant or tool"),
+                    format!(
+                        "unknown role {}; use system, developer, user, assistant or tool",
+                        super::error::quoted(other)
+                    ),
                 ))
             }
         };
@@ -655,7 +664,7 @@ pub fn tool_choice(choice: Option<&Value>, tools: Option<&Vec<Value>>) -> Result
             other => {
                 return Err(ApiError::invalid(
                     "tool_choice",
-                    format!("unknown `tool_choice` {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                    format!("unknown `tool_choice` {}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", super::error::quoted(other)),
                 ))
             }
         },

@@ -14,8 +14,6 @@ use crate::engine::job::{Event, Finish, Usage};
 use crate::plugins::request::PluginsField;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct ResponsesRequest {
@@ -147,7 +145,13 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                     Some("developer" | "system") => "system",
                     Some(r @ ("user" | "assistant")) => r,
                     other => {
-                        return Err(ApiError::invalid(&format!("{param}.role"), format!("{param}.role must be user, assistant, system or developer, got {other:?}")))
+                        return Err(ApiError::invalid(
+                            &format!("{param}.role"),
+                            format!(
+                                "{param}.role must be user, assistant, system or developer, got {}",
+                                other.map_or("none".into(), super::error::quoted)
+                            ),
+                        ))
                     }
                 };
                 let content = content_text(item.get("content").unwrap_or(&Value::Null), &format!("{param}.content"))?;
@@ -161,9 +165,14 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                 let arguments = serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!(arguments));
                 let call = json!({"id": field("call_id")?, "type": "function", "function": {"name": field("name")?, "arguments": arguments}});
                 match out.last_mut() {
-                    Some(last) if last["role"] == "assistant" => {
-                        last.as_object_mut().unwrap().entry("tool_calls").or_insert_with(|| json!([])).as_array_mut().unwrap().push(call)
-                    }
+                    Some(last) if last["role"] == "assistant" => last
+                        .as_object_mut()
+                        .unwrap()
+                        .entry("tool_calls")
+                        .or_insert_with(|| json!([]))
+                        .as_array_mut()
+                        .unwrap()
+                        .push(call),
                     _ => out.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
                 }
                 if !reasoning.is_empty() {
@@ -173,7 +182,12 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
             "function_call_output" => {
                 let output = match item.get("output") {
                     Some(o) => content_text(o, &format!("{param}.output"))?,
-                    None => return Err(ApiError::invalid(&format!("{param}.output"), "a function_call_output item needs an `output`")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            &format!("{param}.output"),
+                            "a function_call_output item needs an `output`",
+                        ))
+                    }
                 };
                 out.push(json!({"role": "tool", "tool_call_id": field("call_id")?, "content": output}));
             }
@@ -185,9 +199,20 @@ pub fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                     reasoning.push_str(p.get("text").and_then(Value::as_str).unwrap_or_default());
                 }
             }
-            "" => return Err(ApiError::invalid(&param, format!("{param} needs a `type` (message, function_call, function_call_output)"))),
+            "" => {
+                return Err(ApiError::invalid(
+                    &param,
+                    format!("{param} needs a `type` (message, function_call, function_call_output)"),
+                ))
+            }
             other => {
-                return Err(ApiError::invalid(&param, format!("input items of type {other:?} are not supported; use message, function_call or function_call_output")))
+                return Err(ApiError::invalid(
+                    &param,
+                    format!(
+                        "input items of type {} are not supported; use message, function_call or function_call_output",
+                        super::error::quoted(other)
+                    ),
+                ))
             }
         }
     }
@@ -527,10 +552,10 @@ impl Output {
             | Event::PluginFault(_)
             | Event::Constraint { .. }
             | Event::Cancelled(_) => {
-                let message = super::routes::stream_error_message(event);
+                let message = super::reply::stream_error_message(event);
                 let mut out = self.close();
                 let mut r = self.response("failed", Value::Null);
-                let code = super::routes::stream_error_code(event).1.unwrap_or("server_error");
+                let code = super::reply::stream_error_code(event).1.unwrap_or("server_error");
                 r["error"] = json!({"code": code, "message": message});
                 out.push(self.event("response.failed", json!({"response": r})));
                 self.done = Some(r);
@@ -568,73 +593,6 @@ impl Output {
     }
 }
 
-/// Responses kept for `previous_response_id` and `GET`/`DELETE /v1/responses/{id}`: at
-/// most [`Store::MAX_RESPONSES`] and [`Store::MAX_BYTES`] of JSON, the oldest dropped first.
-#[derive(Default)]
-pub struct Store {
-    inner: Mutex<StoreInner>,
-}
-
-#[derive(Default)]
-struct StoreInner {
-    entries: HashMap<String, Stored>,
-    order: VecDeque<String>,
-    bytes: usize,
-}
-
-#[derive(Clone)]
-pub struct Stored {
-    pub response: Value,
-    /// The conversation up to and including this response, as chat-template messages
-    /// (without `instructions`).
-    pub conversation: Vec<Value>,
-    /// The request's input, as input items.
-    pub input_items: Vec<Value>,
-    bytes: usize,
-}
-
-impl Store {
-    pub const MAX_RESPONSES: usize = 1024;
-    pub const MAX_BYTES: usize = 64 << 20;
-
-    pub fn put(&self, response: Value, conversation: Vec<Value>, input_items: Vec<Value>) {
-        let id = response["id"].as_str().unwrap_or_default().to_string();
-        let bytes = response.to_string().len()
-            + conversation.iter().map(|m| m.to_string().len()).sum::<usize>()
-            + input_items.iter().map(|m| m.to_string().len()).sum::<usize>();
-        let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = s.entries.remove(&id) {
-            s.bytes -= old.bytes;
-            s.order.retain(|i| *i != id);
-        }
-        while !s.order.is_empty() && (s.order.len() >= Self::MAX_RESPONSES || s.bytes + bytes > Self::MAX_BYTES) {
-            let oldest = s.order.pop_front().unwrap();
-            if let Some(old) = s.entries.remove(&oldest) {
-                s.bytes -= old.bytes;
-            }
-        }
-        s.bytes += bytes;
-        s.order.push_back(id.clone());
-        s.entries.insert(id, Stored { response, conversation, input_items, bytes });
-    }
-
-    pub fn get(&self, id: &str) -> Option<Stored> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).entries.get(id).cloned()
-    }
-
-    pub fn delete(&self, id: &str) -> bool {
-        let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        match s.entries.remove(id) {
-            Some(old) => {
-                s.bytes -= old.bytes;
-                s.order.retain(|i| i != id);
-                true
-            }
-            None => false,
-        }
-    }
-}
-
 /// A request's `input` as input items (a string is one user message).
 pub fn input_items(input: &Value) -> Vec<Value> {
     match input {
@@ -649,6 +607,7 @@ pub fn input_items(input: &Value) -> Vec<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::store::Store;
 
     #[test]
     fn input_items_become_template_messages_with_calls_joined_to_their_turn() {

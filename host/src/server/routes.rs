@@ -5,68 +5,31 @@
 
 use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
-use super::metrics::Metrics;
+
 use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
 use super::responses::{self, Output, ResponsesRequest};
 use super::turn::Turn;
-use crate::engine::handle::Engine;
-use crate::engine::job::{Cancel, Event, Finish, JobRequest, TokenLogprob, Usage};
-use crate::engine::SpecConfig;
-use crate::plugins::PluginRegistry;
+
+use crate::engine::job::{Event, JobRequest, Usage};
+
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use std::convert::Infallible;
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc::{self, UnboundedReceiver};
-use tokio_stream::wrappers::ReceiverStream;
+
+use std::time::Instant;
+
+use super::reply::{collect, data, failure, named, now, request_id, stream, stream_error};
+use super::state::Shared;
+use super::store::Store;
+use super::tokens::{detokenize, tokenize};
 use tokio_stream::StreamExt;
-
-/// Everything handlers share.
-pub struct AppState {
-    pub engine: Arc<Engine>,
-    pub metrics: Metrics,
-    pub model_id: String,
-    pub api_key: Option<String>,
-    pub default_max_tokens: usize,
-    pub max_body_bytes: u64,
-    /// Longest prompt + completion one request may have within the memory budget.
-    pub max_sequence_tokens: usize,
-    /// The context length requests are held to (the model's, or `context_length`).
-    pub context_tokens: usize,
-    pub created: u64,
-    pub plugins: Option<Arc<PluginRegistry>>,
-    /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
-    pub default_plugins: Option<crate::plugins::request::PluginsField>,
-    /// Speculative decoding for requests that do not choose.
-    pub speculative: SpecConfig,
-    /// The tool-call adapter for requests with tools that do not name one (configured, or
-    /// chosen from the chat template); `None`: tool calls stay in the text.
-    pub tool_adapter: Option<String>,
-    /// The default reasoning parser of chat turns (`reasoning_parser`, else the template's).
-    pub reasoning_parser: Option<crate::plugins::request::PluginRef>,
-    /// Which hosts and web origins may use the server.
-    pub guard: super::guard::Policy,
-    /// How long a request body may take to arrive.
-    pub body_timeout: std::time::Duration,
-    /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
-    pub responses: responses::Store,
-    /// Compiles requests' structured-output constraints.
-    pub grammars: Arc<crate::structured::Grammars>,
-    /// Every call the model starts is held to its tool's schema (`constrain_tool_calls`),
-    /// not only `strict: true` tools' calls.
-    pub constrain_tool_calls: bool,
-}
-
-pub(super) type Shared = Arc<AppState>;
 
 pub fn app(state: Shared) -> Router {
     Router::new()
@@ -178,17 +141,6 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
     next.run(Request::from_parts(parts, axum::body::Body::from(kept))).await
 }
 
-fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
-fn request_id(prefix: &str) -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{prefix}{:x}{n:04x}", nanos & 0xffff_ffff_ffff)
-}
-
 /// Counts every request by route and status, and logs it with its path; a request the
 /// client abandons before the response starts (the handler is dropped) gets its own line.
 async fn observe(State(state): State<Shared>, req: Request, next: Next) -> Response {
@@ -278,247 +230,6 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host", "max_model_len": state.max_sequence_tokens}]}),
     )
-}
-
-/// A finished non-streamed generation.
-struct Completion {
-    text: String,
-    /// The model's thinking, as the reasoning parser split it off.
-    reasoning: String,
-    logprobs: Vec<TokenLogprob>,
-    tool_calls: Vec<openai::ToolCall>,
-    finish: Finish,
-    usage: Usage,
-}
-
-async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>, flavor: Flavor) -> Result<Completion, ApiError> {
-    let start = Instant::now();
-    let (mut text, mut reasoning, mut logprobs, mut first) = (String::new(), String::new(), Vec::new(), true);
-    let mut tool_calls: Vec<openai::ToolCall> = Vec::new();
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Started { .. } => {}
-            Event::ToolCall { id, name, .. } => {
-                tool_calls.push(openai::ToolCall { id, name, arguments: String::new() })
-            }
-            Event::ToolArgs { index, delta } => {
-                if let Some(c) = tool_calls.get_mut(index) {
-                    c.arguments.push_str(&delta);
-                }
-            }
-            Event::Delta { text: t, logprobs: l } => {
-                if first {
-                    state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
-                    first = false;
-                }
-                text.push_str(&t);
-                logprobs.extend(l);
-            }
-            Event::Reasoning { text: t } => {
-                if first {
-                    state.metrics.time_to_first_token(start.elapsed().as_secs_f64());
-                    first = false;
-                }
-                reasoning.push_str(&t);
-            }
-            Event::Done { finish, usage } => {
-                tracing::info!(
-                    prompt = usage.prompt_tokens,
-                    cached = usage.cached_tokens,
-                    completion = usage.completion_tokens,
-                    finish = finish.reason(),
-                    "generation"
-                );
-                return Ok(Completion { text, reasoning, logprobs, tool_calls, finish, usage });
-            }
-            e => return Err(failure(&e, flavor).expect("a failure event")),
-        }
-    }
-    Err(ApiError::internal("the engine dropped the request").flavor(flavor))
-}
-
-/// The request was stopped before it finished: a 409 when the scheduling policy cancelled
-/// it, a 503 when the server's shutdown did.
-fn cancelled(cancel: Cancel, flavor: Flavor) -> ApiError {
-    if cancel.shutdown {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, cancel.message).with_code("server_shutting_down").flavor(flavor)
-    } else {
-        ApiError::new(StatusCode::CONFLICT, cancel.message).with_code("cancelled_by_scheduler").flavor(flavor)
-    }
-}
-
-/// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
-pub(super) fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).with_code("plugin_error").flavor(flavor)
-}
-
-/// The HTTP error of an engine event that ends a request before it produced anything.
-fn failure(event: &Event, flavor: Flavor) -> Option<ApiError> {
-    match event {
-        Event::Refused(m) => Some(ApiError::invalid("plugins", super::error::readable(m)).flavor(flavor)),
-        Event::PluginFault(m) => Some(plugin_fault(m.clone(), flavor)),
-        Event::Constraint { param, message } => {
-            Some(ApiError::invalid(param, message.clone()).with_code("constraint_failed").flavor(flavor))
-        }
-        Event::Error(e) => Some(ApiError::internal(e).flavor(flavor)),
-        Event::Cancelled(m) => Some(cancelled(m.clone(), flavor)),
-        _ => None,
-    }
-}
-
-/// How long a stream waits for its job to start before it sends its headers: a failure
-/// within it (a refused plugin config, a plugin failing at its start) is still a plain HTTP
-/// error. Past it (a queue, a long prefill) the headers go out and SSE keep-alive comments
-/// every [`KEEP_ALIVE`] hold the connection, so that clients with a first-byte or idle
-/// timeout (Bun's fetch gives up at 300 s) wait; a failure then arrives in the stream.
-const START_GRACE: std::time::Duration = std::time::Duration::from_millis(1500);
-const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Streams engine events as SSE: `opening` as soon as the stream opens, then `render` turns
-/// each event into SSE events (or nothing). The task ends, cancelling the job, as soon as
-/// the client disconnects, also while the prompt is still being prefilled.
-async fn stream<F>(
-    state: Shared,
-    mut rx: UnboundedReceiver<Event>,
-    opening: Vec<SseEvent>,
-    mut render: F,
-    done_marker: bool,
-    flavor: Flavor,
-) -> Result<Response, ApiError>
-where
-    F: FnMut(&Event) -> Vec<SseEvent> + Send + 'static,
-{
-    let start = Instant::now();
-    let first = match tokio::time::timeout(START_GRACE, rx.recv()).await {
-        Ok(Some(e)) => match failure(&e, flavor) {
-            Some(error) => return Err(error),
-            None => Some(e),
-        },
-        Ok(None) => return Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
-        Err(_) => None,
-    };
-    let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
-    tokio::spawn(async move {
-        for e in opening {
-            if tx.send(Ok(e)).await.is_err() {
-                return;
-            }
-        }
-        let mut last: Option<Instant> = None;
-        let mut first = first;
-        loop {
-            let event = match first.take() {
-                Some(e) => e,
-                None => tokio::select! {
-                    e = rx.recv() => match e {
-                        Some(e) => e,
-                        None => break,
-                    },
-                    // Client gone: dropping `rx` cancels the job.
-                    _ = tx.closed() => return,
-                },
-            };
-            if let Event::Delta { .. } = event {
-                let now = Instant::now();
-                match last {
-                    None => state.metrics.time_to_first_token((now - start).as_secs_f64()),
-                    Some(prev) => state.metrics.inter_token((now - prev).as_secs_f64()),
-                }
-                last = Some(now);
-            }
-            if let Event::Done { finish, usage } = &event {
-                tracing::info!(
-                    prompt = usage.prompt_tokens,
-                    cached = usage.cached_tokens,
-                    completion = usage.completion_tokens,
-                    finish = finish.reason(),
-                    "generation (streamed)"
-                );
-            }
-            let end = matches!(
-                event,
-                Event::Done { .. }
-                    | Event::Error(_)
-                    | Event::Refused(_)
-                    | Event::PluginFault(_)
-                    | Event::Constraint { .. }
-                    | Event::Cancelled(_)
-            );
-            for e in render(&event) {
-                if tx.send(Ok(e)).await.is_err() {
-                    return; // Client gone: dropping `rx` cancels the job.
-                }
-            }
-            if end {
-                break;
-            }
-        }
-        if done_marker {
-            let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
-        }
-    });
-    Ok(Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response())
-}
-
-fn data(v: Value) -> SseEvent {
-    SseEvent::default().data(v.to_string())
-}
-
-/// What the client is told of a failure after its stream started: internal details go to
-/// the log; plugin faults and refusals are shown as they are (they name the plugin).
-pub(super) fn stream_error_message(event: &Event) -> String {
-    match event {
-        Event::Error(m) => {
-            tracing::error!("generation failed mid-stream: {m}");
-            "internal error; see the server log".to_string()
-        }
-        Event::Refused(m) => super::error::readable(m),
-        Event::PluginFault(m) | Event::Constraint { message: m, .. } => m.clone(),
-        Event::Cancelled(c) => c.message.clone(),
-        _ => String::new(),
-    }
-}
-
-/// The OpenAI `type` and `code` of a failure after the stream started (as the same failure
-/// before it would have had).
-pub(super) fn stream_error_code(event: &Event) -> (&'static str, Option<&'static str>) {
-    match event {
-        Event::PluginFault(_) => ("server_error", Some("plugin_error")),
-        Event::Refused(_) => ("invalid_request_error", Some("plugin_refused")),
-        Event::Constraint { .. } => ("invalid_request_error", Some("constraint_failed")),
-        Event::Cancelled(c) if c.shutdown => ("server_error", Some("server_shutting_down")),
-        Event::Cancelled(_) => ("invalid_request_error", Some("cancelled_by_scheduler")),
-        _ => ("server_error", None),
-    }
-}
-
-/// The Anthropic error `type` of a failure after the stream started, as the same failure
-/// before it would have had: a refused plugin config, a constraint that cannot go on and a
-/// scheduler's cancel are the client's (`invalid_request_error`), a shutdown is
-/// `overloaded_error` (clients retry it), the rest `api_error`.
-pub(super) fn stream_error_type(event: &Event) -> &'static str {
-    match event {
-        Event::Error(_) => "api_error",
-        _ => failure(event, Flavor::Anthropic).map_or("api_error", |e| e.anthropic_type()),
-    }
-}
-
-/// An error after the stream started: internal details go to the log; plugin faults and
-/// refusals are shown as they are (they name the plugin).
-fn stream_error(event: &Event, flavor: Flavor) -> SseEvent {
-    let message = stream_error_message(event);
-    match flavor {
-        Flavor::OpenAi => {
-            let (kind, code) = stream_error_code(event);
-            data(json!({"error": {"message": message, "type": kind, "param": null, "code": code}}))
-        }
-        Flavor::Anthropic => {
-            let kind = stream_error_type(event);
-            SseEvent::default()
-                .event("error")
-                .data(json!({"type": "error", "error": {"type": kind, "message": message}}).to_string())
-        }
-    }
 }
 
 async fn chat_completions(
@@ -866,11 +577,6 @@ async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejectio
     .await
 }
 
-/// A named SSE event (the Anthropic stream's shape).
-fn named(name: &str, v: Value) -> SseEvent {
-    SseEvent::default().event(name).data(v.to_string())
-}
-
 /// The kind of an Anthropic stream's content block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Block {
@@ -906,7 +612,7 @@ async fn create_response(
     let history = match req.previous_response_id.as_deref() {
         None => vec![],
         Some(id) => state.responses.get(id).map(|s| s.conversation).ok_or_else(|| {
-            ApiError::invalid("previous_response_id", format!("`previous_response_id` names no stored response {id:?}: it was never stored (`store: false`), was deleted, or is older than the newest {} this server keeps", responses::Store::MAX_RESPONSES))
+            ApiError::invalid("previous_response_id", format!("`previous_response_id` names no stored response {id:?}: it was never stored (`store: false`), was deleted, or is older than the newest {} this server keeps", Store::MAX_RESPONSES))
                 .with_code("previous_response_not_found")
         })?,
     };
@@ -964,7 +670,7 @@ fn no_response(id: &str) -> ApiError {
         StatusCode::NOT_FOUND,
         format!(
             "no stored response {id:?} (responses are kept when created with `store`, up to the newest {})",
-            responses::Store::MAX_RESPONSES
+            Store::MAX_RESPONSES
         ),
     )
 }
@@ -988,63 +694,6 @@ async fn response_input_items(State(state): State<Shared>, Path(id): Path<String
     ))
 }
 
-/// `POST /tokenize` (as vLLM's): `{"prompt": "text", "add_special_tokens": false}` or
-/// `{"messages": [...], "tools": [...], "chat_template_kwargs": {...}}` (the prompt a chat
-/// request would get: the template, the tools described, earlier calls written) -> token ids.
-async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Req {
-        model: Option<String>,
-        prompt: Option<String>,
-        messages: Option<Vec<Value>>,
-        tools: Option<Vec<Value>>,
-        chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-        #[serde(default)]
-        add_special_tokens: bool,
-    }
-    let req: Req = parse_body(body)?;
-    let _ = req.model;
-    let tokens = match (req.prompt, req.messages) {
-        (Some(text), None) if req.tools.is_none() && req.chat_template_kwargs.is_none() => {
-            state.encode(text, req.add_special_tokens).await?
-        }
-        (Some(_), None) => {
-            return Err(ApiError::invalid("prompt", "`tools` and `chat_template_kwargs` go with `messages`"))
-        }
-        (None, Some(messages)) => {
-            openai::check_tools(req.tools.as_ref())?;
-            let turn = Turn {
-                messages: openai::template_messages(&messages)?,
-                tools: req.tools,
-                template_kwargs: req.chat_template_kwargs,
-                ..Turn::default()
-            };
-            state.prompt(turn).await?
-        }
-        _ => return Err(ApiError::invalid("prompt", "give exactly one of `prompt` (text) or `messages`")),
-    };
-    Ok(Json(json!({"count": tokens.len(), "max_model_len": state.max_sequence_tokens, "tokens": tokens})))
-}
-
-/// `POST /detokenize`: `{"tokens": [ids]}` -> `{"prompt": "text"}`.
-async fn detokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Req {
-        model: Option<String>,
-        tokens: Vec<u32>,
-    }
-    let req: Req = parse_body(body)?;
-    let _ = req.model;
-    let vocab = state.engine.info.vocab_size;
-    if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid("tokens", format!("token {bad} is outside the vocabulary of {vocab}")));
-    }
-    let text = state.engine.tokenizer.decode(&req.tokens).map_err(ApiError::internal)?;
-    Ok(Json(json!({ "prompt": text })))
-}
-
 async fn count_tokens(
     State(state): State<Shared>,
     body: Result<Bytes, BytesRejection>,
@@ -1060,9 +709,14 @@ async fn count_tokens(
 mod tests {
     use super::*;
     use crate::config::ServeConfig;
+    use crate::engine::handle::Engine;
     use crate::engine::handle::EngineConfig;
+    use crate::engine::job::Cancel;
+    use crate::server::reply::*;
     use axum::body::Body;
     use http_body_util::BodyExt;
+    use std::convert::Infallible;
+    use std::sync::Arc;
     use std::sync::OnceLock;
     use tower::ServiceExt;
 

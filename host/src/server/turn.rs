@@ -7,7 +7,7 @@
 
 use super::error::{ApiError, Flavor};
 use super::openai::{self, ToolChoice};
-use super::routes::AppState;
+use super::state::AppState;
 use crate::engine::handle::Engine;
 use crate::engine::job::{Event, JobRequest, SubmitError};
 use crate::engine::{SamplingParams, SpecConfig};
@@ -253,7 +253,7 @@ impl AppState {
                     tracing::warn!("tool adapter {} left out of this prompt: {e:#}", adapter.plugin.name());
                     Ok(None)
                 }
-                None => Err(super::routes::plugin_fault(format!("{e:#}"), Flavor::OpenAi)),
+                None => Err(super::reply::plugin_fault(format!("{e:#}"), Flavor::OpenAi)),
             },
         }
     }

@@ -1,0 +1,48 @@
+//! What every handler shares: the engine, the plugins, the limits and defaults resolved from
+//! the configuration (`server::state` builds it), the Responses store.
+
+use super::guard;
+use super::metrics::Metrics;
+use super::store::Store;
+use crate::engine::handle::Engine;
+use crate::engine::SpecConfig;
+use crate::plugins::PluginRegistry;
+use std::sync::Arc;
+
+/// Everything handlers share.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub metrics: Metrics,
+    pub model_id: String,
+    pub api_key: Option<String>,
+    pub default_max_tokens: usize,
+    pub max_body_bytes: u64,
+    /// Longest prompt + completion one request may have within the memory budget.
+    pub max_sequence_tokens: usize,
+    /// The context length requests are held to (the model's, or `context_length`).
+    pub context_tokens: usize,
+    pub created: u64,
+    pub plugins: Option<Arc<PluginRegistry>>,
+    /// Used when a request has no `plugins` field (`"plugins": {}` opts out).
+    pub default_plugins: Option<crate::plugins::request::PluginsField>,
+    /// Speculative decoding for requests that do not choose.
+    pub speculative: SpecConfig,
+    /// The tool-call adapter for requests with tools that do not name one (configured, or
+    /// chosen from the chat template); `None`: tool calls stay in the text.
+    pub tool_adapter: Option<String>,
+    /// The default reasoning parser of chat turns (`reasoning_parser`, else the template's).
+    pub reasoning_parser: Option<crate::plugins::request::PluginRef>,
+    /// Which hosts and web origins may use the server.
+    pub guard: guard::Policy,
+    /// How long a request body may take to arrive.
+    pub body_timeout: std::time::Duration,
+    /// Responses kept for `previous_response_id` (`store`, the Responses API's default).
+    pub responses: Store,
+    /// Compiles requests' structured-output constraints.
+    pub grammars: Arc<crate::structured::Grammars>,
+    /// Every call the model starts is held to its tool's schema (`constrain_tool_calls`),
+    /// not only `strict: true` tools' calls.
+    pub constrain_tool_calls: bool,
+}
+
+pub type Shared = Arc<AppState>;
