@@ -300,6 +300,7 @@ pub fn turn(r: &ResponsesRequest, history: Vec<Value>) -> Result<(Turn, Vec<Valu
         sampling: r.sampling.to_params(1.0)?,
         max_tokens,
         max_tokens_param: "max_output_tokens",
+        prompt_param: "input",
         plugins: r.plugins.clone(),
         speculative: r.speculative.clone(),
         structure: match r.text.as_ref().and_then(|t| t.get("format")).filter(|f| !f.is_null()) {

@@ -273,6 +273,7 @@ async fn chat_completions(
         flavor: Flavor::OpenAi,
         max_tokens_is_ceiling: false,
         max_tokens_param: if req.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
+        prompt_param: "messages",
         model: req.model,
     };
     let rx = state.begin(turn, "chat", req.stream).await?.events;
@@ -387,7 +388,7 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
         Some(k) if (0..=5).contains(&k) => Some(k as usize),
         Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
     };
-    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens")?;
+    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens", "prompt")?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
@@ -1168,6 +1169,12 @@ mod tests {
         .await;
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_completion_tokens")), "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains("plus max_completion_tokens (128000)"), "{v}");
+        // A prompt too long by itself is named by its own field.
+        let long =
+            format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}], "max_tokens": 1}}"#, "hi ".repeat(2000));
+        let (status, v) = check(r(), "POST", "/v1/chat/completions", &long, &[]).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("the prompt alone is too long"), "{v}");
     }
 
     /// For a template that ignores tools, an assistant turn's earlier calls are written into

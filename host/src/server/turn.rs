@@ -40,6 +40,9 @@ pub struct Turn {
     /// The request's own name for `max_tokens` (`max_completion_tokens`,
     /// `max_output_tokens`), which errors name; empty: `max_tokens`.
     pub max_tokens_param: &'static str,
+    /// The request's field the prompt comes from (`input`, `prompt`), which a prompt too
+    /// long by itself is named by; empty: `messages`.
+    pub prompt_param: &'static str,
     pub stop: Vec<String>,
     pub top_logprobs: Option<usize>,
     /// The `plugins` extension field (`None`: the server's defaults).
@@ -80,6 +83,8 @@ impl AppState {
     pub async fn begin(&self, mut turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
         let flavor = turn.flavor;
         self.check_sampling(&turn.sampling, flavor)?;
+        // Tools first: an error names the tool's field before any plugin is chosen for them.
+        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(flavor))?;
         let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor, true)?;
         plugins.one_tool_call = turn.one_tool_call;
         let (messages, tool_count) = (turn.messages.len(), turn.shown_tools().map_or(0, Vec::len));
@@ -89,7 +94,9 @@ impl AppState {
             Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
             n => n,
         };
-        let max_tokens = self.admit(prompt.len(), requested, turn.max_tokens_param).map_err(|e| e.flavor(flavor))?;
+        let max_tokens = self
+            .admit(prompt.len(), requested, turn.max_tokens_param, turn.prompt_param)
+            .map_err(|e| e.flavor(flavor))?;
         let speculative = self.speculative(turn.speculative, flavor)?;
         let constraint = match (plugins.reply_grammar.take(), plugins.call_grammar.take()) {
             // A forced call's arguments held to the tool's schema, unless the request brings a
@@ -202,6 +209,7 @@ impl AppState {
 
     /// The prompt a turn would have, as tokens (`/tokenize` with `messages`).
     pub async fn prompt(&self, mut turn: Turn) -> Result<Vec<u32>, ApiError> {
+        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(turn.flavor))?;
         let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor, true)?;
         self.turn_prompt(&mut turn, &mut plugins).await
     }
@@ -209,7 +217,6 @@ impl AppState {
     /// A turn's prompt tokens under `plugins` (whose `reply_prefix` it sets for a forced
     /// call); takes the turn's messages and tools.
     async fn turn_prompt(&self, turn: &mut Turn, plugins: &mut Selection) -> Result<Vec<u32>, ApiError> {
-        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(turn.flavor))?;
         let kwargs = turn.template_kwargs.take().map(Value::Object);
         let tools = turn.tool_choice.tools(turn.tools.take());
         let messages = std::mem::take(&mut turn.messages);
@@ -393,22 +400,36 @@ impl AppState {
 
     /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
     /// `param`: the request's name for max_tokens (empty: `max_tokens`).
-    pub(super) fn admit(&self, prompt: usize, requested: Option<usize>, param: &str) -> Result<usize, ApiError> {
+    /// A prompt too long by itself is named by `prompt_param` (empty: `messages`), else the
+    /// error names `param` (empty: `max_tokens`).
+    pub(super) fn admit(
+        &self,
+        prompt: usize,
+        requested: Option<usize>,
+        param: &str,
+        prompt_param: &str,
+    ) -> Result<usize, ApiError> {
         let param = if param.is_empty() { "max_tokens" } else { param };
+        let prompt_param = if prompt_param.is_empty() { "messages" } else { prompt_param };
         let fit = self.max_sequence_tokens;
         let limit = match self.context_tokens <= fit {
             true => format!("the model's context length of {fit} tokens"),
             false => format!("the {fit} tokens that fit in this server's memory budget"),
         };
         let too_long = |max: usize| {
-            ApiError::invalid(
-                param,
-                format!(
-                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; shorten the prompt or lower {param} (at most {} here)",
-                    fit.saturating_sub(prompt)
+            let message = match prompt >= fit {
+                // The prompt alone does not fit: it is the field to change.
+                true => format!(
+                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; the prompt alone is too long: shorten `{prompt_param}`{}",
+                    if prompt_param == "input" { " (with `instructions`)" } else { "" }
                 ),
-            )
-            .with_code("context_length_exceeded")
+                false => format!(
+                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; shorten the prompt or lower {param} (at most {} here)",
+                    fit - prompt
+                ),
+            };
+            ApiError::invalid(if prompt >= fit { prompt_param } else { param }, message)
+                .with_code("context_length_exceeded")
         };
         match requested {
             Some(max) if prompt + max > fit => Err(too_long(max)),
@@ -455,7 +476,9 @@ impl AppState {
             .plugins
             .as_ref()
             .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
-        let pick = |kind: Kind, r: crate::plugins::request::PluginRef| {
+        // What the client sends a plugin is bounded; the tools a tool adapter gets are
+        // bounded by `openai::check_tools` (they are not the client's params).
+        let sized = |r: &crate::plugins::request::PluginRef| {
             for (what, v) in [("config", &r.config), ("params", &r.params)] {
                 let size = v.as_ref().map_or(0, |v| v.to_string().len());
                 if size > MAX_PLUGIN_JSON {
@@ -463,6 +486,9 @@ impl AppState {
                     return Err(ApiError::invalid("plugins", why).flavor(flavor));
                 }
             }
+            Ok(())
+        };
+        let select = |kind: Kind, r: crate::plugins::request::PluginRef| {
             registry.select(kind, &r.name, r.config, r.params, r.fallback).map_err(|e| {
                 match e.downcast_ref::<Quarantined>() {
                     Some(q) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, q.message.clone())
@@ -473,10 +499,15 @@ impl AppState {
                 .flavor(flavor)
             })
         };
+        let pick = |kind: Kind, r: crate::plugins::request::PluginRef| {
+            sized(&r)?;
+            select(kind, r)
+        };
         let tool = tool
             .map(|mut r| {
+                sized(&r)?;
                 r.params = Some(with_param(r.params.take(), "tools", Value::Array(tools.cloned().unwrap_or_default())));
-                pick(Kind::Tool, r)
+                select(Kind::Tool, r)
             })
             .transpose()?;
         Ok(Selection {
