@@ -12,7 +12,7 @@
 //! - `POST` bodies must be declared JSON, once (`Content-Type: application/json` or
 //!   `+json`), on the routes that take one ([`json_body`]).
 
-use super::error::{ApiError, Flavor};
+use super::error::{quoted, ApiError, Flavor};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
@@ -86,7 +86,7 @@ pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Re
             Some("no Host header; an HTTP/1.1 request must name the host it is for".to_string())
         }
         (Some(h), _) if h.parse::<axum::http::uri::Authority>().is_err() => {
-            Some(format!("the Host {:?} is not a valid host name or address (with an optional port)", short(h)))
+            Some(format!("the Host {} is not a valid host name or address (with an optional port)", quoted(h)))
         }
         _ => None,
     };
@@ -152,20 +152,12 @@ pub async fn json_body(req: Request, next: Next) -> Response {
         let kind = kinds.into_iter().next().unwrap_or_default();
         let essence = kind.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
         if essence != "application/json" && !essence.ends_with("+json") {
-            let got = if kind.is_empty() { "none".to_string() } else { format!("{:?}", short(&kind)) };
+            let got = if kind.is_empty() { "none".to_string() } else { quoted(&kind) };
             let message = format!("send the request body as JSON with `Content-Type: application/json` (got {got})");
             return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
         }
     }
     next.run(req).await
-}
-
-/// A header value as an error message quotes it: at most 100 characters.
-fn short(value: &str) -> String {
-    match value.char_indices().nth(100) {
-        Some((at, _)) => format!("{}…", &value[..at]),
-        None => value.to_string(),
-    }
 }
 
 fn cors(h: &mut HeaderMap, origin: &str) {

@@ -26,7 +26,9 @@ pub struct Turn {
     /// Chat-template messages: `{"role", "content"}`, assistant `tool_calls` with object
     /// arguments, tool results as `{"role": "tool", "tool_call_id", "content"}`.
     pub messages: Vec<Value>,
-    /// Function tools in OpenAI's chat shape, checked (`openai::check_tools`).
+    /// Function tools in OpenAI's chat shape, checked (`openai::check_tools`) by the API that
+    /// made the turn, before any plugin is chosen for them: an error names the field as that
+    /// API spells it.
     pub tools: Option<Vec<Value>>,
     pub tool_choice: ToolChoice,
     /// At most one tool call in the reply.
@@ -83,8 +85,6 @@ impl AppState {
     pub async fn begin(&self, mut turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
         let flavor = turn.flavor;
         self.check_sampling(&turn.sampling, flavor)?;
-        // Tools first: an error names the tool's field before any plugin is chosen for them.
-        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(flavor))?;
         let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor, true)?;
         plugins.one_tool_call = turn.one_tool_call;
         let (messages, tool_count) = (turn.messages.len(), turn.shown_tools().map_or(0, Vec::len));
@@ -209,7 +209,6 @@ impl AppState {
 
     /// The prompt a turn would have, as tokens (`/tokenize` with `messages`).
     pub async fn prompt(&self, mut turn: Turn) -> Result<Vec<u32>, ApiError> {
-        openai::check_tools(turn.tools.as_ref()).map_err(|e| e.flavor(turn.flavor))?;
         let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor, true)?;
         self.turn_prompt(&mut turn, &mut plugins).await
     }
