@@ -174,6 +174,7 @@ size_t set_memory_limit(size_t limit);
 size_t set_cache_limit(size_t limit);
 void clear_cache();
 rust::String version();
+void exit_without_teardown(int32_t code);
 
 // Files.
 std::unique_ptr<Loaded> load_safetensors(rust::Str path);

@@ -113,6 +113,16 @@ pub fn synchronize() -> Result<()> {
     Ok(ffi::synchronize()?)
 }
 
+/// Ends the process with `code` at once, running no exit handlers: for a process whose
+/// MLX work could not be stopped (a thread still inside a step). A plain exit then tears
+/// down MLX's statics and the BLAS library under that thread: OpenBLAS's exit handler joins
+/// its worker threads and hangs for good on ones a running step holds. Output buffered in C
+/// stdio is flushed first; Rust's `eprintln!` and `tracing` write unbuffered.
+pub fn exit_without_teardown(code: i32) -> ! {
+    ffi::exit_without_teardown(code);
+    unreachable!("_Exit returned")
+}
+
 /// The linked libmlx's version string.
 pub fn version() -> String {
     ffi::version()

@@ -211,6 +211,7 @@ pub(crate) mod ffi {
         fn set_cache_limit(limit: usize) -> usize;
         fn clear_cache();
         fn version() -> String;
+        fn exit_without_teardown(code: i32);
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;

@@ -240,16 +240,28 @@ impl Engine {
     pub fn stop_now(&self, wait: Duration) -> bool {
         self.jobs.lock().map(|mut j| j.take()).ok();
         self.abort.store(true, Ordering::SeqCst);
-        let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) else { return true };
+        // The handle stays in place until the thread has finished, so a second caller (the
+        // grace period's timer and the server's own end both stop the engine) waits for the
+        // same thread instead of finding no handle and reporting it stopped.
         let deadline = Instant::now() + wait;
-        while !thread.is_finished() {
+        loop {
+            let finished = match self.thread.lock() {
+                Ok(mut slot) => match slot.as_ref() {
+                    None => return true,
+                    Some(t) if t.is_finished() => slot.take(),
+                    Some(_) => None,
+                },
+                Err(_) => return false,
+            };
+            if let Some(thread) = finished {
+                let _ = thread.join();
+                return true;
+            }
             if Instant::now() >= deadline {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = thread.join();
-        true
     }
 }
 

@@ -71,9 +71,27 @@ pub struct Token {
 /// 12-26% of a 4,096-token prefill, bench/NOTES.md session 10); `commit` clears it at the
 /// first token.
 pub fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step: usize) -> Result<()> {
+    prefill_until(model, cache, tokens, step, &|| false).map(|_| ())
+}
+
+/// `prefill`, asking `stop` before each `step` tokens: returns `Ok(false)`, with the cache
+/// holding part of `tokens`, when it said to stop (the server's shutdown: a 512-token chunk
+/// deep in a long prompt takes seconds on a CPU, a step of it a fraction).
+pub fn prefill_until(
+    model: &dyn CausalLm,
+    cache: &mut [KvCache],
+    tokens: &[u32],
+    step: usize,
+    stop: &dyn Fn() -> bool,
+) -> Result<bool> {
     let wait = |state: &[Array]| -> Result<()> { Ok(mlx::eval(&state.iter().collect::<Vec<_>>())?) };
     let mut in_flight: Option<Vec<Array>> = None;
+    let mut stopped = false;
     let done = tokens.chunks(step.max(1)).try_for_each(|chunk| -> Result<()> {
+        if stop() {
+            stopped = true;
+            return Ok(());
+        }
         model.forward(&tokens_array(chunk)?.expand_dims(&[0])?, cache)?;
         let state: Vec<Array> = cache.iter().flat_map(KvCache::state).cloned().collect();
         mlx::async_eval(&state.iter().collect::<Vec<_>>())?;
@@ -82,16 +100,39 @@ pub fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step
             None => Ok(()),
         }
     });
-    if done.is_err() {
-        // No MLX work outlives a failed prefill (the caller's cleanup waits on nothing).
+    // No MLX work outlives the call: a failed or stopped prefill's last step is waited for
+    // too (the caller's cleanup, or the process's exit, waits on nothing).
+    if done.is_err() || stopped {
         if let Some(state) = &in_flight {
             let _ = wait(state);
         }
     }
-    done
+    done.map(|()| !stopped)
 }
 
 pub fn tokens_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_i32(&ids, &[ids.len()])?)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The server's shutdown stops a prefill between its steps: asked to stop after two
+    /// steps, the cache holds those two steps' positions, and no more.
+    #[test]
+    fn a_prefill_told_to_stop_ends_after_the_step_it_is_on() {
+        let model = models::testing::model("llama", 2).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        let asked = std::cell::Cell::new(0);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() > 2
+        };
+        let mut cache = model.make_cache();
+        assert!(!super::prefill_until(model.as_ref(), &mut cache, &tokens, 8, &stop).unwrap());
+        assert_eq!(cache[0].offset(), 16);
+        let mut whole = model.make_cache();
+        assert!(super::prefill_until(model.as_ref(), &mut whole, &tokens, 8, &|| false).unwrap());
+        assert_eq!(whole[0].offset(), 40);
+    }
 }

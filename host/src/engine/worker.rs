@@ -215,6 +215,9 @@ impl Worker {
             self.admit(m, &mut waiting, &mut running, &mut batch);
             let mut ended: Vec<(usize, Option<anyhow::Error>)> = Vec::new();
             self.prefill_some(m, &mut running, &mut batch, &mut ended);
+            if self.abort.load(Ordering::SeqCst) {
+                continue; // stopped inside a prefill: the loop's top ends every request
+            }
             self.rebalance(m, &mut running, &mut batch, &mut ended);
             if !batch.is_empty() {
                 self.stats.batch_step(batch.len());
@@ -360,10 +363,18 @@ impl Worker {
             budget -= n;
             // (A resumed request whose KV the prompt cache held whole has nothing to prefill.)
             if !chunk.is_empty() {
-                if let Err(e) = super::step::prefill(m.model, cache, &chunk, self.prefill_step_size).context("prefill")
+                let abort = &self.abort;
+                let stop = || abort.load(Ordering::SeqCst);
+                match super::step::prefill_until(m.model, cache, &chunk, self.prefill_step_size, &stop)
+                    .context("prefill")
                 {
-                    ended.push((i, Some(e)));
-                    continue;
+                    Ok(true) => {}
+                    // Shutting down: the loop's next turn ends every request.
+                    Ok(false) => return,
+                    Err(e) => {
+                        ended.push((i, Some(e)));
+                        continue;
+                    }
                 }
             }
             if todo.is_empty() {

@@ -260,6 +260,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                             .unwrap_or(false);
                     if !stopped {
                         eprintln!("host: the engine did not stop within 10 s; exiting anyway");
+                        mlx::exit_without_teardown(0);
                     }
                     // Time for the stopped requests' errors to reach their clients, after
                     // which the server ends by itself; if a connection lingers, exit.
@@ -278,6 +279,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .unwrap_or(false);
         if !stopped {
             eprintln!("host: the engine did not stop within 30 s; exiting anyway");
+            mlx::exit_without_teardown(0);
         }
         eprintln!("host: stopped");
         Ok(())
