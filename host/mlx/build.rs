@@ -16,6 +16,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=HOST_CACHE_DIR");
     println!("cargo:rerun-if-changed=cpp/shim.h");
     println!("cargo:rerun-if-changed=cpp/shim.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_attention.h");
+    println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = find_mlx().unwrap_or_else(|why| panic!("cannot find MLX {MLX_VERSION}: {why}"));
@@ -24,6 +26,7 @@ fn main() {
 
     cxx_build::bridge("src/ffi.rs")
         .file("cpp/shim.cc")
+        .file("cpp/cpu_attention.cc")
         .std("c++20")
         .flag("-isystem")
         .flag(include.to_str().expect("MLX include path is UTF-8"))

@@ -2,6 +2,7 @@
 // shapes and wraps the result in a unique_ptr; MLX's exceptions pass through to cxx, which
 // turns them into Rust errors.
 #include "mlx/cpp/shim.h"
+#include "mlx/cpp/cpu_attention.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -815,6 +816,9 @@ Ptr rope_rows_freqs(const array& x, int32_t dims, bool traditional, float scale,
   return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offsets, freqs));
 }
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
+  if (std::string(mask_mode) == "causal") {
+    if (auto o = cpu_causal_attention(q, k, v, scale)) return wrap(std::move(*o));
+  }
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
 }
 bool short_causal_attention_applies(const array& q, const array& k, const array& v) {

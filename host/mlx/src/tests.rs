@@ -367,3 +367,64 @@ fn bitwise_and_and_availability() {
     assert_eq!(bits.to_vec_u32().unwrap(), vec![0, 2, 0, 8, 1, 2, 4, 8]);
     assert!(bits.is_available());
 }
+
+/// On the CPU a causal query longer than 32 positions is the host's own attention
+/// (`cpu_attention.cc`): it must agree with attention worked out plainly (in f64, here) for
+/// grouped heads, a query shorter than the keys (a later prefill chunk), a query that is no
+/// multiple of the 64-row block, keys that are a slice of a longer cache, and keys whose
+/// rows are not contiguous.
+#[test]
+fn long_causal_queries_on_the_cpu_attend_as_the_definition() {
+    if Device::default_device() == Device::Gpu {
+        return;
+    }
+    let (heads, kv_heads, len, keys, d) = (4usize, 2usize, 70usize, 90usize, 16usize);
+    let values = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 250.0) - 2.0).collect()
+    };
+    let q_data = values(heads * len * d, 1);
+    let (k_data, v_data) = (values(kv_heads * keys * d, 2), values(kv_heads * keys * d, 3));
+    let q = arr(&q_data, &[1, heads, len, d]);
+    // Keys: the first `keys` rows of a longer cache; values: stored transposed.
+    let mut long_k = vec![0f32; kv_heads * 120 * d];
+    for h in 0..kv_heads {
+        let rows = &k_data[h * keys * d..(h + 1) * keys * d];
+        long_k[h * 120 * d..h * 120 * d + keys * d].copy_from_slice(rows);
+    }
+    let k = arr(&long_k, &[1, kv_heads, 120, d]).slice_axis(2, 0, keys as i32).unwrap();
+    let mut v_t = vec![0f32; kv_heads * d * keys];
+    for h in 0..kv_heads {
+        for s in 0..keys {
+            for c in 0..d {
+                v_t[(h * d + c) * keys + s] = v_data[(h * keys + s) * d + c];
+            }
+        }
+    }
+    let v = arr(&v_t, &[1, kv_heads, d, keys]).transpose(&[0, 1, 3, 2]).unwrap();
+    let scale = 0.3f32;
+    let o = fast::scaled_dot_product_attention(&q, &k, &v, scale, Mask::Causal).unwrap();
+    assert!(graph_dot(&[&o]).contains("HostCausalAttention"), "not the host's attention");
+    let got = o.to_vec_f32().unwrap();
+    let mut worst = 0f64;
+    for h in 0..heads {
+        let kvh = h / (heads / kv_heads);
+        for i in 0..len {
+            let sees = keys - len + i + 1;
+            let qi = &q_data[(h * len + i) * d..(h * len + i + 1) * d];
+            let logits: Vec<f64> = (0..sees)
+                .map(|s| {
+                    let ks = &k_data[(kvh * keys + s) * d..(kvh * keys + s + 1) * d];
+                    qi.iter().zip(ks).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let top = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let weights: Vec<f64> = logits.iter().map(|l| (l - top).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for c in 0..d {
+                let want: f64 = (0..sees).map(|s| weights[s] / total * v_data[(kvh * keys + s) * d + c] as f64).sum();
+                worst = worst.max((got[(h * len + i) * d + c] as f64 - want).abs());
+            }
+        }
+    }
+    assert!(worst < 1e-5, "largest difference {worst}");
+}
