@@ -75,8 +75,8 @@ pub fn prefill(model: &dyn CausalLm, cache: &mut [KvCache], tokens: &[u32], step
 }
 
 /// `prefill`, asking `stop` before each `step` tokens: returns `Ok(false)`, with the cache
-/// holding part of `tokens`, when it said to stop (the server's shutdown: a 512-token chunk
-/// deep in a long prompt takes seconds on a CPU, a step of it a fraction).
+/// holding part of `tokens`, when it said to stop (the server's shutdown, which then waits
+/// for one forward pass, not for the rest of the chunk).
 pub fn prefill_until(
     model: &dyn CausalLm,
     cache: &mut [KvCache],
