@@ -4,7 +4,7 @@
 
 use super::job::{Event, Job, JobRequest, SubmitError};
 use super::prompt_cache::PromptCache;
-use super::queue::Policy;
+use super::scheduler::Policy;
 use super::stats::EngineStats;
 use super::warm_up::warm_up;
 use super::worker::{Models, Worker};

@@ -14,7 +14,7 @@ use super::constraint::{ConstraintFailed, Guard};
 use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
 use super::output::{char_split, flush, logprob, route, Plugins, Tools};
 use super::prompt_cache::PromptCache;
-use super::queue::{reorder, Entry, Memory, Policy, QueueView, Slots};
+use super::scheduler::{self, Entry, Limits, Memory, Policy, Preemption, QueueView, Runner, Slots, WaitState, Waiter};
 use super::stats::EngineStats;
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
@@ -76,8 +76,6 @@ pub(super) struct Models<'m> {
     pub(super) tokenizer: &'m Tokenizer,
 }
 
-/// At most this many requests wait paused (each keeps its KV cache in memory).
-const MAX_PAUSED: usize = 4;
 /// While requests wait, the policy is asked again at least this often (aging).
 const POLICY_INTERVAL: Duration = Duration::from_millis(100);
 /// Prompt tokens prefilled per step however full the batch: a budget at or below the batch's
@@ -161,6 +159,41 @@ fn failure(e: anyhow::Error) -> Event {
         tracing::error!("generation failed: {e:#}");
         Event::Error(format!("{e:#}"))
     }
+}
+
+/// The waiting requests as the scheduler's plan sees them.
+fn waiters(waiting: &[Waiting<'_>]) -> Vec<Waiter> {
+    waiting
+        .iter()
+        .map(|w| Waiter {
+            id: w.job().key(),
+            kv_reserved: kv_reserved(w.job()),
+            state: match w {
+                Waiting::New(_) => WaitState::New,
+                Waiting::Paused(a) if a.holds_kv() => WaitState::Parked,
+                Waiting::Paused(_) => WaitState::Dropped,
+            },
+        })
+        .collect()
+}
+
+/// The running requests as the scheduler's plan sees them: a batch row or a prefill can
+/// have its KV dropped; one decoding alone only if it can go on as a batch row (a lone
+/// constrained request), since speculation's or tensor parallelism's state cannot be
+/// recomputed.
+fn runners(running: &[Active<'_>], batch: &Batch<'_>) -> Vec<Runner> {
+    running
+        .iter()
+        .map(|a| Runner {
+            id: a.job.key(),
+            kv_reserved: kv_reserved(&a.job),
+            droppable: match &a.source {
+                Source::Batched | Source::Prefill { .. } => true,
+                Source::Solo(g) => g.can_hand_over() && batch.batches(),
+                _ => false,
+            },
+        })
+        .collect()
 }
 
 impl Worker {
@@ -465,7 +498,44 @@ impl Worker {
     /// every slot is taken, pause a running request the policy preempts in favour of the
     /// first waiting one (a batch row leaves the batch with its KV).
     fn schedule<'m>(&mut self, waiting: &mut Vec<Waiting<'m>>, running: &mut Vec<Active<'m>>, batch: &mut Batch<'m>) {
+        let view = self.queue_view(waiting, running);
         let Some(policy) = self.policy.as_mut() else { return };
+        let decision = match policy.decide(&view) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("scheduling policy failed, serving first come first served: {e:#}");
+                return;
+            }
+        };
+        let name = policy.name();
+        let budget = view.memory.kv_budget_tokens;
+        let limits = Limits { max_batch: self.max_batch, kv_budget_tokens: budget };
+        let plan = scheduler::plan(&waiters(waiting), &runners(running, batch), &decision, limits);
+        let mut slots: Vec<Option<Waiting<'m>>> = waiting.drain(..).map(Some).collect();
+        for &i in &plan.cancel {
+            let message = format!(
+                "the {name} scheduling policy cancelled this request (for example, a newer request from the same client superseded it)"
+            );
+            let cancel = Event::Cancelled(Cancel { message, shutdown: false });
+            match slots[i].take() {
+                Some(Waiting::New(job)) => {
+                    self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                    let _ = job.events.send(cancel);
+                }
+                Some(Waiting::Paused(a)) => {
+                    let _ = a.job.events.send(cancel);
+                }
+                None => {}
+            }
+        }
+        waiting.extend(plan.order.iter().filter_map(|&i| slots[i].take()));
+        if let Some(preemption) = plan.preempt {
+            self.preempt(preemption, &name, plan.held_tokens, waiting, running, batch);
+        }
+    }
+
+    /// What the policy is shown: the running and waiting requests, the rows and the memory.
+    fn queue_view(&self, waiting: &[Waiting<'_>], running: &[Active<'_>]) -> QueueView {
         let per_token = self.info.kv_bytes_per_token;
         let entry = |job: &Job, generated: usize, kv_tokens: usize| Entry {
             id: job.key(),
@@ -480,7 +550,7 @@ impl Worker {
         };
         let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
         let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
-        let view = QueueView {
+        QueueView {
             now_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
@@ -494,85 +564,39 @@ impl Worker {
                 .collect(),
             slots: Slots { max: self.max_batch, free: self.max_batch.saturating_sub(running.len()) },
             memory: Memory { kv_budget_tokens: budget, kv_free_tokens: budget.saturating_sub(reserved) },
-        };
-        let decision = match policy.decide(&view) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!("scheduling policy failed, serving first come first served: {e:#}");
+        }
+    }
+
+    /// Carries out the plan's preemption: the running request parked or dropped, and then
+    /// waiting second (after the one it made room for), or left running, and why, logged.
+    fn preempt<'m>(
+        &mut self,
+        preemption: Preemption,
+        policy: &str,
+        reserved_tokens: usize,
+        waiting: &mut Vec<Waiting<'m>>,
+        running: &mut Vec<Active<'m>>,
+        batch: &mut Batch<'m>,
+    ) {
+        let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
+        let (index, keep, short) = match preemption {
+            Preemption::Refused { index, short } => {
+                let key = Some(running[index].job.key());
+                if short && self.not_paused != key {
+                    tracing::info!(
+                        request = running[index].job.key(),
+                        policy,
+                        reserved_tokens,
+                        budget_tokens = budget,
+                        "not paused: it decodes alone (its state cannot be recomputed), and the paused, running and next requests together could outgrow the memory budget"
+                    );
+                }
+                self.not_paused = key;
                 return;
             }
+            Preemption::Park(index) => (index, true, false),
+            Preemption::Drop { index, short } => (index, false, short),
         };
-        let name = policy.name();
-        let ids: Vec<String> = view.waiting.iter().map(|e| e.id.clone()).collect();
-        let order = reorder(&ids, &decision);
-        let mut slots: Vec<Option<Waiting<'m>>> = waiting.drain(..).map(Some).collect();
-        for (i, slot) in slots.iter_mut().enumerate() {
-            if decision.cancel.contains(&ids[i]) {
-                if let Some(w) = slot.take() {
-                    let message = format!(
-                        "the {name} scheduling policy cancelled this request (for example, a newer request from the same client superseded it)"
-                    );
-                    match w {
-                        Waiting::New(job) => {
-                            self.stats.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                            let _ = job.events.send(Event::Cancelled(Cancel { message, shutdown: false }));
-                        }
-                        Waiting::Paused(a) => {
-                            let _ = a.job.events.send(Event::Cancelled(Cancel { message, shutdown: false }));
-                        }
-                    }
-                }
-            }
-        }
-        waiting.extend(order.into_iter().filter_map(|i| slots[i].take()));
-        let paused = waiting.iter().filter(|w| matches!(w, Waiting::Paused(a) if a.holds_kv())).count();
-        let preempted = running.iter().position(|a| decision.preempt.contains(&a.job.key()));
-        // Only when the first waiting request has no room: every slot taken, or no memory
-        // for it beside the running ones.
-        let no_room = running.len() >= self.max_batch
-            || waiting.first().is_some_and(|w| budget > 0 && reserved + kv_reserved(w.job()) > budget);
-        let preempt = preempted.is_some() && no_room;
-        // Pausing keeps the running request's KV while the next one grows its own: only when
-        // every paused request, the running one and the next could all reach their maximum
-        // length within the memory budget (and at most MAX_PAUSED wait so). Otherwise the
-        // preempted request is dropped: its KV goes to the prompt cache (which may evict it)
-        // and is recomputed when it resumes. A request decoding alone for speculation or
-        // tensor parallelism keeps its own generation's state, so it is only ever paused (a
-        // lone constrained one is dropped as the batch row it would otherwise be).
-        let held = || -> usize {
-            running.iter().map(|a| kv_reserved(&a.job)).sum::<usize>()
-                + waiting
-                    .iter()
-                    .filter(|w| matches!(w, Waiting::Paused(a) if a.holds_kv()))
-                    .map(|w| kv_reserved(w.job()))
-                    .sum::<usize>()
-                + waiting.first().filter(|w| matches!(w, Waiting::New(_))).map_or(0, |w| kv_reserved(w.job()))
-        };
-        let Some(index) = preempted.filter(|_| preempt && !waiting.is_empty()) else { return };
-        let reserved_tokens = held();
-        let short = budget > 0 && reserved_tokens > budget;
-        let keep = !short && paused < MAX_PAUSED;
-        let droppable = match &running[index].source {
-            Source::Batched | Source::Prefill { .. } => true,
-            // A lone constrained request decoding alone goes on as a batch row.
-            Source::Solo(g) => g.can_hand_over() && batch.batches(),
-            _ => false,
-        };
-        if !keep && !droppable {
-            let a = &running[index];
-            let key = Some(a.job.key());
-            if short && self.not_paused != key {
-                tracing::info!(
-                    request = a.job.key(),
-                    policy = name,
-                    reserved_tokens,
-                    budget_tokens = budget,
-                    "not paused: it decodes alone (its state cannot be recomputed), and the paused, running and next requests together could outgrow the memory budget"
-                );
-            }
-            self.not_paused = key;
-            return;
-        }
         let mut active = running.remove(index);
         let outcome = if keep { self.park(&mut active, batch) } else { self.drop_kv(&mut active, batch) };
         if let Err(e) = outcome {
@@ -580,12 +604,12 @@ impl Worker {
             return;
         }
         if keep {
-            tracing::info!(request = active.job.key(), policy = name, "paused for a waiting request");
+            tracing::info!(request = active.job.key(), policy, "paused for a waiting request");
         } else {
             let why = if short { "memory is short" } else { "the most requests that wait with their KV already do" };
             tracing::info!(
                 request = active.job.key(),
-                policy = name,
+                policy,
                 reserved_tokens,
                 budget_tokens = budget,
                 "dropped for a waiting request ({why}): its KV went to the prompt cache and is recomputed when it resumes"

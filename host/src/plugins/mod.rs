@@ -820,12 +820,12 @@ impl PluginScheduler {
     }
 }
 
-impl crate::engine::queue::Policy for PluginScheduler {
+impl crate::engine::scheduler::Policy for PluginScheduler {
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn decide(&mut self, view: &crate::engine::queue::QueueView) -> Result<crate::engine::queue::Decision> {
+    fn decide(&mut self, view: &crate::engine::scheduler::QueueView) -> Result<crate::engine::scheduler::Decision> {
         let plugin = self
             .registry
             .get(&self.name)
@@ -836,7 +836,7 @@ impl crate::engine::queue::Policy for PluginScheduler {
             if !std::mem::replace(&mut self.quarantine_told, true) {
                 tracing::warn!("{q}; serving first come first served meanwhile");
             }
-            return Ok(crate::engine::queue::Decision::default());
+            return Ok(crate::engine::scheduler::Decision::default());
         }
         self.quarantine_told = false;
         if !self.current.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, &plugin)) {
