@@ -19,7 +19,8 @@
 use anyhow::{Context, Result};
 use host::engine::{DecodeOptions, ExternalSampler, Generation, Sampler, SamplingParams};
 use host::engine::{Frame, Hooks, Pick};
-use host::plugins::{PluginRegistry, PluginSampler};
+use host::plugins::adapters::PluginSampler;
+use host::plugins::PluginRegistry;
 use std::cell::Cell;
 use std::path::PathBuf;
 use std::rc::Rc;

@@ -23,7 +23,7 @@ enum Command {
     Launch(host::cli::launch::Args),
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
-    Plugins(host::plugins::PluginsCommand),
+    Plugins(host::cli::plugins::PluginsCommand),
     /// One rank of a tensor-parallel group (launched by `--tensor-parallel`).
     #[command(hide = true)]
     TpWorker(host::load::tp::WorkerArgs),
@@ -36,7 +36,7 @@ fn main() {
         Command::Bench(args) => host::cli::bench::run(args),
         Command::Serve(args) => host::server::run(args),
         Command::Launch(args) => host::cli::launch::run(args),
-        Command::Plugins(command) => host::plugins::run_command(command),
+        Command::Plugins(command) => host::cli::plugins::run_command(command),
         Command::TpWorker(args) => host::load::tp::worker(args),
     };
     if let Err(e) = result {

@@ -157,7 +157,10 @@ impl Grammars {
     /// The model's vocabulary for a constraint plugin's `constraint_vocab` (built once).
     pub fn plugin_vocab(&self) -> Result<Arc<Vec<u8>>> {
         let words = self.words()?;
-        Ok(self.plugin_vocab.get_or_init(|| Arc::new(crate::plugins::encode_vocab(&words, &self.eos))).clone())
+        Ok(self
+            .plugin_vocab
+            .get_or_init(|| Arc::new(crate::plugins::adapters::encode_vocab(&words, &self.eos)))
+            .clone())
     }
 
     /// Every token's bytes, `vocab` of them (rows past the tokenizer's are empty).

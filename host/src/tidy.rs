@@ -28,11 +28,15 @@ const RULES: &[(&str, &[&str])] = &[
 const KNOWN_EDGES: &[(&str, &str)] = &[
     // The plugin seam (LAYOUT.md §5): the engine names the runtime's types instead of the
     // hook traits of `engine/hooks.rs` that `plugins/` would implement.
+    // (The adapters moved from `plugins` to `plugins/adapters` in session 30: the same
+    // edges under the module's new name.)
     ("engine/handle", "plugins"),
+    ("engine/handle", "plugins/adapters"),
     ("engine/job", "plugins"),
-    ("engine/output", "plugins"),
+    ("engine/output", "plugins/adapters"),
     ("engine/output", "plugins/runtime"),
     ("engine/worker", "plugins"),
+    ("engine/worker", "plugins/adapters"),
     ("engine/worker", "plugins/runtime"),
 ];
 

@@ -140,7 +140,7 @@ fn compile_constraint(
             };
             let kind = crate::plugins::abi_v1::Kind::Constraint;
             let selected = registry.select(kind, &plugin.manifest.name, None, Some(params.clone()), false)?;
-            let spec = crate::plugins::constraint_spec(registry, selected, words);
+            let spec = crate::plugins::adapters::constraint_spec(registry, selected, words);
             let t = Instant::now();
             drop(crate::engine::Guard::start(&spec, 0, &eos, vocab)?);
             Ok((spec, trie_ms, t.elapsed().as_secs_f64() * 1e3))

@@ -3,8 +3,8 @@
 
 use super::job::{Event, TokenLogprob};
 
+use crate::plugins::adapters::{PluginReasoning, PluginTools, ToolOutput};
 use crate::plugins::runtime::Instance;
-use crate::plugins::{PluginReasoning, PluginTools, ToolOutput};
 use anyhow::Result;
 use mlx::Array;
 use models::Tokenizer;

@@ -19,8 +19,9 @@ use super::stats::EngineStats;
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
 
+use crate::plugins::adapters::{PluginReasoning, PluginSampler, PluginTools, ReasoningOutput};
 use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
-use crate::plugins::{PluginReasoning, PluginRegistry, PluginSampler, PluginTools, ReasoningOutput, Selection};
+use crate::plugins::{PluginRegistry, Selection};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
 use models::{CausalLm, Detokenizer, KvCache, ModelInfo, Tokenizer};

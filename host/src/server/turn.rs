@@ -178,7 +178,7 @@ impl AppState {
             // The plugin's instance and its vocabulary tables are made here, not on the
             // engine thread every running request waits on.
             let spec = tokio::task::spawn_blocking(move || {
-                let spec = crate::plugins::constraint_spec(registry, selected, grammars.plugin_vocab()?);
+                let spec = crate::plugins::adapters::constraint_spec(registry, selected, grammars.plugin_vocab()?);
                 spec.prepare();
                 anyhow::Ok(spec)
             });
@@ -247,10 +247,11 @@ impl AppState {
     ) -> Result<Option<T>, ApiError> {
         let Some(registry) = self.plugins.clone() else { return Ok(None) };
         let (selected, fallback) = (adapter.clone(), adapter.fallback);
-        let result =
-            tokio::task::spawn_blocking(move || call(&mut crate::plugins::prompt_instance(&registry, &selected)?))
-                .await
-                .map_err(ApiError::internal)?;
+        let result = tokio::task::spawn_blocking(move || {
+            call(&mut crate::plugins::adapters::prompt_instance(&registry, &selected)?)
+        })
+        .await
+        .map_err(ApiError::internal)?;
         match result {
             Ok(value) => Ok(value),
             Err(e) => match e.chain().find_map(|c| c.downcast_ref::<PluginRefused>()) {
