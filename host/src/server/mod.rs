@@ -2,6 +2,7 @@
 //! of the engine thread. Only this module knows the HTTP wire shapes.
 
 pub mod anthropic;
+mod chat;
 pub mod error;
 pub mod guard;
 pub mod metrics;

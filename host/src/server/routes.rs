@@ -6,9 +6,8 @@
 use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
 
-use super::openai::{self, ChatRequest, CompletionRequest, Prompt};
+use super::openai::{self, CompletionRequest, Prompt};
 use super::responses::{self, Output, ResponsesRequest};
-use super::turn::Turn;
 
 use crate::engine::job::{Event, JobRequest, Usage};
 
@@ -37,7 +36,7 @@ pub fn app(state: Shared) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions", post(super::chat::chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(create_response))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
@@ -230,130 +229,6 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host", "max_model_len": state.max_sequence_tokens}]}),
     )
-}
-
-async fn chat_completions(
-    State(state): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse_body(body)?;
-    openai::check_n(req.n)?;
-    req.check_unsupported()?;
-    let structure = openai::structure(&req.structured)?;
-    let sampling = req.sampling.to_params(1.0)?;
-    let max = match req.max_completion_tokens {
-        Some(_) => Some(openai::max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)?),
-        None => req.max_tokens.map(|_| openai::max_tokens(req.max_tokens, "max_tokens", 1)).transpose()?,
-    };
-    if let Some(k) = req.top_logprobs.filter(|k| !(0..=20).contains(k)) {
-        return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be between 0 and 20, got {k}")));
-    }
-    let top_logprobs = match (req.logprobs, req.top_logprobs) {
-        (false, _) => None,
-        (true, k) => Some(k.unwrap_or(0) as usize),
-    };
-    let messages = openai::template_messages(&req.messages)?;
-    openai::check_tools(req.tools.as_ref())?;
-    let tool_choice = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?;
-    let turn = Turn {
-        messages,
-        tools: req.tools,
-        tool_choice,
-        one_tool_call: req.parallel_tool_calls == Some(false),
-        sampling,
-        max_tokens: max,
-        stop: openai::stops(req.stop)?,
-        top_logprobs,
-        plugins: req.plugins,
-        speculative: req.speculative,
-        structure,
-        priority: openai::priority(req.priority)?,
-        client: req.user,
-        template_kwargs: req.chat_template_kwargs,
-        flavor: Flavor::OpenAi,
-        max_tokens_is_ceiling: false,
-        max_tokens_param: if req.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
-        prompt_param: "messages",
-        model: req.model,
-    };
-    let rx = state.begin(turn, "chat", req.stream).await?.events;
-    let (id, created, model) = (request_id("chatcmpl-"), now(), state.model_id.clone());
-    if !req.stream {
-        let c = collect(&state, rx, Flavor::OpenAi).await?;
-        let logprobs =
-            if top_logprobs.is_some() { json!({"content": openai::chat_logprobs(&c.logprobs)}) } else { Value::Null };
-        let mut message = json!({"role": "assistant", "content": c.text});
-        if !c.reasoning.is_empty() {
-            // `reasoning_content` as vLLM and DeepSeek name it, `reasoning` as mlx-lm does.
-            message["reasoning_content"] = json!(c.reasoning);
-            message["reasoning"] = json!(c.reasoning);
-        }
-        if !c.tool_calls.is_empty() {
-            if c.text.is_empty() {
-                message["content"] = Value::Null;
-            }
-            message["tool_calls"] = openai::tool_calls_json(&c.tool_calls);
-        }
-        return Ok(Json(json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": c.finish.reason()}],
-            "usage": openai::usage_json(&c.usage),
-        }))
-        .into_response());
-    }
-    let include_usage = req.stream_options.map(|o| o.include_usage).unwrap_or(false);
-    let chunk_id = id.clone();
-    let chunk = move |delta: Value, logprobs: Value, finish: Value| {
-        data(json!({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}))
-    };
-    let usage_chunk = {
-        let (id, model) = (id.clone(), state.model_id.clone());
-        move |u: &Usage| {
-            data(
-                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": openai::usage_json(u)}),
-            )
-        }
-    };
-    let want_logprobs = top_logprobs.is_some();
-    stream(
-        state.clone(),
-        rx,
-        vec![],
-        move |event| match event {
-            Event::Started { .. } => vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)],
-            Event::Delta { text, logprobs } => {
-                let lp = if want_logprobs { json!({"content": openai::chat_logprobs(logprobs)}) } else { Value::Null };
-                vec![chunk(json!({"content": text}), lp, Value::Null)]
-            }
-            Event::Reasoning { text } => {
-                vec![chunk(json!({"reasoning_content": text, "reasoning": text}), Value::Null, Value::Null)]
-            }
-            Event::ToolCall { index, id, name } => vec![chunk(
-                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
-                Value::Null,
-                Value::Null,
-            )],
-            Event::ToolArgs { index, delta } => vec![chunk(
-                json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}),
-                Value::Null,
-                Value::Null,
-            )],
-            Event::Done { finish, usage } => {
-                let mut out = vec![chunk(json!({}), Value::Null, json!(finish.reason()))];
-                if include_usage {
-                    out.push(usage_chunk(usage));
-                }
-                out
-            }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Constraint { .. } | Event::Cancelled(_)) => {
-                vec![stream_error(e, Flavor::OpenAi)]
-            }
-        },
-        true,
-        Flavor::OpenAi,
-    )
-    .await
 }
 
 async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
