@@ -5,6 +5,7 @@ pub mod anthropic;
 mod chat;
 pub mod error;
 pub mod guard;
+mod messages;
 pub mod metrics;
 pub mod openai;
 mod reply;

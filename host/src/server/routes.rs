@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 
 use std::time::Instant;
 
-use super::reply::{collect, data, failure, named, now, request_id, stream, stream_error};
+use super::reply::{collect, data, failure, now, request_id, stream, stream_error};
 use super::state::Shared;
 use super::store::Store;
 use super::tokens::{detokenize, tokenize};
@@ -41,7 +41,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/responses", post(create_response))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/v1/responses/{id}/input_items", get(response_input_items))
-        .route("/v1/messages", post(messages))
+        .route("/v1/messages", post(super::messages::messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/plugins", get(list_plugins))
         .route("/tokenize", post(tokenize))
@@ -341,142 +341,6 @@ async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejec
         Flavor::OpenAi,
     )
     .await
-}
-
-async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let a = Flavor::Anthropic;
-    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
-    let turn = anthropic::turn(&req, false)?;
-    let rx = state.begin(turn, "messages", req.stream).await?.events;
-    let (id, model) = (request_id("msg_"), state.model_id.clone());
-    if !req.stream {
-        let c = collect(&state, rx, a).await?;
-        let (reason, sequence) = anthropic::stop_reason(&c.finish);
-        let mut content = Vec::new();
-        if !c.reasoning.is_empty() {
-            content.push(json!({"type": "thinking", "thinking": c.reasoning, "signature": ""}));
-        }
-        if !c.text.is_empty() || c.tool_calls.is_empty() {
-            content.push(json!({"type": "text", "text": c.text}));
-        }
-        content.extend(c.tool_calls.iter().map(anthropic::tool_use_block));
-        return Ok(Json(json!({
-            "id": id, "type": "message", "role": "assistant", "model": model,
-            "content": content,
-            "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic::usage_json(&c.usage),
-        }))
-        .into_response());
-    }
-    // Content blocks in order, each opened by what first needs it: a thinking block for
-    // reasoning, a text block for text, a block per tool call, a new text block if text
-    // follows a call (as in the non-streamed reply, a call at the very start is block 0).
-    // `open` is the open block: (index, kind).
-    let mut open: Option<(usize, Block)> = None;
-    stream(
-        state.clone(),
-        rx,
-        vec![],
-        move |event| match event {
-            Event::Started { prompt_tokens, cached_tokens } => vec![
-                named(
-                    "message_start",
-                    json!({"type": "message_start", "message": {
-                    "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-                    "stop_reason": null, "stop_sequence": null,
-                    "usage": {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens, "output_tokens": 0}}}),
-                ),
-                named("ping", json!({"type": "ping"})),
-            ],
-            Event::Delta { text, .. } if text.is_empty() => vec![],
-            Event::Delta { text, .. } => {
-                let mut out = vec![];
-                if !matches!(open, Some((_, Block::Text))) {
-                    out = open_block(&mut open, Block::Text, json!({"type": "text", "text": ""}));
-                }
-                let index = open.map_or(0, |(i, _)| i);
-                out.push(named(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}),
-                ));
-                out
-            }
-            Event::Reasoning { text } => {
-                let mut out = vec![];
-                if !matches!(open, Some((_, Block::Thinking))) {
-                    let start = json!({"type": "thinking", "thinking": "", "signature": ""});
-                    out = open_block(&mut open, Block::Thinking, start);
-                }
-                let index = open.map_or(0, |(i, _)| i);
-                out.push(named(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": text}}),
-                ));
-                out
-            }
-            Event::ToolCall { id, name, .. } => {
-                let call = openai::ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() };
-                let mut start = anthropic::tool_use_block(&call);
-                start["input"] = json!({});
-                open_block(&mut open, Block::Tool, start)
-            }
-            Event::ToolArgs { delta, .. } => vec![named(
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": open.map_or(0, |(i, _)| i), "delta": {"type": "input_json_delta", "partial_json": delta}}),
-            )],
-            Event::Done { finish, usage } => {
-                let (reason, sequence) = anthropic::stop_reason(finish);
-                // A reply with no text and no call ends with an empty text block, as the
-                // non-streamed one.
-                let mut out = match open {
-                    Some((_, Block::Text | Block::Tool)) => vec![],
-                    _ => open_block(&mut open, Block::Text, json!({"type": "text", "text": ""})),
-                };
-                let index = open.map_or(0, |(i, _)| i);
-                out.extend([
-                    named("content_block_stop", json!({"type": "content_block_stop", "index": index})),
-                    named(
-                        "message_delta",
-                        json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": anthropic::usage_json(usage)}),
-                    ),
-                    named("message_stop", json!({"type": "message_stop"})),
-                ]);
-                out
-            }
-            e @ (Event::Error(_) | Event::Refused(_) | Event::PluginFault(_) | Event::Constraint { .. } | Event::Cancelled(_)) => {
-                vec![stream_error(e, Flavor::Anthropic)]
-            }
-        },
-        false,
-        Flavor::Anthropic,
-    )
-    .await
-}
-
-/// The kind of an Anthropic stream's content block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Block {
-    Text,
-    Thinking,
-    Tool,
-}
-
-/// Closes the open content block, if any, and opens the next (of `kind`) with `start`.
-fn open_block(open: &mut Option<(usize, Block)>, kind: Block, start: Value) -> Vec<SseEvent> {
-    let mut out = vec![];
-    let index = match *open {
-        Some((i, _)) => {
-            out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": i})));
-            i + 1
-        }
-        None => 0,
-    };
-    *open = Some((index, kind));
-    out.push(named(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": index, "content_block": start}),
-    ));
-    out
 }
 
 /// `POST /v1/responses`: the OpenAI Responses API (see `responses.rs`).
