@@ -3,6 +3,7 @@
 
 pub mod anthropic;
 mod chat;
+mod completions;
 pub mod error;
 pub mod guard;
 mod messages;

@@ -6,10 +6,9 @@
 use super::anthropic;
 use super::error::{parse_body, ApiError, Flavor};
 
-use super::openai::{self, CompletionRequest, Prompt};
 use super::responses::{self, Output, ResponsesRequest};
 
-use crate::engine::job::{Event, JobRequest, Usage};
+use crate::engine::job::Event;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -24,7 +23,7 @@ use serde_json::{json, Value};
 
 use std::time::Instant;
 
-use super::reply::{collect, data, failure, now, request_id, stream, stream_error};
+use super::reply::{failure, now, request_id, stream};
 use super::state::Shared;
 use super::store::Store;
 use super::tokens::{detokenize, tokenize};
@@ -37,7 +36,7 @@ pub fn app(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(super::chat::chat_completions))
-        .route("/v1/completions", post(completions))
+        .route("/v1/completions", post(super::completions::completions))
         .route("/v1/responses", post(create_response))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/v1/responses/{id}/input_items", get(response_input_items))
@@ -231,118 +230,6 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
     )
 }
 
-async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(body)?;
-    openai::check_n(req.n)?;
-    let sampling = req.sampling.to_params(1.0)?;
-    let max = openai::max_tokens(req.max_tokens, "max_tokens", 16)?;
-    let tokenizer = &state.engine.tokenizer;
-    let (prompt, prompt_text) = match req.prompt {
-        Prompt::Text(t) => (state.encode(t.clone(), true).await?, t),
-        Prompt::Texts(mut v) if v.len() == 1 => {
-            let t = v.remove(0);
-            (state.encode(t.clone(), true).await?, t)
-        }
-        Prompt::Texts(v) => {
-            return Err(ApiError::invalid("prompt", format!("`prompt` must hold exactly one string, got {}", v.len())))
-        }
-        Prompt::Tokens(ids) => {
-            let vocab = state.engine.info.vocab_size;
-            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("token {bad} is outside the vocabulary of {vocab}")));
-            }
-            let text = tokenizer.decode(&ids).map_err(ApiError::internal)?;
-            (ids, text)
-        }
-    };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid("prompt", "`prompt` is empty"));
-    }
-    let top_logprobs = match req.logprobs {
-        None => None,
-        Some(k) if (0..=5).contains(&k) => Some(k as usize),
-        Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
-    };
-    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens", "prompt")?;
-    state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
-    let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
-    let constraint =
-        state.constraint(openai::structure(&req.structured)?, plugins.constraint.take(), Flavor::OpenAi).await?;
-    let stop = openai::stops(req.stop)?;
-    let (priority, client) = (openai::priority(req.priority)?, req.user.clone());
-    let job = JobRequest {
-        prompt,
-        sampling,
-        max_tokens,
-        stop,
-        top_logprobs,
-        plugins,
-        speculative,
-        constraint,
-        priority,
-        client,
-    };
-    let rx = state.submit(job, Flavor::OpenAi)?;
-    let (id, created, model) = (request_id("cmpl-"), now(), state.model_id.clone());
-    let echo = if req.echo { prompt_text } else { String::new() };
-    if !req.stream {
-        let c = collect(&state, rx, Flavor::OpenAi).await?;
-        let logprobs =
-            if top_logprobs.is_some() { openai::completion_logprobs(&c.logprobs, echo.len()) } else { Value::Null };
-        return Ok(Json(json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": format!("{echo}{}", c.text), "logprobs": logprobs, "finish_reason": c.finish.reason()}],
-            "usage": openai::usage_json(&c.usage),
-        }))
-        .into_response());
-    }
-    let include_usage = req.stream_options.map(|o| o.include_usage).unwrap_or(false);
-    let chunk = move |text: &str, logprobs: Value, finish: Value, usage: Option<&Usage>| {
-        let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]});
-        if let Some(u) = usage {
-            v["choices"] = json!([]);
-            v["usage"] = openai::usage_json(u);
-        }
-        data(v)
-    };
-    let mut echo = Some(echo).filter(|e| !e.is_empty());
-    stream(
-        state.clone(),
-        rx,
-        vec![],
-        move |event| match event {
-            Event::Started { .. } => {
-                echo.take().map(|e| vec![chunk(&e, Value::Null, Value::Null, None)]).unwrap_or_default()
-            }
-            Event::Delta { text, logprobs } => {
-                let lp = if top_logprobs.is_some() { openai::completion_logprobs(logprobs, 0) } else { Value::Null };
-                vec![chunk(text, lp, Value::Null, None)]
-            }
-            Event::Done { finish, usage } => {
-                let mut out = vec![chunk("", Value::Null, json!(finish.reason()), None)];
-                if include_usage {
-                    out.push(chunk("", Value::Null, Value::Null, Some(usage)));
-                }
-                out
-            }
-            // A completion has no tools and no reasoning parser (`plugins` refuses one).
-            Event::ToolCall { .. } | Event::ToolArgs { .. } | Event::Reasoning { .. } => vec![],
-            e @ (Event::Error(_)
-            | Event::Refused(_)
-            | Event::PluginFault(_)
-            | Event::Constraint { .. }
-            | Event::Cancelled(_)) => {
-                vec![stream_error(e, Flavor::OpenAi)]
-            }
-        },
-        true,
-        Flavor::OpenAi,
-    )
-    .await
-}
-
 /// `POST /v1/responses`: the OpenAI Responses API (see `responses.rs`).
 async fn create_response(
     State(state): State<Shared>,
@@ -448,6 +335,7 @@ async fn count_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::openai;
     use crate::config::ServeConfig;
     use crate::engine::handle::Engine;
     use crate::engine::handle::EngineConfig;
