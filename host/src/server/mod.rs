@@ -178,7 +178,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    // Every plugin the configuration names must be loaded and of the right kind.
+    check_named_plugins(&config, &registry)?;
+    let engine = Arc::new(Engine::start(EngineConfig {
+        model: config.model.clone(),
+        device: config.device,
+        queue_limit: config.queue_limit,
+        prompt_cache_bytes: config.prompt_cache_bytes as usize,
+        prefill_step_size: 2048,
+        max_batch: config.max_batch,
+        step_token_budget: config.step_token_budget,
+        plugins: Some(registry.clone()),
+        draft_model: config.draft_model.clone(),
+        scheduler: Some((
+            config.scheduler.clone(),
+            config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
+        )),
+        tensor_parallel: config.tensor_parallel,
+        warm_up: config.warm_up,
+    })?);
+    let state = state(&config, engine.clone(), Some(registry));
+    serve_until_stopped(config, state, engine)
+}
+
+/// Every plugin the configuration names (the scheduler, default plugins, tool adapters and
+/// reasoning parsers, server-wide and per model) must be loaded and of the right kind.
+fn check_named_plugins(config: &ServeConfig, registry: &PluginRegistry) -> Result<()> {
     let mut named: Vec<(&str, Kind, &String)> = vec![("scheduler", Kind::Scheduler, &config.scheduler)];
     let defaults =
         config.default_plugins.iter().chain(config.models.values().filter_map(|m| m.default_plugins.as_ref()));
@@ -212,24 +236,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             Some(_) => {}
         }
     }
-    let engine = Arc::new(Engine::start(EngineConfig {
-        model: config.model.clone(),
-        device: config.device,
-        queue_limit: config.queue_limit,
-        prompt_cache_bytes: config.prompt_cache_bytes as usize,
-        prefill_step_size: 2048,
-        max_batch: config.max_batch,
-        step_token_budget: config.step_token_budget,
-        plugins: Some(registry.clone()),
-        draft_model: config.draft_model.clone(),
-        scheduler: Some((
-            config.scheduler.clone(),
-            config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
-        )),
-        tensor_parallel: config.tensor_parallel,
-        warm_up: config.warm_up,
-    })?);
-    let state = state(&config, engine.clone(), Some(registry));
+    Ok(())
+}
+
+/// Serves on the configured address until SIGTERM or Ctrl-C, then shuts down: in-flight
+/// requests get the grace period, and the engine thread is stopped before the process exits.
+fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<Engine>) -> Result<()> {
     let stopping = engine.clone();
     let finished = engine.clone();
     let runtime =

@@ -335,11 +335,11 @@ async fn count_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::openai;
     use crate::config::ServeConfig;
     use crate::engine::handle::Engine;
     use crate::engine::handle::EngineConfig;
     use crate::engine::job::Cancel;
+    use crate::server::openai;
     use crate::server::reply::*;
     use axum::body::Body;
     use http_body_util::BodyExt;
