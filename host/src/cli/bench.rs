@@ -763,66 +763,72 @@ pub fn run(args: Args) -> Result<()> {
         rows.push(row);
     }
     if !args.json {
-        println!("| model | prompt | prefill tok/s | TTFT ms | decode tok/s | peak memory GB | weights/token GB | floor tok/s | % of floor | step ms: build / dispatch / wait |");
-        println!("|---|---|---|---|---|---|---|---|---|---|");
-        for r in &rows {
-            let floor = r.floor_tps.map_or("-".into(), |f| format!("{f:.0}"));
-            let pct = r.pct_of_floor.map_or("-".into(), |p| format!("{p:.0}%"));
-            println!(
-                "| {} | {} | {:.0} | {:.1} | {:.1} | {:.3} | {:.3} | {floor} | {pct} | {:.2}: {:.2} / {:.2} / {:.2} |",
-                r.model,
-                r.prompt_tokens,
-                r.prefill_tps,
-                r.ttft_ms,
-                r.decode_tps,
-                r.peak_memory_bytes as f64 / 1e9,
-                r.weight_bytes_per_token as f64 / 1e9,
-                r.step_ms,
-                r.build_ms,
-                r.dispatch_ms,
-                r.wait_ms
-            );
-        }
-        for r in rows.iter().filter(|r| r.constraint.is_some()) {
-            println!(
-                "{} constraint: {} tokens ({} forced), {:.3} ms per mask, {:.3} per accept, {:.3} per sampling queued ({:.2} masks per token, {} of {} applied sent to the device, {} steps overlapped, {} merged); token trie {:.0} ms, compile {:.1} ms",
-                r.constraint.as_deref().unwrap_or_default(),
-                r.gen_tokens,
-                r.forced_tokens.unwrap_or_default(),
-                r.mask_ms.unwrap_or_default(),
-                r.accept_ms.unwrap_or_default(),
-                r.pick_ms.unwrap_or_default(),
-                r.masks_per_token.unwrap_or_default(),
-                r.masks_sent.unwrap_or_default(),
-                r.masks_applied.unwrap_or_default(),
-                r.overlapped_steps.unwrap_or_default(),
-                r.merged_steps.unwrap_or_default(),
-                r.trie_ms.unwrap_or_default(),
-                r.compile_ms.unwrap_or_default()
-            );
-        }
-        for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
-            if r.gen_tokens < MIN_RATE_TOKENS {
-                // A forced run commits its tokens at one instant: two tokens, one of them
-                // forced, would read as thousands of tokens a second.
-                println!("{} tokens: too few for a decode rate", r.gen_tokens);
-                continue;
-            }
-            let [build, dispatch, wait] = r.plain_step_split_ms.unwrap_or_default();
-            println!(
-                "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s, step ms: build {build:.2} / dispatch {dispatch:.2} / wait {wait:.2})",
-                match &r.constraint {
-                    Some(c) => format!("{c} constraint, speculation {}", r.speculative),
-                    None => format!("{} speculation", r.speculative),
-                },
-                r.prompt_tokens,
-                r.vs_plain.unwrap_or_default(),
-                r.runs,
-                r.plain_decode_tps.unwrap_or_default()
-            );
-        }
+        print_rows(&rows);
     }
     Ok(())
+}
+
+/// The rows as a markdown table, then a line per constrained row and per row compared with
+/// plain decoding.
+fn print_rows(rows: &[Row]) {
+    println!("| model | prompt | prefill tok/s | TTFT ms | decode tok/s | peak memory GB | weights/token GB | floor tok/s | % of floor | step ms: build / dispatch / wait |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let floor = r.floor_tps.map_or("-".into(), |f| format!("{f:.0}"));
+        let pct = r.pct_of_floor.map_or("-".into(), |p| format!("{p:.0}%"));
+        println!(
+            "| {} | {} | {:.0} | {:.1} | {:.1} | {:.3} | {:.3} | {floor} | {pct} | {:.2}: {:.2} / {:.2} / {:.2} |",
+            r.model,
+            r.prompt_tokens,
+            r.prefill_tps,
+            r.ttft_ms,
+            r.decode_tps,
+            r.peak_memory_bytes as f64 / 1e9,
+            r.weight_bytes_per_token as f64 / 1e9,
+            r.step_ms,
+            r.build_ms,
+            r.dispatch_ms,
+            r.wait_ms
+        );
+    }
+    for r in rows.iter().filter(|r| r.constraint.is_some()) {
+        println!(
+            "{} constraint: {} tokens ({} forced), {:.3} ms per mask, {:.3} per accept, {:.3} per sampling queued ({:.2} masks per token, {} of {} applied sent to the device, {} steps overlapped, {} merged); token trie {:.0} ms, compile {:.1} ms",
+            r.constraint.as_deref().unwrap_or_default(),
+            r.gen_tokens,
+            r.forced_tokens.unwrap_or_default(),
+            r.mask_ms.unwrap_or_default(),
+            r.accept_ms.unwrap_or_default(),
+            r.pick_ms.unwrap_or_default(),
+            r.masks_per_token.unwrap_or_default(),
+            r.masks_sent.unwrap_or_default(),
+            r.masks_applied.unwrap_or_default(),
+            r.overlapped_steps.unwrap_or_default(),
+            r.merged_steps.unwrap_or_default(),
+            r.trie_ms.unwrap_or_default(),
+            r.compile_ms.unwrap_or_default()
+        );
+    }
+    for r in rows.iter().filter(|r| r.vs_plain.is_some()) {
+        if r.gen_tokens < MIN_RATE_TOKENS {
+            // A forced run commits its tokens at one instant: two tokens, one of them
+            // forced, would read as thousands of tokens a second.
+            println!("{} tokens: too few for a decode rate", r.gen_tokens);
+            continue;
+        }
+        let [build, dispatch, wait] = r.plain_step_split_ms.unwrap_or_default();
+        println!(
+            "{}, prompt {}: {:.2}x plain decoding in this process (median of {} pairs; plain {:.1} tok/s, step ms: build {build:.2} / dispatch {dispatch:.2} / wait {wait:.2})",
+            match &r.constraint {
+                Some(c) => format!("{c} constraint, speculation {}", r.speculative),
+                None => format!("{} speculation", r.speculative),
+            },
+            r.prompt_tokens,
+            r.vs_plain.unwrap_or_default(),
+            r.runs,
+            r.plain_decode_tps.unwrap_or_default()
+        );
+    }
 }
 
 /// The fewest generated tokens whose decode rate `host bench` compares with plain decoding.
