@@ -664,99 +664,24 @@ pub fn run(args: Args) -> Result<()> {
     if !args.json {
         eprintln!("host bench: {name} on {device} (mlx {}), {} runs per row", mlx::version(), args.runs);
     }
+    let bench = Bench {
+        args: &args,
+        setup,
+        plain_setup,
+        text,
+        name,
+        device: device.to_string(),
+        per_token,
+        vocab,
+        spec: &spec,
+        lookup: &lookup,
+        structure,
+        trie_ms,
+        compile_ms,
+    };
     let mut rows = Vec::new();
     for ids in &prompts {
-        let len = ids.len();
-        // Warm-up: compiles kernels and fills MLX's buffer cache. A real prompt warms up on
-        // as many seeded random tokens, generating as much, so the first measured run meets
-        // its own speculative verification shapes unseen (`first_decode_tps`).
-        let t = Instant::now();
-        let warm_up = |setup: &Setup<'_>| match &text {
-            Some(_) => run_once(setup, &prompt(len, vocab, 99), args.gen),
-            None => run_once(setup, ids, args.gen.min(16)),
-        };
-        warm_up(&setup)?;
-        if args.paired_plain {
-            warm_up(&plain_setup)?;
-        }
-        let warmup_s = t.elapsed().as_secs_f64();
-        let tps = |r: &Run| (r.ids.len().max(2) - 1) as f64 / r.rest;
-        let (mut ttft, mut decode, mut peak, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
-        let (mut plain_decode, mut ratios, mut plain_split) = (Vec::new(), Vec::new(), None);
-        for i in 0..args.runs {
-            // Paired: plain first in even runs, second in odd ones.
-            let plain_run = || run_once(&plain_setup, ids, args.gen);
-            let mut plain = if args.paired_plain && i % 2 == 0 { Some(plain_run()?) } else { None };
-            let r = run_once(&setup, ids, args.gen)?;
-            if args.paired_plain && plain.is_none() {
-                plain = Some(plain_run()?);
-            }
-            if let Some(p) = plain {
-                plain_split.get_or_insert_with(|| step_split(&p.stats));
-                plain_decode.push(tps(&p));
-                ratios.push(tps(&r) / tps(&p));
-            }
-            ttft.push(r.ttft);
-            decode.push(tps(&r));
-            peak = peak.max(r.peak);
-            runs.push(r);
-        }
-        let first = &runs[0];
-        let [build_ms, dispatch_ms, wait_ms] = step_split(&first.stats);
-        let ttft = median(ttft);
-        let first_decode_tps = decode[0];
-        let decode_tps = median(decode);
-        let floor_tps = (args.bandwidth > 0.0).then(|| args.bandwidth * 1e9 / per_token as f64);
-        let row = Row {
-            model: name.clone(),
-            device: device.to_string(),
-            prompt_tokens: len,
-            gen_tokens: first.ids.len(),
-            runs: args.runs,
-            prefill_tps: len as f64 / ttft,
-            ttft_ms: ttft * 1e3,
-            decode_tps,
-            first_decode_tps,
-            peak_memory_bytes: peak,
-            weight_bytes_per_token: per_token,
-            warmup_s,
-            floor_tps,
-            pct_of_floor: floor_tps.map(|f| 100.0 * decode_tps / f),
-            speculative: spec.method.as_str(),
-            drafted_tokens: first.stats.drafted_tokens,
-            accepted_tokens: first.stats.accepted_tokens,
-            tokens_per_step: first.stats.tokens_per_step(),
-            candidate_rows: first.stats.candidate_rows,
-            token_ids: text.as_ref().map(|_| first.ids.clone()),
-            runs_identical: runs.iter().all(|r| r.ids == first.ids),
-            step_ms: 1e3 / decode_tps,
-            build_ms,
-            dispatch_ms,
-            wait_ms,
-            verifications: first.stats.verifications,
-            verify_ms: per_step(first.stats.verify_secs, first.stats.verifications),
-            verify_draft_ms: per_step(first.stats.verify_draft_secs, first.stats.verifications),
-            verify_build_ms: per_step(first.stats.verify_build_secs, first.stats.verifications),
-            verify_dispatch_ms: per_step(first.stats.verify_dispatch_secs, first.stats.verifications),
-            verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
-            plain_decode_tps: args.paired_plain.then(|| median(plain_decode)),
-            vs_plain: args.paired_plain.then(|| median(ratios)),
-            plain_step_split_ms: plain_split,
-            lookup_ceiling: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, Some(spec.num_draft_tokens))),
-            lookup_ceiling_unbounded: text.as_ref().map(|_| lookup.ceiling(ids, &first.ids, None)),
-            constraint: structure.as_ref().map(BenchConstraint::kind),
-            masks_per_token: structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
-            overlapped_steps: structure.as_ref().map(|_| first.stats.overlapped_masks),
-            merged_steps: structure.as_ref().map(|_| first.stats.merged_steps),
-            forced_tokens: structure.as_ref().map(|_| first.stats.forced_tokens),
-            mask_ms: structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
-            accept_ms: structure.as_ref().map(|_| per_step(first.stats.accept_secs, first.stats.accepts)),
-            pick_ms: structure.as_ref().map(|_| per_step(first.stats.pick_secs, first.stats.picks)),
-            masks_applied: structure.as_ref().map(|_| first.stats.masks_applied),
-            masks_sent: structure.as_ref().map(|_| first.stats.masks_sent),
-            trie_ms,
-            compile_ms,
-        };
+        let row = measure(&bench, ids)?;
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
         }
@@ -766,6 +691,121 @@ pub fn run(args: Args) -> Result<()> {
         print_rows(&rows);
     }
     Ok(())
+}
+
+/// What every prompt length of one `host bench` run shares.
+struct Bench<'a> {
+    args: &'a Args,
+    setup: Setup<'a>,
+    /// The same without speculation or a constraint (`--paired-plain`).
+    plain_setup: Setup<'a>,
+    /// The prompt file's bytes, when one was given.
+    text: Option<Vec<u8>>,
+    name: String,
+    device: String,
+    per_token: usize,
+    vocab: usize,
+    spec: &'a SpecConfig,
+    lookup: &'a PromptLookup,
+    structure: Option<BenchConstraint>,
+    trie_ms: Option<f64>,
+    compile_ms: Option<f64>,
+}
+
+/// One row: a warm-up, then `--runs` measured runs (each paired with a plain one under
+/// `--paired-plain`), medians and the first run's split and counts.
+fn measure(b: &Bench<'_>, ids: &[u32]) -> Result<Row> {
+    let len = ids.len();
+    // Warm-up: compiles kernels and fills MLX's buffer cache. A real prompt warms up on
+    // as many seeded random tokens, generating as much, so the first measured run meets
+    // its own speculative verification shapes unseen (`first_decode_tps`).
+    let t = Instant::now();
+    let warm_up = |setup: &Setup<'_>| match &b.text {
+        Some(_) => run_once(setup, &prompt(len, b.vocab, 99), b.args.gen),
+        None => run_once(setup, ids, b.args.gen.min(16)),
+    };
+    warm_up(&b.setup)?;
+    if b.args.paired_plain {
+        warm_up(&b.plain_setup)?;
+    }
+    let warmup_s = t.elapsed().as_secs_f64();
+    let tps = |r: &Run| (r.ids.len().max(2) - 1) as f64 / r.rest;
+    let (mut ttft, mut decode, mut peak, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
+    let (mut plain_decode, mut ratios, mut plain_split) = (Vec::new(), Vec::new(), None);
+    for i in 0..b.args.runs {
+        // Paired: plain first in even runs, second in odd ones.
+        let plain_run = || run_once(&b.plain_setup, ids, b.args.gen);
+        let mut plain = if b.args.paired_plain && i % 2 == 0 { Some(plain_run()?) } else { None };
+        let r = run_once(&b.setup, ids, b.args.gen)?;
+        if b.args.paired_plain && plain.is_none() {
+            plain = Some(plain_run()?);
+        }
+        if let Some(p) = plain {
+            plain_split.get_or_insert_with(|| step_split(&p.stats));
+            plain_decode.push(tps(&p));
+            ratios.push(tps(&r) / tps(&p));
+        }
+        ttft.push(r.ttft);
+        decode.push(tps(&r));
+        peak = peak.max(r.peak);
+        runs.push(r);
+    }
+    let first = &runs[0];
+    let [build_ms, dispatch_ms, wait_ms] = step_split(&first.stats);
+    let ttft = median(ttft);
+    let first_decode_tps = decode[0];
+    let decode_tps = median(decode);
+    let floor_tps = (b.args.bandwidth > 0.0).then(|| b.args.bandwidth * 1e9 / b.per_token as f64);
+    Ok(Row {
+        model: b.name.clone(),
+        device: b.device.clone(),
+        prompt_tokens: len,
+        gen_tokens: first.ids.len(),
+        runs: b.args.runs,
+        prefill_tps: len as f64 / ttft,
+        ttft_ms: ttft * 1e3,
+        decode_tps,
+        first_decode_tps,
+        peak_memory_bytes: peak,
+        weight_bytes_per_token: b.per_token,
+        warmup_s,
+        floor_tps,
+        pct_of_floor: floor_tps.map(|f| 100.0 * decode_tps / f),
+        speculative: b.spec.method.as_str(),
+        drafted_tokens: first.stats.drafted_tokens,
+        accepted_tokens: first.stats.accepted_tokens,
+        tokens_per_step: first.stats.tokens_per_step(),
+        candidate_rows: first.stats.candidate_rows,
+        token_ids: b.text.as_ref().map(|_| first.ids.clone()),
+        runs_identical: runs.iter().all(|r| r.ids == first.ids),
+        step_ms: 1e3 / decode_tps,
+        build_ms,
+        dispatch_ms,
+        wait_ms,
+        verifications: first.stats.verifications,
+        verify_ms: per_step(first.stats.verify_secs, first.stats.verifications),
+        verify_draft_ms: per_step(first.stats.verify_draft_secs, first.stats.verifications),
+        verify_build_ms: per_step(first.stats.verify_build_secs, first.stats.verifications),
+        verify_dispatch_ms: per_step(first.stats.verify_dispatch_secs, first.stats.verifications),
+        verify_wait_ms: per_step(first.stats.verify_wait_secs, first.stats.verifications),
+        plain_decode_tps: b.args.paired_plain.then(|| median(plain_decode)),
+        vs_plain: b.args.paired_plain.then(|| median(ratios)),
+        plain_step_split_ms: plain_split,
+        lookup_ceiling: b.text.as_ref().map(|_| b.lookup.ceiling(ids, &first.ids, Some(b.spec.num_draft_tokens))),
+        lookup_ceiling_unbounded: b.text.as_ref().map(|_| b.lookup.ceiling(ids, &first.ids, None)),
+        constraint: b.structure.as_ref().map(BenchConstraint::kind),
+        masks_per_token: b.structure.as_ref().map(|_| first.stats.masks as f64 / first.ids.len().max(1) as f64),
+        overlapped_steps: b.structure.as_ref().map(|_| first.stats.overlapped_masks),
+        merged_steps: b.structure.as_ref().map(|_| first.stats.merged_steps),
+        forced_tokens: b.structure.as_ref().map(|_| first.stats.forced_tokens),
+        mask_ms: b.structure.as_ref().map(|_| per_step(first.stats.mask_secs, first.stats.masks)),
+        accept_ms: b.structure.as_ref().map(|_| per_step(first.stats.accept_secs, first.stats.accepts)),
+        pick_ms: b.structure.as_ref().map(|_| per_step(first.stats.pick_secs, first.stats.picks)),
+        masks_applied: b.structure.as_ref().map(|_| first.stats.masks_applied),
+        masks_sent: b.structure.as_ref().map(|_| first.stats.masks_sent),
+        trie_ms: b.trie_ms,
+        compile_ms: b.compile_ms,
+    })
 }
 
 /// The rows as a markdown table, then a line per constrained row and per row compared with
