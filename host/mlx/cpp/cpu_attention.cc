@@ -168,14 +168,15 @@ class CausalAttention : public mx::UnaryPrimitive {
       std::vector<float> scores, q_copy, k_copy, v_copy;
       for (int b = 0; b < batch; b++) {
         for (int h = 0; h < heads; h++) {
-          const int kvh = h / group;
+          // A head's keys and values, once for all its blocks (copied only where their rows
+          // are not contiguous); each block reads the first `visible` rows.
+          const Rows kr = rows_of(k, b, h / group, 0, keys, k_copy);
+          const Rows vr = rows_of(v, b, h / group, 0, keys, v_copy);
           for (int first = 0; first < len; first += kRows) {
             const int rows = std::min(kRows, len - first);
             // The block's last row sees keys 0..offset + first + rows - 1.
             const int visible = offset + first + rows;
             const Rows qr = rows_of(q, b, h, first, rows, q_copy);
-            const Rows kr = rows_of(k, b, kvh, 0, visible, k_copy);
-            const Rows vr = rows_of(v, b, kvh, 0, visible, v_copy);
             scores.resize(static_cast<size_t>(rows) * visible);
             gemm(kRowMajor, kNoTrans, kTrans, rows, visible, d, scale, qr.data, qr.stride, kr.data, kr.stride, 0.f,
                  scores.data(), visible);
