@@ -363,7 +363,10 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
         let split =
             |key: &str| -> Vec<f64> { row[key].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect() };
         let (held, plain) = (split("step_split_ms"), split("plain_step_split_ms"));
-        assert!(held.len() == 5 && held[0] > 0.0 && held[1] > 0.0 && held[4] > 0.0, "{row}");
+        // A merged step hands its forward to MLX with its sampling: its dispatch is in pick,
+        // so the dispatch column is empty only when every step merged.
+        let all_merged = row["merged_steps"] == row["steps"];
+        assert!(held.len() == 5 && held[0] > 0.0 && (held[1] > 0.0 || all_merged) && held[4] > 0.0, "{row}");
         assert!(plain.len() == 5 && plain[0] > 0.0 && plain[1] > 0.0 && plain[4] == 0.0, "{row}");
         let (step, plain_step) = (row["step_ms"].as_f64().unwrap(), row["plain_step_ms"].as_f64().unwrap());
         assert!(step > 0.0 && plain_step > 0.0, "{row}");
