@@ -18,6 +18,9 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/shim.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.h");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_matmul.h");
+    println!("cargo:rerun-if-changed=cpp/cpu_matmul.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_blas.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = find_mlx().unwrap_or_else(|why| panic!("cannot find MLX {MLX_VERSION}: {why}"));
@@ -27,6 +30,7 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("cpp/shim.cc")
         .file("cpp/cpu_attention.cc")
+        .file("cpp/cpu_matmul.cc")
         .std("c++20")
         .flag("-isystem")
         .flag(include.to_str().expect("MLX include path is UTF-8"))

@@ -9,8 +9,6 @@
 // short queries (whose explicit-mask path must stay MLX's own, op for op), goes to MLX.
 #include "mlx/cpp/cpu_attention.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -21,6 +19,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/cpp/cpu_blas.h"
 #include "mlx/primitives.h"
 
 #if defined(__x86_64__)
@@ -32,17 +31,9 @@ namespace mx = mlx::core;
 namespace mlx_shim {
 namespace {
 
-// cblas_sgemm as every CBLAS declares it (row major 101, no transpose 111, transpose 112).
-using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
-                       int);
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-
-// The process's cblas_sgemm: the one MLX's own matmul resolves to (OpenBLAS where the host
-// links it, else the wheel's BLAS), or null where none is loaded (then MLX's path is taken).
-Sgemm sgemm() {
-  static const Sgemm found = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-  return found;
-}
+using blas::kNoTrans;
+using blas::kRowMajor;
+using blas::kTrans;
 
 // Query rows per block: a block's scores (rows x visible keys) stay within a few MB.
 constexpr int kRows = 64;
@@ -163,7 +154,7 @@ class CausalAttention : public mx::UnaryPrimitive {
       const int batch = q.shape(0), heads = q.shape(1), len = q.shape(2), d = q.shape(3);
       const int kv_heads = k.shape(1), keys = k.shape(2);
       const int group = heads / kv_heads, offset = keys - len;
-      const Sgemm gemm = sgemm();
+      const blas::Sgemm gemm = blas::sgemm();
       static const Softmax softmax = pick_softmax();
       std::vector<float> scores, q_copy, k_copy, v_copy;
       for (int b = 0; b < batch; b++) {
@@ -226,7 +217,7 @@ std::optional<mx::array> cpu_causal_attention(const mx::array& q, const mx::arra
                       k.shape() == v.shape() && q.shape(3) == k.shape(3) && k.shape(1) > 0 &&
                       q.shape(1) % k.shape(1) == 0 && q.shape(2) > kShortQuery && q.shape(2) <= k.shape(2);
   const bool types = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
-  if (!enabled() || !shapes || !types || mx::default_device() != mx::Device::cpu || sgemm() == nullptr) {
+  if (!enabled() || !shapes || !types || mx::default_device() != mx::Device::cpu || blas::sgemm() == nullptr) {
     return std::nullopt;
   }
   const auto stream = mx::default_stream(mx::Device::cpu);

@@ -3,6 +3,7 @@
 // turns them into Rust errors.
 #include "mlx/cpp/shim.h"
 #include "mlx/cpp/cpu_attention.h"
+#include "mlx/cpp/cpu_matmul.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -747,8 +748,12 @@ Ptr masked_rows(const array& logits, const ArrayList& rows, const array& neg_inf
 Ptr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
 Ptr copy(const array& a) { return wrap(mx::copy(a)); }
 
-Ptr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
+Ptr matmul(const array& a, const array& b) {
+  if (auto y = cpu_few_rows_matmul(a, b, nullptr, 1.f, 0.f)) return wrap(std::move(*y));
+  return wrap(mx::matmul(a, b));
+}
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta) {
+  if (auto y = cpu_few_rows_matmul(a, b, &c, alpha, beta)) return wrap(std::move(*y));
   return wrap(mx::addmm(c, a, b, alpha, beta));
 }
 // The biases argument of MLX's quantized ops: affine mode's, none in the others.

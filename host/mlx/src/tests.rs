@@ -428,3 +428,53 @@ fn long_causal_queries_on_the_cpu_attend_as_the_definition() {
     }
     assert!(worst < 1e-5, "largest difference {worst}");
 }
+
+/// A few rows against a weight matrix on the CPU (`x @ W.T`, as every dense layer) are the
+/// host's matrix-vector products: each row as the definition, the same bits whether it came
+/// alone or with others (batch and solo decode agree), a bias added by addmm; more rows, and
+/// a non-float32 input, keep MLX's matmul.
+#[test]
+fn a_few_rows_times_a_weight_matrix_on_the_cpu_are_row_products_as_the_definition() {
+    if Device::default_device() == Device::Gpu {
+        return;
+    }
+    let (n, k) = (37usize, 23usize);
+    let values = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len).map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 250.0) - 2.0).collect()
+    };
+    let (w_data, x_data, bias) = (values(n * k, 1), values(3 * k, 2), values(n, 3));
+    let w_t = arr(&w_data, &[n, k]).transpose(&[1, 0]).unwrap();
+    let x = arr(&x_data, &[3, 1, k]);
+    let y = ops::matmul(&x, &w_t).unwrap();
+    assert!(graph_dot(&[&y]).contains("HostFewRowsMatmul"), "not the host's product");
+    assert_eq!(y.shape(), vec![3, 1, n]);
+    let got = y.to_vec_f32().unwrap();
+    let mut worst = 0f64;
+    for r in 0..3 {
+        for o in 0..n {
+            let want: f64 = (0..k).map(|i| x_data[r * k + i] as f64 * w_data[o * k + i] as f64).sum();
+            worst = worst.max((got[r * n + o] as f64 - want).abs());
+        }
+    }
+    assert!(worst < 1e-4, "largest difference {worst}");
+    // The second row alone: the same bits as within the three.
+    let alone = ops::matmul(&arr(&x_data[k..2 * k], &[1, 1, k]), &w_t).unwrap().to_vec_f32().unwrap();
+    assert_eq!(alone, got[n..2 * n].to_vec());
+    // addmm: 2 (x @ W.T) + 0.5 bias.
+    let z = ops::addmm(&arr(&bias, &[n]), &x, &w_t, 2.0, 0.5).unwrap();
+    assert!(graph_dot(&[&z]).contains("HostFewRowsMatmul"));
+    let z = z.to_vec_f32().unwrap();
+    for r in 0..3 {
+        for o in 0..n {
+            let want = 2.0 * got[r * n + o] + 0.5 * bias[o];
+            assert!((z[r * n + o] - want).abs() < 1e-4, "row {r} column {o}: {} != {want}", z[r * n + o]);
+        }
+    }
+    // Eight rows are MLX's matmul, the same values to rounding.
+    let x8 = arr(&values(8 * k, 4), &[8, k]);
+    let many = ops::matmul(&x8, &w_t).unwrap();
+    assert!(!graph_dot(&[&many]).contains("HostFewRowsMatmul"));
+    let few = ops::matmul(&x8.slice_axis(0, 0, 2).unwrap(), &w_t).unwrap();
+    let (many, few) = (many.to_vec_f32().unwrap(), few.to_vec_f32().unwrap());
+    assert!(few.iter().zip(&many[..2 * n]).all(|(a, b)| (a - b).abs() < 1e-4));
+}
