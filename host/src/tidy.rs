@@ -26,18 +26,7 @@ const RULES: &[(&str, &[&str])] = &[
 
 /// Imports against [`RULES`] that are still there, each with the step that removes it.
 const KNOWN_EDGES: &[(&str, &str)] = &[
-    // The plugin seam (LAYOUT.md §5): the engine names the runtime's types instead of the
-    // hook traits of `engine/hooks.rs` that `plugins/` would implement.
-    // (The adapters moved from `plugins` to `plugins/adapters` in session 30: the same
-    // edges under the module's new name.)
-    ("engine/handle", "plugins"),
-    ("engine/handle", "plugins/adapters"),
-    ("engine/job", "plugins"),
-    ("engine/output", "plugins/adapters"),
-    ("engine/output", "plugins/runtime"),
-    ("engine/worker", "plugins"),
-    ("engine/worker", "plugins/adapters"),
-    ("engine/worker", "plugins/runtime"),
+    // None: the engine sees its plugins through `engine/hooks.rs` (session 31). Keep it so.
 ];
 
 /// Import circles still there, each with the step that removes it (none: keep it so).

@@ -4,13 +4,11 @@
 
 use super::job::{Event, Job, JobRequest, SubmitError};
 use super::prompt_cache::PromptCache;
-use super::scheduler::Policy;
+use super::scheduler::MakePolicy;
 use super::stats::EngineStats;
 use super::warm_up::warm_up;
 use super::worker::{Models, Worker};
 use crate::load::{load_draft, load_model_split, select_device, DeviceChoice};
-use crate::plugins::adapters::PluginScheduler;
-use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
 use mlx::{memory, Device};
 use models::{ModelInfo, Tokenizer};
@@ -35,12 +33,11 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled between two batch steps, less one per running row: a long
     /// prompt joins in chunks instead of stalling the streams already running.
     pub step_token_budget: usize,
-    /// Plugins requests may select.
-    pub plugins: Option<Arc<PluginRegistry>>,
     /// A draft model for speculative decoding (checked against the model's tokenizer).
     pub draft_model: Option<PathBuf>,
-    /// The scheduling-policy plugin and its config; `None`: first come, first served.
-    pub scheduler: Option<(String, serde_json::Value)>,
+    /// The scheduling policy (the server's: its scheduler plugin); `None`: first come,
+    /// first served.
+    pub policy: Option<MakePolicy>,
     /// Ranks to split the model over (1: no tensor parallelism).
     pub tensor_parallel: usize,
     /// Run short generations before serving so the device compiles its kernels then, not in
@@ -60,9 +57,8 @@ impl EngineConfig {
             prefill_step_size: 64,
             max_batch: 8,
             step_token_budget: 512,
-            plugins: None,
             draft_model: None,
-            scheduler: None,
+            policy: None,
             tensor_parallel: 1,
             warm_up: Some(false),
         }
@@ -152,15 +148,8 @@ impl Engine {
                         let tokenizer = Arc::new(loaded.tokenizer);
                         let baseline = memory::active() + working;
                         let _ = ready_tx.send(Ok((tokenizer.clone(), loaded.info.clone(), device, baseline, warmed)));
-                        let policy = match (&config.scheduler, &config.plugins) {
-                            (Some((name, cfg)), Some(registry)) => {
-                                Some(Box::new(PluginScheduler::new(registry.clone(), name.clone(), cfg.clone()))
-                                    as Box<dyn Policy>)
-                            }
-                            _ => None,
-                        };
+                        let policy = config.policy.as_ref().map(|make| (make.0)());
                         let worker = Worker {
-                            plugins: config.plugins.clone(),
                             info: loaded.info,
                             cache: PromptCache::new(config.prompt_cache_bytes),
                             stats: thread_stats,

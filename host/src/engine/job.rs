@@ -4,7 +4,8 @@
 
 use super::constraint::ConstraintSpec;
 use super::{SamplingParams, SpecConfig, SpecMethod};
-use crate::plugins::Selection;
+use super::hooks::RequestHooks;
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -17,8 +18,14 @@ pub struct JobRequest {
     pub stop: Vec<String>,
     /// Return this many alternatives with each token's log-probability (`None`: no logprobs).
     pub top_logprobs: Option<usize>,
-    /// Sampler and stop-rule plugins for this request.
-    pub plugins: Selection,
+    /// What the request brings along (its plugins: sampler, stop rules, tool adapter,
+    /// reasoning parser), started with it on the engine thread.
+    pub hooks: Option<Arc<dyn RequestHooks>>,
+    /// Text that opens the reply: a call the request forces (`tool_choice`), already at the
+    /// end of the prompt; fed to the tool parser ahead of the output.
+    pub reply_prefix: Option<String>,
+    /// At most one tool call: the reply ends when the tool parser reports a second.
+    pub one_tool_call: bool,
     /// Speculative decoding for this request (`SpecMethod::Off` for none).
     pub speculative: SpecConfig,
     /// What the output is held to (structured output), if anything.

@@ -3,8 +3,7 @@
 
 use super::job::{Event, TokenLogprob};
 
-use crate::plugins::adapters::{PluginReasoning, PluginTools, ToolOutput};
-use crate::plugins::runtime::Instance;
+use super::hooks::{TextParser, ToolOutput};
 use anyhow::Result;
 use mlx::Array;
 use models::Tokenizer;
@@ -19,18 +18,8 @@ pub(super) fn char_split(s: &str, keep: usize) -> usize {
 
 /// A tool adapter on a request's output, and how many calls it has reported.
 pub(super) struct Tools {
-    pub(super) adapter: PluginTools,
+    pub(super) adapter: Box<dyn TextParser<ToolOutput>>,
     pub(super) calls: usize,
-}
-
-/// A request's started plugin instances.
-#[derive(Default)]
-pub(super) struct Plugins {
-    pub(super) sampler: Option<Box<dyn super::ExternalSampler>>,
-    /// Stop rules: (instance, characters to hold back, fallback allowed).
-    pub(super) stops: Vec<(Instance, usize, bool)>,
-    pub(super) tools: Option<PluginTools>,
-    pub(super) reasoning: Option<PluginReasoning>,
 }
 
 /// Moves pending content into a `Delta` event.

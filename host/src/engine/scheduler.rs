@@ -64,6 +64,16 @@ pub trait Policy {
     fn decide(&mut self, view: &QueueView) -> anyhow::Result<Decision>;
 }
 
+/// Makes the engine's policy, once, on the engine thread (`EngineConfig::policy`).
+#[derive(Clone)]
+pub struct MakePolicy(pub std::sync::Arc<dyn Fn() -> Box<dyn Policy> + Send + Sync>);
+
+impl std::fmt::Debug for MakePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MakePolicy")
+    }
+}
+
 /// The positions of `ids` in the order `decision` gives: listed ids first, in its order,
 /// then the rest in their current order. Cancelled ids are left out.
 pub fn reorder(ids: &[String], decision: &Decision) -> Vec<usize> {

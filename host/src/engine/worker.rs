@@ -12,16 +12,14 @@ use super::batch::{Batch, Left, Row};
 use super::constraint::takes_forced_runs;
 use super::constraint::{ConstraintFailed, Guard};
 use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
-use super::output::{char_split, flush, logprob, route, Plugins, Tools};
+use super::output::{char_split, flush, logprob, route, Tools};
 use super::prompt_cache::PromptCache;
 use super::scheduler::Policy;
 use super::stats::EngineStats;
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
 
-use crate::plugins::adapters::{PluginReasoning, PluginSampler, PluginTools, ReasoningOutput};
-use crate::plugins::runtime::{Instance, PluginFault, PluginRefused};
-use crate::plugins::{PluginRegistry, Selection};
+use super::hooks::{PluginFault, PluginRefused, ReasoningOutput, Started, StopRule, TextParser};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array};
 use models::{CausalLm, Detokenizer, KvCache, ModelInfo, Tokenizer};
@@ -34,7 +32,6 @@ use std::time::{Duration, Instant};
 mod preempt;
 
 pub(super) struct Worker {
-    pub(super) plugins: Option<Arc<PluginRegistry>>,
     pub(super) info: ModelInfo,
     pub(super) cache: PromptCache,
     pub(super) stats: Arc<EngineStats>,
@@ -132,14 +129,14 @@ struct Active<'m> {
     source: Source<'m>,
     detok: Detokenizer<'m>,
     stop: StopMatcher,
-    /// Stop-rule plugins: (instance, characters to hold back, fallback allowed).
-    stop_rules: Vec<(Instance, usize, bool)>,
+    /// Stop-rule plugins.
+    stop_rules: Vec<Box<dyn StopRule>>,
     hold: usize,
     held: String,
     tools: Option<Tools>,
     /// The reasoning parser: the model's thinking goes out as `Event::Reasoning`.
-    reasoning: Option<PluginReasoning>,
-    /// The reply's forced opening (`Selection::reply_prefix`), until the first text goes out:
+    reasoning: Option<Box<dyn TextParser<ReasoningOutput>>>,
+    /// The reply's forced opening (`JobRequest::reply_prefix`), until the first text goes out:
     /// through the tool adapter, or as content when the adapter is off.
     reply_prefix: Option<String>,
     generated: Vec<u32>,
@@ -523,7 +520,10 @@ impl Worker {
                 eos_token_ids: self.info.eos_token_ids.clone(),
                 prefill_step_size: self.prefill_step_size,
             };
-            let plugins = self.start_plugins(&request.plugins, prompt, seed)?;
+            let plugins = match &request.hooks {
+                Some(hooks) => hooks.start(prompt, seed, self.info.vocab_size)?,
+                None => Started::default(),
+            };
             let (external, rest) = (plugins.sampler, (plugins.stops, plugins.tools, plugins.reasoning));
             let speculation = match request.speculative.method {
                 SpecMethod::Off => None,
@@ -556,9 +556,9 @@ impl Worker {
         self.stats.prompt_tokens.fetch_add(prompt.len(), Ordering::Relaxed);
         self.stats.cached_tokens.fetch_add(reused, Ordering::Relaxed);
         let _ = job.events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: reused });
-        let hold = stop_rules.iter().map(|(_, h, _)| *h).max().unwrap_or(0);
+        let hold = stop_rules.iter().map(|r| r.hold()).max().unwrap_or(0);
         let stop = StopMatcher::new(&request.stop);
-        let reply_prefix = request.plugins.reply_prefix.clone();
+        let reply_prefix = request.reply_prefix.clone();
         Ok(Active {
             job,
             source,
@@ -594,10 +594,10 @@ impl Worker {
             let mut piece = a.detok.push(token.id)?;
             // Stop-rule plugins see raw text; the last `hold` characters wait for them.
             let mut faulted = None;
-            for (i, (rule, _, fallback)) in a.stop_rules.iter_mut().enumerate() {
-                let verdict = match rule.stop_check(token.id, &piece) {
+            for (i, rule) in a.stop_rules.iter_mut().enumerate() {
+                let verdict = match rule.check(token.id, &piece) {
                     Ok(v) => v,
-                    Err(e) if *fallback => {
+                    Err(e) if rule.fallback() => {
                         tracing::warn!("stop rule dropped for this request: {e:#}");
                         faulted = Some(i);
                         break;
@@ -609,7 +609,7 @@ impl Worker {
                     piece.clear();
                     let keep = a.held.chars().count().saturating_sub(trim);
                     a.held = a.held.chars().take(keep).collect();
-                    a.finish = Some(Finish::StopRule(rule.plugin().name().to_string()));
+                    a.finish = Some(Finish::StopRule(rule.name().to_string()));
                     break;
                 }
             }
@@ -702,52 +702,6 @@ impl Worker {
         sequence.extend(&a.generated);
         self.keep_cache(&sequence, cache)
     }
-
-    /// Starts the request's plugin instances: the sampler (fed the whole prompt), the stop
-    /// rules with how many characters each needs held back, the tool adapter and the
-    /// reasoning parser.
-    fn start_plugins(&self, selection: &Selection, prompt: &[u32], seed: u64) -> Result<Plugins> {
-        if selection.is_empty() {
-            return Ok(Plugins::default());
-        }
-        let registry = self.plugins.as_ref().context("this server has no plugin runtime")?;
-        // A plugin that faults while starting is skipped when the request allows a fallback
-        // (a refused config is still the client's error).
-        let skip = |selected: &crate::plugins::Selected, e: anyhow::Error| {
-            let refused = e.chain().any(|c| c.downcast_ref::<PluginRefused>().is_some());
-            if selected.fallback && !refused {
-                tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
-                Ok(None)
-            } else {
-                Err(e)
-            }
-        };
-        let start = |selected| registry.start(selected, seed).map(Some).or_else(|e| skip(selected, e));
-        let mut plugins = Plugins::default();
-        if let Some(selected) = &selection.sampler {
-            // The sampler is fed the whole prompt as part of starting.
-            let started = registry.start(selected, seed).and_then(|mut instance| {
-                instance.accept(prompt)?;
-                Ok(instance)
-            });
-            if let Some(instance) = started.map(Some).or_else(|e| skip(selected, e))? {
-                let sampler = PluginSampler::new(instance, self.info.vocab_size).with_fallback(selected.fallback);
-                plugins.sampler = Some(Box::new(sampler));
-            }
-        }
-        for selected in &selection.stops {
-            if let Some(instance) = start(selected)? {
-                plugins.stops.push((instance, selected.plugin.manifest.stop().hold, selected.fallback));
-            }
-        }
-        if let Some(selected) = &selection.tool {
-            plugins.tools = start(selected)?.map(|i| PluginTools::new(i, selected.fallback));
-        }
-        if let Some(selected) = &selection.reasoning {
-            plugins.reasoning = start(selected)?.map(|i| PluginReasoning::new(i, selected.fallback));
-        }
-        Ok(plugins)
-    }
 }
 
 /// Sends a token's text down the parsers and out with its logprobs: the reasoning parser
@@ -769,7 +723,7 @@ fn emit(a: &mut Active<'_>, text: String, logprobs: Vec<TokenLogprob>, last: boo
     if let Some(prefix) = a.reply_prefix.take() {
         pieces.insert(0, ReasoningOutput::Content(prefix));
     }
-    let one_call = a.job.request.plugins.one_tool_call;
+    let one_call = a.job.request.one_tool_call;
     let (mut events, mut content, mut cut) = (Vec::new(), String::new(), false);
     for piece in pieces {
         match (piece, a.tools.as_mut()) {
@@ -834,7 +788,9 @@ mod tests {
             max_tokens,
             stop: vec![],
             top_logprobs: None,
-            plugins: Selection::default(),
+            hooks: None,
+            reply_prefix: None,
+            one_tool_call: false,
             speculative: SpecConfig::default(),
             constraint: None,
             priority: 0,

@@ -5,9 +5,11 @@
 
 use super::abi_v1::{Kind, SamplerInput};
 use super::runtime::{self, Instance, Plugin};
-use super::{PluginRegistry, Selected};
+use super::{PluginRegistry, Selected, Selection};
 use crate::engine::constraint::{Allowed, Constraint, ConstraintSpec};
-use crate::engine::{ExternalSampler, Frame, Pick};
+use crate::engine::scheduler::MakePolicy;
+use crate::engine::hooks::{self, ExternalSampler, Frame, Pick, ReasoningOutput, RequestHooks, Started, StopRule};
+pub use crate::engine::hooks::ToolOutput;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::sync::{Arc, Mutex};
@@ -212,23 +214,15 @@ impl Constraint for PluginConstraint {
     }
 }
 
-/// What a tool adapter reports (ABI.md §5.3), checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ToolOutput {
-    Content(String),
-    Call { index: usize, id: String, name: String },
-    Args { index: usize, delta: String },
-}
-
 /// A streaming text-parser instance (a tool adapter or a reasoning parser) on one request's
 /// output. With a fallback allowed, a fault turns it off and the text passes through as
 /// content from then on.
-struct TextParser {
+struct Parser {
     instance: Option<Instance>,
     fallback: bool,
 }
 
-impl TextParser {
+impl Parser {
     /// Runs `call` (one entry point) and `parse` over its JSON lines; `plain` wraps the text
     /// that passes through once the parser is off.
     fn run<E>(
@@ -259,24 +253,14 @@ impl TextParser {
 
 /// A tool-adapter instance on one request's output.
 pub struct PluginTools {
-    parser: TextParser,
+    parser: Parser,
     /// Calls reported so far: the next call's index.
     calls: usize,
 }
 
 impl PluginTools {
     pub fn new(instance: Instance, fallback: bool) -> PluginTools {
-        PluginTools { parser: TextParser { instance: Some(instance), fallback }, calls: 0 }
-    }
-
-    /// Feeds the next piece of output text.
-    pub fn feed(&mut self, text: &str) -> Result<Vec<ToolOutput>> {
-        self.run(text, "tool_feed", |i| i.tool_feed(text))
-    }
-
-    /// End of output: what the adapter still holds.
-    pub fn finish(&mut self) -> Result<Vec<ToolOutput>> {
-        self.run("", "tool_finish", Instance::tool_finish)
+        PluginTools { parser: Parser { instance: Some(instance), fallback }, calls: 0 }
     }
 
     fn run(
@@ -295,26 +279,30 @@ impl PluginTools {
     }
 }
 
-/// What a reasoning parser reports (ABI.md §5.5), checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReasoningOutput {
-    Content(String),
-    Reasoning(String),
+impl hooks::TextParser<ToolOutput> for PluginTools {
+    fn feed(&mut self, text: &str) -> Result<Vec<ToolOutput>> {
+        self.run(text, "tool_feed", |i| i.tool_feed(text))
+    }
+
+    fn finish(&mut self) -> Result<Vec<ToolOutput>> {
+        self.run("", "tool_finish", Instance::tool_finish)
+    }
 }
 
 /// A reasoning-parser instance on one request's output: splits the model's thinking from
 /// its answer.
 pub struct PluginReasoning {
-    parser: TextParser,
+    parser: Parser,
 }
 
 impl PluginReasoning {
     pub fn new(instance: Instance, fallback: bool) -> PluginReasoning {
-        PluginReasoning { parser: TextParser { instance: Some(instance), fallback } }
+        PluginReasoning { parser: Parser { instance: Some(instance), fallback } }
     }
+}
 
-    /// Feeds the next piece of output text.
-    pub fn feed(&mut self, text: &str) -> Result<Vec<ReasoningOutput>> {
+impl hooks::TextParser<ReasoningOutput> for PluginReasoning {
+    fn feed(&mut self, text: &str) -> Result<Vec<ReasoningOutput>> {
         self.parser.run(
             text,
             "reasoning_feed",
@@ -324,8 +312,7 @@ impl PluginReasoning {
         )
     }
 
-    /// End of output: what the parser still holds.
-    pub fn finish(&mut self) -> Result<Vec<ReasoningOutput>> {
+    fn finish(&mut self) -> Result<Vec<ReasoningOutput>> {
         self.parser.run(
             "",
             "reasoning_finish",
@@ -392,6 +379,101 @@ fn parse_tool_events(
     Ok((out, calls))
 }
 
+/// A stop-rule plugin instance as the engine's `StopRule`.
+pub struct PluginStopRule {
+    instance: Instance,
+    hold: usize,
+    fallback: bool,
+}
+
+impl StopRule for PluginStopRule {
+    fn name(&self) -> &str {
+        self.instance.plugin().name()
+    }
+
+    fn hold(&self) -> usize {
+        self.hold
+    }
+
+    fn check(&mut self, token: u32, text: &str) -> Result<Option<usize>> {
+        self.instance.stop_check(token, text)
+    }
+
+    fn fallback(&self) -> bool {
+        self.fallback
+    }
+}
+
+/// The plugins a request selected, as the engine's `RequestHooks`: started on the engine
+/// thread when the request starts.
+#[derive(Debug)]
+pub struct PluginHooks {
+    registry: Option<Arc<PluginRegistry>>,
+    selection: Selection,
+}
+
+impl PluginHooks {
+    /// The hooks of a request's selection (`None` when it selects nothing the engine runs);
+    /// `registry` is the server's plugin runtime, if it has one.
+    pub fn of(registry: Option<Arc<PluginRegistry>>, selection: Selection) -> Option<Arc<dyn RequestHooks>> {
+        if selection.is_empty() {
+            return None;
+        }
+        Some(Arc::new(PluginHooks { registry, selection }))
+    }
+}
+
+impl RequestHooks for PluginHooks {
+    /// Starts the request's plugin instances: the sampler (fed the whole prompt), the stop
+    /// rules with how many characters each needs held back, the tool adapter and the
+    /// reasoning parser.
+    fn start(&self, prompt: &[u32], seed: u64, vocab: usize) -> Result<Started> {
+        let selection = &self.selection;
+        let registry = self.registry.as_ref().context("this server has no plugin runtime")?;
+        // A plugin that faults while starting is skipped when the request allows a fallback
+        // (a refused config is still the client's error).
+        let skip = |selected: &Selected, e: anyhow::Error| {
+            let refused = e.chain().any(|c| c.downcast_ref::<runtime::PluginRefused>().is_some());
+            if selected.fallback && !refused {
+                tracing::warn!("plugin {} skipped for this request: {e:#}", selected.plugin.name());
+                Ok(None)
+            } else {
+                Err(e)
+            }
+        };
+        let start = |selected| registry.start(selected, seed).map(Some).or_else(|e| skip(selected, e));
+        let mut started = Started::default();
+        if let Some(selected) = &selection.sampler {
+            // The sampler is fed the whole prompt as part of starting.
+            let instance = registry.start(selected, seed).and_then(|mut instance| {
+                instance.accept(prompt)?;
+                Ok(instance)
+            });
+            if let Some(instance) = instance.map(Some).or_else(|e| skip(selected, e))? {
+                let sampler = PluginSampler::new(instance, vocab).with_fallback(selected.fallback);
+                started.sampler = Some(Box::new(sampler));
+            }
+        }
+        for selected in &selection.stops {
+            if let Some(instance) = start(selected)? {
+                let hold = selected.plugin.manifest.stop().hold;
+                started.stops.push(Box::new(PluginStopRule { instance, hold, fallback: selected.fallback }));
+            }
+        }
+        if let Some(selected) = &selection.tool {
+            if let Some(instance) = start(selected)? {
+                started.tools = Some(Box::new(PluginTools::new(instance, selected.fallback)));
+            }
+        }
+        if let Some(selected) = &selection.reasoning {
+            if let Some(instance) = start(selected)? {
+                started.reasoning = Some(Box::new(PluginReasoning::new(instance, selected.fallback)));
+            }
+        }
+        Ok(started)
+    }
+}
+
 /// A short-lived instance of a tool adapter (`host_init` only, no `host_begin`), for what it
 /// contributes while the prompt is built: `tool_render`, `tool_force` (ABI.md §5.3).
 /// Its input is the request's own data (see `Instance::fault`).
@@ -416,6 +498,11 @@ pub struct PluginScheduler {
 impl PluginScheduler {
     pub fn new(registry: Arc<PluginRegistry>, name: String, config: Value) -> PluginScheduler {
         PluginScheduler { registry, name, config, current: None, quarantine_told: false }
+    }
+
+    /// The engine's maker of this policy (`EngineConfig::policy`).
+    pub fn maker(registry: Arc<PluginRegistry>, name: String, config: Value) -> MakePolicy {
+        MakePolicy(Arc::new(move || Box::new(PluginScheduler::new(registry.clone(), name.clone(), config.clone()))))
     }
 }
 

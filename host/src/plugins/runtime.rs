@@ -606,30 +606,8 @@ fn optional<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
     }
 }
 
-/// A plugin said no to its config or params: the request's fault (a 400), not the plugin's.
-#[derive(Debug)]
-pub struct PluginRefused(pub String);
-
-impl std::fmt::Display for PluginRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PluginRefused {}
-
-/// A plugin failed while serving a request (trap, deadline, memory, bad result): the error
-/// names the plugin and the entry point, and fails only that request.
-#[derive(Debug)]
-pub struct PluginFault(pub String);
-
-impl std::fmt::Display for PluginFault {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PluginFault {}
+// The two errors at the seam are the engine's (it tells them apart); the runtime raises them.
+pub use crate::engine::hooks::{PluginFault, PluginRefused};
 
 mod instance;
 pub use instance::Instance;

@@ -20,6 +20,7 @@ pub mod turn;
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::handle::{Engine, EngineConfig};
 use crate::plugins::abi_v1::Kind;
+use crate::plugins::adapters::PluginScheduler;
 use crate::plugins::PluginRegistry;
 use anyhow::{Context, Result};
 use state::AppState;
@@ -187,9 +188,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prefill_step_size: 2048,
         max_batch: config.max_batch,
         step_token_budget: config.step_token_budget,
-        plugins: Some(registry.clone()),
         draft_model: config.draft_model.clone(),
-        scheduler: Some((
+        policy: Some(PluginScheduler::maker(
+            registry.clone(),
             config.scheduler.clone(),
             config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
         )),

@@ -14,6 +14,9 @@ use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::request::PluginsField;
 use crate::plugins::runtime::{Instance, PluginRefused, Quarantined};
+use crate::engine::hooks::RequestHooks;
+use std::sync::Arc;
+use crate::plugins::adapters::PluginHooks;
 use crate::plugins::{Selected, Selection};
 use crate::structured::{CompileError, Structure};
 use axum::http::StatusCode;
@@ -127,7 +130,9 @@ impl AppState {
             max_tokens,
             stop: turn.stop,
             top_logprobs: turn.top_logprobs,
-            plugins,
+            reply_prefix: plugins.reply_prefix.take(),
+            one_tool_call: plugins.one_tool_call,
+            hooks: self.hooks(plugins),
             speculative,
             constraint,
             priority: turn.priority,
@@ -437,6 +442,11 @@ impl AppState {
             None if prompt >= fit => Err(too_long(1)),
             None => Ok(self.default_max_tokens.min(fit - prompt)),
         }
+    }
+
+    /// A request's selected plugins as the engine's hooks (`None`: it selects none).
+    pub(super) fn hooks(&self, selection: Selection) -> Option<Arc<dyn RequestHooks>> {
+        PluginHooks::of(self.plugins.clone(), selection)
     }
 
     /// Resolves the `plugins` extension field to loaded plugins. A request with `tools` gets
