@@ -392,3 +392,56 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
 fn a_hanging_child_fails_the_test_with_its_stderr() {
     Command::new("sh").args(["-c", "echo started >&2; sleep 30"]).output_within(std::time::Duration::from_secs(1));
 }
+
+/// `--model org/name` finds the model in a Hugging Face cache laid out as the hub's tools
+/// write it (files in `blobs/`, the snapshot's entries links to them, `refs/main` the
+/// commit) and generates what the folder itself gives; a name the cache lacks, with
+/// `HF_HUB_OFFLINE=1`, is an error that names it and how to fetch it; `host models` lists it.
+#[test]
+fn a_hub_name_loads_from_the_hub_cache_and_a_missing_one_says_how_to_fetch_it() {
+    let root = std::env::temp_dir().join(format!("host-cli-hub-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let repo = root.join("models--test-org--tiny-qwen3");
+    let commit = "89abcdef0123456789abcdef0123456789abcdef";
+    let snapshot = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    for (i, entry) in std::fs::read_dir(model_dir()).unwrap().enumerate() {
+        let entry = entry.unwrap();
+        let blob = format!("{i:064x}");
+        std::fs::copy(entry.path(), repo.join("blobs").join(&blob)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snapshot.join(entry.file_name())).unwrap();
+    }
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), commit).unwrap();
+    let run = |model: &str| {
+        Command::new(env!("CARGO_BIN_EXE_host"))
+            .args(["generate", "--device", "cpu", "--prompt", "hello", "--max-tokens", "6", "--json", "--model", model])
+            .env("HF_HUB_CACHE", &root)
+            .env("HF_HUB_OFFLINE", "1")
+            .output_within(HANG)
+    };
+    let by_path = json_of(&generate(&["--prompt", "hello", "--max-tokens", "6", "--json"]));
+    let by_name = json_of(&run("test-org/tiny-qwen3"));
+    assert_eq!(by_name["token_ids"], by_path["token_ids"]);
+    assert_eq!(json_of(&run(&format!("test-org/tiny-qwen3@{commit}")))["token_ids"], by_path["token_ids"]);
+    let missing = stderr_of_failure(&run("test-org/absent"));
+    assert!(missing.contains("test-org/absent") && missing.contains("HF_HUB_OFFLINE"), "{missing}");
+    assert!(missing.contains("huggingface-cli download test-org/absent"), "{missing}");
+    let revision = stderr_of_failure(&run("test-org/tiny-qwen3@v9"));
+    assert!(revision.contains("\"v9\"") && revision.contains("cached: main"), "{revision}");
+    // `host models` lists it: its name, type and size on disk.
+    let listed = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["models", "--json"])
+        .env("HF_HUB_CACHE", &root)
+        .output_within(HANG);
+    let rows: Vec<Value> =
+        String::from_utf8_lossy(&listed.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(
+        (rows[0]["name"].as_str(), rows[0]["model_type"].as_str()),
+        (Some("test-org/tiny-qwen3"), Some("qwen3"))
+    );
+    assert!(rows[0]["bytes"].as_u64().unwrap() > 1000, "{}", rows[0]);
+    std::fs::remove_dir_all(root).ok();
+}

@@ -21,6 +21,8 @@ enum Command {
     Serve(host::config::ServeArgs),
     /// Run an agent harness (pi, opencode, codex, claude) against `host serve`.
     Launch(host::cli::launch::Args),
+    /// List the models the Hugging Face cache holds (for `--model org/name`).
+    Models(host::cli::models::Args),
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::cli::plugins::PluginsCommand),
@@ -36,6 +38,7 @@ fn main() {
         Command::Bench(args) => host::cli::bench::run(args),
         Command::Serve(args) => host::server::run(args),
         Command::Launch(args) => host::cli::launch::run(args),
+        Command::Models(args) => host::cli::models::run(args),
         Command::Plugins(command) => host::cli::plugins::run_command(command),
         Command::TpWorker(args) => host::load::tp::worker(args),
     };

@@ -3,8 +3,8 @@
 //! finish and its usage, or why it failed), and why a request was not taken (`SubmitError`).
 
 use super::constraint::ConstraintSpec;
-use super::{SamplingParams, SpecConfig, SpecMethod};
 use super::hooks::RequestHooks;
+use super::{SamplingParams, SpecConfig, SpecMethod};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;

@@ -4,10 +4,12 @@
 //!
 //! - `device.rs`: `--device` and MLX's default device;
 //! - `tp.rs`: a model split over tensor-parallel ranks (this process is rank 0);
-//! - `default_model.rs`: the built-in default model, fetched on first use.
+//! - `default_model.rs`: the built-in default model, fetched on first use;
+//! - `hub.rs`: `org/name[@revision]` found in the Hugging Face cache.
 
 pub mod default_model;
 pub mod device;
+pub mod hub;
 pub mod tp;
 
 pub use device::{select_device, DeviceChoice};
@@ -18,6 +20,7 @@ use std::path::Path;
 
 /// Loads a draft model for `target` and checks that it shares the target's tokenizer.
 pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
+    let path = &hub::resolve_model_arg(path).context("the draft model")?;
     let draft = models::load(path).with_context(|| format!("loading the draft model from {}", path.display()))?;
     check_draft(target, &draft)?;
     Ok(draft)
@@ -32,7 +35,7 @@ pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
 /// process becomes rank 0 and launches the others; see `tp.rs`).
 pub fn load_model_split(path: Option<&Path>, tensor_parallel: usize, device: DeviceChoice) -> Result<Loaded> {
     let path = match path {
-        Some(p) => p.to_path_buf(),
+        Some(p) => hub::resolve_model_arg(p)?,
         None => default_model::ensure()?,
     };
     if tensor_parallel > 1 {

@@ -49,8 +49,10 @@ fn memory_budget(config: &ServeConfig, engine: &Engine) -> u64 {
 
 /// Builds the shared state from a loaded engine.
 pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<PluginRegistry>>) -> Arc<AppState> {
-    let model_id =
-        engine.info.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    // A hub name is the model's id as given (`org/name`); a path's is its file or folder name.
+    let model_id = config.model.as_deref().and_then(crate::load::hub::hub_repo).unwrap_or_else(|| {
+        engine.info.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+    });
     let config = &config.for_model(&model_id);
     let tool_adapter = match config.tool_adapter.as_deref() {
         Some("none" | "off") => None,

@@ -9,18 +9,18 @@ use super::error::{ApiError, Flavor};
 use super::openai::{self, ToolChoice};
 use super::state::AppState;
 use crate::engine::handle::Engine;
+use crate::engine::hooks::RequestHooks;
 use crate::engine::job::{Event, JobRequest, SubmitError};
 use crate::engine::{SamplingParams, SpecConfig};
 use crate::plugins::abi_v1::Kind;
+use crate::plugins::adapters::PluginHooks;
 use crate::plugins::request::PluginsField;
 use crate::plugins::runtime::{Instance, PluginRefused, Quarantined};
-use crate::engine::hooks::RequestHooks;
-use std::sync::Arc;
-use crate::plugins::adapters::PluginHooks;
 use crate::plugins::{Selected, Selection};
 use crate::structured::{CompileError, Structure};
 use axum::http::StatusCode;
 use serde_json::{json, Value};
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// A protocol-neutral chat request.
