@@ -170,3 +170,15 @@ impl Wire {
         out
     }
 }
+
+/// `POST /v1/messages/count_tokens`: the tokens `messages` would prompt with.
+pub(super) async fn count_tokens(
+    State(state): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let a = Flavor::Anthropic;
+    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
+    // The same prompt `messages` would build: tool descriptions and a forced call's opener.
+    let tokens = state.count(anthropic::turn(&req, true)?).await?;
+    Ok(Json(json!({"input_tokens": tokens})))
+}

@@ -7,11 +7,21 @@
 //! (the default, as OpenAI's) are kept in a bounded in-memory [`Store`] so that
 //! `previous_response_id` continues their conversation.
 
-use super::error::{ApiError, Flavor};
+use super::error::{parse_body, ApiError, Flavor};
 use super::openai::{self, SamplingFields, ToolChoice};
+use super::reply::{failure, now, request_id, stream};
+use super::state::Shared;
+use super::store::Store;
 use super::turn::Turn;
 use crate::engine::job::{Event, Finish, Usage};
 use crate::plugins::request::PluginsField;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::sse::Event as SseEvent;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
@@ -603,6 +613,104 @@ pub fn input_items(input: &Value) -> Vec<Value> {
         Value::Array(items) => items.clone(),
         _ => vec![],
     }
+}
+
+/// `POST /v1/responses`: the request made into the one request (`turn`), the engine's events
+/// written by `Output` as a response or its stream of events; stored unless `store: false`.
+pub(super) async fn create_response(
+    State(state): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ResponsesRequest = parse_body(body)?;
+    let history = match req.previous_response_id.as_deref() {
+        None => vec![],
+        Some(id) => state.responses.get(id).map(|s| s.conversation).ok_or_else(|| {
+            ApiError::invalid("previous_response_id", format!("`previous_response_id` names no stored response {id:?}: it was never stored (`store: false`), was deleted, or is older than the newest {} this server keeps", Store::MAX_RESPONSES))
+                .with_code("previous_response_not_found")
+        })?,
+    };
+    let (turn, conversation) = turn(&req, history)?;
+    let tools = turn.shown_tools().cloned();
+    let rx = state.begin(turn, "responses", req.stream).await?.events;
+    let mut output = Output::new(&request_id("resp_"), &state.model_id, now(), &req, &tools);
+    let store = req.store.unwrap_or(true);
+    let input_items = input_items(req.input.as_ref().unwrap_or(&Value::Null));
+    let keep = {
+        let state = state.clone();
+        move |output: &Output| {
+            if let (true, Some(done)) = (store, output.done.as_ref()) {
+                let mut conversation = conversation.clone();
+                conversation.extend(output.as_messages());
+                state.responses.put(done.clone(), conversation, input_items.clone());
+            }
+        }
+    };
+    if !req.stream {
+        let mut rx = rx;
+        while let Some(event) = rx.recv().await {
+            if let Some(error) = failure(&event, Flavor::OpenAi) {
+                return Err(error);
+            }
+            output.on(&event);
+            if let Some(done) = output.done.clone() {
+                keep(&output);
+                return Ok(Json(done).into_response());
+            }
+        }
+        return Err(ApiError::internal("the engine dropped the request"));
+    }
+    let sse = |(kind, data): StreamEvent| SseEvent::default().event(kind).data(data.to_string());
+    let opening = output.opening().into_iter().map(sse).collect();
+    stream(
+        state.clone(),
+        rx,
+        opening,
+        move |event| {
+            let events = output.on(event).into_iter().map(sse).collect();
+            if matches!(event, Event::Done { .. }) {
+                keep(&output);
+            }
+            events
+        },
+        false,
+        Flavor::OpenAi,
+    )
+    .await
+}
+
+fn no_response(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no stored response {id:?} (responses are kept when created with `store`, up to the newest {})",
+            Store::MAX_RESPONSES
+        ),
+    )
+}
+
+pub(super) async fn get_response(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    state.responses.get(&id).map(|s| Json(s.response)).ok_or_else(|| no_response(&id))
+}
+
+pub(super) async fn delete_response(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    match state.responses.delete(&id) {
+        true => Ok(Json(json!({"id": id, "object": "response", "deleted": true}))),
+        false => Err(no_response(&id)),
+    }
+}
+
+pub(super) async fn response_input_items(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let items = state.responses.get(&id).ok_or_else(|| no_response(&id))?.input_items;
+    let id_of = |i: Option<&Value>| i.and_then(|i| i.get("id")).cloned().unwrap_or(Value::Null);
+    Ok(Json(
+        json!({"object": "list", "data": items, "first_id": id_of(items.first()), "last_id": id_of(items.last()), "has_more": false}),
+    ))
 }
 
 #[cfg(test)]

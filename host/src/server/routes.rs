@@ -1,32 +1,20 @@
-//! The HTTP API: `app(state) -> Router` and its handlers. Handlers parse and validate,
-//! build the prompt, check admission, and hand a job to the engine thread; they never touch
-//! MLX. Streaming responses are fed by a task that turns engine events into SSE events and
-//! stops (cancelling the job) when the client goes away.
+//! The HTTP API: `app(state) -> Router`, its middleware (body limits, request logs, the API
+//! key) and the small routes (root, health, metrics, plugins, models). Each API's handlers
+//! live with it: `chat.rs`, `completions.rs`, `messages.rs` (and count_tokens),
+//! `responses.rs`, `tokens.rs`. Handlers parse and validate, build the prompt, check
+//! admission, and hand a job to the engine thread; they never touch MLX.
 
-use super::anthropic;
-use super::error::{parse_body, ApiError, Flavor};
-
-use super::responses::{self, Output, ResponsesRequest};
-
-use crate::engine::job::Event;
-
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{MatchedPath, Path, Request, State};
+use super::error::{ApiError, Flavor};
+use super::state::Shared;
+use super::tokens::{detokenize, tokenize};
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-
 use std::time::Instant;
-
-use super::reply::{failure, now, request_id, stream};
-use super::state::Shared;
-use super::store::Store;
-use super::tokens::{detokenize, tokenize};
 use tokio_stream::StreamExt;
 
 pub fn app(state: Shared) -> Router {
@@ -37,11 +25,11 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(super::chat::chat_completions))
         .route("/v1/completions", post(super::completions::completions))
-        .route("/v1/responses", post(create_response))
-        .route("/v1/responses/{id}", get(get_response).delete(delete_response))
-        .route("/v1/responses/{id}/input_items", get(response_input_items))
+        .route("/v1/responses", post(super::responses::create_response))
+        .route("/v1/responses/{id}", get(super::responses::get_response).delete(super::responses::delete_response))
+        .route("/v1/responses/{id}/input_items", get(super::responses::response_input_items))
         .route("/v1/messages", post(super::messages::messages))
-        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/messages/count_tokens", post(super::messages::count_tokens))
         .route("/v1/plugins", get(list_plugins))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -230,118 +218,17 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
     )
 }
 
-/// `POST /v1/responses`: the OpenAI Responses API (see `responses.rs`).
-async fn create_response(
-    State(state): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let req: ResponsesRequest = parse_body(body)?;
-    let history = match req.previous_response_id.as_deref() {
-        None => vec![],
-        Some(id) => state.responses.get(id).map(|s| s.conversation).ok_or_else(|| {
-            ApiError::invalid("previous_response_id", format!("`previous_response_id` names no stored response {id:?}: it was never stored (`store: false`), was deleted, or is older than the newest {} this server keeps", Store::MAX_RESPONSES))
-                .with_code("previous_response_not_found")
-        })?,
-    };
-    let (turn, conversation) = responses::turn(&req, history)?;
-    let tools = turn.shown_tools().cloned();
-    let rx = state.begin(turn, "responses", req.stream).await?.events;
-    let mut output = Output::new(&request_id("resp_"), &state.model_id, now(), &req, &tools);
-    let store = req.store.unwrap_or(true);
-    let input_items = responses::input_items(req.input.as_ref().unwrap_or(&Value::Null));
-    let keep = {
-        let state = state.clone();
-        move |output: &Output| {
-            if let (true, Some(done)) = (store, output.done.as_ref()) {
-                let mut conversation = conversation.clone();
-                conversation.extend(output.as_messages());
-                state.responses.put(done.clone(), conversation, input_items.clone());
-            }
-        }
-    };
-    if !req.stream {
-        let mut rx = rx;
-        while let Some(event) = rx.recv().await {
-            if let Some(error) = failure(&event, Flavor::OpenAi) {
-                return Err(error);
-            }
-            output.on(&event);
-            if let Some(done) = output.done.clone() {
-                keep(&output);
-                return Ok(Json(done).into_response());
-            }
-        }
-        return Err(ApiError::internal("the engine dropped the request"));
-    }
-    let sse = |(kind, data): responses::StreamEvent| SseEvent::default().event(kind).data(data.to_string());
-    let opening = output.opening().into_iter().map(sse).collect();
-    stream(
-        state.clone(),
-        rx,
-        opening,
-        move |event| {
-            let events = output.on(event).into_iter().map(sse).collect();
-            if matches!(event, Event::Done { .. }) {
-                keep(&output);
-            }
-            events
-        },
-        false,
-        Flavor::OpenAi,
-    )
-    .await
-}
-
-fn no_response(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        format!(
-            "no stored response {id:?} (responses are kept when created with `store`, up to the newest {})",
-            Store::MAX_RESPONSES
-        ),
-    )
-}
-
-async fn get_response(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    state.responses.get(&id).map(|s| Json(s.response)).ok_or_else(|| no_response(&id))
-}
-
-async fn delete_response(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    match state.responses.delete(&id) {
-        true => Ok(Json(json!({"id": id, "object": "response", "deleted": true}))),
-        false => Err(no_response(&id)),
-    }
-}
-
-async fn response_input_items(State(state): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let items = state.responses.get(&id).ok_or_else(|| no_response(&id))?.input_items;
-    let id_of = |i: Option<&Value>| i.and_then(|i| i.get("id")).cloned().unwrap_or(Value::Null);
-    Ok(Json(
-        json!({"object": "list", "data": items, "first_id": id_of(items.first()), "last_id": id_of(items.last()), "has_more": false}),
-    ))
-}
-
-async fn count_tokens(
-    State(state): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
-    let a = Flavor::Anthropic;
-    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
-    // The same prompt `messages` would build: tool descriptions and a forced call's opener.
-    let tokens = state.count(anthropic::turn(&req, true)?).await?;
-    Ok(Json(json!({"input_tokens": tokens})))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::ServeConfig;
     use crate::engine::handle::Engine;
     use crate::engine::handle::EngineConfig;
-    use crate::engine::job::Cancel;
-    use crate::server::openai;
+    use crate::engine::job::{Cancel, Event};
     use crate::server::reply::*;
+    use crate::server::{anthropic, openai};
     use axum::body::Body;
+    use axum::body::Bytes;
     use http_body_util::BodyExt;
     use std::convert::Infallible;
     use std::sync::Arc;
