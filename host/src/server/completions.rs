@@ -72,7 +72,7 @@ async fn job(state: &Shared, req: CompletionRequest) -> Result<(JobRequest, Stri
         Some(k) if (0..=5).contains(&k) => Some(k as usize),
         Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
     };
-    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens", "prompt")?;
+    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens", "prompt", Flavor::OpenAi)?;
     state.check_sampling(&sampling, Flavor::OpenAi)?;
     let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
     let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;

@@ -682,13 +682,58 @@ mod tests {
         )
         .await;
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_completion_tokens")), "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains("plus max_completion_tokens (128000)"), "{v}");
+        // OpenAI's own wording (clients read the context length from it), then why it is 400.
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message
+                .starts_with(&format!("This model's maximum context length is {fit} tokens. However, you requested ")),
+            "{v}"
+        );
+        assert!(
+            message.contains(
+                " in the messages, 128000 in the completion). Please reduce the length of the messages or completion."
+            ),
+            "{v}"
+        );
         // A prompt too long by itself is named by its own field.
         let long =
             format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}], "max_tokens": 1}}"#, "hi ".repeat(2000));
         let (status, v) = check(r(), "POST", "/v1/chat/completions", &long, &[]).await;
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains("the prompt alone is too long"), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(" in the messages, 1 in the completion)"), "{v}");
+        // On /v1/messages, byte for byte the body Anthropic's service sends (Claude Code
+        // compacts on it).
+        let body =
+            format!(r#"{{"max_tokens": 100, "messages": [{{"role": "user", "content": "{}"}}]}}"#, "hi ".repeat(2000));
+        let response = r()
+            .oneshot(
+                axum::http::Request::builder()
+                    .method("POST")
+                    .uri("/v1/messages")
+                    .header("host", "127.0.0.1")
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400);
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&bytes);
+        let prompt: usize = text
+            .split("prompt is too long: ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(prompt > fit as usize, "{text}");
+        assert_eq!(
+            text,
+            format!(
+                r#"{{"type":"error","error":{{"type":"invalid_request_error","message":"prompt is too long: {prompt} tokens > {} maximum"}}}}"#,
+                fit - 1
+            )
+        );
     }
 
     /// For a template that ignores tools, an assistant turn's earlier calls are written into

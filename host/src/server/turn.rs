@@ -97,9 +97,7 @@ impl AppState {
             Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
             n => n,
         };
-        let max_tokens = self
-            .admit(prompt.len(), requested, turn.max_tokens_param, turn.prompt_param)
-            .map_err(|e| e.flavor(flavor))?;
+        let max_tokens = self.admit(prompt.len(), requested, turn.max_tokens_param, turn.prompt_param, flavor)?;
         let speculative = self.speculative(turn.speculative, flavor)?;
         let constraint = match (plugins.reply_grammar.take(), plugins.call_grammar.take()) {
             // A forced call's arguments held to the tool's schema, unless the request brings a
@@ -406,35 +404,36 @@ impl AppState {
     /// Refuses requests whose prompt plus completion cannot fit; resolves the default max_tokens.
     /// `param`: the request's name for max_tokens (empty: `max_tokens`).
     /// A prompt too long by itself is named by `prompt_param` (empty: `messages`), else the
-    /// error names `param` (empty: `max_tokens`).
+    /// error names `param` (empty: `max_tokens`). The message is the one the API's own
+    /// service writes ([`overflow_message`]), which clients parse to compact and retry.
     pub(super) fn admit(
         &self,
         prompt: usize,
         requested: Option<usize>,
         param: &str,
         prompt_param: &str,
+        flavor: Flavor,
     ) -> Result<usize, ApiError> {
         let param = if param.is_empty() { "max_tokens" } else { param };
         let prompt_param = if prompt_param.is_empty() { "messages" } else { prompt_param };
         let fit = self.max_sequence_tokens;
-        let limit = match self.context_tokens <= fit {
-            true => format!("the model's context length of {fit} tokens"),
-            false => format!("the {fit} tokens that fit in this server's memory budget"),
-        };
         let too_long = |max: usize| {
-            let message = match prompt >= fit {
-                // The prompt alone does not fit: it is the field to change.
-                true => format!(
-                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; the prompt alone is too long: shorten `{prompt_param}`{}",
-                    if prompt_param == "input" { " (with `instructions`)" } else { "" }
-                ),
-                false => format!(
-                    "the prompt ({prompt} tokens) plus {param} ({max}) exceeds {limit}; shorten the prompt or lower {param} (at most {} here)",
-                    fit - prompt
-                ),
+            let api = match (flavor, prompt_param) {
+                (Flavor::Anthropic, _) => Api::Messages,
+                (_, "input") => Api::Responses,
+                (_, "prompt") => Api::Completions,
+                _ => Api::Chat,
             };
+            let mut message = overflow_message(api, prompt, max, fit);
+            if self.context_tokens > fit && api != Api::Messages {
+                message.push_str(&format!(
+                    " (Here the limit is the {fit} tokens that fit in this server's memory budget; the model's context length is {}.)",
+                    self.context_tokens
+                ));
+            }
             ApiError::invalid(if prompt >= fit { prompt_param } else { param }, message)
                 .with_code("context_length_exceeded")
+                .flavor(flavor)
         };
         match requested {
             Some(max) if prompt + max > fit => Err(too_long(max)),
@@ -716,9 +715,68 @@ fn append_calls(message: &mut Value, written: &str) {
     message["content"] = json!(text);
 }
 
+/// The API a context-overflow error is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Api {
+    Chat,
+    Completions,
+    Responses,
+    Messages,
+}
+
+/// A prompt of `prompt` tokens with `max` to generate does not fit in `fit`: the message each
+/// API's own service writes, which harnesses parse to compact or retry (Claude Code reads
+/// Anthropic's two forms, numbers included, and retries the second with a lower
+/// `max_tokens`; OpenAI clients read the context length from the first sentence; Codex reads
+/// the Responses API's `context_length_exceeded` code).
+pub(super) fn overflow_message(api: Api, prompt: usize, max: usize, fit: usize) -> String {
+    match api {
+        // At least one token must be left to generate: a prompt of `fit` tokens is too long.
+        Api::Messages if prompt >= fit => format!("prompt is too long: {prompt} tokens > {} maximum", fit.saturating_sub(1)),
+        Api::Messages => format!(
+            "input length and `max_tokens` exceed context limit: {prompt} + {max} > {fit}, decrease input length or `max_tokens` and try again"
+        ),
+        Api::Chat => format!(
+            "This model's maximum context length is {fit} tokens. However, you requested {} tokens ({prompt} in the messages, {max} in the completion). Please reduce the length of the messages or completion.",
+            prompt + max
+        ),
+        Api::Completions => format!(
+            "This model's maximum context length is {fit} tokens, however you requested {} tokens ({prompt} in your prompt; {max} for the completion). Please reduce your prompt; or completion length.",
+            prompt + max
+        ),
+        Api::Responses => format!(
+            "Your input exceeds the context window of this model. Please adjust your input and try again. ({prompt} input tokens and {max} max_output_tokens; the window is {fit} tokens.)"
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each API's context-overflow message as its own service writes it (Anthropic's two
+    /// forms, OpenAI's chat and legacy completions sentences, the Responses API's), numbers
+    /// where the clients read them.
+    #[test]
+    fn context_overflow_messages_are_each_services_own() {
+        assert_eq!(overflow_message(Api::Messages, 9000, 1, 8192), "prompt is too long: 9000 tokens > 8191 maximum");
+        assert_eq!(overflow_message(Api::Messages, 8192, 1, 8192), "prompt is too long: 8192 tokens > 8191 maximum");
+        assert_eq!(
+            overflow_message(Api::Messages, 6000, 4000, 8192),
+            "input length and `max_tokens` exceed context limit: 6000 + 4000 > 8192, decrease input length or `max_tokens` and try again"
+        );
+        assert_eq!(
+            overflow_message(Api::Chat, 6000, 4000, 8192),
+            "This model's maximum context length is 8192 tokens. However, you requested 10000 tokens (6000 in the messages, 4000 in the completion). Please reduce the length of the messages or completion."
+        );
+        assert_eq!(
+            overflow_message(Api::Completions, 118, 4000, 4097),
+            "This model's maximum context length is 4097 tokens, however you requested 4118 tokens (118 in your prompt; 4000 for the completion). Please reduce your prompt; or completion length."
+        );
+        assert!(overflow_message(Api::Responses, 9000, 100, 8192).starts_with(
+            "Your input exceeds the context window of this model. Please adjust your input and try again."
+        ));
+    }
 
     #[test]
     fn system_messages_are_merged_only_when_one_follows_the_first() {
