@@ -227,6 +227,8 @@ fn tiny_random_models_equal_mlx_lm() {
         "tiny-mistral3",
         "tiny-ministral3",
         "tiny-ministral3-q4",
+        "tiny-minicpm",
+        "tiny-minicpm-q4",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);

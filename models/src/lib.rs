@@ -14,6 +14,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod llama;
 mod loader;
+pub mod minicpm;
 pub mod ministral3;
 mod moe;
 pub mod phi3;

@@ -536,6 +536,9 @@ struct Block {
     mlp: FeedForward,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
+    /// Each residual branch multiplied by this before it is added (MiniCPM's
+    /// `scale_depth / sqrt(layers)`); `None`: added as it is.
+    residual: Option<f32>,
 }
 
 impl Block {
@@ -548,9 +551,21 @@ impl Block {
         at: &Positions,
         query_scale: Option<&Array>,
     ) -> Result<Array> {
-        let h =
-            x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, mask, cache, rope, at, query_scale)?)?;
-        Ok(h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
+        let branch = |r: Array| -> Result<Array> {
+            Ok(match self.residual {
+                Some(s) => r.multiply(&Array::scalar(s, r.dtype())?)?,
+                None => r,
+            })
+        };
+        let h = x.add(&branch(self.self_attn.forward(
+            &self.input_layernorm.forward(x)?,
+            mask,
+            cache,
+            rope,
+            at,
+            query_scale,
+        )?)?)?;
+        Ok(h.add(&branch(self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)?)
     }
 }
 
@@ -563,12 +578,36 @@ pub struct Model {
     vocab: usize,
     /// Llama 4's query scale by position (Ministral 3): (beta, original context length).
     position_scale: Option<(f32, f32)>,
+    /// Embeddings multiplied by this (MiniCPM's `scale_emb`).
+    embed_scale: Option<f32>,
+    /// The final hidden state divided by this before an untied head (MiniCPM's
+    /// `hidden_size / dim_model_base`).
+    head_divisor: Option<f32>,
 }
 
 impl Model {
     /// Every layer's queries scaled by position, Llama 4's way ([`query_scale`]).
     pub(crate) fn position_scaled(self, beta: f32, original: f32) -> Self {
         Model { position_scale: Some((beta, original)), ..self }
+    }
+
+    /// MiniCPM's scaling: embeddings by `embed`, each residual branch by `residual`, the
+    /// hidden state divided by `head_divisor` before an untied head (a tied one takes it as
+    /// it is, as mlx-lm's `minicpm.py`).
+    pub(crate) fn scaled(mut self, embed: f32, residual: f32, head_divisor: f32) -> Self {
+        for layer in &mut self.layers {
+            layer.residual = Some(residual);
+        }
+        Model { embed_scale: Some(embed), head_divisor: Some(head_divisor), ..self }
+    }
+
+    /// The tokens' embeddings, scaled where the model scales them.
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        let h = self.embed_tokens.forward(tokens)?;
+        Ok(match self.embed_scale {
+            Some(s) => h.multiply(&Array::scalar(s, h.dtype())?)?,
+            None => h,
+        })
     }
 
     pub fn load(config: &Config, weights: &mut Weights, options: &LoadOptions) -> Result<Self> {
@@ -632,6 +671,7 @@ impl Model {
                         d.hidden,
                         d.eps,
                     )?,
+                    residual: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -643,6 +683,8 @@ impl Model {
             rope,
             vocab: d.vocab,
             position_scale: None,
+            embed_scale: None,
+            head_divisor: None,
         })
     }
 }
@@ -651,7 +693,7 @@ impl Model {
     /// The final hidden states (after the last norm), before the output head. Under tensor
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let h = self.embed_tokens.forward(tokens)?;
+        let h = self.embed(tokens)?;
         let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
         let short = short_mask(len, offset)?;
         self.decoder(h, &mask_of(len, &short), cache, &Positions::From(offset))
@@ -673,13 +715,16 @@ impl Model {
     pub fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
         let (offsets, padding) = batch_inputs(tokens, cache)?;
         let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
-        self.decoder(self.embed_tokens.forward(tokens)?, &mask, cache, &Positions::Rows(&offsets))
+        self.decoder(self.embed(tokens)?, &mask, cache, &Positions::Rows(&offsets))
     }
 
     /// Logits of final hidden states.
     pub fn head(&self, h: &Array) -> Result<Array> {
         match &self.lm_head {
-            Some(head) => head.forward(h),
+            Some(head) => match self.head_divisor {
+                Some(d) => head.forward(&h.divide(&Array::scalar(d, h.dtype())?)?),
+                None => head.forward(h),
+            },
             None => self.embed_tokens.as_linear(h),
         }
     }

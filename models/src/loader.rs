@@ -3,14 +3,16 @@
 
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, QuantMode, Quantization, Weights};
-use crate::{gemma3, gpt_oss, llama, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, CausalLm, Error, Result};
+use crate::{
+    gemma3, gpt_oss, llama, minicpm, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, CausalLm, Error, Result,
+};
 use mlx::Device;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3 (and the text models of gemma3 and mistral3 folders)";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -170,6 +172,7 @@ pub enum Arch {
     Gemma3(gemma3::Config),
     GptOss(gpt_oss::Config),
     Phi3(phi3::Config),
+    MiniCpm(minicpm::Config),
 }
 
 impl Arch {
@@ -189,6 +192,7 @@ impl Arch {
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
             "phi3" => Arch::Phi3(parse(config, path)?),
+            "minicpm" => Arch::MiniCpm(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
                     found: other.to_string(),
@@ -214,6 +218,7 @@ impl Arch {
             Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Phi3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
+            Arch::MiniCpm(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
         }
     }
 
@@ -241,6 +246,7 @@ impl Arch {
                 ))
             }
             Arch::Phi3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
+            Arch::MiniCpm(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::GptOss(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen2Moe(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
@@ -269,6 +275,7 @@ impl Arch {
             Arch::Gemma3(_) => "gemma3_text",
             Arch::GptOss(_) => "gpt_oss",
             Arch::Phi3(_) => "phi3",
+            Arch::MiniCpm(_) => "minicpm",
         }
     }
 
@@ -285,6 +292,7 @@ impl Arch {
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
             Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
             Arch::Phi3(c) => Box::new(phi3::load(c, weights, options)?),
+            Arch::MiniCpm(c) => Box::new(minicpm::load(c, weights, options)?),
         })
     }
 }
