@@ -94,6 +94,14 @@ pub fn output_tokens(context: usize) -> usize {
     (context / 4).clamp(256, 8192)
 }
 
+/// The room a launched harness keeps free of conversation in a served window of `context`
+/// tokens: a turn's output and a sixteenth of the window for the next tool result. It
+/// compacts (summarises the conversation) once the prompt would grow past `context` less
+/// this, before the server would refuse it.
+pub fn reserve_tokens(context: usize) -> usize {
+    output_tokens(context) + context / 16
+}
+
 /// The configuration for `harness` against the server at `url` serving `model` with
 /// `context` tokens of prompt + output (`None`: unknown, the harness's defaults stand).
 pub fn configure(
@@ -106,6 +114,7 @@ pub fn configure(
 ) -> Launch {
     let url = url.trim_end_matches('/');
     let output = context.map(output_tokens);
+    let reserve = context.map(reserve_tokens);
     let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     };
@@ -125,6 +134,10 @@ pub fn configure(
             ])
             .into_iter()
             .chain(output.map(|n| ("CLAUDE_CODE_MAX_OUTPUT_TOKENS".to_string(), n.to_string())))
+            // The served window, which Claude Code otherwise takes for 1M on a model it does
+            // not know: it compacts against it (its auto-compact window is clamped to it;
+            // CLAUDE_CODE_AUTO_COMPACT_WINDOW itself is refused below 100K).
+            .chain(context.map(|n| ("CLAUDE_CODE_MAX_CONTEXT_TOKENS".to_string(), n.to_string())))
             .collect(),
             ..Launch::default()
         },
@@ -142,8 +155,10 @@ pub fn configure(
                 args.push("-c".to_string());
                 args.push(format!("{key}={value}"));
             }
-            if let (Some(context), Some(output)) = (context, output) {
+            if let (Some(context), Some(output), Some(reserve)) = (context, output, reserve) {
                 args.extend(["-c".into(), format!("model_context_window={context}")]);
+                args.extend(["-c".into(), format!("model_auto_compact_token_limit={}", context - reserve)]);
+                // Read by the pinned Codex; newer ones say it is ignored.
                 args.extend(["-c".into(), format!("model_max_output_tokens={output}")]);
             }
             Launch { args, env: env(&[("HOST_LAUNCH_API_KEY", api_key)]), ..Launch::default() }
@@ -151,7 +166,7 @@ pub fn configure(
         // OPENCODE_CONFIG is merged over the user's own configuration.
         Harness::Opencode => {
             let path = dir.join("opencode.json");
-            let config = json!({
+            let mut config = json!({
                 "$schema": "https://opencode.ai/config.json",
                 "provider": {"host": {
                     "npm": "@ai-sdk/openai-compatible",
@@ -162,6 +177,10 @@ pub fn configure(
                 "model": format!("host/{model}"),
                 "small_model": format!("host/{model}"),
             });
+            if let Some(reserve) = reserve {
+                // It compacts once a turn leaves less than `reserved` of the model's limit.
+                config["compaction"] = json!({"auto": true, "reserved": reserve});
+            }
             Launch {
                 env: env(&[("OPENCODE_CONFIG", &path.to_string_lossy())]),
                 files: vec![(path, serde_json::to_string_pretty(&config).unwrap())],
@@ -178,10 +197,17 @@ pub fn configure(
                 "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
                 "models": [pi_model(model, context, output)],
             }}});
+            let mut files = vec![(agent.join("models.json"), serde_json::to_string_pretty(&models).unwrap())];
+            if let (Some(context), Some(reserve)) = (context, reserve) {
+                // pi's defaults (16,384 reserved, 20,000 kept) assume a cloud model's window.
+                let settings =
+                    json!({"compaction": {"enabled": true, "reserveTokens": reserve, "keepRecentTokens": context / 4}});
+                files.push((agent.join("settings.json"), serde_json::to_string_pretty(&settings).unwrap()));
+            }
             Launch {
                 args: vec!["--provider".into(), "host".into(), "--model".into(), model.into()],
                 env: env(&[("PI_CODING_AGENT_DIR", &agent.to_string_lossy())]),
-                files: vec![(agent.join("models.json"), serde_json::to_string_pretty(&models).unwrap())],
+                files,
             }
         }
     }
@@ -440,6 +466,20 @@ mod tests {
             json!({"id": "m", "contextWindow": 8192, "maxTokens": 2048})
         );
         assert!(configure(Harness::Pi, "http://h:1", "m", None, "k", dir).files[0].1.contains("\"id\": \"m\"\n"));
+        // Where each compacts: the window less a turn's output and a sixteenth of it
+        // (8,192 - 2,048 - 512 = 5,632 tokens of conversation).
+        assert_eq!(reserve_tokens(8192), 2560);
+        assert_eq!(env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], "8192");
+        assert!(codex.args.contains(&"model_auto_compact_token_limit=5632".to_string()), "{:?}", codex.args);
+        assert_eq!(config["compaction"], json!({"auto": true, "reserved": 2560}));
+        let (path, settings) = &pi.files[1];
+        assert!(path.ends_with("pi-agent/settings.json"));
+        let settings: Value = serde_json::from_str(settings).unwrap();
+        assert_eq!(settings["compaction"], json!({"enabled": true, "reserveTokens": 2560, "keepRecentTokens": 2048}));
+        // An unknown window leaves each harness its own defaults.
+        let unknown = configure(Harness::Claude, "http://h:1", "m", None, "k", dir);
+        assert!(!unknown.env.iter().any(|(k, _)| k == "CLAUDE_CODE_MAX_CONTEXT_TOKENS"));
+        assert_eq!(configure(Harness::Pi, "http://h:1", "m", None, "k", dir).files.len(), 1);
         assert_eq!((output_tokens(1000), output_tokens(1 << 20)), (256, 8192));
     }
 }
