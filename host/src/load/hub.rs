@@ -65,7 +65,8 @@ pub fn cache_root() -> Result<PathBuf> {
 }
 
 /// What `--model` names: an existing path as it is, else a hub name resolved in the cache.
-/// A string that is neither is an error that says what was expected.
+/// Anything else is returned as it is, for the loader to say what a model path must be; a
+/// string shaped like `org/name` with characters the hub does not allow is refused here.
 pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
     if arg.exists() {
         return Ok(arg.to_path_buf());
@@ -78,10 +79,7 @@ pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
             "{text:?} is not a model name the hub allows (org/name[@revision]: letters, digits, '-', '_', '.') \
              and no file or folder of that name exists"
         ),
-        None => bail!(
-            "no model at {text:?}: give a model folder (config.json, tokenizer, safetensors), a .gguf file, \
-             or a Hugging Face name such as HuggingFaceTB/SmolLM2-135M-Instruct"
-        ),
+        None => Ok(arg.to_path_buf()),
     }
 }
 
@@ -387,8 +385,8 @@ mod tests {
         assert_eq!(hub_repo(Path::new("org/model@v1")).as_deref(), Some("org/model"));
         let bad = resolve_model_arg(Path::new("org/na me")).unwrap_err().to_string();
         assert!(bad.contains("not a model name the hub allows"), "{bad}");
-        let nothing = resolve_model_arg(Path::new("nothing-here.gguf")).unwrap_err().to_string();
-        assert!(nothing.contains("no model at") && nothing.contains("Hugging Face name"), "{nothing}");
+        // Not a hub name: left to the loader, which says what a model path must be.
+        assert_eq!(resolve_model_arg(Path::new("/nothing/here.gguf")).unwrap(), Path::new("/nothing/here.gguf"));
         std::fs::remove_dir_all(root).ok();
     }
 }
