@@ -107,10 +107,11 @@ def test_errors_are_in_the_openai_shape(openai_client, http):
     r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 8190})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     message = r.json()["error"]["message"]
-    assert "max_tokens (8190)" in message and "the model's context length of 8192 tokens" in message, message
-    assert re.search(r"the prompt \(\d+ tokens\)", message), message
+    # In OpenAI's own words (clients parse them), with both numbers and what to do.
+    assert message.startswith("This model's maximum context length is 8192 tokens. However, you requested "), message
+    assert re.search(r"\(\d+ in the messages, 8190 in the completion\)\. Please reduce the length of the messages or completion\.", message), message
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 9000}]})
-    assert r.status_code == 400 and "context length of 8192" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "maximum context length is 8192 tokens" in r.json()["error"]["message"], r.text
     models = http.get("/v1/models").json()["data"]
     assert models[0]["max_model_len"] == 8192
     assert http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 8192

@@ -745,7 +745,7 @@ pub(super) fn overflow_message(api: Api, prompt: usize, max: usize, fit: usize) 
             prompt + max
         ),
         Api::Responses => format!(
-            "Your input exceeds the context window of this model. Please adjust your input and try again. ({prompt} input tokens and {max} max_output_tokens; the window is {fit} tokens.)"
+            "Your input exceeds the context window of this model. Please adjust your input and try again. ({prompt} input tokens and {max} max_output_tokens; the window is {fit} tokens: shorten `input` or `instructions`, or lower `max_output_tokens`.)"
         ),
     }
 }
