@@ -3,9 +3,9 @@
 //! `tool_result` (as tool messages); tool definitions become OpenAI-style function tools,
 //! the shape Hugging Face chat templates take.
 
-use super::error::{ApiError, Flavor};
+use super::error::ApiError;
 use super::openai::ToolChoice;
-use super::turn::Turn;
+use super::turn::{Api, Input, Turn};
 use crate::engine::job::{Finish, Usage};
 use crate::engine::SamplingParams;
 use serde::Deserialize;
@@ -59,10 +59,9 @@ pub fn turn(r: &MessagesRequest, counting: bool) -> Result<Turn, ApiError> {
     let messages = template_messages(r.system.as_ref(), &r.messages)?;
     let tools = tools(r.tools.as_ref())?;
     let tool_choice = tool_choice(r.tool_choice.as_ref(), tools.as_ref())?;
-    let stop = super::openai::stops(r.stop_sequences.clone().map(super::openai::Stop::Many))
-        .map_err(|e| e.flavor(Flavor::Anthropic))?;
+    let stop = super::openai::stops(r.stop_sequences.clone().map(super::openai::Stop::Many))?;
     let mut turn = Turn {
-        messages,
+        input: Input::Messages(messages),
         tools,
         tool_choice,
         one_tool_call: one_tool_call(r.tool_choice.as_ref())?,
@@ -73,9 +72,9 @@ pub fn turn(r: &MessagesRequest, counting: bool) -> Result<Turn, ApiError> {
         stop,
         plugins: r.plugins.clone(),
         speculative: r.speculative.clone(),
-        priority: super::openai::priority(r.priority).map_err(|e| e.flavor(Flavor::Anthropic))?,
+        priority: super::openai::priority(r.priority)?,
         client: client(r),
-        flavor: Flavor::Anthropic,
+        api: Api::Messages,
         model: r.model.clone(),
         ..Turn::default()
     };
@@ -129,7 +128,7 @@ fn output_format(r: &MessagesRequest) -> Result<Option<crate::structured::Struct
         (None, Some(f)) => (f, "output_format"),
         (None, None) => return Ok(None),
     };
-    match super::openai::response_format(format, param).map_err(|e| e.flavor(Flavor::Anthropic))? {
+    match super::openai::response_format(format, param)? {
         Some(crate::structured::Structure::JsonSchema(s)) => {
             Ok(Some(crate::structured::Structure::JsonSchema(crate::structured::strict(s))))
         }
@@ -138,7 +137,7 @@ fn output_format(r: &MessagesRequest) -> Result<Option<crate::structured::Struct
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid(param, message).flavor(Flavor::Anthropic)
+    ApiError::invalid(param, message)
 }
 
 /// Claude Code's first system block, `x-anthropic-billing-header: cc_version=...;`, changes
@@ -323,7 +322,7 @@ pub fn tools(tools: Option<&Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError>
         (".function.description", ".description"),
         (".function", ""),
     ];
-    super::openai::check_converted_tools(&out, &at, &fields).map_err(|e| e.flavor(Flavor::Anthropic))?;
+    super::openai::check_converted_tools(&out, &at, &fields)?;
     Ok(Some(out))
 }
 

@@ -7,7 +7,7 @@ use super::error::{parse_body, ApiError, Flavor};
 use super::openai::{self, ChatRequest};
 use super::reply::{collect, data, now, request_id, stream, stream_error, Completion};
 use super::state::Shared;
-use super::turn::Turn;
+use super::turn::{Api, Input, Turn};
 use crate::engine::job::{Event, Usage};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -31,12 +31,12 @@ pub(super) async fn chat_completions(
         top_logprobs: turn.top_logprobs,
         include_usage,
     };
-    let rx = state.begin(turn, "chat", streamed).await?.events;
+    let rx = state.begin(turn, streamed).await?.events;
     if !streamed {
-        let c = collect(&state, rx, Flavor::OpenAi).await?;
+        let c = collect(&state, rx).await?;
         return Ok(Json(wire.whole(&c)).into_response());
     }
-    stream(state.clone(), rx, vec![], move |event| wire.chunks(event), true, Flavor::OpenAi).await
+    stream(state.clone(), rx, vec![], move |event| wire.chunks(event), true).await
 }
 
 /// `top_logprobs` when `logprobs` is on (0 to 20 alternatives a token).
@@ -62,7 +62,7 @@ fn turn(req: ChatRequest) -> Result<Turn, ApiError> {
     openai::check_tools(req.tools.as_ref())?;
     let tool_choice = openai::tool_choice(req.tool_choice.as_ref(), req.tools.as_ref())?;
     Ok(Turn {
-        messages,
+        input: Input::Messages(messages),
         tools: req.tools,
         tool_choice,
         one_tool_call: req.parallel_tool_calls == Some(false),
@@ -76,7 +76,7 @@ fn turn(req: ChatRequest) -> Result<Turn, ApiError> {
         priority: openai::priority(req.priority)?,
         client: req.user,
         template_kwargs: req.chat_template_kwargs,
-        flavor: Flavor::OpenAi,
+        api: Api::Chat,
         max_tokens_is_ceiling: false,
         max_tokens_param: if req.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
         prompt_param: "messages",

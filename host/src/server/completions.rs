@@ -1,13 +1,14 @@
 //! `POST /v1/completions`: a raw prompt (text, or token ids) continued, with no chat
-//! template, tools or reasoning parser: the request goes to the engine as a `JobRequest`
-//! built here (a `Turn` is a conversation), and the events are written as a
-//! `text_completion` or its chunks (the prompt first when `echo`).
+//! template, tools or reasoning parser: the request made into the one request (`Turn`, its
+//! input the prompt's tokens), and the events written as a `text_completion` or its chunks
+//! (the prompt first when `echo`).
 
 use super::error::{parse_body, ApiError, Flavor};
-use super::openai::{self, CompletionRequest, Prompt};
+use super::openai::{self, CompletionRequest, Prompt, ToolChoice};
 use super::reply::{collect, data, now, request_id, stream, stream_error, Completion};
 use super::state::Shared;
-use crate::engine::job::{Event, JobRequest, Usage};
+use super::turn::{Api, Input, Turn};
+use crate::engine::job::{Event, Usage};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -23,26 +24,26 @@ pub(super) async fn completions(
     let req: CompletionRequest = parse_body(body)?;
     let (streamed, echo) = (req.stream, req.echo);
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let (job, prompt_text) = job(&state, req).await?;
-    let top_logprobs = job.top_logprobs;
-    let rx = state.submit(job, Flavor::OpenAi)?;
+    let (turn, prompt_text) = turn(&state, req).await?;
     let mut wire = Wire {
         id: request_id("cmpl-"),
         created: now(),
         model: state.model_id.clone(),
         echo: if echo { prompt_text } else { String::new() },
-        top_logprobs,
+        top_logprobs: turn.top_logprobs,
         include_usage,
     };
+    let rx = state.begin(turn, streamed).await?.events;
     if !streamed {
-        let c = collect(&state, rx, Flavor::OpenAi).await?;
+        let c = collect(&state, rx).await?;
         return Ok(Json(wire.whole(&c)).into_response());
     }
-    stream(state.clone(), rx, vec![], move |event| wire.chunks(event), true, Flavor::OpenAi).await
+    stream(state.clone(), rx, vec![], move |event| wire.chunks(event), true).await
 }
 
-/// The request as the engine's job, and the prompt's text (for `echo`).
-async fn job(state: &Shared, req: CompletionRequest) -> Result<(JobRequest, String), ApiError> {
+/// The completion request as the one request every API makes, and the prompt's text (for
+/// `echo`).
+async fn turn(state: &Shared, req: CompletionRequest) -> Result<(Turn, String), ApiError> {
     openai::check_n(req.n)?;
     let sampling = req.sampling.to_params(1.0)?;
     let max = openai::max_tokens(req.max_tokens, "max_tokens", 16)?;
@@ -72,29 +73,28 @@ async fn job(state: &Shared, req: CompletionRequest) -> Result<(JobRequest, Stri
         Some(k) if (0..=5).contains(&k) => Some(k as usize),
         Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and 5, got {k}"))),
     };
-    let max_tokens = state.admit(prompt.len(), Some(max), "max_tokens", "prompt", Flavor::OpenAi)?;
-    state.check_sampling(&sampling, Flavor::OpenAi)?;
-    let mut plugins = state.plugins(req.plugins, None, Flavor::OpenAi, false)?;
-    let speculative = state.speculative(req.speculative, Flavor::OpenAi)?;
-    let constraint =
-        state.constraint(openai::structure(&req.structured)?, plugins.constraint.take(), Flavor::OpenAi).await?;
-    let stop = openai::stops(req.stop)?;
-    let (priority, client) = (openai::priority(req.priority)?, req.user);
-    let job = JobRequest {
-        prompt,
+    let turn = Turn {
+        input: Input::Tokens(prompt),
+        tools: None,
+        tool_choice: ToolChoice::None,
+        one_tool_call: false,
         sampling,
-        max_tokens,
-        stop,
+        max_tokens: Some(max),
+        max_tokens_is_ceiling: false,
+        max_tokens_param: "max_tokens",
+        prompt_param: "prompt",
+        stop: openai::stops(req.stop)?,
         top_logprobs,
-        reply_prefix: plugins.reply_prefix.take(),
-        one_tool_call: plugins.one_tool_call,
-        hooks: state.hooks(plugins),
-        speculative,
-        constraint,
-        priority,
-        client,
+        plugins: req.plugins,
+        speculative: req.speculative,
+        structure: openai::structure(&req.structured)?,
+        priority: openai::priority(req.priority)?,
+        client: req.user,
+        template_kwargs: None,
+        api: Api::Completions,
+        model: req.model,
     };
-    Ok((job, prompt_text))
+    Ok((turn, prompt_text))
 }
 
 /// How one completion is written: its id, time and model, the prompt when echoed (sent

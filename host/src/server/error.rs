@@ -2,6 +2,10 @@
 //! (`{"error": {"message", "type", "param", "code"}}`) or, on `/v1/messages`, Anthropic's
 //! (`{"type": "error", "error": {"type", "message"}}`). Bad input is a 4xx whose message says
 //! what was wrong; internal failures are a 500 with a generic message (details go to the log).
+//!
+//! The shape is chosen once, at the edge: an error response carries its `ApiError`, and the
+//! outermost middleware ([`shape`]) writes it in the shape of the API its path belongs to
+//! ([`Flavor::of_path`]), whichever layer or handler failed.
 
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
@@ -10,12 +14,24 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-/// Which API's error shape to use.
+/// Which API's error shape (and, where the services word a failure differently, wording)
+/// to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Flavor {
     #[default]
     OpenAi,
     Anthropic,
+}
+
+impl Flavor {
+    /// The API a path belongs to: Anthropic's `/v1/messages` (and `count_tokens`), else
+    /// OpenAI's.
+    pub fn of_path(path: &str) -> Flavor {
+        match path.strip_prefix("/v1/messages") {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => Flavor::Anthropic,
+            _ => Flavor::OpenAi,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -24,14 +40,13 @@ pub struct ApiError {
     pub message: String,
     pub param: Option<String>,
     pub code: Option<&'static str>,
-    pub flavor: Flavor,
     /// Seconds for a `Retry-After` header (a 429 always has one).
     pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), param: None, code: None, flavor: Flavor::OpenAi, retry_after: None }
+        ApiError { status, message: message.into(), param: None, code: None, retry_after: None }
     }
     /// 400 about one request field.
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
@@ -53,11 +68,6 @@ impl ApiError {
         self.retry_after = Some(seconds.max(1));
         self
     }
-    pub fn flavor(mut self, flavor: Flavor) -> ApiError {
-        self.flavor = flavor;
-        self
-    }
-
     fn openai_type(&self) -> &'static str {
         match self.status.as_u16() {
             401 => "authentication_error",
@@ -97,21 +107,50 @@ fn bounded(message: String) -> String {
     format!("{head} … ({} characters left out) … {tail}", count - 1100)
 }
 
+/// An error response in OpenAI's shape until [`shape`] writes it in its API's.
 impl IntoResponse for ApiError {
-    fn into_response(mut self) -> Response {
-        self.message = bounded(std::mem::take(&mut self.message));
-        self.param =
-            self.param.map(|p| if p.chars().count() > 300 { p.chars().take(300).collect::<String>() + "…" } else { p });
-        let body = match self.flavor {
+    fn into_response(self) -> Response {
+        let mut response = self.render(Flavor::OpenAi);
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+/// The outermost middleware: an error response on an Anthropic path is written in
+/// Anthropic's shape, its headers (`Retry-After`, `Connection`) kept.
+pub async fn shape(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let flavor = Flavor::of_path(req.uri().path());
+    let mut response = next.run(req).await;
+    if flavor == Flavor::OpenAi {
+        return response;
+    }
+    let Some(error) = response.extensions_mut().remove::<ApiError>() else { return response };
+    let mut shaped = error.render(flavor);
+    for (name, value) in response.headers() {
+        if !shaped.headers().contains_key(name) {
+            shaped.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    shaped
+}
+
+impl ApiError {
+    /// The error's response in `flavor`'s shape.
+    pub fn render(&self, flavor: Flavor) -> Response {
+        let mut this = self.clone();
+        this.message = bounded(std::mem::take(&mut this.message));
+        this.param =
+            this.param.map(|p| if p.chars().count() > 300 { p.chars().take(300).collect::<String>() + "…" } else { p });
+        let body = match flavor {
             Flavor::OpenAi => json!({"error": {
-                "message": self.message, "type": self.openai_type(), "param": self.param, "code": self.code,
+                "message": this.message, "type": this.openai_type(), "param": this.param, "code": this.code,
             }}),
             Flavor::Anthropic => {
-                json!({"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}})
+                json!({"type": "error", "error": {"type": this.anthropic_type(), "message": this.message}})
             }
         };
-        let mut response = (self.status, Json(body)).into_response();
-        let retry_after = self.retry_after.or((self.status == StatusCode::TOO_MANY_REQUESTS).then_some(1));
+        let mut response = (this.status, Json(body)).into_response();
+        let retry_after = this.retry_after.or((this.status == StatusCode::TOO_MANY_REQUESTS).then_some(1));
         if let Some(seconds) = retry_after {
             response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(seconds));
         }
@@ -205,6 +244,36 @@ fn shorten(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One error, raised wherever: its shape is the path's API's, its headers kept.
+    #[tokio::test]
+    async fn the_edge_writes_an_error_in_its_paths_shape() {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+        assert_eq!(Flavor::of_path("/v1/messages"), Flavor::Anthropic);
+        assert_eq!(Flavor::of_path("/v1/messages/count_tokens"), Flavor::Anthropic);
+        assert_eq!(Flavor::of_path("/v1/messagesx"), Flavor::OpenAi);
+        assert_eq!(Flavor::of_path("/v1/chat/completions"), Flavor::OpenAi);
+        let busy = || async { ApiError::new(StatusCode::TOO_MANY_REQUESTS, "busy").with_retry_after(7) };
+        let app = axum::Router::new()
+            .route("/v1/messages", axum::routing::post(busy))
+            .route("/v1/chat/completions", axum::routing::post(busy))
+            .layer(axum::middleware::from_fn(shape));
+        for (path, body) in [
+            ("/v1/messages", json!({"type": "error", "error": {"type": "rate_limit_error", "message": "busy"}})),
+            (
+                "/v1/chat/completions",
+                json!({"error": {"message": "busy", "type": "rate_limit_error", "param": null, "code": null}}),
+            ),
+        ] {
+            let req = axum::http::Request::post(path).body(axum::body::Body::empty()).unwrap();
+            let response = app.clone().oneshot(req).await.unwrap();
+            assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(response.headers()["retry-after"], "7");
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(), body, "{path}");
+        }
+    }
 
     #[derive(serde::Deserialize, Debug)]
     #[allow(dead_code)]

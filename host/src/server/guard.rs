@@ -12,7 +12,7 @@
 //! - `POST` bodies must be declared JSON, once (`Content-Type: application/json` or
 //!   `+json`), on the routes that take one ([`json_body`]).
 
-use super::error::{quoted, ApiError, Flavor};
+use super::error::{quoted, ApiError};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
@@ -64,14 +64,13 @@ fn host_name(host: &str) -> &str {
     }
 }
 
-fn refuse(status: StatusCode, code: &'static str, message: String, flavor: Flavor) -> Response {
-    ApiError::new(status, message).with_code(code).flavor(flavor).into_response()
+fn refuse(status: StatusCode, code: &'static str, message: String) -> Response {
+    ApiError::new(status, message).with_code(code).into_response()
 }
 
 /// The middleware: refuses what the policy does not allow, answers preflights, and adds the
 /// CORS headers to an allowed cross-origin request's response.
 pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Response {
-    let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
     let headers = req.headers();
     let text = |h: &HeaderMap, name: header::HeaderName| {
         h.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
@@ -91,14 +90,14 @@ pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Re
         _ => None,
     };
     if let Some(message) = bad_host {
-        return refuse(StatusCode::BAD_REQUEST, "invalid_host", message, flavor);
+        return refuse(StatusCode::BAD_REQUEST, "invalid_host", message);
     }
     if let Some(host) = host.as_deref().filter(|h| !policy.host_ok(h)) {
         let message = format!(
             "the Host {host:?} is not one this server answers to (IP addresses, localhost and --allowed-host names are): \
              a guard against DNS rebinding; add the name with --allowed-host (allowed_hosts in host.toml)"
         );
-        return refuse(StatusCode::FORBIDDEN, "host_not_allowed", message, flavor);
+        return refuse(StatusCode::FORBIDDEN, "host_not_allowed", message);
     }
     let origin = text(headers, header::ORIGIN);
     if let Some(origin) = origin.as_deref().filter(|o| !policy.origin_ok(o, host.as_deref())) {
@@ -106,7 +105,7 @@ pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Re
             "cross-origin requests from {origin:?} are refused (a web page must not drive a local server); \
              allow the origin with --cors-origin (cors_origins in host.toml)"
         );
-        return refuse(StatusCode::FORBIDDEN, "origin_not_allowed", message, flavor);
+        return refuse(StatusCode::FORBIDDEN, "origin_not_allowed", message);
     }
     if req.method() == Method::OPTIONS {
         let mut response = StatusCode::NO_CONTENT.into_response();
@@ -137,7 +136,6 @@ pub async fn guard(State(policy): State<Policy>, req: Request, next: Next) -> Re
 /// none is a 405, whatever its type.
 pub async fn json_body(req: Request, next: Next) -> Response {
     if req.method() == Method::POST {
-        let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
         let kinds: Vec<String> = req
             .headers()
             .get_all(header::CONTENT_TYPE)
@@ -147,14 +145,14 @@ pub async fn json_body(req: Request, next: Next) -> Response {
         if kinds.len() > 1 {
             let message =
                 format!("{} Content-Type headers; send exactly one: `Content-Type: application/json`", kinds.len());
-            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
+            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message);
         }
         let kind = kinds.into_iter().next().unwrap_or_default();
         let essence = kind.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
         if essence != "application/json" && !essence.ends_with("+json") {
             let got = if kind.is_empty() { "none".to_string() } else { quoted(&kind) };
             let message = format!("send the request body as JSON with `Content-Type: application/json` (got {got})");
-            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message, flavor);
+            return refuse(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", message);
         }
     }
     next.run(req).await

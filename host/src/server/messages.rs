@@ -21,15 +21,15 @@ pub(super) async fn messages(
     State(state): State<Shared>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: MessagesRequest = parse_body(body).map_err(|e| e.flavor(Flavor::Anthropic))?;
+    let req: MessagesRequest = parse_body(body)?;
     let turn = anthropic::turn(&req, false)?;
-    let rx = state.begin(turn, "messages", req.stream).await?.events;
+    let rx = state.begin(turn, req.stream).await?.events;
     let mut wire = Wire { id: request_id("msg_"), model: state.model_id.clone(), open: None };
     if !req.stream {
-        let c = collect(&state, rx, Flavor::Anthropic).await?;
+        let c = collect(&state, rx).await?;
         return Ok(Json(wire.whole(&c)).into_response());
     }
-    stream(state.clone(), rx, vec![], move |event| wire.events(event), false, Flavor::Anthropic).await
+    stream(state.clone(), rx, vec![], move |event| wire.events(event), false).await
 }
 
 /// The kind of an Anthropic stream's content block.
@@ -176,8 +176,7 @@ pub(super) async fn count_tokens(
     State(state): State<Shared>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let a = Flavor::Anthropic;
-    let req: anthropic::MessagesRequest = parse_body(body).map_err(|e| e.flavor(a))?;
+    let req: anthropic::MessagesRequest = parse_body(body)?;
     // The same prompt `messages` would build: tool descriptions and a forced call's opener.
     let tokens = state.count(anthropic::turn(&req, true)?).await?;
     Ok(Json(json!({"input_tokens": tokens})))

@@ -43,11 +43,7 @@ pub(super) struct Completion {
     pub(super) usage: Usage,
 }
 
-pub(super) async fn collect(
-    state: &AppState,
-    mut rx: UnboundedReceiver<Event>,
-    flavor: Flavor,
-) -> Result<Completion, ApiError> {
+pub(super) async fn collect(state: &AppState, mut rx: UnboundedReceiver<Event>) -> Result<Completion, ApiError> {
     let start = Instant::now();
     let (mut text, mut reasoning, mut logprobs, mut first) = (String::new(), String::new(), Vec::new(), true);
     let mut tool_calls: Vec<openai::ToolCall> = Vec::new();
@@ -87,37 +83,37 @@ pub(super) async fn collect(
                 );
                 return Ok(Completion { text, reasoning, logprobs, tool_calls, finish, usage });
             }
-            e => return Err(failure(&e, flavor).expect("a failure event")),
+            e => return Err(failure(&e).expect("a failure event")),
         }
     }
-    Err(ApiError::internal("the engine dropped the request").flavor(flavor))
+    Err(ApiError::internal("the engine dropped the request"))
 }
 
 /// The request was stopped before it finished: a 409 when the scheduling policy cancelled
 /// it, a 503 when the server's shutdown did.
-pub(super) fn cancelled(cancel: Cancel, flavor: Flavor) -> ApiError {
+pub(super) fn cancelled(cancel: Cancel) -> ApiError {
     if cancel.shutdown {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, cancel.message).with_code("server_shutting_down").flavor(flavor)
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, cancel.message).with_code("server_shutting_down")
     } else {
-        ApiError::new(StatusCode::CONFLICT, cancel.message).with_code("cancelled_by_scheduler").flavor(flavor)
+        ApiError::new(StatusCode::CONFLICT, cancel.message).with_code("cancelled_by_scheduler")
     }
 }
 
 /// A plugin failed this request: a 500 whose message names the plugin (not an internal bug).
-pub(super) fn plugin_fault(message: String, flavor: Flavor) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).with_code("plugin_error").flavor(flavor)
+pub(super) fn plugin_fault(message: String) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).with_code("plugin_error")
 }
 
 /// The HTTP error of an engine event that ends a request before it produced anything.
-pub(super) fn failure(event: &Event, flavor: Flavor) -> Option<ApiError> {
+pub(super) fn failure(event: &Event) -> Option<ApiError> {
     match event {
-        Event::Refused(m) => Some(ApiError::invalid("plugins", super::error::readable(m)).flavor(flavor)),
-        Event::PluginFault(m) => Some(plugin_fault(m.clone(), flavor)),
+        Event::Refused(m) => Some(ApiError::invalid("plugins", super::error::readable(m))),
+        Event::PluginFault(m) => Some(plugin_fault(m.clone())),
         Event::Constraint { param, message } => {
-            Some(ApiError::invalid(param, message.clone()).with_code("constraint_failed").flavor(flavor))
+            Some(ApiError::invalid(param, message.clone()).with_code("constraint_failed"))
         }
-        Event::Error(e) => Some(ApiError::internal(e).flavor(flavor)),
-        Event::Cancelled(m) => Some(cancelled(m.clone(), flavor)),
+        Event::Error(e) => Some(ApiError::internal(e)),
+        Event::Cancelled(m) => Some(cancelled(m.clone())),
         _ => None,
     }
 }
@@ -140,18 +136,17 @@ pub(super) async fn stream<F>(
     opening: Vec<SseEvent>,
     mut render: F,
     done_marker: bool,
-    flavor: Flavor,
 ) -> Result<Response, ApiError>
 where
     F: FnMut(&Event) -> Vec<SseEvent> + Send + 'static,
 {
     let start = Instant::now();
     let first = match tokio::time::timeout(START_GRACE, rx.recv()).await {
-        Ok(Some(e)) => match failure(&e, flavor) {
+        Ok(Some(e)) => match failure(&e) {
             Some(error) => return Err(error),
             None => Some(e),
         },
-        Ok(None) => return Err(ApiError::internal("the engine dropped the request").flavor(flavor)),
+        Ok(None) => return Err(ApiError::internal("the engine dropped the request")),
         Err(_) => None,
     };
     let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
@@ -256,7 +251,7 @@ pub(super) fn stream_error_code(event: &Event) -> (&'static str, Option<&'static
 pub(super) fn stream_error_type(event: &Event) -> &'static str {
     match event {
         Event::Error(_) => "api_error",
-        _ => failure(event, Flavor::Anthropic).map_or("api_error", |e| e.anthropic_type()),
+        _ => failure(event).map_or("api_error", |e| e.anthropic_type()),
     }
 }
 

@@ -7,12 +7,12 @@
 //! (the default, as OpenAI's) are kept in a bounded in-memory [`Store`] so that
 //! `previous_response_id` continues their conversation.
 
-use super::error::{parse_body, ApiError, Flavor};
+use super::error::{parse_body, ApiError};
 use super::openai::{self, SamplingFields, ToolChoice};
 use super::reply::{failure, now, request_id, stream};
 use super::state::Shared;
 use super::store::Store;
-use super::turn::Turn;
+use super::turn::{Api, Input, Turn};
 use crate::engine::job::{Event, Finish, Usage};
 use crate::plugins::request::PluginsField;
 use axum::body::Bytes;
@@ -303,7 +303,7 @@ pub fn turn(r: &ResponsesRequest, history: Vec<Value>) -> Result<(Turn, Vec<Valu
     let max_tokens =
         r.max_output_tokens.map(|_| openai::max_tokens(r.max_output_tokens, "max_output_tokens", 1)).transpose()?;
     let mut turn = Turn {
-        messages,
+        input: Input::Messages(messages),
         tools,
         tool_choice,
         one_tool_call: r.parallel_tool_calls == Some(false),
@@ -320,7 +320,7 @@ pub fn turn(r: &ResponsesRequest, history: Vec<Value>) -> Result<(Turn, Vec<Valu
         priority: openai::priority(r.priority)?,
         client: r.user.clone().or_else(|| r.safety_identifier.clone()),
         template_kwargs: r.chat_template_kwargs.clone(),
-        flavor: Flavor::OpenAi,
+        api: Api::Responses,
         model: r.model.clone(),
         ..Turn::default()
     };
@@ -631,7 +631,7 @@ pub(super) async fn create_response(
     };
     let (turn, conversation) = turn(&req, history)?;
     let tools = turn.shown_tools().cloned();
-    let rx = state.begin(turn, "responses", req.stream).await?.events;
+    let rx = state.begin(turn, req.stream).await?.events;
     let mut output = Output::new(&request_id("resp_"), &state.model_id, now(), &req, &tools);
     let store = req.store.unwrap_or(true);
     let input_items = input_items(req.input.as_ref().unwrap_or(&Value::Null));
@@ -648,7 +648,7 @@ pub(super) async fn create_response(
     if !req.stream {
         let mut rx = rx;
         while let Some(event) = rx.recv().await {
-            if let Some(error) = failure(&event, Flavor::OpenAi) {
+            if let Some(error) = failure(&event) {
                 return Err(error);
             }
             output.on(&event);
@@ -673,7 +673,6 @@ pub(super) async fn create_response(
             events
         },
         false,
-        Flavor::OpenAi,
     )
     .await
 }

@@ -4,7 +4,7 @@
 //! `responses.rs`, `tokens.rs`. Handlers parse and validate, build the prompt, check
 //! admission, and hand a job to the engine thread; they never touch MLX.
 
-use super::error::{ApiError, Flavor};
+use super::error::ApiError;
 use super::state::Shared;
 use super::tokens::{detokenize, tokenize};
 use axum::extract::{MatchedPath, Request, State};
@@ -43,6 +43,8 @@ pub fn app(state: Shared) -> Router {
         // `bounded_body` enforces the limit (and reads what is over it); the extractors'
         // own limit (2 MB by default) would cut below it.
         .layer(axum::extract::DefaultBodyLimit::disable())
+        // Outermost: every error response in its API's shape.
+        .layer(middleware::from_fn(super::error::shape))
         .with_state(state)
 }
 
@@ -59,13 +61,11 @@ const DRAIN_OVER_LIMIT: u64 = 64 << 20;
 /// its API's error shape once it has been read (up to [`DRAIN_OVER_LIMIT`] more).
 async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> Response {
     let limit = state.max_body_bytes;
-    let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("request body is larger than the server's limit of {limit} bytes"),
         )
-        .flavor(flavor)
         .into_response()
     };
     let declared = req
@@ -93,7 +93,7 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
                     StatusCode::REQUEST_TIMEOUT,
                     format!("the request body did not arrive within {secs} s ({total} bytes came)"),
                 );
-                let mut response = e.flavor(flavor).into_response();
+                let mut response = e.into_response();
                 response
                     .headers_mut()
                     .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
@@ -104,7 +104,7 @@ async fn bounded_body(State(state): State<Shared>, req: Request, next: Next) -> 
             Ok(chunk) => chunk,
             Err(e) => {
                 let e = ApiError::bad_request(format!("could not read the request body: {e}"));
-                return e.flavor(flavor).into_response();
+                return e.into_response();
             }
         };
         total += chunk.len() as u64;
@@ -170,13 +170,11 @@ async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, nex
     if bearer == Some(key) || x_api_key == Some(key) {
         return next.run(req).await;
     }
-    let flavor = if req.uri().path().starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
     ApiError::new(
         StatusCode::UNAUTHORIZED,
         "missing or wrong API key; send `Authorization: Bearer <key>` or `x-api-key: <key>`",
     )
     .with_code("invalid_api_key")
-    .flavor(flavor)
     .into_response()
 }
 
@@ -186,10 +184,8 @@ async fn not_found(req: Request) -> ApiError {
 
 async fn method_not_allowed(req: Request) -> ApiError {
     let (method, path) = (req.method(), req.uri().path());
-    let flavor = if path.starts_with("/v1/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
     ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("{path} does not take {method}"))
         .with_code("method_not_allowed")
-        .flavor(flavor)
 }
 
 /// `GET /` (and `HEAD /`, which clients such as Claude Code probe on start): what this is.
@@ -238,7 +234,7 @@ mod tests {
     #[test]
     fn a_constraint_that_cannot_go_on_is_a_400_naming_its_field_before_and_after_the_stream_starts() {
         let event = Event::Constraint { param: "regex", message: "the regex constraint cannot go on".into() };
-        let e = failure(&event, Flavor::OpenAi).unwrap();
+        let e = failure(&event).unwrap();
         assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("regex"), Some("constraint_failed")));
         assert_eq!(stream_error_code(&event), ("invalid_request_error", Some("constraint_failed")));
         assert_eq!(stream_error_message(&event), "the regex constraint cannot go on");
@@ -253,7 +249,7 @@ mod tests {
             "plugin top-n-sigma refused its config (host_init returned 1): invalid type: string \"x\", expected f32"
                 .into(),
         );
-        let e = failure(&event, Flavor::OpenAi).unwrap();
+        let e = failure(&event).unwrap();
         for message in [e.message, stream_error_message(&event)] {
             assert!(message.contains("expected a number") && !message.contains("f32"), "{message}");
         }
@@ -917,7 +913,8 @@ mod tests {
             {"role": "assistant", "content": [{"type": "thinking", "thinking": "r2", "signature": "s"}, {"type": "text", "text": "a"}]}]});
         let req: anthropic::MessagesRequest = serde_json::from_value(body).unwrap();
         let turn = anthropic::turn(&req, false).unwrap();
-        assert_eq!(turn.messages[1]["reasoning_content"], "r2");
+        let crate::server::turn::Input::Messages(messages) = turn.input else { panic!("a conversation") };
+        assert_eq!(messages[1]["reasoning_content"], "r2");
     }
 
     #[tokio::test]

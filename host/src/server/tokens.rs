@@ -6,7 +6,7 @@ use super::error::{parse_body, ApiError};
 
 use super::openai;
 
-use super::turn::Turn;
+use super::turn::{Input, Turn};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -45,7 +45,7 @@ pub(super) async fn tokenize(
         (None, Some(messages)) => {
             openai::check_tools(req.tools.as_ref())?;
             let turn = Turn {
-                messages: openai::template_messages(&messages)?,
+                input: Input::Messages(openai::template_messages(&messages)?),
                 tools: req.tools,
                 template_kwargs: req.chat_template_kwargs,
                 ..Turn::default()

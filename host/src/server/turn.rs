@@ -1,11 +1,12 @@
-//! One chat request whatever API it came through. Each API's handler translates its wire
-//! request into a [`Turn`] (messages in the chat template's shape, tools in OpenAI's
-//! function shape, sampling, stops, plugins, speculation, template switches such as
-//! thinking) and renders the engine's one [`Event`] stream back into its own shapes; the
-//! prompt, the tool adapter, admission and submission live here, so a feature lands once
-//! and chat completions, Anthropic messages and Responses all get it.
+//! One request whatever API it came through. Each API's handler translates its wire
+//! request into a [`Turn`] (messages in the chat template's shape, or a completion's raw
+//! prompt; tools in OpenAI's function shape, sampling, stops, plugins, speculation,
+//! template switches such as thinking) and renders the engine's one [`Event`] stream back
+//! into its own shapes; the prompt, the tool adapter, admission, constraints and submission
+//! live here, so a feature lands once and chat completions, completions, Anthropic messages
+//! and Responses all get it.
 
-use super::error::{ApiError, Flavor};
+use super::error::ApiError;
 use super::openai::{self, ToolChoice};
 use super::state::AppState;
 use crate::engine::handle::Engine;
@@ -23,12 +24,29 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-/// A protocol-neutral chat request.
+/// What the model continues.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A conversation, written out by the chat template: `{"role", "content"}` messages,
+    /// assistant `tool_calls` with object arguments, tool results as `{"role": "tool",
+    /// "tool_call_id", "content"}`. Its reply goes through the tool adapter and the
+    /// reasoning parser.
+    Messages(Vec<Value>),
+    /// A raw prompt as tokens (`/v1/completions`): no template, tools or reasoning parser;
+    /// the reply is the model's text as written.
+    Tokens(Vec<u32>),
+}
+
+impl Default for Input {
+    fn default() -> Self {
+        Input::Messages(Vec::new())
+    }
+}
+
+/// A protocol-neutral request.
 #[derive(Debug, Clone, Default)]
 pub struct Turn {
-    /// Chat-template messages: `{"role", "content"}`, assistant `tool_calls` with object
-    /// arguments, tool results as `{"role": "tool", "tool_call_id", "content"}`.
-    pub messages: Vec<Value>,
+    pub input: Input,
     /// Function tools in OpenAI's chat shape, checked (`openai::check_tools`) by the API that
     /// made the turn, before any plugin is chosen for them: an error names the field as that
     /// API spells it.
@@ -59,8 +77,9 @@ pub struct Turn {
     pub client: Option<String>,
     /// Extra chat-template variables (`chat_template_kwargs`, `enable_thinking`).
     pub template_kwargs: Option<serde_json::Map<String, Value>>,
-    /// Which API's error shape failures take.
-    pub flavor: Flavor,
+    /// The API the request came through: its name in the log, its service's wording of a
+    /// context overflow. (The error's shape is the path's, chosen at the edge.)
+    pub api: Api,
     /// The model the client asked for (any name is served by the loaded model; logged).
     pub model: Option<String>,
 }
@@ -85,20 +104,24 @@ pub struct Begun {
 
 impl AppState {
     /// Builds the prompt, admits and submits a turn.
-    pub async fn begin(&self, mut turn: Turn, api: &str, stream: bool) -> Result<Begun, ApiError> {
-        let flavor = turn.flavor;
-        self.check_sampling(&turn.sampling, flavor)?;
-        let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), flavor, true)?;
+    pub async fn begin(&self, mut turn: Turn, stream: bool) -> Result<Begun, ApiError> {
+        self.check_sampling(&turn.sampling)?;
+        let chat = matches!(turn.input, Input::Messages(_));
+        let mut plugins = self.plugins(turn.plugins.take(), turn.shown_tools(), chat)?;
         plugins.one_tool_call = turn.one_tool_call;
-        let (messages, tool_count) = (turn.messages.len(), turn.shown_tools().map_or(0, Vec::len));
+        let messages = match &turn.input {
+            Input::Messages(m) => m.len(),
+            Input::Tokens(_) => 0,
+        };
+        let tool_count = turn.shown_tools().map_or(0, Vec::len);
         let prompt = self.turn_prompt(&mut turn, &mut plugins).await?;
         let fit = self.max_sequence_tokens.saturating_sub(prompt.len());
         let requested = match turn.max_tokens {
             Some(n) if turn.max_tokens_is_ceiling && n > fit && fit > 0 => Some(fit),
             n => n,
         };
-        let max_tokens = self.admit(prompt.len(), requested, turn.max_tokens_param, turn.prompt_param, flavor)?;
-        let speculative = self.speculative(turn.speculative, flavor)?;
+        let max_tokens = self.admit(prompt.len(), requested, turn.max_tokens_param, turn.prompt_param, turn.api)?;
+        let speculative = self.speculative(turn.speculative)?;
         let constraint = match (plugins.reply_grammar.take(), plugins.call_grammar.take()) {
             // A forced call's arguments held to the tool's schema, unless the request brings a
             // constraint plugin of its own (`response_format` is for content, and a forced
@@ -108,19 +131,20 @@ impl AppState {
             (None, Some((trigger, grammar))) if plugins.constraint.is_none() && turn.structure.is_none() => {
                 self.call_constraint(Some(trigger), grammar).await
             }
-            _ => self.constraint(turn.structure.take(), plugins.constraint.take(), flavor).await?,
+            _ => self.constraint(turn.structure.take(), plugins.constraint.take()).await?,
         };
         let prompt_tokens = prompt.len();
         let model = turn.model.as_deref().unwrap_or("");
+        let what = if chat { "chat turn" } else { "completion" };
         tracing::info!(
-            api,
+            api = turn.api.name(),
             model,
             stream,
             messages,
             tools = tool_count,
             prompt = prompt_tokens,
             max_tokens,
-            "chat turn"
+            "{what}"
         );
         let job = JobRequest {
             prompt,
@@ -136,7 +160,7 @@ impl AppState {
             priority: turn.priority,
             client: turn.client,
         };
-        let events = self.submit(job, flavor)?;
+        let events = self.submit(job)?;
         Ok(Begun { events, prompt_tokens })
     }
 
@@ -169,12 +193,11 @@ impl AppState {
         &self,
         structure: Option<Structure>,
         plugin: Option<crate::plugins::Selected>,
-        flavor: Flavor,
     ) -> Result<Option<crate::engine::ConstraintSpec>, ApiError> {
         if let Some(selected) = plugin {
             if let Some(s) = &structure {
                 let why = format!("a request takes one constraint: `plugins.constraint` or `{}`, not both", s.param());
-                return Err(ApiError::invalid(s.param(), why).flavor(flavor));
+                return Err(ApiError::invalid(s.param(), why));
             }
             let registry = self.plugins.clone().expect("a selected plugin comes from the registry");
             let grammars = self.grammars.clone();
@@ -185,22 +208,18 @@ impl AppState {
                 spec.prepare();
                 anyhow::Ok(spec)
             });
-            let spec = spec
-                .await
-                .map_err(|e| ApiError::internal(e).flavor(flavor))?
-                .map_err(|e| ApiError::internal(format!("{e:#}")).flavor(flavor))?;
+            let spec = spec.await.map_err(ApiError::internal)?.map_err(|e| ApiError::internal(format!("{e:#}")))?;
             return Ok(Some(spec));
         }
         let Some(structure) = structure else { return Ok(None) };
         let grammars = self.grammars.clone();
         let param = structure.param();
-        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&structure))
-            .await
-            .map_err(|e| ApiError::internal(e).flavor(flavor))?;
+        let compiled =
+            tokio::task::spawn_blocking(move || grammars.compile(&structure)).await.map_err(ApiError::internal)?;
         match compiled {
             Ok(spec) => Ok(Some(spec)),
-            Err(CompileError::Invalid(why)) => Err(ApiError::invalid(param, why).flavor(flavor)),
-            Err(CompileError::Internal(e)) => Err(ApiError::internal(format!("{e:#}")).flavor(flavor)),
+            Err(CompileError::Invalid(why)) => Err(ApiError::invalid(param, why)),
+            Err(CompileError::Internal(e)) => Err(ApiError::internal(format!("{e:#}"))),
         }
     }
 
@@ -212,19 +231,20 @@ impl AppState {
 
     /// The prompt a turn would have, as tokens (`/tokenize` with `messages`).
     pub async fn prompt(&self, mut turn: Turn) -> Result<Vec<u32>, ApiError> {
-        let mut plugins = self.plugins(None, turn.shown_tools(), turn.flavor, true)?;
+        let mut plugins = self.plugins(None, turn.shown_tools(), true)?;
         self.turn_prompt(&mut turn, &mut plugins).await
     }
 
     /// A turn's prompt tokens under `plugins` (whose `reply_prefix` it sets for a forced
-    /// call); takes the turn's messages and tools.
+    /// call); takes the turn's input and tools.
     async fn turn_prompt(&self, turn: &mut Turn, plugins: &mut Selection) -> Result<Vec<u32>, ApiError> {
+        let messages = match std::mem::take(&mut turn.input) {
+            Input::Tokens(tokens) => return Ok(tokens),
+            Input::Messages(messages) => messages,
+        };
         let kwargs = turn.template_kwargs.take().map(Value::Object);
         let tools = turn.tool_choice.tools(turn.tools.take());
-        let messages = std::mem::take(&mut turn.messages);
-        self.tool_chat_prompt(messages, tools, &turn.tool_choice, kwargs, plugins)
-            .await
-            .map_err(|e| e.flavor(turn.flavor))
+        self.tool_chat_prompt(messages, tools, &turn.tool_choice, kwargs, plugins).await
     }
 
     /// Tokenizes `text` off the async runtime's threads (a prompt may be megabytes).
@@ -263,7 +283,7 @@ impl AppState {
                     tracing::warn!("tool adapter {} left out of this prompt: {e:#}", adapter.plugin.name());
                     Ok(None)
                 }
-                None => Err(super::reply::plugin_fault(format!("{e:#}"), Flavor::OpenAi)),
+                None => Err(super::reply::plugin_fault(format!("{e:#}"))),
             },
         }
     }
@@ -412,18 +432,12 @@ impl AppState {
         requested: Option<usize>,
         param: &str,
         prompt_param: &str,
-        flavor: Flavor,
+        api: Api,
     ) -> Result<usize, ApiError> {
         let param = if param.is_empty() { "max_tokens" } else { param };
         let prompt_param = if prompt_param.is_empty() { "messages" } else { prompt_param };
         let fit = self.max_sequence_tokens;
         let too_long = |max: usize| {
-            let api = match (flavor, prompt_param) {
-                (Flavor::Anthropic, _) => Api::Messages,
-                (_, "input") => Api::Responses,
-                (_, "prompt") => Api::Completions,
-                _ => Api::Chat,
-            };
             let mut message = overflow_message(api, prompt, max, fit);
             if self.context_tokens > fit && api != Api::Messages {
                 message.push_str(&format!(
@@ -433,7 +447,6 @@ impl AppState {
             }
             ApiError::invalid(if prompt >= fit { prompt_param } else { param }, message)
                 .with_code("context_length_exceeded")
-                .flavor(flavor)
         };
         match requested {
             Some(max) if prompt + max > fit => Err(too_long(max)),
@@ -455,7 +468,6 @@ impl AppState {
         &self,
         field: Option<crate::plugins::request::PluginsField>,
         tools: Option<&Vec<Value>>,
-        flavor: Flavor,
         chat: bool,
     ) -> Result<Selection, ApiError> {
         let field = field.or_else(|| self.default_plugins.clone()).unwrap_or_default();
@@ -468,7 +480,7 @@ impl AppState {
             Some(r) if r.name == "none" => None,
             Some(_) if !chat => {
                 let why = "`plugins.reasoning` applies to chat replies; a completion is the model's text as written";
-                return Err(ApiError::invalid("plugins", why).flavor(flavor));
+                return Err(ApiError::invalid("plugins", why));
             }
             Some(r) => Some(r),
             None => self.reasoning_parser.clone().filter(|_| chat),
@@ -481,10 +493,8 @@ impl AppState {
         {
             return Ok(Selection::default());
         }
-        let registry = self
-            .plugins
-            .as_ref()
-            .ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins").flavor(flavor))?;
+        let registry =
+            self.plugins.as_ref().ok_or_else(|| ApiError::invalid("plugins", "this server runs without plugins"))?;
         // What the client sends a plugin is bounded; the tools a tool adapter gets are
         // bounded by `openai::check_tools` (they are not the client's params).
         let sized = |r: &crate::plugins::request::PluginRef| {
@@ -492,7 +502,7 @@ impl AppState {
                 let size = v.as_ref().map_or(0, |v| v.to_string().len());
                 if size > MAX_PLUGIN_JSON {
                     let why = format!("plugin {}'s {what} is {size} bytes of JSON; at most {MAX_PLUGIN_JSON}", r.name);
-                    return Err(ApiError::invalid("plugins", why).flavor(flavor));
+                    return Err(ApiError::invalid("plugins", why));
                 }
             }
             Ok(())
@@ -505,7 +515,6 @@ impl AppState {
                         .with_retry_after(q.retry_after.as_secs_f64().ceil() as u64),
                     None => ApiError::invalid("plugins", format!("{e:#}")),
                 }
-                .flavor(flavor)
             })
         };
         let pick = |kind: Kind, r: crate::plugins::request::PluginRef| {
@@ -533,31 +542,24 @@ impl AppState {
     }
 
     /// Resolves the `speculative` extension field over the server's defaults.
-    pub(super) fn speculative(&self, field: Option<Value>, flavor: Flavor) -> Result<SpecConfig, ApiError> {
+    pub(super) fn speculative(&self, field: Option<Value>) -> Result<SpecConfig, ApiError> {
         openai::speculative(field, &self.speculative, self.engine.has_draft)
-            .map_err(|m| ApiError::invalid("speculative", m).flavor(flavor))
+            .map_err(|m| ApiError::invalid("speculative", m))
     }
 
     /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
-    pub(super) fn check_sampling(
-        &self,
-        params: &crate::engine::SamplingParams,
-        flavor: Flavor,
-    ) -> Result<(), ApiError> {
-        params.validate(self.engine.info.vocab_size).map_err(|e| ApiError::bad_request(e.to_string()).flavor(flavor))
+    pub(super) fn check_sampling(&self, params: &crate::engine::SamplingParams) -> Result<(), ApiError> {
+        params.validate(self.engine.info.vocab_size).map_err(|e| ApiError::bad_request(e.to_string()))
     }
 
-    pub(super) fn submit(&self, job: JobRequest, flavor: Flavor) -> Result<UnboundedReceiver<Event>, ApiError> {
+    pub(super) fn submit(&self, job: JobRequest) -> Result<UnboundedReceiver<Event>, ApiError> {
         self.engine.submit(job).map_err(|e| match e {
             SubmitError::QueueFull(n) => ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("the server is busy ({n} requests queued); retry shortly"),
             )
-            .with_code("queue_full")
-            .flavor(flavor),
-            SubmitError::Stopped => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").flavor(flavor)
-            }
+            .with_code("queue_full"),
+            SubmitError::Stopped => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"),
         })
     }
 }
@@ -715,13 +717,26 @@ fn append_calls(message: &mut Value, written: &str) {
     message["content"] = json!(text);
 }
 
-/// The API a context-overflow error is written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Api {
+/// The API a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Api {
+    #[default]
     Chat,
     Completions,
     Responses,
     Messages,
+}
+
+impl Api {
+    /// Its name in the request log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Responses => "responses",
+            Api::Messages => "messages",
+        }
+    }
 }
 
 /// A prompt of `prompt` tokens with `max` to generate does not fit in `fit`: the message each
