@@ -235,6 +235,19 @@ fn tiny_random_models_equal_mlx_lm() {
     }
 }
 
+/// Qwen3.5's hybrid of Gated DeltaNet and gated full-attention layers, as Qwen publishes it
+/// (a vision tower beside the text model, conv1d and norms in the reference layout) and as
+/// `mlx_lm.convert -q` writes it (4-bit, mlx-community's layout): mlx-lm's logits and greedy
+/// ids, the recurrence run token by token as mlx-lm runs it off Metal.
+#[test]
+fn qwen3_5_hybrid_models_equal_mlx_lm() {
+    let Some(f) = fixtures() else { return };
+    for model in ["tiny-qwen3_5", "tiny-qwen3_5-q4"] {
+        check_logits(&f, model, 16);
+        check_ids(&f, f.models.join(model), model, 16);
+    }
+}
+
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
 /// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
 /// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids

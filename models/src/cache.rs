@@ -11,6 +11,11 @@
 //! rollback of up to `slack` positions is always possible ([`trimmable`](KvCache::trimmable)
 //! says how far exactly), and the copy that drops the old positions is paid once per step of
 //! 256 appended positions, as a full cache's growth is.
+//!
+//! A recurrent layer's cache ([`KvCache::recurrent`], Qwen3.5's Gated DeltaNet layers) holds
+//! a [`Recurrent`] state instead of keys and values, as mlx-lm's `ArraysCache`: it cannot be
+//! cut back to an earlier position, so it is never [`trimmable`](KvCache::trimmable); a trim
+//! that would need it leaves it [`stale`](KvCache::stale), and using a stale one is an error.
 
 use crate::{Error, Result};
 use mlx::Array;
@@ -37,6 +42,20 @@ pub struct KvCache {
     slack: usize,
     /// Process-unique, so a tensor-parallel peer can mirror this cache (see [`mirror`]).
     id: u64,
+    /// A recurrent layer's state, in place of keys and values (`None`: an attention layer).
+    recurrent: Option<Recurrent>,
+}
+
+/// What a recurrent (linear-attention) layer carries from one position to the next: the
+/// last `kernel - 1` inputs of its causal convolution (`[B, kernel - 1, channels]`) and its
+/// recurrent state (`[B, value heads, value dim, key dim]`, float32); `None` before the first
+/// position. Unlike keys and values, neither can be cut back to an earlier position.
+#[derive(Clone, Default)]
+pub struct Recurrent {
+    pub conv: Option<Array>,
+    pub state: Option<Array>,
+    /// A trim asked to drop positions: the state no longer matches the offset.
+    stale: bool,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -110,6 +129,7 @@ impl Default for KvCache {
             window: None,
             slack: SLACK,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            recurrent: None,
         }
     }
 }
@@ -119,6 +139,7 @@ impl Clone for KvCache {
         let mut copy = self.empty_like();
         (copy.keys, copy.values, copy.start, copy.offset) =
             (self.keys.clone(), self.values.clone(), self.start, self.offset);
+        copy.recurrent = self.recurrent.clone();
         record(CacheOp::Clone { from: self.id, to: copy.id });
         copy
     }
@@ -152,6 +173,45 @@ impl KvCache {
         cache
     }
 
+    /// The cache of a recurrent layer (a [`Recurrent`] state; no keys or values).
+    pub fn recurrent() -> KvCache {
+        let mut cache = KvCache::default();
+        cache.recurrent = Some(Recurrent::default());
+        cache
+    }
+
+    /// Whether this is a recurrent layer's cache.
+    pub fn is_recurrent(&self) -> bool {
+        self.recurrent.is_some()
+    }
+
+    /// Whether a trim asked this recurrent cache to drop positions it cannot: it is of no
+    /// further use (not kept, not continued).
+    pub fn stale(&self) -> bool {
+        self.recurrent.as_ref().is_some_and(|r| r.stale)
+    }
+
+    /// A recurrent layer's state so far (an error for an attention layer's cache or a stale one).
+    pub fn recurrent_state(&self) -> Result<&Recurrent> {
+        match &self.recurrent {
+            Some(r) if r.stale => Err(Error::Invalid(
+                "a recurrent layer's state was asked to drop positions, which it cannot: \
+                 it must be recomputed from the tokens"
+                    .into(),
+            )),
+            Some(r) => Ok(r),
+            None => Err(Error::Invalid("a recurrent layer was given an attention layer's cache".into())),
+        }
+    }
+
+    /// A recurrent layer's state after `n` more positions.
+    pub fn set_recurrent(&mut self, conv: Array, state: Array, n: usize) -> Result<()> {
+        self.recurrent_state()?;
+        self.recurrent = Some(Recurrent { conv: Some(conv), state: Some(state), stale: false });
+        self.offset += n;
+        Ok(())
+    }
+
     /// With `slack` positions kept beyond the window instead of [`SLACK`] (no effect without
     /// a window): less memory, shorter rollbacks. Speculative decoding needs at least its
     /// draft length plus one.
@@ -160,10 +220,11 @@ impl KvCache {
         self
     }
 
-    /// An empty cache with this one's window and slack.
+    /// An empty cache with this one's window and slack (or an empty recurrent one).
     pub fn empty_like(&self) -> KvCache {
         let mut cache = KvCache::default();
         (cache.window, cache.slack) = (self.window, self.slack);
+        cache.recurrent = self.recurrent.as_ref().map(|_| Recurrent::default());
         cache
     }
 
@@ -208,6 +269,9 @@ impl KvCache {
     /// How many positions [`trim`](Self::trim) can drop: all of them, or for a windowed cache
     /// that has dropped its oldest, as many as leave a full window behind the next position.
     pub fn trimmable(&self) -> usize {
+        if self.recurrent.is_some() {
+            return 0;
+        }
         match self.window {
             Some(w) if self.start > 0 => self.offset.saturating_sub(self.start + w - 1),
             _ => self.offset,
@@ -216,6 +280,9 @@ impl KvCache {
 
     /// Appends `keys`/`values` (`[B, H, L, D]`) and returns all keys and values so far.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        if self.recurrent.is_some() {
+            return Err(Error::Invalid("an attention layer was given a recurrent layer's cache".into()));
+        }
         let prev = self.offset;
         let shape = keys.shape();
         let (b, h, l, dk) = (shape[0], shape[1], shape[2], shape[3]);
@@ -271,6 +338,9 @@ impl KvCache {
     /// This cache is unchanged; [`adopt_row`](Self::adopt_row) takes one row's new positions
     /// back. Not mirrored to tensor-parallel peers: single-process models only.
     pub fn fork_batch(&self, batch: usize) -> Result<KvCache> {
+        if self.recurrent.is_some() {
+            return Err(Error::Invalid("a recurrent layer's cache cannot be forked for a batch yet".into()));
+        }
         let mut fork = self.empty_like();
         fork.offset = self.offset;
         fork.start = self.start;
@@ -311,7 +381,17 @@ impl KvCache {
 
     /// Drops the last `n` positions (at most [`trimmable`](Self::trimmable) of them); returns
     /// how many were dropped.
+    /// A recurrent cache cannot drop any: asked to drop `n > 0`, it takes them off its
+    /// offset (so every layer's offset agrees) and goes [`stale`](Self::stale).
     pub fn trim(&mut self, n: usize) -> usize {
+        if let Some(r) = self.recurrent.as_mut() {
+            let n = n.min(self.offset);
+            if n > 0 {
+                r.stale = true;
+                self.offset -= n;
+            }
+            return n;
+        }
         let n = n.min(self.trimmable());
         self.offset -= n;
         n
@@ -319,7 +399,8 @@ impl KvCache {
 
     /// The arrays to evaluate to materialize the cache.
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        let recurrent = self.recurrent.iter().flat_map(|r| r.conv.iter().chain(r.state.iter()));
+        self.keys.iter().chain(self.values.iter()).chain(recurrent).collect()
     }
 
     /// Bytes held by the buffers.

@@ -21,13 +21,14 @@ pub mod phi3;
 pub mod qwen2;
 pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod qwen3_moe;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
 pub use batch_cache::BatchKvCache;
-pub use cache::{roll_back, KvCache, LayerCache, SLACK};
+pub use cache::{roll_back, KvCache, LayerCache, Recurrent, SLACK};
 pub use error::{Error, Result};
 pub use loader::{check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
 pub use tokenizer::{Detokenizer, Tokenizer};

@@ -242,6 +242,9 @@ pub(crate) struct Attention {
     sinks: Option<Array>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
     reduce: bool,
+    /// Qwen3-Next's output gate: `q_proj` gives each head its queries and as many gate
+    /// values, and the attention's output is multiplied by their sigmoid before `o_proj`.
+    gated: bool,
 }
 
 /// Llama 4's query scale by position (Ministral 3), as mlx-lm's `_get_llama_4_attn_scale`:
@@ -273,8 +276,12 @@ fn reduced(y: Array, reduce: bool) -> Result<Array> {
 
 impl Attention {
     pub(crate) fn load(w: &Weights, p: &str, d: &Dims, tp: Tp) -> Result<Self> {
+        Self::load_projections(w, p, d, tp, d.qkv_widths())
+    }
+
+    fn load_projections(w: &Weights, p: &str, d: &Dims, tp: Tp, widths: [usize; 3]) -> Result<Self> {
         Ok(Attention {
-            qkv: Projections::load(w, p, &QKV, &d.qkv_widths(), FUSED_QKV, d.hidden, d.qkv_bias)?,
+            qkv: Projections::load(w, p, &QKV, &widths, FUSED_QKV, d.hidden, d.qkv_bias)?,
             o_proj: Linear::load(
                 w,
                 &format!("{p}.o_proj"),
@@ -290,7 +297,15 @@ impl Attention {
             window: None,
             sinks: None,
             reduce: tp.size > 1,
+            gated: false,
         })
+    }
+
+    /// An attention with Qwen3-Next's output gate (`q_proj` twice as wide: each head's
+    /// queries, then its gate); single rank, projections unfused.
+    pub(crate) fn load_gated(w: &Weights, p: &str, d: &Dims) -> Result<Self> {
+        let [q, k, v] = d.qkv_widths();
+        Ok(Attention { gated: true, ..Self::load_projections(w, p, d, Tp { rank: 0, size: 1 }, [2 * q, k, v])? })
     }
 
     /// Scores scaled by `scale` instead of `head_dim^-0.5`.
@@ -335,10 +350,11 @@ impl Attention {
             }
             Ok(a.transpose(&[0, 2, 1, 3])?)
         };
+        let mut gate = None;
         // Without per-head norms, q and k heads get the same rotation: with fused projections
         // they are one slice of the product, and one RoPE over all their heads is one kernel
         // (per layer and step) fewer than two.
-        let joined = if self.q_norm.is_none() { self.qkv.forward_first_joined(x, 2)? } else { None };
+        let joined = if self.q_norm.is_none() && !self.gated { self.qkv.forward_first_joined(x, 2)? } else { None };
         let (q, k, v) = match joined {
             Some(qk_v) => {
                 let (nq, nk) = (self.n_heads, self.n_kv_heads);
@@ -346,7 +362,14 @@ impl Attention {
                 (qk.slice_axis(1, 0, nq)?, qk.slice_axis(1, nq, nq + nk)?, heads(&qk_v[1], nk, None)?)
             }
             None => {
-                let qkv = self.qkv.forward(x)?;
+                let mut qkv = self.qkv.forward(x)?;
+                if self.gated {
+                    // `[B, L, H, 2 * D]`: each head's queries, then its gate.
+                    let both = qkv[0].reshape(&[b, l, self.n_heads, -1])?;
+                    let d = both.dim(3) as i32 / 2;
+                    gate = Some(both.slice_axis(3, d, 2 * d)?.reshape(&[b, l, -1])?);
+                    qkv[0] = both.slice_axis(3, 0, d)?;
+                }
                 let q = heads(&qkv[0], self.n_heads, self.q_norm.as_ref())?;
                 let k = heads(&qkv[1], self.n_kv_heads, self.k_norm.as_ref())?;
                 (rope.forward_at(&q, at)?, rope.forward_at(&k, at)?, heads(&qkv[2], self.n_kv_heads, None)?)
@@ -369,7 +392,11 @@ impl Attention {
                 _ => attention(&q, &k, &v, self.scale, mask_ref(mask), self.sinks.as_ref())?,
             },
         };
-        reduced(self.o_proj.forward(&o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?, self.reduce)
+        let mut o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        if let Some(gate) = gate {
+            o = o.multiply(&gate.sigmoid()?)?;
+        }
+        reduced(self.o_proj.forward(&o)?, self.reduce)
     }
 }
 

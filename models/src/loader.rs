@@ -4,7 +4,8 @@
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, QuantMode, Quantization, Weights};
 use crate::{
-    gemma3, gpt_oss, llama, minicpm, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, CausalLm, Error, Result,
+    gemma3, gpt_oss, llama, minicpm, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, CausalLm, Error,
+    Result,
 };
 use mlx::Device;
 use serde::de::DeserializeOwned;
@@ -12,7 +13,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -34,6 +35,22 @@ pub struct ModelInfo {
     pub max_position_embeddings: Option<usize>,
     /// KV-cache bytes one position takes over all layers.
     pub kv_bytes_per_token: usize,
+    /// Layers whose cache is a recurrent state (Qwen3.5's Gated DeltaNet): it cannot be cut
+    /// back, so nothing that rolls a sequence back (speculative decoding) runs on such a model.
+    pub recurrent_layers: usize,
+}
+
+impl ModelInfo {
+    /// Why speculative decoding cannot run on this model, if it cannot.
+    pub fn speculation_refused(&self) -> Option<String> {
+        (self.recurrent_layers > 0).then(|| {
+            format!(
+                "speculative decoding is not supported for {} yet: its {} recurrent (Gated DeltaNet) layers cannot \
+                 roll back rejected drafts; decode without speculation",
+                self.model_type, self.recurrent_layers
+            )
+        })
+    }
 }
 
 pub struct Loaded {
@@ -115,6 +132,9 @@ pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
 /// [`text_weight_name`]). The vision tower is not loaded: images are not supported.
 pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
     let kind = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
+    if kind == "qwen3_5" {
+        return (qwen3_5_text_config(&config), true);
+    }
     let Some(Value::Object(mut text)) =
         config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
     else {
@@ -148,11 +168,34 @@ pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
     (Value::Object(text), true)
 }
 
+/// Qwen3.5's text config as mlx-lm's `qwen3_5` reads it: `text_config` when there is one
+/// (Qwen's own checkpoints, with a vision tower), else the config itself; its weights are
+/// named as a multimodal folder's either way (mlx-lm prefixes `language_model.`).
+fn qwen3_5_text_config(config: &Value) -> Value {
+    let mut text = match config.get("text_config") {
+        Some(Value::Object(t)) => t.clone(),
+        _ => config.as_object().cloned().unwrap_or_default(),
+    };
+    text.insert("model_type".into(), "qwen3_5".into());
+    for key in ["quantization", "quantization_config"] {
+        if let Some(Value::Object(q)) = config.get(key) {
+            let renamed = q.iter().map(|(k, v)| (text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone()));
+            text.insert(key.into(), Value::Object(renamed.collect()));
+        }
+    }
+    for key in ["eos_token_id", "bos_token_id", "tie_word_embeddings"] {
+        if let Some(v) = config.get(key) {
+            text.entry(key).or_insert(v.clone());
+        }
+    }
+    Value::Object(text)
+}
+
 /// A vision-language checkpoint's weight (or module) name as its text model's: the vision
 /// tower and projector dropped (`None`), `language_model.` and transformers 5's
 /// `model.language_model.` taken off.
 pub(crate) fn text_weight_name(name: &str) -> Option<String> {
-    if name.contains("vision_tower") || name.contains("multi_modal_projector") {
+    if name.contains("vision_tower") || name.contains("multi_modal_projector") || name.starts_with("model.visual.") {
         return None;
     }
     Some(match name.strip_prefix("model.language_model.") {
@@ -173,6 +216,7 @@ pub enum Arch {
     GptOss(gpt_oss::Config),
     Phi3(phi3::Config),
     MiniCpm(minicpm::Config),
+    Qwen3_5(qwen3_5::Config),
 }
 
 impl Arch {
@@ -193,6 +237,7 @@ impl Arch {
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
             "phi3" => Arch::Phi3(parse(config, path)?),
             "minicpm" => Arch::MiniCpm(parse(config, path)?),
+            "qwen3_5" => Arch::Qwen3_5(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
                     found: other.to_string(),
@@ -219,6 +264,9 @@ impl Arch {
             Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
             Arch::Phi3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
             Arch::MiniCpm(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
+            // Only the full-attention layers keep keys and values; a DeltaNet layer's state
+            // is the same size whatever the length.
+            Arch::Qwen3_5(c) => (c.attention_layers(), c.num_key_value_heads, c.head_dim()),
         }
     }
 
@@ -247,6 +295,13 @@ impl Arch {
             }
             Arch::Phi3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
             Arch::MiniCpm(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Qwen3_5(_) if n > 1 => {
+                return Err(Error::Invalid(
+                    "tensor parallelism over qwen3_5 (recurrent layers) is not supported yet; run it on one rank"
+                        .into(),
+                ))
+            }
+            Arch::Qwen3_5(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::GptOss(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen2Moe(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
@@ -276,6 +331,7 @@ impl Arch {
             Arch::GptOss(_) => "gpt_oss",
             Arch::Phi3(_) => "phi3",
             Arch::MiniCpm(_) => "minicpm",
+            Arch::Qwen3_5(_) => "qwen3_5",
         }
     }
 
@@ -293,6 +349,7 @@ impl Arch {
             Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
             Arch::Phi3(c) => Box::new(phi3::load(c, weights, options)?),
             Arch::MiniCpm(c) => Box::new(minicpm::load(c, weights, options)?),
+            Arch::Qwen3_5(c) => Box::new(qwen3_5::load(c, weights, options)?),
         })
     }
 }
@@ -376,9 +433,15 @@ fn build(
     for n in unused {
         weights.remove(&n);
     }
-    // GPT-OSS has its own head whatever the config says (mlx-lm's model always makes one).
-    let tied_by_default = !matches!(arch, Arch::GptOss(_) | Arch::Phi3(_));
-    if config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(tied_by_default) && tied_by_default {
+    // GPT-OSS has its own head whatever the config says (mlx-lm's model always makes one);
+    // Qwen3.5's is untied unless the config ties it.
+    let tie = config.get("tie_word_embeddings").and_then(Value::as_bool);
+    let tied = match arch {
+        Arch::GptOss(_) | Arch::Phi3(_) => false,
+        Arch::Qwen3_5(_) => tie.unwrap_or(false),
+        _ => tie.unwrap_or(true),
+    };
+    if tied {
         weights.remove("lm_head.weight");
     }
     let model = arch.model(&mut weights, options)?;
@@ -429,6 +492,7 @@ fn build(
         weight_bytes: weights.nbytes(),
         weight_bytes_per_token: per_token,
         n_layers: model.make_cache().len(),
+        recurrent_layers: model.make_cache().iter().filter(|c| c.is_recurrent()).count(),
         vocab_size: model.vocab_size(),
         max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
         kv_bytes_per_token: layers * 2 * kv_heads * head_dim * act.size(),

@@ -29,8 +29,15 @@ pub const GEMMA_WINDOW: usize = 8;
 const MOE_EXPERTS: usize = 4;
 const MOE_FFN: usize = 32;
 
+/// Gated DeltaNet heads and widths in the tiny `qwen3_5` (layer 0 is a DeltaNet layer, layer
+/// 1 a gated full-attention one).
+const LINEAR_K_HEADS: usize = 2;
+const LINEAR_V_HEADS: usize = 4;
+const LINEAR_DIM: usize = 16;
+const LINEAR_KERNEL: usize = 4;
+
 /// The `config.json` of a tiny model of `model_type` (llama, qwen2, qwen3, qwen3_moe,
-/// qwen2_moe, gemma3_text, gpt_oss or phi3).
+/// qwen2_moe, gemma3_text, gpt_oss, phi3 or qwen3_5).
 pub fn config(model_type: &str) -> Value {
     let mut c = json!({
         "model_type": model_type,
@@ -83,6 +90,15 @@ pub fn config(model_type: &str) -> Value {
         c["layer_types"] = json!(["sliding_attention", "full_attention"]);
         c["sliding_window"] = json!(GEMMA_WINDOW);
     }
+    if model_type == "qwen3_5" {
+        c["full_attention_interval"] = json!(2);
+        c["linear_num_key_heads"] = json!(LINEAR_K_HEADS);
+        c["linear_num_value_heads"] = json!(LINEAR_V_HEADS);
+        c["linear_key_head_dim"] = json!(LINEAR_DIM);
+        c["linear_value_head_dim"] = json!(LINEAR_DIM);
+        c["linear_conv_kernel_dim"] = json!(LINEAR_KERNEL);
+        c["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25});
+    }
     if model_type == "gemma3_text" {
         c["sliding_window"] = json!(GEMMA_WINDOW);
         c["sliding_window_pattern"] = json!(LAYERS);
@@ -116,6 +132,37 @@ pub fn weights_with_vocab(model_type: &str, seed: u64, vocab: usize) -> Result<H
     add("model.embed_tokens.weight".into(), &[vocab, HIDDEN], 1.0)?;
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
+        if model_type == "qwen3_5" {
+            // MLX's layout (a conv1d weight [C, K, 1]): as mlx-community ships it.
+            if i == 0 {
+                let a = format!("{p}.linear_attn");
+                let (key_dim, value_dim) = (LINEAR_K_HEADS * LINEAR_DIM, LINEAR_V_HEADS * LINEAR_DIM);
+                let conv_dim = 2 * key_dim + value_dim;
+                add(format!("{a}.in_proj_qkv.weight"), &[conv_dim, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.in_proj_z.weight"), &[value_dim, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.in_proj_b.weight"), &[LINEAR_V_HEADS, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.in_proj_a.weight"), &[LINEAR_V_HEADS, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.conv1d.weight"), &[conv_dim, LINEAR_KERNEL, 1], 0.5)?;
+                add(format!("{a}.dt_bias"), &[LINEAR_V_HEADS], 1.0)?;
+                add(format!("{a}.A_log"), &[LINEAR_V_HEADS], 1.0)?;
+                add(format!("{a}.norm.weight"), &[LINEAR_DIM], 1.0)?;
+                add(format!("{a}.out_proj.weight"), &[HIDDEN, value_dim], lin(value_dim))?;
+            } else {
+                let a = format!("{p}.self_attn");
+                add(format!("{a}.q_proj.weight"), &[2 * HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.k_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.v_proj.weight"), &[KV_HEADS * HEAD_DIM, HIDDEN], lin(HIDDEN))?;
+                add(format!("{a}.o_proj.weight"), &[HIDDEN, HEADS * HEAD_DIM], lin(HEADS * HEAD_DIM))?;
+                add(format!("{a}.q_norm.weight"), &[HEAD_DIM], 1.0)?;
+                add(format!("{a}.k_norm.weight"), &[HEAD_DIM], 1.0)?;
+            }
+            add(format!("{p}.mlp.gate_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.up_proj.weight"), &[FFN, HIDDEN], lin(HIDDEN))?;
+            add(format!("{p}.mlp.down_proj.weight"), &[HIDDEN, FFN], lin(FFN))?;
+            add(format!("{p}.input_layernorm.weight"), &[HIDDEN], 1.0)?;
+            add(format!("{p}.post_attention_layernorm.weight"), &[HIDDEN], 1.0)?;
+            continue;
+        }
         if model_type == "phi3" {
             // Phi-3's checkpoints store q/k/v and gate/up fused.
             add(format!("{p}.self_attn.qkv_proj.weight"), &[(HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN], lin(HIDDEN))?;

@@ -957,3 +957,45 @@ fn a_bounded_sliding_cache_decodes_as_a_full_one_and_still_rolls_back() {
         assert!(d < 1e-5, "{arch}: after adopting the fork's row, max diff {d}");
     }
 }
+
+/// Qwen3.5's hybrid: a DeltaNet layer's recurrent state carries a sequence as its keys and
+/// values would: token by token and in uneven chunks (each chunk runs the recurrence from
+/// the state the last one left) give one full forward's logits.
+#[test]
+fn a_recurrent_layer_decodes_token_by_token_and_in_chunks_as_one_forward() {
+    let model = testing::model("qwen3_5", 4).unwrap();
+    let cache = model.make_cache();
+    assert!(cache[0].is_recurrent() && !cache[1].is_recurrent());
+    let ids = prompt(40);
+    let (full, _) = decode_in_pieces(model.as_ref(), &ids, &[40]);
+    for pieces in [&[1; 40][..], &[7, 1, 19, 13]] {
+        let (split, cache) = decode_in_pieces(model.as_ref(), &ids, pieces);
+        assert_eq!((cache[0].offset(), cache[1].offset()), (40, 40));
+        let d = max_abs_diff(&full, &split);
+        assert!(d < 1e-4, "{pieces:?}: max diff {d}");
+    }
+}
+
+/// A recurrent state cannot be cut back: it is never trimmable, and a trim that needs it
+/// leaves the cache stale, so continuing from it is an error rather than wrong logits; a
+/// clone taken before goes on as the uncut run.
+#[test]
+fn a_trimmed_recurrent_cache_goes_stale_and_is_not_continued() {
+    let model = testing::model("qwen3_5", 5).unwrap();
+    let ids = prompt(12);
+    let (_, mut cache) = decode_in_pieces(model.as_ref(), &ids[..10], &[10]);
+    assert_eq!((cache[0].trimmable(), cache[1].trimmable()), (0, 10));
+    let mut kept = cache.clone();
+    assert!(crate::roll_back(&mut cache, 2).is_err(), "a rollback past a recurrent layer is refused");
+    assert!(!cache[0].stale());
+    for c in cache.iter_mut() {
+        c.trim(2);
+    }
+    assert!(cache[0].stale() && cache.iter().all(|c| c.offset() == 8));
+    let Err(err) = model.forward(&tokens(&ids[8..10]), &mut cache) else { panic!("a stale state is refused") };
+    assert!(err.to_string().contains("recomputed"), "{err}");
+    let next = model.forward(&tokens(&ids[10..]), &mut kept).unwrap();
+    let (full, _) = decode_in_pieces(model.as_ref(), &ids, &[12]);
+    let tail = full.slice_axis(1, 10, 12).unwrap();
+    assert!(max_abs_diff(&tail, &next) < 1e-4);
+}

@@ -694,6 +694,72 @@ Ptr swiglu_oai(const array& gate, const array& x) {
   return wrap(fn({gate, x})[0]);
 }
 
+// `nn.silu` (mlx.nn, `mx.compile(shapeless=True)`): x * sigmoid(x).
+Ptr silu(const array& x) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> { return {mx::multiply(in[0], mx::sigmoid(in[0]))}; },
+      /* shapeless = */ true);
+  return wrap(fn({x})[0]);
+}
+
+// mlx-lm's `precise_swiglu(h, gate, x)` (`mx.compile(shapeless=True)`): silu(gate) * x in
+// float32, cast to h's dtype (Qwen3-Next's gated RMSNorm).
+Ptr precise_swiglu(const array& h, const array& gate, const array& x) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        auto g = mx::astype(in[1], mx::float32);
+        g = mx::multiply(g, mx::sigmoid(g));
+        return {mx::astype(mx::multiply(g, mx::astype(in[2], mx::float32)), in[0].dtype())};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({h, gate, x})[0]);
+}
+
+// mlx-lm's `compute_g` (gated_delta.py, `mx.compile(shapeless=True)`): the Gated DeltaNet's
+// decay, exp(-exp(A_log) * softplus(a + dt_bias)), softplus being logaddexp(x, 0).
+Ptr gated_delta_g(const array& a_log, const array& a, const array& dt_bias) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        auto x = mx::add(in[1], in[2]);
+        auto softplus = mx::logaddexp(x, array(0.0f, x.dtype()));
+        return {mx::exp(mx::multiply(mx::negative(mx::exp(mx::astype(in[0], mx::float32))), softplus))};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({a_log, a, dt_bias})[0]);
+}
+
+// mlx-lm's `_gated_delta_step_ops` without a mask (`mx.compile`): one step of the gated delta
+// rule. q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dv, Dk]. Returns
+// (y [B, H, Dv] in q's dtype, the new state).
+std::unique_ptr<ArrayList> gated_delta_step(const array& q, const array& k, const array& v, const array& g,
+                                             const array& beta, const array& state) {
+  static auto fn = mx::compile([](const std::vector<array>& in) -> std::vector<array> {
+    const auto &q = in[0], &k = in[1], &v = in[2], &g = in[3], &beta = in[4];
+    auto state = mx::multiply(in[5], mx::expand_dims(g, {-2, -1}));
+    auto k_row = mx::expand_dims(k, -2);
+    auto kv_mem = mx::sum(mx::multiply(state, k_row), -1);
+    auto delta = mx::multiply(mx::subtract(v, kv_mem), mx::expand_dims(beta, -1));
+    state = mx::add(state, mx::multiply(k_row, mx::expand_dims(delta, -1)));
+    auto y = mx::sum(mx::multiply(state, mx::expand_dims(q, -2)), -1);
+    return {mx::astype(y, q.dtype()), state};
+  });
+  auto out = fn({q, k, v, g, beta, state});
+  auto list = std::make_unique<ArrayList>();
+  for (auto& a : out) list->items.push_back(a);
+  return list;
+}
+
+// A depthwise or grouped 1D convolution, stride 1, no padding: x [B, L, C_in], w [C_out, K,
+// C_in / groups] (`nn.Conv1d`'s layout).
+Ptr conv1d(const array& x, const array& w, int32_t groups) {
+  return wrap(mx::conv1d(x, w, /* stride = */ 1, /* padding = */ 0, /* dilation = */ 1, groups));
+}
+
+Ptr repeat_axis(const array& a, int32_t repeats, int32_t axis) { return wrap(mx::repeat(a, repeats, axis)); }
+
+// `mx.fast.rms_norm(x, None, eps)`: no weight.
+Ptr rms_norm_plain(const array& x, float eps) { return wrap(mx::fast::rms_norm(x, std::nullopt, eps)); }
+
 // `nn.gelu_approx` (mlx.nn, `mx.compile(shapeless=True)`): 0.5 x (1 + tanh(sqrt(2/pi)
 // (x + 0.044715 x^3))), with Python's scalars as arrays of x's dtype and the same compile.
 Ptr gelu_approx(const array& x) {

@@ -79,6 +79,14 @@ Ptr where(const array& cond, const array& a, const array& b);
 Ptr swiglu(const array& gate, const array& x);
 Ptr gelu_approx(const array& x);
 Ptr swiglu_oai(const array& gate, const array& x);
+Ptr silu(const array& x);
+Ptr precise_swiglu(const array& h, const array& gate, const array& x);
+Ptr gated_delta_g(const array& a_log, const array& a, const array& dt_bias);
+std::unique_ptr<ArrayList> gated_delta_step(const array& q, const array& k, const array& v, const array& g,
+                                             const array& beta, const array& state);
+Ptr conv1d(const array& x, const array& w, int32_t groups);
+Ptr repeat_axis(const array& a, int32_t repeats, int32_t axis);
+Ptr rms_norm_plain(const array& x, float eps);
 
 // Reductions.
 Ptr sum(const array& a, rust::Slice<const int32_t> axes, bool keepdims);

@@ -61,6 +61,20 @@ pub(crate) mod ffi {
         fn swiglu(gate: &array, x: &array) -> Result<UniquePtr<array>>;
         fn gelu_approx(x: &array) -> Result<UniquePtr<array>>;
         fn swiglu_oai(gate: &array, x: &array) -> Result<UniquePtr<array>>;
+        fn silu(x: &array) -> Result<UniquePtr<array>>;
+        fn precise_swiglu(h: &array, gate: &array, x: &array) -> Result<UniquePtr<array>>;
+        fn gated_delta_g(a_log: &array, a: &array, dt_bias: &array) -> Result<UniquePtr<array>>;
+        fn gated_delta_step(
+            q: &array,
+            k: &array,
+            v: &array,
+            g: &array,
+            beta: &array,
+            state: &array,
+        ) -> Result<UniquePtr<ArrayList>>;
+        fn conv1d(x: &array, w: &array, groups: i32) -> Result<UniquePtr<array>>;
+        fn repeat_axis(a: &array, repeats: i32, axis: i32) -> Result<UniquePtr<array>>;
+        fn rms_norm_plain(x: &array, eps: f32) -> Result<UniquePtr<array>>;
 
         fn sum(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;
         fn max(a: &array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<array>>;

@@ -119,6 +119,47 @@ pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
     wrap(ffi::swiglu(&gate.0, &x.0))
 }
 
+/// `nn.silu`, compiled as mlx.nn compiles it.
+pub fn silu(x: &Array) -> Result<Array> {
+    wrap(ffi::silu(&x.0))
+}
+
+/// mlx-lm's `precise_swiglu(h, gate, x)`: `silu(gate) * x` in float32, in `h`'s dtype.
+pub fn precise_swiglu(h: &Array, gate: &Array, x: &Array) -> Result<Array> {
+    wrap(ffi::precise_swiglu(&h.0, &gate.0, &x.0))
+}
+
+/// The Gated DeltaNet's decay, mlx-lm's `compute_g`: `exp(-exp(a_log) * softplus(a + dt_bias))`.
+pub fn gated_delta_g(a_log: &Array, a: &Array, dt_bias: &Array) -> Result<Array> {
+    wrap(ffi::gated_delta_g(&a_log.0, &a.0, &dt_bias.0))
+}
+
+/// One step of the gated delta rule, compiled as mlx-lm's `_gated_delta_step_ops`: q, k
+/// `[B, H, Dk]`, v `[B, H, Dv]`, g and beta `[B, H]`, state `[B, H, Dv, Dk]`; returns the
+/// output `[B, H, Dv]` (in q's dtype) and the new state.
+pub fn gated_delta_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let out = ffi::gated_delta_step(&q.0, &k.0, &v.0, &g.0, &beta.0, &state.0)?;
+    Ok((wrap(ffi::list_get(&out, 0))?, wrap(ffi::list_get(&out, 1))?))
+}
+
+/// A 1D convolution with stride 1 and no padding: `x` `[B, L, C_in]`, `w` `[C_out, K, C_in /
+/// groups]`.
+pub fn conv1d(x: &Array, w: &Array, groups: i32) -> Result<Array> {
+    wrap(ffi::conv1d(&x.0, &w.0, groups))
+}
+
+/// Each element repeated `repeats` times along `axis` (`mx.repeat`).
+pub fn repeat(a: &Array, repeats: i32, axis: i32) -> Result<Array> {
+    wrap(ffi::repeat_axis(&a.0, repeats, axis))
+}
+
 /// GPT-OSS's expert activation, compiled as mlx-lm compiles its `swiglu_oai`: `gate` clipped
 /// above at 7, `x` to +-7, then `(x + 1) * gate * sigmoid(1.702 gate)`.
 pub fn swiglu_oai(gate: &Array, x: &Array) -> Result<Array> {
@@ -133,6 +174,11 @@ pub fn gelu_approx(x: &Array) -> Result<Array> {
 /// MLX's fused kernels.
 pub mod fast {
     use super::*;
+
+    /// `mx.fast.rms_norm(x, None, eps)`.
+    pub fn rms_norm_plain(x: &Array, eps: f32) -> Result<Array> {
+        wrap(ffi::rms_norm_plain(&x.0, eps))
+    }
 
     pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
         wrap(ffi::rms_norm(&x.0, &weight.0, eps))

@@ -460,10 +460,11 @@ impl Worker {
     }
 
     /// Stores `cache` in the prompt cache under the leading tokens of `sequence` it holds (a
-    /// cache holding more positions than `sequence` has tokens is not stored).
+    /// cache holding more positions than `sequence` has tokens is not stored, nor one whose
+    /// recurrent state was asked to drop positions it could not).
     fn keep_cache(&mut self, sequence: &[u32], cache: Vec<KvCache>) -> Result<()> {
         let held = cache.first().map_or(0, models::KvCache::offset);
-        if held == 0 || held > sequence.len() {
+        if held == 0 || held > sequence.len() || cache.iter().any(KvCache::stale) {
             return Ok(());
         }
         let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
@@ -527,6 +528,9 @@ impl Worker {
             let (external, rest) = (plugins.sampler, (plugins.stops, plugins.tools, plugins.reasoning));
             let speculation = match request.speculative.method {
                 SpecMethod::Off => None,
+                _ if self.info.recurrent_layers > 0 => {
+                    bail!("{}", self.info.speculation_refused().expect("a model with recurrent layers"))
+                }
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
             let vocab = self.info.vocab_size;
@@ -1067,6 +1071,51 @@ mod tests {
         assert_eq!(warm.stats.generation_tokens.load(Ordering::Relaxed), 8);
         assert_eq!(warm.stats.prompt_tokens.load(Ordering::Relaxed), 64);
         drop((warm, cold));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Qwen3.5's hybrid (recurrent Gated DeltaNet layers beside attention ones) through the
+    /// engine: warmed up or not, the same output; a conversation's next turn resumes from the
+    /// state the last turn left in the prompt cache (its recurrent state cannot be cut back, so
+    /// only a whole entry is reused) and equals a cold run; speculation is refused, naming why.
+    #[test]
+    fn a_hybrid_model_resumes_a_conversation_from_its_snapshot_and_refuses_speculation() {
+        let dir = std::env::temp_dir().join(format!("host-hybrid-{}", std::process::id()));
+        models::testing::write_model(&dir, "qwen3_5", 7).unwrap();
+        let (warm, cold) = (engine(&dir, true), engine(&dir, false));
+        assert_eq!(warm.info.recurrent_layers, 1);
+        // Letters and digits only (one byte token each), so a reply's text gives its ids back.
+        let mut no_eos = SamplingParams::default();
+        for id in 0..warm.info.vocab_size as u32 {
+            let text = warm.tokenizer.decode(&[id]).unwrap_or_default();
+            if !(text.len() == 1 && text.bytes().all(|b| b.is_ascii_alphanumeric())) {
+                no_eos.logit_bias.insert(id, -1e9);
+            }
+        }
+        let turn = |e: &Engine, prompt: Vec<u32>| collect(&mut e.submit(request(prompt, no_eos.clone(), 8)).unwrap());
+        let first: Vec<u32> = (0..20).map(|t| 40 + t * 5).collect();
+        let (text, usage) = turn(&warm, first.clone());
+        assert_eq!(turn(&cold, first.clone()).0, text, "the warm-up changed nothing");
+        assert_eq!(usage.unwrap().1.cached_tokens, 0);
+        let mut second = first.clone();
+        second.extend(warm.tokenizer.encode(&text, false).unwrap());
+        second.extend([99, 100, 101]);
+        let (resumed, usage) = turn(&warm, second.clone());
+        let cached = usage.unwrap().1.cached_tokens;
+        assert!(cached > first.len() && cached < second.len(), "cached {cached} of {}", second.len());
+        let fresh = engine(&dir, false);
+        let (again, usage) = turn(&fresh, second.clone());
+        assert_eq!((resumed, usage.unwrap().1.cached_tokens), (again, 0));
+        let speculative = JobRequest {
+            speculative: SpecConfig { method: crate::engine::SpecMethod::PromptLookup, ..SpecConfig::default() },
+            ..request(first, no_eos.clone(), 8)
+        };
+        let mut rx = warm.submit(speculative).unwrap();
+        match rx.blocking_recv() {
+            Some(Event::Error(e)) => assert!(e.contains("speculative decoding is not supported for qwen3_5"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        drop((warm, cold, fresh));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

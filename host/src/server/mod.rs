@@ -19,6 +19,7 @@ pub mod turn;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::handle::{Engine, EngineConfig};
+use crate::engine::SpecMethod;
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::adapters::PluginScheduler;
 use crate::plugins::PluginRegistry;
@@ -86,6 +87,11 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let max_sequence_tokens = memory_tokens.min(context_tokens);
     tracing::info!(budget, memory_tokens, context_tokens, max_sequence_tokens, model = model_id, "memory budget");
     engine.set_kv_budget_tokens(memory_tokens);
+    let mut speculative = config.spec().unwrap_or_default();
+    if let Some(why) = engine.info.speculation_refused().filter(|_| speculative.method != SpecMethod::Off) {
+        tracing::warn!("serving without the configured speculation: {why}");
+        speculative.method = SpecMethod::Off;
+    }
     let (engine_tokenizer, engine_vocab, engine_eos) =
         (engine.tokenizer.clone(), engine.info.vocab_size, engine.info.eos_token_ids.clone());
     Arc::new(AppState {
@@ -100,7 +106,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         plugins,
         default_plugins: config.default_plugins.clone(),
-        speculative: config.spec().unwrap_or_default(),
+        speculative,
         tool_adapter,
         reasoning_parser,
         guard: guard::Policy::new(&config.allowed_hosts, &config.cors_origins),
