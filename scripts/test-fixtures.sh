@@ -71,6 +71,10 @@ if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx, jsonschema' 
   "$E2E/bin/pip" install --quiet --disable-pip-version-check \
     'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' 'jsonschema==4.26.0' >&2
 fi
+# pytest-xdist: the end-to-end tests run in two worker processes (scripts/test.sh).
+if ! "$E2E/bin/python" -c 'import sys, xdist; sys.exit(xdist.__version__ != "3.8.0")' 2>/dev/null; then
+  "$E2E/bin/pip" install --quiet --disable-pip-version-check 'pytest-xdist==3.8.0' >&2
+fi
 
 # The real agent harness clients (their npm packages ship native binaries), pinned.
 HARNESS=$CACHE/harness

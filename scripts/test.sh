@@ -32,9 +32,16 @@ echo "test.sh: fixtures ready in $((SECONDS - started)) s" >&2
 started=$SECONDS
 cargo test --workspace --locked --no-run "$@"
 echo "test.sh: build in $((SECONDS - started)) s" >&2
+# The test phases run several model processes at once (two test threads, two pytest workers,
+# each with servers and clients), so each takes one BLAS thread: OpenBLAS's second thread
+# would spin between a decode step's products on a core another process needs (perf: 16% of
+# a CI run's CPU was its threads yielding). On this 2-core machine kind the integration tests
+# took 267 s with OpenBLAS's default and 207 s so; the end-to-end tests in two workers 827 s
+# against 1,164 s serially with the default (bench/RESULTS.md, "CI in session 32").
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 started=$SECONDS
 cargo test --workspace --locked "$@"
 echo "test.sh: cargo test in $((SECONDS - started)) s" >&2
 started=$SECONDS
-HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q --durations=15 tests/e2e
+HOST_BIN="$ROOT/target/debug/host" "$HOST_E2E_PYTHON" -m pytest -q -n 2 --durations=15 tests/e2e
 echo "test.sh: end-to-end tests in $((SECONDS - started)) s" >&2

@@ -9,14 +9,12 @@
 
 use super::common;
 
-use common::{OutputWithin, HANG};
 use host::engine::batch::{Batch, Row};
 use host::engine::step::prefill;
 use host::engine::{DecodeOptions, Generation, Sampler, SamplingParams};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::process::Command;
 
 /// Log-probability gap between the top two tokens below which greedy picks may differ
 /// between two float32 computations of the same logits in a different order.
@@ -60,14 +58,10 @@ fn ids(v: &Value) -> Vec<u32> {
 /// (prompt ids, generated ids) per prompt from mlx-lm's `batch_generate`.
 fn oracle(f: &Fixtures, model: &PathBuf) -> Vec<(Vec<u32>, Vec<u32>)> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/oracle/mlx_lm_batch_oracle.py");
-    let mut oracle = Command::new(&f.oracle);
-    let blas = env!("HOST_LINKED_BLAS");
-    if !blas.is_empty() {
-        oracle.env("LD_PRELOAD", blas);
-    }
-    let out = oracle.arg(&script).arg(model).arg(MAX_TOKENS.to_string()).args(PROMPTS).output_within(HANG);
-    assert!(out.status.success(), "oracle failed: {}", String::from_utf8_lossy(&out.stderr));
-    let records: Vec<_> = String::from_utf8(out.stdout)
+    let mut args = vec![model.to_string_lossy().into_owned(), MAX_TOKENS.to_string()];
+    args.extend(PROMPTS.iter().map(|p| p.to_string()));
+    let stdout = common::oracle_output(&f.oracle, &script, &args, &[model]);
+    let records: Vec<_> = String::from_utf8(stdout)
         .unwrap()
         .lines()
         .map(|line| {

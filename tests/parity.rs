@@ -73,17 +73,11 @@ fn oracle(f: &Fixtures, model: &str, max_tokens: usize) -> Arc<Vec<OracleRecord>
     let slot = CACHE.get_or_init(Default::default).lock().unwrap().entry(model.to_string()).or_default().clone();
     slot.get_or_init(|| {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/oracle/mlx_lm_oracle.py");
-        let mut oracle = Command::new(&f.oracle);
-        // The host binary links OpenBLAS when the build machine has it (host/build.rs);
-        // give mlx-lm the same BLAS so both run identical kernels.
-        let blas = env!("HOST_LINKED_BLAS");
-        if !blas.is_empty() {
-            oracle.env("LD_PRELOAD", blas);
-        }
-        let out =
-            oracle.arg(&script).arg(f.models.join(model)).arg(max_tokens.to_string()).args(PROMPTS).output_within(HANG);
-        assert!(out.status.success(), "oracle failed: {}", String::from_utf8_lossy(&out.stderr));
-        let records = String::from_utf8(out.stdout)
+        let dir = f.models.join(model);
+        let mut args = vec![dir.to_string_lossy().into_owned(), max_tokens.to_string()];
+        args.extend(PROMPTS.iter().map(|p| p.to_string()));
+        let out = common::oracle_output(&f.oracle, &script, &args, &[&dir]);
+        let records = String::from_utf8(out)
             .unwrap()
             .lines()
             .map(|line| {
