@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -132,8 +132,8 @@ pub fn check_tensor_parallel(path: &Path, n: usize) -> Result<()> {
 /// [`text_weight_name`]). The vision tower is not loaded: images are not supported.
 pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
     let kind = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
-    if kind == "qwen3_5" {
-        return (qwen3_5_text_config(&config), true);
+    if matches!(kind, "qwen3_5" | "qwen3_5_moe") {
+        return (qwen3_5_text_config(&config, kind), true);
     }
     let Some(Value::Object(mut text)) =
         config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
@@ -171,12 +171,12 @@ pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
 /// Qwen3.5's text config as mlx-lm's `qwen3_5` reads it: `text_config` when there is one
 /// (Qwen's own checkpoints, with a vision tower), else the config itself; its weights are
 /// named as a multimodal folder's either way (mlx-lm prefixes `language_model.`).
-fn qwen3_5_text_config(config: &Value) -> Value {
+fn qwen3_5_text_config(config: &Value, kind: &str) -> Value {
     let mut text = match config.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
         _ => config.as_object().cloned().unwrap_or_default(),
     };
-    text.insert("model_type".into(), "qwen3_5".into());
+    text.insert("model_type".into(), kind.into());
     for key in ["quantization", "quantization_config"] {
         if let Some(Value::Object(q)) = config.get(key) {
             let renamed = q.iter().map(|(k, v)| (text_weight_name(k).unwrap_or_else(|| k.clone()), v.clone()));
@@ -237,7 +237,7 @@ impl Arch {
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
             "phi3" => Arch::Phi3(parse(config, path)?),
             "minicpm" => Arch::MiniCpm(parse(config, path)?),
-            "qwen3_5" => Arch::Qwen3_5(parse(config, path)?),
+            "qwen3_5" | "qwen3_5_moe" => Arch::Qwen3_5(parse(config, path)?),
             other => {
                 return Err(Error::UnsupportedModel {
                     found: other.to_string(),
@@ -315,6 +315,7 @@ impl Arch {
             Arch::Qwen3Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
             Arch::Qwen2Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
             Arch::GptOss(c) => Some((c.num_experts_per_tok, c.num_local_experts)),
+            Arch::Qwen3_5(c) if c.num_experts > 0 => Some((c.num_experts_per_tok, c.num_experts)),
             _ => None,
         }
     }
@@ -331,6 +332,7 @@ impl Arch {
             Arch::GptOss(_) => "gpt_oss",
             Arch::Phi3(_) => "phi3",
             Arch::MiniCpm(_) => "minicpm",
+            Arch::Qwen3_5(c) if c.num_experts > 0 => "qwen3_5_moe",
             Arch::Qwen3_5(_) => "qwen3_5",
         }
     }

@@ -289,6 +289,12 @@ impl SparseMoe {
     }
 }
 
+impl Forward for SparseMoe {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        SparseMoe::forward(self, x)
+    }
+}
+
 /// mlx-lm's `sanitize` of Qwen MoE checkpoints: per-expert modules
 /// `{p}.experts.{e}.{gate,up,down}_proj` (Hugging Face's layout) stacked into
 /// `{p}.switch_mlp.{..}` (`[experts, out, in]`, mlx-community's layout), their quantization

@@ -1,5 +1,6 @@
-//! Qwen3.5 / Qwen3.6 (dense), text only (`qwen3_5`). Reference: mlx-lm `models/qwen3_5.py`,
-//! `qwen3_next.py` (its attention, MLP and gated norm) and `gated_delta.py`.
+//! Qwen3.5 / Qwen3.6, text only: dense (`qwen3_5`) and mixture-of-experts (`qwen3_5_moe`,
+//! e.g. Qwen3.5-35B-A3B). Reference: mlx-lm `models/qwen3_5.py`, `qwen3_5_moe.py`,
+//! `qwen3_next.py` (its attention, MLP, sparse MoE block and gated norm) and `gated_delta.py`.
 //!
 //! A hybrid: every `full_attention_interval`-th layer is a full-attention one (Qwen3-Next's:
 //! q/k norms, RoPE over the first `partial_rotary_factor` of each head, and an output gate
@@ -12,14 +13,19 @@
 //! silu(z))`. Its cache ([`KvCache::recurrent`]) keeps the convolution's last `kernel - 1`
 //! inputs and `S`.
 //!
+//! With experts, every layer's MLP is Qwen3-Next's sparse block: a softmax router, the top
+//! `num_experts_per_tok` experts (renormalized with `norm_topk_prob`) and a shared expert
+//! gated by `sigmoid(shared_expert_gate(x))` (`moe.rs`'s `SparseMoe`, as Qwen2-MoE's).
+//!
 //! The recurrence runs as mlx-lm runs it off Metal (`gated_delta_ops`): one compiled step per
 //! position, the same ops, so logits match mlx-lm's on the CPU. Checkpoints as Qwen publishes
 //! them (conv1d `[C, 1, K]`, norms stored as offsets from 1) are sanitized as mlx-lm does;
 //! mlx-community's conversions are already in that form.
 
 use crate::cache::KvCache;
-use crate::layers::{Embedding, Linear, Positions, RmsNorm, Rope};
+use crate::layers::{Embedding, Forward, Linear, Positions, RmsNorm, Rope};
 use crate::llama::{self, Activation, Attention, Dims, Mlp, Tp};
+use crate::moe::{MoeDims, SparseMoe};
 use crate::weights::Weights;
 use crate::{CausalLm, Error, LoadOptions, Result};
 use mlx::{fast, ops, Array, Dtype};
@@ -62,6 +68,14 @@ pub struct Config {
     pub full_attention_interval: usize,
     #[serde(default)]
     pub num_experts: usize,
+    #[serde(default)]
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: usize,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: usize,
+    #[serde(default = "d_true")]
+    pub norm_topk_prob: bool,
     pub rope_parameters: Option<Value>,
     pub partial_rotary_factor: Option<f64>,
     pub rope_theta: Option<f64>,
@@ -106,6 +120,9 @@ fn d_conv() -> usize {
 fn d_interval() -> usize {
     4
 }
+fn d_true() -> bool {
+    true
+}
 
 impl Config {
     pub fn head_dim(&self) -> usize {
@@ -115,6 +132,21 @@ impl Config {
     /// Whether layer `i` is a Gated DeltaNet one (the others attend fully).
     pub fn is_linear(&self, i: usize) -> bool {
         !(i + 1).is_multiple_of(self.full_attention_interval.max(1))
+    }
+
+    /// The mixture of experts in every layer's MLP, if there is one.
+    pub(crate) fn moe(&self) -> Option<MoeDims> {
+        (self.num_experts > 0).then(|| {
+            let mut m = MoeDims::qwen(
+                self.num_experts,
+                self.num_experts_per_tok,
+                self.moe_intermediate_size,
+                self.norm_topk_prob,
+                vec![true; self.num_hidden_layers],
+            );
+            m.shared = Some(self.shared_expert_intermediate_size);
+            m
+        })
     }
 
     /// How many layers attend fully (and so keep keys and values).
@@ -274,7 +306,7 @@ enum Mixer {
 
 struct Block {
     mixer: Mixer,
-    mlp: Mlp,
+    mlp: Box<dyn Forward>,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
 }
@@ -290,9 +322,21 @@ pub struct Model {
 
 /// mlx-lm's `sanitize` for checkpoints as Qwen publishes them (a conv1d weight `[C, 1, K]`):
 /// the convolutions moved to MLX's `[C, K, 1]` and the norms that scale by `1 + w` shifted
-/// once (the gated norm inside the DeltaNet layers is stored as is). Multi-token prediction
-/// weights are not used.
-fn sanitize(w: &mut Weights) -> Result<()> {
+/// once (the gated norm inside the DeltaNet layers is stored as is); experts stored fused
+/// (`experts.gate_up_proj` `[E, 2 I, H]`, `experts.down_proj`) split into `switch_mlp`'s
+/// three. Multi-token prediction weights are not used.
+fn sanitize(w: &mut Weights, layers: usize) -> Result<()> {
+    for l in 0..layers {
+        let p = format!("model.layers.{l}.mlp");
+        let Some(gate_up) = w.remove(&format!("{p}.experts.gate_up_proj")) else { continue };
+        let (axis, rows) = (gate_up.ndim() as i32 - 2, gate_up.dim(-2) as i32);
+        w.insert(format!("{p}.switch_mlp.gate_proj.weight"), gate_up.slice_axis(axis, 0, rows / 2)?);
+        w.insert(format!("{p}.switch_mlp.up_proj.weight"), gate_up.slice_axis(axis, rows / 2, rows)?);
+        let down = w.remove(&format!("{p}.experts.down_proj")).ok_or_else(|| {
+            Error::Invalid(format!("{p}.experts.gate_up_proj has no {p}.experts.down_proj beside it"))
+        })?;
+        w.insert(format!("{p}.switch_mlp.down_proj.weight"), down);
+    }
     let names: Vec<String> = w.names().cloned().collect();
     let mut unsanitized = false;
     for name in names.iter().filter(|n| n.ends_with("conv1d.weight")) {
@@ -325,19 +369,14 @@ fn sanitize(w: &mut Weights) -> Result<()> {
 }
 
 pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model> {
-    if c.num_experts > 0 {
-        return Err(Error::Invalid(format!(
-            "qwen3_5 with mixture-of-experts layers (num_experts = {}) is not supported yet",
-            c.num_experts
-        )));
-    }
     if Tp::of(options).size > 1 {
         return Err(Error::Invalid(
             "tensor parallelism over qwen3_5 (recurrent layers) is not supported yet; run it on one rank".into(),
         ));
     }
-    sanitize(w)?;
+    sanitize(w, c.num_hidden_layers)?;
     let d = c.dims();
+    let moe = c.moe();
     let w = &*w;
     let tp = Tp { rank: 0, size: 1 };
     let layers = (0..c.num_hidden_layers)
@@ -348,9 +387,17 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
             } else {
                 Mixer::Attention(Attention::load_gated(w, &format!("{p}.self_attn"), &d)?)
             };
+            let mlp: Box<dyn Forward> = match &moe {
+                None => Box::new(Mlp::load(w, &format!("{p}.mlp"), &d, Activation::Silu, tp)?),
+                Some(m) => {
+                    let s = Dims { ffn: c.shared_expert_intermediate_size, ..d.clone() };
+                    let shared = Mlp::load(w, &format!("{p}.mlp.shared_expert"), &s, Activation::Silu, tp)?;
+                    Box::new(SparseMoe::load(w, &format!("{p}.mlp"), d.hidden, m, Some(Box::new(shared)))?)
+                }
+            };
             Ok(Block {
                 mixer,
-                mlp: Mlp::load(w, &format!("{p}.mlp"), &d, Activation::Silu, tp)?,
+                mlp,
                 input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d.hidden, d.eps)?,
                 post_attention_layernorm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm"), d.hidden, d.eps)?,
             })
