@@ -56,7 +56,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// (prompt ids, generated ids) per prompt from mlx-lm's `batch_generate`.
-fn oracle(f: &Fixtures, model: &PathBuf) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn oracle(f: &Fixtures, model: &std::path::Path) -> Vec<(Vec<u32>, Vec<u32>)> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/oracle/mlx_lm_batch_oracle.py");
     let mut args = vec![model.to_string_lossy().into_owned(), MAX_TOKENS.to_string()];
     args.extend(PROMPTS.iter().map(|p| p.to_string()));
