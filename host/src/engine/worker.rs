@@ -526,11 +526,9 @@ impl Worker {
                 None => Started::default(),
             };
             let (external, rest) = (plugins.sampler, (plugins.stops, plugins.tools, plugins.reasoning));
-            let speculation = match request.speculative.method {
-                SpecMethod::Off => None,
-                _ if self.info.recurrent_layers > 0 => {
-                    bail!("{}", self.info.speculation_refused().expect("a model with recurrent layers"))
-                }
+            let speculation = match (request.speculative.method, self.info.speculation_refused()) {
+                (SpecMethod::Off, _) => None,
+                (_, Some(why)) => bail!("{why}"),
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
             let vocab = self.info.vocab_size;
