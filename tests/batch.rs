@@ -1,5 +1,6 @@
 //! Issue 19: batched decoding against the references. With SmolLM2-135M-Instruct (float32,
-//! CPU), the tiny random Gemma 3 (sliding-window layers), Qwen3-MoE and GPT-OSS, eight prompts of different lengths decoded together as rows of one batch give
+//! CPU), the tiny random Gemma 3 (sliding-window layers), Qwen3-MoE, GPT-OSS and Qwen3.5
+//! (recurrent layers), eight prompts of different lengths decoded together as rows of one batch give
 //! mlx-lm 0.32.2's `batch_generate` greedy ids and the ids each prompt gets decoded alone.
 //! Where a row parts from a reference, the test requires that the two most likely tokens at
 //! that step were within `MARGIN` of each other in the solo run (a tie that float32
@@ -136,6 +137,15 @@ fn a_batch_of_a_mixture_of_experts_model_gives_mlx_lm_batch_generate_ids_and_sol
 fn a_batch_of_gpt_oss_gives_mlx_lm_batch_generate_ids_and_solo_ids() {
     let Some(f) = fixtures() else { return };
     check_batch(&f, "tiny-gpt-oss");
+}
+
+/// Qwen3.5's hybrid in a batch: rows join with their recurrent (Gated DeltaNet) states stacked
+/// beside their keys and values and leave as they finish; dense and mixture of experts.
+#[test]
+fn a_batch_of_a_hybrid_recurrent_model_gives_mlx_lm_batch_generate_ids_and_solo_ids() {
+    let Some(f) = fixtures() else { return };
+    check_batch(&f, "tiny-qwen3_5");
+    check_batch(&f, "tiny-qwen3_5-moe");
 }
 
 /// The eight prompts decoded together by `model` (half joining after the others' third

@@ -104,6 +104,23 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
     }
 }
 
+/// Qwen3.5's recurrent layers under speculation: a rejected draft rolls the target's state
+/// (and a hybrid draft model's own) back to its snapshot at the last accepted position. Its
+/// 4-bit copy drafts for it, so steps accept some drafts and reject others; a hybrid MoE is
+/// drafted by the dense one.
+#[test]
+fn a_hybrid_recurrent_models_speculative_output_is_the_plain_output_through_partial_rollbacks() {
+    let Some(m) = models() else { return };
+    for (target, draft) in [("tiny-qwen3_5", "tiny-qwen3_5-q4"), ("tiny-qwen3_5-moe", "tiny-qwen3_5")] {
+        let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
+        let (drafted, accepted, _) = totals[1];
+        assert!(drafted > accepted, "{target}: no draft was rejected ({accepted} of {drafted})");
+        if target == "tiny-qwen3_5" {
+            assert!(accepted > 0, "{target}: its 4-bit copy drafted nothing it accepted");
+        }
+    }
+}
+
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {
     let Some(m) = models() else { return };

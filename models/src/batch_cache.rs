@@ -12,12 +12,19 @@
 //! paid once per join or leave, not per step. Leaving also drops the left padding no
 //! remaining row needs.
 //!
+//! A recurrent layer's batch (Qwen3.5's Gated DeltaNet) stacks its rows' states (convolution
+//! inputs and recurrence state, one row each; a row with no position yet holds zeros, which
+//! is what a fresh state means) and keeps the padding bookkeeping the attention layers keep,
+//! so every layer agrees on the rows' lengths. Its state has no positions to slice, so a row
+//! leaving while a step is in flight takes its state from before that step: the batch keeps
+//! the states at its last offset but one ([`extract_before_step`](BatchKvCache::extract_before_step)).
+//!
 //! A sliding-window layer's batch is bounded as its rows' caches are: the buffer's columns
 //! are numbered from the first ever written, and the buffer holds columns `start..width`
 //! (see `KvCache::windowed`), so a row's padding and length keep their meaning when the
 //! oldest columns go.
 
-use crate::cache::{next_id, record, CacheOp, KvCache, LayerCache};
+use crate::cache::{next_id, record, CacheOp, KvCache, LayerCache, Snapshot};
 use crate::{Error, Result};
 use mlx::{Array, Dtype};
 
@@ -29,11 +36,13 @@ pub struct BatchKvCache {
     /// Process-unique (from the same counter as `KvCache`'s), so a tensor-parallel peer can
     /// mirror the batch: joins, leaves and extractions are recorded as `CacheOp`s.
     id: u64,
+    /// A recurrent layer's rows' checkpoints (`KvCache::checkpoint`), given back on extraction.
+    checkpoints: Vec<Vec<(usize, Snapshot)>>,
 }
 
 impl Default for BatchKvCache {
     fn default() -> Self {
-        BatchKvCache { buffer: KvCache::default(), left_padding: Vec::new(), id: next_id() }
+        BatchKvCache { buffer: KvCache::default(), left_padding: Vec::new(), id: next_id(), checkpoints: Vec::new() }
     }
 }
 
@@ -63,9 +72,47 @@ fn padded(a: Option<Array>, rows: usize, width: usize, like: &Array) -> Result<O
     }))
 }
 
+/// Row-stacked recurrent state: `batch` (`rows` rows, or nothing) with `row` (one row, or
+/// nothing) as its last; the side that has nothing gets zeros shaped like the other.
+fn stack(batch: Option<&Array>, rows: usize, row: Option<&Array>) -> Result<Option<Array>> {
+    let zeros = |like: &Array, n: usize| -> Result<Array> {
+        let mut shape = like.shape();
+        shape[0] = n;
+        Ok(Array::zeros(&shape, like.dtype())?)
+    };
+    Ok(match (batch.filter(|_| rows > 0), row) {
+        (None, None) => None,
+        (None, Some(r)) if rows == 0 => Some(r.clone()),
+        (None, Some(r)) => Some(mlx::ops::concatenate(&[&zeros(r, rows)?, r], 0)?),
+        (Some(b), None) => Some(mlx::ops::concatenate(&[b, &zeros(b, 1)?], 0)?),
+        (Some(b), Some(r)) => Some(mlx::ops::concatenate(&[b, r], 0)?),
+    })
+}
+
+/// The rows `keep` (int32 indices) of a row-stacked recurrent state, copied.
+fn rows_of(s: &Snapshot, keep: &Array) -> Result<Snapshot> {
+    let take = |a: &Option<Array>| -> Result<Option<Array>> {
+        a.as_ref().map(|a| Ok(a.take(keep, 0)?.contiguous()?)).transpose()
+    };
+    Ok(Snapshot { conv: take(&s.conv)?, state: take(&s.state)? })
+}
+
 impl BatchKvCache {
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Whether this is a recurrent layer's batch (its rows' states, no keys or values).
+    pub fn is_recurrent(&self) -> bool {
+        self.buffer.is_recurrent()
+    }
+
+    /// A recurrent layer's stacked state, for its forward to update (one position per row).
+    pub(crate) fn recurrent_mut(&mut self) -> Result<&mut KvCache> {
+        if !self.buffer.is_recurrent() {
+            return Err(Error::Invalid("a recurrent layer was given an attention layer's batch cache".into()));
+        }
+        Ok(&mut self.buffer)
     }
 
     /// Rows in the batch.
@@ -122,6 +169,14 @@ impl BatchKvCache {
         let n = cache.offset();
         record(CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
         let (width, target) = (self.width(), self.width().max(n));
+        if cache.is_recurrent() {
+            self.push_recurrent(cache, target)?;
+            for p in &mut self.left_padding {
+                *p += target - width;
+            }
+            self.left_padding.push(target - n);
+            return Ok(());
+        }
         // The first column each side holds in the joined buffer (0 when it holds all of its
         // own: the columns before are padding).
         let first = |start: usize, len: usize| if start > 0 { start + target - len } else { 0 };
@@ -149,9 +204,69 @@ impl BatchKvCache {
         Ok(())
     }
 
+    /// A recurrent layer's `push`: the row's state stacked under the batch's, the batch
+    /// `target` positions wide. The snapshot before the last step gains the row's current
+    /// state, which no one reads (the row took no part in that step).
+    fn push_recurrent(&mut self, cache: &KvCache, target: usize) -> Result<()> {
+        let row = cache.recurrent_state()?;
+        let rows = self.rows();
+        let mine = match rows {
+            0 => Snapshot::default(),
+            _ => {
+                let r = self.buffer.recurrent_state()?;
+                Snapshot { conv: r.conv.clone(), state: r.state.clone() }
+            }
+        };
+        let joined = |batch: &Snapshot| -> Result<Snapshot> {
+            Ok(Snapshot {
+                conv: stack(batch.conv.as_ref(), rows, row.conv.as_ref())?,
+                state: stack(batch.state.as_ref(), rows, row.state.as_ref())?,
+            })
+        };
+        let state = joined(&mine)?;
+        self.checkpoints.push(cache.checkpoint_states());
+        let before = match (rows, self.buffer.last_snapshot()) {
+            (0, _) | (_, None) => None,
+            (_, Some(s)) => Some(joined(s)?),
+        };
+        self.buffer = KvCache::recurrent().with_recurrent(state, target, before);
+        Ok(())
+    }
+
+    /// Row `row`'s cache as it was before the last step (the step in flight, which the row
+    /// took part in, is given back): its positions but the last, and for a recurrent layer
+    /// its state before that step.
+    pub fn extract_before_step(&self, row: usize) -> Result<KvCache> {
+        if !self.buffer.is_recurrent() {
+            let mut cache = self.extract(row)?;
+            cache.trim(1);
+            return Ok(cache);
+        }
+        self.check_row(row)?;
+        let Some(before) = self.buffer.last_snapshot() else {
+            return Err(Error::Invalid(format!(
+                "batch row {row} cannot give back its last step: the recurrent layer kept no state from before it"
+            )));
+        };
+        let keep = Array::from_i32(&[row as i32], &[1])?;
+        let mut cache = self.buffer.with_recurrent(rows_of(before, &keep)?, self.len(row) - 1, None);
+        cache.set_checkpoints(self.checkpoints[row].clone());
+        record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+        Ok(cache)
+    }
+
     /// Row `row`'s positions as a single sequence's cache (a copy in a buffer of its own).
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         self.check_row(row)?;
+        if self.buffer.is_recurrent() {
+            let r = self.buffer.recurrent_state()?;
+            let now = Snapshot { conv: r.conv.clone(), state: r.state.clone() };
+            let keep = Array::from_i32(&[row as i32], &[1])?;
+            let mut cache = self.buffer.with_recurrent(rows_of(&now, &keep)?, self.len(row), None);
+            cache.set_checkpoints(self.checkpoints[row].clone());
+            record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+            return Ok(cache);
+        }
         let cache = match self.buffer.held()? {
             None => self.buffer.empty_like(),
             Some((k, v)) => {
@@ -174,6 +289,9 @@ impl BatchKvCache {
         self.check_row(row)?;
         record(CacheOp::BatchRemove { batch: self.id, row });
         self.left_padding.remove(row);
+        if self.buffer.is_recurrent() {
+            return self.remove_recurrent(row);
+        }
         let held = self.buffer.held()?;
         let (Some((k, v)), false) = (held, self.left_padding.is_empty()) else {
             // No row left, or none holds a position yet.
@@ -191,6 +309,27 @@ impl BatchKvCache {
         for p in &mut self.left_padding {
             *p -= trim;
         }
+        Ok(())
+    }
+
+    /// A recurrent layer's `remove` (`left_padding` already without the row): the other rows'
+    /// states, and the batch narrowed by the padding no row needs any longer.
+    fn remove_recurrent(&mut self, row: usize) -> Result<()> {
+        self.checkpoints.remove(row);
+        let trim = self.left_padding.iter().copied().min().unwrap_or(0);
+        for p in &mut self.left_padding {
+            *p -= trim;
+        }
+        let keep: Vec<i32> = (0..=self.rows() as i32).filter(|&r| r != row as i32).collect();
+        if keep.is_empty() {
+            self.buffer = self.buffer.empty_like();
+            return Ok(());
+        }
+        let keep = Array::from_i32(&keep, &[keep.len()])?;
+        let r = self.buffer.recurrent_state()?;
+        let now = rows_of(&Snapshot { conv: r.conv.clone(), state: r.state.clone() }, &keep)?;
+        let before = self.buffer.last_snapshot().map(|s| rows_of(s, &keep)).transpose()?;
+        self.buffer = self.buffer.with_recurrent(now, self.width() - trim, before);
         Ok(())
     }
 

@@ -13,12 +13,20 @@
 //! 256 appended positions, as a full cache's growth is.
 //!
 //! A recurrent layer's cache ([`KvCache::recurrent`], Qwen3.5's Gated DeltaNet layers) holds
-//! a [`Recurrent`] state instead of keys and values, as mlx-lm's `ArraysCache`: it cannot be
-//! cut back to an earlier position, so it is never [`trimmable`](KvCache::trimmable); a trim
-//! that would need it leaves it [`stale`](KvCache::stale), and using a stale one is an error.
+//! a [`Recurrent`] state instead of keys and values, as mlx-lm's `ArraysCache`. A state
+//! cannot be cut back by slicing, so the cache keeps snapshots: the states at its last few
+//! offsets ([`keep_snapshots`](KvCache::keep_snapshots) says how many; 1 by default, so a
+//! decode step in flight can be given back, as a batch row leaving or a generation handing
+//! over does; speculative decoding keeps its verified window). A trim within them restores
+//! one exactly; [`trimmable`](KvCache::trimmable) says how far that reaches. A trim past them
+//! leaves the cache [`stale`](KvCache::stale), and using a stale one is an error. It also
+//! keeps checkpoints, the states at chosen offsets further back ([`checkpoint`](KvCache::checkpoint):
+//! the end of a prompt, every so many positions of a long one), so a prompt-cache entry can
+//! resume a later request at any of them ([`reaches`](KvCache::reaches)).
 
 use crate::{Error, Result};
 use mlx::Array;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -49,13 +57,40 @@ pub struct KvCache {
 /// What a recurrent (linear-attention) layer carries from one position to the next: the
 /// last `kernel - 1` inputs of its causal convolution (`[B, kernel - 1, channels]`) and its
 /// recurrent state (`[B, value heads, value dim, key dim]`, float32); `None` before the first
-/// position. Unlike keys and values, neither can be cut back to an earlier position.
+/// position. Unlike keys and values, neither can be cut back to an earlier position: the
+/// cache keeps [`snapshots`](Recurrent::snapshots) of the latest ones instead.
 #[derive(Clone, Default)]
 pub struct Recurrent {
     pub conv: Option<Array>,
     pub state: Option<Array>,
     /// A trim asked to drop positions: the state no longer matches the offset.
     stale: bool,
+    /// The states at offsets `offset - snapshots.len() .. offset`, oldest first (the state
+    /// at offset p holds the first p positions).
+    snapshots: VecDeque<Snapshot>,
+    /// How many snapshots to keep (`KvCache::keep_snapshots`; 0 is taken as 1).
+    keep: usize,
+    /// States at chosen offsets before the snapshots' (`KvCache::checkpoint`), by offset.
+    checkpoints: Vec<(usize, Snapshot)>,
+}
+
+/// The most checkpoints a recurrent cache keeps (the oldest go first).
+pub const MAX_CHECKPOINTS: usize = 16;
+
+/// A recurrent state at one offset: its convolution's inputs and its recurrence's state
+/// (`None` at offset 0).
+#[derive(Clone, Default)]
+pub struct Snapshot {
+    pub conv: Option<Array>,
+    pub state: Option<Array>,
+}
+
+impl Recurrent {
+    /// How many snapshots an update of the layer should give: the states at the offsets
+    /// before each of its positions are wanted only while they number no more than this.
+    pub fn keeps(&self) -> usize {
+        self.keep.max(1)
+    }
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -102,15 +137,29 @@ pub(crate) fn record(op: CacheOp) {
     }
 }
 
+/// The greatest offset at most `n` every layer's cache can be trimmed back to exactly
+/// ([`KvCache::reaches`]); `None` when there is none.
+pub fn reach(cache: &[KvCache], mut n: usize) -> Option<usize> {
+    loop {
+        let m = cache.iter().map(|c| c.reaches(n)).collect::<Option<Vec<_>>>()?.into_iter().min()?;
+        if m == n || cache.iter().all(|c| c.reaches(m) == Some(m)) {
+            return Some(m);
+        }
+        n = m;
+    }
+}
+
 /// Drops the last `n` positions of every layer's cache (a speculative rollback); an error,
 /// dropping nothing, when a sliding layer's cache cannot (a rollback longer than its slack).
 pub fn roll_back(cache: &mut [KvCache], n: usize) -> Result<()> {
     if let Some(c) = cache.iter().find(|c| c.trimmable() < n) {
+        let why = match &c.recurrent {
+            Some(r) => format!("a recurrent layer's cache keeps states for only its last {}", r.keeps()),
+            None => format!("a sliding-window layer's cache keeps only {} beyond its window", c.slack),
+        };
         return Err(Error::Invalid(format!(
-            "cannot roll back {n} positions: a sliding-window layer's cache can drop only {} (it keeps {} \
-             beyond its window); draft fewer tokens",
-            c.trimmable(),
-            c.slack
+            "cannot roll back {n} positions: {why} (it can drop {}); draft fewer tokens",
+            c.trimmable()
         )));
     }
     for c in cache {
@@ -204,12 +253,114 @@ impl KvCache {
         }
     }
 
-    /// A recurrent layer's state after `n` more positions.
-    pub fn set_recurrent(&mut self, conv: Array, state: Array, n: usize) -> Result<()> {
+    /// A recurrent layer's state after `n` more positions. `before` are the states at the
+    /// offsets before each of them (the first is the state held until now), given when
+    /// `n <= keeps()`; otherwise empty, and the cache keeps no snapshot (the last ones are
+    /// no longer next to the offset).
+    pub fn set_recurrent(&mut self, conv: Array, state: Array, n: usize, before: Vec<Snapshot>) -> Result<()> {
         self.recurrent_state()?;
-        self.recurrent = Some(Recurrent { conv: Some(conv), state: Some(state), stale: false });
+        let r = self.recurrent.as_mut().expect("checked above");
+        if before.len() == n && n > 0 {
+            r.snapshots.extend(before);
+        } else {
+            r.snapshots.clear();
+        }
+        while r.snapshots.len() > r.keeps() {
+            r.snapshots.pop_front();
+        }
+        (r.conv, r.state) = (Some(conv), Some(state));
         self.offset += n;
         Ok(())
+    }
+
+    /// A recurrent layer's cache keeps the states at its last `n` offsets (at least 1), so a
+    /// trim of up to `n` positions restores one; no effect on an attention layer's cache.
+    /// Each snapshot holds a state's memory.
+    pub fn keep_snapshots(&mut self, n: usize) {
+        if let Some(r) = self.recurrent.as_mut() {
+            r.keep = n.max(1);
+            while r.snapshots.len() > r.keeps() {
+                r.snapshots.pop_front();
+            }
+        }
+    }
+
+    /// Drops a recurrent cache's snapshots (it can no longer be trimmed): the memory of a
+    /// cache kept for later, not rolled back.
+    pub fn drop_snapshots(&mut self) {
+        if let Some(r) = self.recurrent.as_mut() {
+            r.snapshots.clear();
+        }
+    }
+
+    /// A recurrent cache records its state at its offset as a checkpoint it can be trimmed
+    /// back to later (at most [`MAX_CHECKPOINTS`], the oldest dropped); no effect on an
+    /// attention layer's cache, which reaches every position it holds anyway.
+    pub fn checkpoint(&mut self) {
+        let offset = self.offset;
+        let Some(r) = self.recurrent.as_mut().filter(|r| !r.stale) else { return };
+        if offset == 0 || r.checkpoints.last().is_some_and(|&(at, _)| at >= offset) {
+            return;
+        }
+        r.checkpoints.push((offset, Snapshot { conv: r.conv.clone(), state: r.state.clone() }));
+        if r.checkpoints.len() > MAX_CHECKPOINTS {
+            r.checkpoints.remove(0);
+        }
+    }
+
+    /// The checkpoints' offsets, oldest first (none for an attention layer's cache).
+    pub fn checkpoints(&self) -> Vec<usize> {
+        self.recurrent.iter().flat_map(|r| r.checkpoints.iter().map(|&(at, _)| at)).collect()
+    }
+
+    /// The greatest offset at most `n` this cache can be trimmed back to exactly: for an
+    /// attention layer any it holds (within a window's reach), for a recurrent one its
+    /// offset, a snapshot's or a checkpoint's. `None` when there is none.
+    pub fn reaches(&self, n: usize) -> Option<usize> {
+        let Some(r) = &self.recurrent else {
+            return (n + self.trimmable() >= self.offset).then_some(n.min(self.offset));
+        };
+        if r.stale {
+            return r.checkpoints.iter().rev().map(|&(at, _)| at).find(|&at| at <= n);
+        }
+        if n >= self.offset {
+            return Some(self.offset);
+        }
+        if n + r.snapshots.len() >= self.offset {
+            return Some(n);
+        }
+        r.checkpoints.iter().rev().map(|&(at, _)| at).find(|&at| at <= n)
+    }
+
+    /// The state at the offset before the last one of a recurrent cache (its snapshot), as
+    /// a cache; `None` when it keeps none.
+    pub(crate) fn last_snapshot(&self) -> Option<&Snapshot> {
+        self.recurrent.as_ref().and_then(|r| r.snapshots.back())
+    }
+
+    /// A recurrent cache (this one's `keep`) holding `state` at `offset`, with `before` (if
+    /// any) as the snapshot at `offset - 1`.
+    pub(crate) fn with_recurrent(&self, state: Snapshot, offset: usize, before: Option<Snapshot>) -> KvCache {
+        let mut cache = self.empty_like();
+        let r = cache.recurrent.as_mut().expect("a recurrent cache");
+        (r.conv, r.state) = (state.conv, state.state);
+        r.snapshots.extend(before);
+        cache.offset = offset;
+        cache
+    }
+
+    /// A recurrent cache's checkpoints (a batch keeps them per row).
+    pub(crate) fn checkpoint_states(&self) -> Vec<(usize, Snapshot)> {
+        self.recurrent.as_ref().map(|r| r.checkpoints.clone()).unwrap_or_default()
+    }
+
+    /// Gives a recurrent cache `checkpoints` (those up to its offset).
+    pub(crate) fn set_checkpoints(&mut self, mut checkpoints: Vec<(usize, Snapshot)>) {
+        let offset = self.offset;
+        if let Some(r) = self.recurrent.as_mut() {
+            checkpoints.retain(|&(at, _)| at <= offset);
+            r.checkpoints = checkpoints;
+        }
     }
 
     /// With `slack` positions kept beyond the window instead of [`SLACK`] (no effect without
@@ -220,11 +371,12 @@ impl KvCache {
         self
     }
 
-    /// An empty cache with this one's window and slack (or an empty recurrent one).
+    /// An empty cache with this one's window and slack (or an empty recurrent one keeping
+    /// as many snapshots).
     pub fn empty_like(&self) -> KvCache {
         let mut cache = KvCache::default();
         (cache.window, cache.slack) = (self.window, self.slack);
-        cache.recurrent = self.recurrent.as_ref().map(|_| Recurrent::default());
+        cache.recurrent = self.recurrent.as_ref().map(|r| Recurrent { keep: r.keep, ..Recurrent::default() });
         cache
     }
 
@@ -267,10 +419,11 @@ impl KvCache {
     }
 
     /// How many positions [`trim`](Self::trim) can drop: all of them, or for a windowed cache
-    /// that has dropped its oldest, as many as leave a full window behind the next position.
+    /// that has dropped its oldest, as many as leave a full window behind the next position,
+    /// or for a recurrent one, as many as it keeps snapshots for.
     pub fn trimmable(&self) -> usize {
-        if self.recurrent.is_some() {
-            return 0;
+        if let Some(r) = &self.recurrent {
+            return if r.stale { 0 } else { r.snapshots.len() };
         }
         match self.window {
             Some(w) if self.start > 0 => self.offset.saturating_sub(self.start + w - 1),
@@ -381,15 +534,31 @@ impl KvCache {
 
     /// Drops the last `n` positions (at most [`trimmable`](Self::trimmable) of them); returns
     /// how many were dropped.
-    /// A recurrent cache cannot drop any: asked to drop `n > 0`, it takes them off its
-    /// offset (so every layer's offset agrees) and goes [`stale`](Self::stale).
+    /// A recurrent cache restores its snapshot at `offset - n`; asked to drop more than it
+    /// keeps snapshots for, it takes them off its offset (so every layer's offset agrees)
+    /// and goes [`stale`](Self::stale).
     pub fn trim(&mut self, n: usize) -> usize {
         if let Some(r) = self.recurrent.as_mut() {
             let n = n.min(self.offset);
-            if n > 0 {
-                r.stale = true;
-                self.offset -= n;
+            if n == 0 {
+                return 0;
             }
+            let to = self.offset - n;
+            if n <= r.snapshots.len() && !r.stale {
+                r.snapshots.truncate(r.snapshots.len() - n + 1);
+                let back = r.snapshots.pop_back().expect("n >= 1 snapshots");
+                (r.conv, r.state) = (back.conv, back.state);
+            } else if let Some((_, back)) = r.checkpoints.iter().find(|&&(at, _)| at == to) {
+                // (A checkpoint holds a state from before any trim that went stale; it is
+                // kept, sharing the state now held.)
+                (r.conv, r.state, r.stale) = (back.conv.clone(), back.state.clone(), false);
+                r.snapshots.clear();
+            } else {
+                r.stale = true;
+                r.snapshots.clear();
+            }
+            r.checkpoints.retain(|&(at, _)| at <= to);
+            self.offset = to;
             return n;
         }
         let n = n.min(self.trimmable());
@@ -399,7 +568,11 @@ impl KvCache {
 
     /// The arrays to evaluate to materialize the cache.
     pub fn state(&self) -> Vec<&Array> {
-        let recurrent = self.recurrent.iter().flat_map(|r| r.conv.iter().chain(r.state.iter()));
+        let recurrent = self.recurrent.iter().flat_map(|r| {
+            let kept = r.snapshots.iter().chain(r.checkpoints.iter().map(|(_, s)| s));
+            let kept = kept.flat_map(|s| s.conv.iter().chain(s.state.iter()));
+            r.conv.iter().chain(r.state.iter()).chain(kept)
+        });
         self.keys.iter().chain(self.values.iter()).chain(recurrent).collect()
     }
 

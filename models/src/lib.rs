@@ -28,7 +28,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use batch_cache::BatchKvCache;
-pub use cache::{roll_back, KvCache, LayerCache, Recurrent, SLACK};
+pub use cache::{reach, roll_back, KvCache, LayerCache, Recurrent, Snapshot, MAX_CHECKPOINTS, SLACK};
 pub use error::{Error, Result};
 pub use loader::{check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
 pub use tokenizer::{Detokenizer, Tokenizer};

@@ -473,7 +473,8 @@ pub(crate) fn mask_of(len: usize, short: &Option<Array>) -> Mask<'_> {
 
 /// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
 /// mask, from the layer's cache that holds the most columns (a full-attention one, where
-/// sliding layers drop their oldest); `tokens` must be one per row, `[B, 1]`.
+/// sliding layers drop their oldest; a recurrent layer's only if there is no other);
+/// `tokens` must be one per row, `[B, 1]`.
 pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Array, Option<Array>)> {
     if tokens.ndim() != 2 || tokens.dim(1) != 1 {
         return Err(crate::Error::Invalid(format!(
@@ -483,7 +484,7 @@ pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Ar
     }
     let widest = cache
         .iter()
-        .min_by_key(|c| c.start())
+        .min_by_key(|c| (c.is_recurrent(), c.start()))
         .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
     Ok((widest.offsets()?, widest.mask()?))
 }

@@ -35,22 +35,9 @@ pub struct ModelInfo {
     pub max_position_embeddings: Option<usize>,
     /// KV-cache bytes one position takes over all layers.
     pub kv_bytes_per_token: usize,
-    /// Layers whose cache is a recurrent state (Qwen3.5's Gated DeltaNet): it cannot be cut
-    /// back, so nothing that rolls a sequence back (speculative decoding) runs on such a model.
+    /// Layers whose cache is a recurrent state (Qwen3.5's Gated DeltaNet): it rolls back only
+    /// to the snapshots it keeps (`KvCache::keep_snapshots`).
     pub recurrent_layers: usize,
-}
-
-impl ModelInfo {
-    /// Why speculative decoding cannot run on this model, if it cannot.
-    pub fn speculation_refused(&self) -> Option<String> {
-        (self.recurrent_layers > 0).then(|| {
-            format!(
-                "speculative decoding is not supported for {} yet: its {} recurrent (Gated DeltaNet) layers cannot \
-                 roll back rejected drafts; decode without speculation",
-                self.model_type, self.recurrent_layers
-            )
-        })
-    }
 }
 
 pub struct Loaded {

@@ -22,13 +22,14 @@
 //! them (conv1d `[C, 1, K]`, norms stored as offsets from 1) are sanitized as mlx-lm does;
 //! mlx-community's conversions are already in that form.
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, Snapshot};
 use crate::layers::{Embedding, Forward, Linear, Positions, RmsNorm, Rope};
 use crate::llama::{self, Activation, Attention, Dims, Mlp, Tp};
 use crate::moe::{MoeDims, SparseMoe};
 use crate::weights::Weights;
-use crate::{CausalLm, Error, LoadOptions, Result};
-use mlx::{fast, ops, Array, Dtype};
+use crate::{BatchKvCache, CausalLm, Error, LoadOptions, Result};
+use mlx::fast::{self, Mask};
+use mlx::{ops, Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -280,8 +281,20 @@ impl DeltaNet {
             r => (ops::repeat(&q, r, -2)?, ops::repeat(&k, r, -2)?),
         };
         let at = |a: &Array, t: i32| -> Result<Array> { Ok(a.slice_axis(1, t, t + 1)?.squeeze(&[1])?) };
+        // The states before each position, while the cache keeps that many (a decode step's
+        // one, a verified draft's window): a rollback restores them.
+        let snapshots = s as usize <= held.keeps();
+        let mut before = Vec::with_capacity(if snapshots { s as usize } else { 0 });
         let mut ys = Vec::with_capacity(s as usize);
         for t in 0..s {
+            if snapshots {
+                let conv = match t {
+                    0 => held.conv.clone(),
+                    _ => Some(conv_input.slice_axis(1, t, t + keep)?),
+                };
+                let state = if t == 0 { held.state.clone() } else { Some(state.clone()) };
+                before.push(Snapshot { conv, state });
+            }
             let (y, next) =
                 ops::gated_delta_step(&at(&q, t)?, &at(&k, t)?, &at(&v, t)?, &at(&g, t)?, &at(&beta, t)?, &state)?;
             ys.push(y.expand_dims(&[1])?);
@@ -291,7 +304,7 @@ impl DeltaNet {
             1 => ys.pop().expect("one step"),
             _ => ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1)?,
         };
-        cache.set_recurrent(next_conv, state, s as usize)?;
+        cache.set_recurrent(next_conv, state, s as usize, before)?;
         // `RMSNormGated`: rms_norm(y) * silu(z), in float32.
         let normed = fast::rms_norm(&y, &self.norm, self.eps)?;
         let out = ops::precise_swiglu(&y, &z, &normed)?;
@@ -438,6 +451,27 @@ impl CausalLm for Model {
             h = h.add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?)?;
         }
         self.norm.forward(&h)
+    }
+
+    fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
+        let (offsets, padding) = llama::batch_inputs(tokens, cache)?;
+        let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
+        let at = Positions::Rows(&offsets);
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
+            let x = layer.input_layernorm.forward(&h)?;
+            let r = match &layer.mixer {
+                Mixer::Linear(net) => net.forward(&x, c.recurrent_mut()?)?,
+                Mixer::Attention(attn) => attn.forward(&x, &mask, c, &self.rope, &at, None)?,
+            };
+            h = h.add(&r)?;
+            h = h.add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    fn batches(&self) -> bool {
+        true
     }
 
     fn head(&self, h: &Array) -> Result<Array> {

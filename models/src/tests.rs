@@ -976,6 +976,71 @@ fn a_recurrent_layer_decodes_token_by_token_and_in_chunks_as_one_forward() {
     }
 }
 
+/// A recurrent cache keeps the states at its last offsets, as many as asked
+/// (`keep_snapshots`): a verified window of several positions, or decode steps one by one,
+/// are taken back exactly by a trim within them, and a rollback past them is refused.
+#[test]
+fn a_recurrent_cache_rolls_back_exactly_within_its_snapshots() {
+    let model = testing::model("qwen3_5", 5).unwrap();
+    let ids = prompt(16);
+    let (full, _) = decode_in_pieces(model.as_ref(), &ids, &[16]);
+    let (_, mut cache) = decode_in_pieces(model.as_ref(), &ids[..8], &[8]);
+    for c in cache.iter_mut() {
+        c.keep_snapshots(4);
+    }
+    assert_eq!(cache[0].trimmable(), 0, "a prefill longer than the snapshots kept leaves none");
+    // A window of 4 wrong tokens, 3 of them rolled back; then the right ones one by one,
+    // each decode step taken back once and redone.
+    model.forward(&tokens(&[3, 1, 4, 1]), &mut cache).unwrap();
+    assert_eq!(cache[0].trimmable(), 4);
+    crate::roll_back(&mut cache, 3).unwrap();
+    assert_eq!((cache[0].offset(), cache[0].trimmable()), (9, 1));
+    crate::roll_back(&mut cache, 1).unwrap();
+    assert!(cache.iter().all(|c| c.offset() == 8 && !c.stale()));
+    for i in 8..16 {
+        model.forward(&tokens(&[7]), &mut cache).unwrap();
+        crate::roll_back(&mut cache, 1).unwrap();
+        let l = model.forward(&tokens(&ids[i..i + 1]), &mut cache).unwrap();
+        let d = max_abs_diff(&l, &full.slice_axis(1, i as i32, i as i32 + 1).unwrap());
+        assert!(d < 1e-4, "position {i}: max diff {d}");
+    }
+    assert_eq!(cache[0].trimmable(), 4);
+    let err = crate::roll_back(&mut cache, 5).unwrap_err().to_string();
+    assert!(err.contains("recurrent") && !cache[0].stale(), "{err}");
+}
+
+/// Qwen3.5's hybrid in a batch: rows join and leave with their recurrent states beside their
+/// keys and values, each gets its solo logits, and a row leaving while a step is in flight
+/// takes back its state from before that step (it goes on alone from there exactly).
+#[test]
+fn a_hybrid_batch_gives_every_row_its_solo_logits_and_gives_back_a_step_in_flight() {
+    check_batched_decoding(&["qwen3_5"], crate::cache::SLACK);
+    let model = testing::model("qwen3_5", 3).unwrap();
+    let model = model.as_ref();
+    let prompts = [prompt(5), prompt(11)];
+    let solo: Vec<_> = prompts.iter().map(|p| solo_greedy(model, p, 3)).collect();
+    let mut batch: Vec<crate::BatchKvCache> = (0..model.make_cache().len()).map(|_| Default::default()).collect();
+    for p in &prompts {
+        let mut cache = model.make_cache();
+        model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
+        for (b, c) in batch.iter_mut().zip(&cache) {
+            b.push(c).unwrap();
+        }
+    }
+    assert!(batch[0].is_recurrent() && !batch[1].is_recurrent());
+    let step = |batch: &mut Vec<crate::BatchKvCache>, step: usize| {
+        let input = [solo[0].1[step], solo[1].1[step]];
+        model.forward_batch(&Array::from_i32(&input, &[2, 1]).unwrap(), batch).unwrap();
+    };
+    step(&mut batch, 0);
+    step(&mut batch, 1);
+    let mut back: Vec<KvCache> = batch.iter().map(|b| b.extract_before_step(1).unwrap()).collect();
+    assert!(back.iter().all(|c| c.offset() == prompts[1].len()));
+    let l = model.forward(&tokens(&solo[1].1[1..2]), &mut back).unwrap();
+    let d = max_abs_diff(&l.reshape(&[-1]).unwrap(), &solo[1].0[1]);
+    assert!(d < 1e-4, "the row given back its step in flight: max diff {d}");
+}
+
 /// A recurrent state cannot be cut back: it is never trimmable, and a trim that needs it
 /// leaves the cache stale, so continuing from it is an error rather than wrong logits; a
 /// clone taken before goes on as the uncut run.

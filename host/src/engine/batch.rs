@@ -273,18 +273,18 @@ impl<'m> Batch<'m> {
     /// Takes row `key` out of the batch (`None` if it is not in it).
     pub fn leave(&mut self, key: u64) -> Result<Option<Left<'m>>> {
         let Some(index) = self.rows.iter().position(|r| r.key == key) else { return Ok(None) };
-        let mut cache: Vec<KvCache> = self.cache.iter().map(|b| b.extract(index)).collect::<models::Result<_>>()?;
+        let in_flight = self.pending.as_ref().is_some_and(|p| p.keys.contains(&key));
+        // A step in flight has fed the row's last token and sampled past it: its position and
+        // that token's KV (a recurrent layer's state before it) are given back, so the row's
+        // next step feeds `last` again.
+        let cache: Vec<KvCache> = (self.cache.iter())
+            .map(|b| if in_flight { b.extract_before_step(index) } else { b.extract(index) })
+            .collect::<models::Result<_>>()?;
         for b in &mut self.cache {
             b.remove(index)?;
         }
         let mut row = self.rows.remove(index);
-        let in_flight = self.pending.as_ref().is_some_and(|p| p.keys.contains(&key));
-        // A step in flight has fed the row's last token and sampled past it: its position and
-        // that token's KV are given back, so the row's next step feeds `last` again.
         if in_flight {
-            for c in &mut cache {
-                c.trim(1);
-            }
             row.position -= 1;
             if let Some(h) = &row.history {
                 let n = h.dim(0) as i32;

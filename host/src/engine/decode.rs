@@ -128,7 +128,7 @@ impl<'m> Generation<'m> {
     /// already have accepted the whole prompt) and speculative decoding.
     pub fn start_with(
         model: &'m dyn CausalLm,
-        cache: Vec<KvCache>,
+        mut cache: Vec<KvCache>,
         prompt: &[u32],
         sampler: Sampler,
         options: DecodeOptions,
@@ -141,6 +141,11 @@ impl<'m> Generation<'m> {
         if let Some(s) = &speculation {
             if s.config.verify == Verify::Lossless && external.is_some() {
                 bail!("lossless speculative verification works with the native sampler only; plugin samplers are verified exactly (verify: exact)");
+            }
+            // A recurrent layer rolls a verification back to the state before a rejected
+            // draft: it keeps one per position of the longest verified window.
+            for c in &mut cache {
+                c.keep_snapshots(s.config.num_draft_tokens + 1);
             }
         }
         let vocab = model.vocab_size();

@@ -50,17 +50,20 @@ impl PromptCache {
 
     /// The cache of the entry with the longest common prefix with `prompt`, trimmed to that
     /// prefix; at least one prompt token is always left to compute (the last position's
-    /// logits are needed). `None` when no entry shares a prefix. An entry whose sliding-window
-    /// layers cannot roll back to the prefix (they dropped the positions its window needs:
-    /// `KvCache::trimmable`) does not count.
+    /// logits are needed). `None` when no entry shares a prefix. An entry is trimmed to the
+    /// longest part of the prefix it can roll back to exactly (`models::reach`): a
+    /// sliding-window layer that dropped the positions its window needs does not reach
+    /// back, and a recurrent layer reaches only its offset and its checkpoints.
     pub fn take(&mut self, prompt: &[u32]) -> Option<Reuse> {
         self.clock += 1;
         let (best, reused) = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, common_prefix(&e.tokens, prompt).min(prompt.len().saturating_sub(1))))
-            .filter(|&(i, n)| self.entries[i].cache.iter().all(|c| c.offset() - n <= c.trimmable()))
+            .filter_map(|(i, e)| {
+                let shared = common_prefix(&e.tokens, prompt).min(prompt.len().saturating_sub(1));
+                Some((i, models::reach(&e.cache, shared)?))
+            })
             .max_by_key(|&(_, n)| n)?;
         if reused == 0 {
             return None;
@@ -85,8 +88,12 @@ impl PromptCache {
         if bytes > self.capacity_bytes {
             return;
         }
-        // An entry that is a prefix of the new one is subsumed by it.
-        self.entries.retain(|e| !(e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)));
+        // An entry that is a prefix of the new one is subsumed by it, if the new one can be
+        // trimmed back to it (a recurrent layer only to its checkpoints).
+        self.entries.retain(|e| {
+            let n = e.tokens.len();
+            !(n <= tokens.len() && tokens.starts_with(&e.tokens) && models::reach(&cache, n) == Some(n))
+        });
         self.entries.push(Entry { tokens, cache, bytes, last_used: self.clock });
         while self.bytes() > self.capacity_bytes {
             let oldest = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i);
@@ -192,6 +199,44 @@ mod tests {
             fresh.slice_axis(1, 197, 198).unwrap().to_vec_f32().unwrap(),
         );
         let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(d < 1e-4, "{d}");
+    }
+    /// Qwen3.5's recurrent layers reach back only to their checkpoints: an entry of 30
+    /// tokens checkpointed at 12 and 20 serves a prompt parting at 25 from 20 and one
+    /// parting at 15 from 12 (and one parting at 8 not at all), and what it serves continues
+    /// with a fresh forward's logits. Inserting it beside the entry of its first 20 tokens
+    /// replaces that one (it reaches it), not the entry of its first 16 (it does not).
+    #[test]
+    fn a_recurrent_entry_serves_prefixes_from_its_checkpoints() {
+        let model = models::testing::model("qwen3_5", 6).unwrap();
+        let model = model.as_ref();
+        let tokens: Vec<u32> = (0..30).map(|i| (i * 11 + 5) % 100).collect();
+        let mut cache = model.make_cache();
+        for piece in [&tokens[..12], &tokens[12..20], &tokens[20..]] {
+            let ids: Vec<i32> = piece.iter().map(|&t| t as i32).collect();
+            model.forward(&Array::from_i32(&ids, &[1, ids.len()]).unwrap(), &mut cache).unwrap();
+            if cache[0].offset() < 30 {
+                cache.iter_mut().for_each(KvCache::checkpoint);
+            }
+        }
+        assert_eq!(cache[0].checkpoints(), vec![12, 20]);
+        let mut pc = PromptCache::new(1 << 30);
+        pc.insert(tokens[..20].to_vec(), cache_of(model, &tokens[..20]));
+        pc.insert(tokens[..16].to_vec(), cache_of(model, &tokens[..16]));
+        pc.insert(tokens.clone(), cache);
+        assert_eq!(pc.len(), 2, "the 20-token entry is reached by the new one; the 16-token one is not");
+        let parting = |at: usize| -> Vec<u32> { tokens[..at].iter().copied().chain([101, 102]).collect() };
+        assert!(pc.take(&parting(8)).is_none());
+        assert_eq!(pc.take(&parting(15)).unwrap().reused, 12);
+        assert_eq!(pc.take(&parting(17)).unwrap().reused, 16, "the 16-token entry, whole");
+        let mut r = pc.take(&parting(25)).unwrap();
+        assert_eq!(r.reused, 20);
+        let rest: Vec<i32> = parting(25)[20..].iter().map(|&t| t as i32).collect();
+        let cont = model.forward(&Array::from_i32(&rest, &[1, rest.len()]).unwrap(), &mut r.cache).unwrap();
+        let all: Vec<i32> = parting(25).iter().map(|&t| t as i32).collect();
+        let fresh = model.forward(&Array::from_i32(&all, &[1, all.len()]).unwrap(), &mut model.make_cache()).unwrap();
+        let last = |a: &Array| a.slice_axis(1, a.dim(1) as i32 - 1, a.dim(1) as i32).unwrap().to_vec_f32().unwrap();
+        let d = last(&cont).iter().zip(&last(&fresh)).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         assert!(d < 1e-4, "{d}");
     }
 }

@@ -256,14 +256,14 @@ pub struct DraftModel<'m> {
 }
 
 impl<'m> DraftModel<'m> {
-    pub fn new(model: &'m dyn CausalLm, prefill_step_size: usize) -> Self {
-        DraftModel {
-            model,
-            cache: model.make_cache(),
-            held: 0,
-            last: None,
-            prefill_step_size: prefill_step_size.max(1),
+    /// A drafter proposing at most `max_draft` tokens a step (a recurrent layer of the draft
+    /// model keeps the states to roll that many back).
+    pub fn new(model: &'m dyn CausalLm, prefill_step_size: usize, max_draft: usize) -> Self {
+        let mut cache = model.make_cache();
+        for c in &mut cache {
+            c.keep_snapshots(max_draft + 1);
         }
+        DraftModel { model, cache, held: 0, last: None, prefill_step_size: prefill_step_size.max(1) }
     }
 }
 
@@ -444,7 +444,7 @@ impl<'m> Speculation<'m> {
             SpecMethod::Off => bail!("speculation is off"),
             SpecMethod::PromptLookup => Box::new(PromptLookup::new(&config)),
             SpecMethod::Draft => match draft_model {
-                Some(m) => Box::new(DraftModel::new(m, prefill_step_size)),
+                Some(m) => Box::new(DraftModel::new(m, prefill_step_size, config.num_draft_tokens)),
                 None => bail!("speculative method `draft` needs a draft model; start with --draft-model PATH"),
             },
         };

@@ -38,9 +38,11 @@ pub(super) fn warm_up(
     let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
     let mut cache = model.make_cache();
     mlx::eval(&[&model.forward(&Array::from_i32(&ids, &[1, ids.len()])?, &mut cache)?])?;
-    // A model with recurrent layers does not speculate (its state cannot roll back).
-    let verifies = !cache.iter().any(models::KvCache::is_recurrent);
-    for width in (2..=WARM_UP_DRAFTS + 1).filter(|_| verifies) {
+    // A recurrent layer rolls a verification back to its snapshot.
+    for c in &mut cache {
+        c.keep_snapshots(WARM_UP_DRAFTS + 1);
+    }
+    for width in 2..=WARM_UP_DRAFTS + 1 {
         let logits = model.forward(&Array::from_i32(&ids[..width], &[1, width])?, &mut cache)?.squeeze(&[0])?;
         mlx::eval(&[&super::sampling::log_softmax(&logits)?.argmax(-1, false)?])?;
         for c in &mut cache {

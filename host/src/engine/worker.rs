@@ -82,6 +82,13 @@ const POLICY_INTERVAL: Duration = Duration::from_millis(100);
 /// rows still lets a joining prompt progress.
 const MIN_PREFILL_PER_STEP: usize = 16;
 
+/// A recurrent layer's state is checkpointed at the end of each prompt and, within a long
+/// one, at the first chunk's end past every this many positions, so a later request that
+/// shares only part of it resumes from the prompt cache (a recurrent state cannot be cut
+/// back to the shared prefix as keys and values are). Each checkpoint holds one state per
+/// recurrent layer; a cache keeps at most `models::MAX_CHECKPOINTS`.
+const CHECKPOINT_EVERY: usize = 4096;
+
 /// A request in the queue: not started yet, or paused by the policy.
 enum Waiting<'m> {
     New(Box<Job>),
@@ -366,7 +373,13 @@ impl Worker {
                 match super::step::prefill_until(m.model, cache, &chunk, self.prefill_step_size, &stop)
                     .context("prefill")
                 {
-                    Ok(true) => {}
+                    Ok(true) => {
+                        let held = cache.first().map_or(0, KvCache::offset);
+                        let crossed = held / CHECKPOINT_EVERY > (held - chunk.len()) / CHECKPOINT_EVERY;
+                        if self.info.recurrent_layers > 0 && (todo.is_empty() || crossed) {
+                            cache.iter_mut().for_each(KvCache::checkpoint);
+                        }
+                    }
                     // Shutting down: the loop's next turn ends every request.
                     Ok(false) => return,
                     Err(e) => {
@@ -461,12 +474,14 @@ impl Worker {
 
     /// Stores `cache` in the prompt cache under the leading tokens of `sequence` it holds (a
     /// cache holding more positions than `sequence` has tokens is not stored, nor one whose
-    /// recurrent state was asked to drop positions it could not).
-    fn keep_cache(&mut self, sequence: &[u32], cache: Vec<KvCache>) -> Result<()> {
+    /// recurrent state was asked to drop positions it could not). A recurrent layer keeps
+    /// its checkpoints, not the snapshots of its last steps.
+    fn keep_cache(&mut self, sequence: &[u32], mut cache: Vec<KvCache>) -> Result<()> {
         let held = cache.first().map_or(0, models::KvCache::offset);
         if held == 0 || held > sequence.len() || cache.iter().any(KvCache::stale) {
             return Ok(());
         }
+        cache.iter_mut().for_each(KvCache::drop_snapshots);
         let state: Vec<&Array> = cache.iter().flat_map(models::KvCache::state).collect();
         mlx::eval(&state)?;
         self.cache.insert(sequence[..held].to_vec(), cache);
@@ -526,9 +541,8 @@ impl Worker {
                 None => Started::default(),
             };
             let (external, rest) = (plugins.sampler, (plugins.stops, plugins.tools, plugins.reasoning));
-            let speculation = match (request.speculative.method, self.info.speculation_refused()) {
-                (SpecMethod::Off, _) => None,
-                (_, Some(why)) => bail!("{why}"),
+            let speculation = match request.speculative.method {
+                SpecMethod::Off => None,
                 _ => Some(Speculation::new(request.speculative.clone(), prompt, m.draft, self.prefill_step_size)?),
             };
             let vocab = self.info.vocab_size;
@@ -894,8 +908,20 @@ mod tests {
     /// cancelled mid-stream and a prompt-cache hit joins the running batch.
     #[test]
     fn concurrent_requests_get_their_solo_outputs_while_one_is_cancelled_and_a_cache_hit_joins() {
-        let dir = std::env::temp_dir().join(format!("host-batch-worker-{}", std::process::id()));
-        models::testing::write_model(&dir, "llama", 7).unwrap();
+        check_concurrent("llama");
+    }
+
+    /// The same for Qwen3.5's hybrid: the rows' recurrent states join and leave the batch
+    /// (a cancelled row while its step is in flight), and the cache hit resumes from the
+    /// checkpoint taken at the end of job 0's prompt (its entry's state is past it).
+    #[test]
+    fn a_hybrid_models_concurrent_requests_get_their_solo_outputs_and_resume_from_a_checkpoint() {
+        check_concurrent("qwen3_5");
+    }
+
+    fn check_concurrent(arch: &str) {
+        let dir = std::env::temp_dir().join(format!("host-batch-worker-{arch}-{}", std::process::id()));
+        models::testing::write_model(&dir, arch, 7).unwrap();
         let engine =
             Engine::start(EngineConfig { max_batch: 8, queue_limit: 16, ..EngineConfig::cpu(dir.clone()) }).unwrap();
         let no_eos = |mut p: SamplingParams| {
@@ -1074,10 +1100,10 @@ mod tests {
 
     /// Qwen3.5's hybrid (recurrent Gated DeltaNet layers beside attention ones) through the
     /// engine: warmed up or not, the same output; a conversation's next turn resumes from the
-    /// state the last turn left in the prompt cache (its recurrent state cannot be cut back, so
-    /// only a whole entry is reused) and equals a cold run; speculation is refused, naming why.
+    /// state the last turn left in the prompt cache and equals a cold run; prompt lookup
+    /// drafts, rolls rejected drafts back to the state's snapshots and gives the plain text.
     #[test]
-    fn a_hybrid_model_resumes_a_conversation_from_its_snapshot_and_refuses_speculation() {
+    fn a_hybrid_model_resumes_a_conversation_from_the_prompt_cache_and_speculates_exactly() {
         let dir = std::env::temp_dir().join(format!("host-hybrid-{}", std::process::id()));
         models::testing::write_model(&dir, "qwen3_5", 7).unwrap();
         let (warm, cold) = (engine(&dir, true), engine(&dir, false));
@@ -1104,15 +1130,21 @@ mod tests {
         let fresh = engine(&dir, false);
         let (again, usage) = turn(&fresh, second.clone());
         assert_eq!((resumed, usage.unwrap().1.cached_tokens), (again, 0));
+        // A prompt whose phrases recur with different endings: prompt lookup drafts from
+        // them, and the model follows some and not others.
+        let repeating: Vec<u32> = (0..48).map(|t| if t % 8 == 7 { 60 + t } else { 40 + (t % 8) * 5 }).collect();
+        let plain = collect(&mut cold.submit(request(repeating.clone(), no_eos.clone(), 24)).unwrap()).0;
         let speculative = JobRequest {
             speculative: SpecConfig { method: crate::engine::SpecMethod::PromptLookup, ..SpecConfig::default() },
-            ..request(first, no_eos.clone(), 8)
+            ..request(repeating, no_eos.clone(), 24)
         };
-        let mut rx = warm.submit(speculative).unwrap();
-        match rx.blocking_recv() {
-            Some(Event::Error(e)) => assert!(e.contains("speculative decoding is not supported for qwen3_5"), "{e}"),
-            other => panic!("{other:?}"),
-        }
+        let (text, _) = collect(&mut fresh.submit(speculative).unwrap());
+        let (drafted, accepted) = (
+            fresh.stats.spec_drafted_tokens.load(Ordering::Relaxed),
+            fresh.stats.spec_accepted_tokens.load(Ordering::Relaxed),
+        );
+        assert!(drafted > accepted, "no draft was rolled back: {accepted} of {drafted} accepted");
+        assert_eq!(text, plain);
         drop((warm, cold, fresh));
         std::fs::remove_dir_all(dir).unwrap();
     }

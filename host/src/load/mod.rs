@@ -20,9 +20,6 @@ use std::path::Path;
 
 /// Loads a draft model for `target` and checks that it shares the target's tokenizer.
 pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
-    if let Some(why) = target.info.speculation_refused() {
-        anyhow::bail!("a draft model was given, but {why}");
-    }
     let path = &hub::resolve_model_arg(path).context("the draft model")?;
     let draft = models::load(path).with_context(|| format!("loading the draft model from {}", path.display()))?;
     check_draft(target, &draft)?;

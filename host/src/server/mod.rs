@@ -19,7 +19,6 @@ pub mod turn;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::handle::{Engine, EngineConfig};
-use crate::engine::SpecMethod;
 use crate::plugins::abi_v1::Kind;
 use crate::plugins::adapters::PluginScheduler;
 use crate::plugins::PluginRegistry;
@@ -87,11 +86,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let max_sequence_tokens = memory_tokens.min(context_tokens);
     tracing::info!(budget, memory_tokens, context_tokens, max_sequence_tokens, model = model_id, "memory budget");
     engine.set_kv_budget_tokens(memory_tokens);
-    let mut speculative = config.spec().unwrap_or_default();
-    if let Some(why) = engine.info.speculation_refused().filter(|_| speculative.method != SpecMethod::Off) {
-        tracing::warn!("serving without the configured speculation: {why}");
-        speculative.method = SpecMethod::Off;
-    }
+    let speculative = config.spec().unwrap_or_default();
     let (engine_tokenizer, engine_vocab, engine_eos) =
         (engine.tokenizer.clone(), engine.info.vocab_size, engine.info.eos_token_ids.clone());
     Arc::new(AppState {

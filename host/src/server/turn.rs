@@ -543,12 +543,8 @@ impl AppState {
 
     /// Resolves the `speculative` extension field over the server's defaults.
     pub(super) fn speculative(&self, field: Option<Value>) -> Result<SpecConfig, ApiError> {
-        let config = openai::speculative(field, &self.speculative, self.engine.has_draft)
-            .map_err(|m| ApiError::invalid("speculative", m))?;
-        match self.engine.info.speculation_refused() {
-            Some(why) if config.method != crate::engine::SpecMethod::Off => Err(ApiError::invalid("speculative", why)),
-            _ => Ok(config),
-        }
+        openai::speculative(field, &self.speculative, self.engine.has_draft)
+            .map_err(|m| ApiError::invalid("speculative", m))
     }
 
     /// Checks sampling parameters against the model (token ids, top-k within the vocabulary).
