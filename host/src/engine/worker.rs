@@ -1148,4 +1148,65 @@ mod tests {
         drop((warm, cold, fresh));
         std::fs::remove_dir_all(dir).unwrap();
     }
+    /// A native policy for tests: the waiting by priority, and any running request of lower
+    /// priority than the first of them preempted.
+    struct ByPriority;
+
+    impl crate::engine::scheduler::Policy for ByPriority {
+        fn name(&self) -> String {
+            "by-priority".into()
+        }
+
+        fn decide(
+            &mut self,
+            view: &crate::engine::scheduler::QueueView,
+        ) -> anyhow::Result<crate::engine::scheduler::Decision> {
+            let mut waiting = view.waiting.clone();
+            waiting.sort_by_key(|e| std::cmp::Reverse(e.priority));
+            let top = waiting.first().map_or(i64::MIN, |e| e.priority);
+            Ok(crate::engine::scheduler::Decision {
+                order: waiting.iter().map(|e| e.id.clone()).collect(),
+                preempt: view.running.iter().filter(|e| e.priority < top).map(|e| e.id.clone()).collect(),
+                cancel: vec![],
+            })
+        }
+    }
+
+    /// Qwen3.5's hybrid preempted by recompute: a running request whose KV and recurrent
+    /// state are dropped for a higher-priority one (memory is short) resumes, from the prompt
+    /// cache or, with none, from its tokens, and gives the text it gives alone.
+    #[test]
+    fn a_hybrid_request_dropped_for_another_and_recomputed_gives_its_solo_text() {
+        let dir = std::env::temp_dir().join(format!("host-hybrid-preempt-{}", std::process::id()));
+        models::testing::write_model(&dir, "qwen3_5", 9).unwrap();
+        let alone = engine(&dir, false);
+        let mut no_eos = SamplingParams::default();
+        no_eos.logit_bias.insert(2, -1e9);
+        let long: Vec<u32> = (0..20).map(|t| 40 + t * 3).collect();
+        let want = collect(&mut alone.submit(request(long.clone(), no_eos.clone(), 300)).unwrap()).0;
+        for prompt_cache_bytes in [1 << 20, 0] {
+            let maker = crate::engine::scheduler::MakePolicy(Arc::new(|| Box::new(ByPriority)));
+            let config = EngineConfig { policy: Some(maker), prompt_cache_bytes, ..EngineConfig::cpu(dir.clone()) };
+            let engine = Engine::start(config).unwrap();
+            // The long request reserves 320 positions; beside it the next one's 15 are over.
+            engine.set_kv_budget_tokens(330);
+            let mut rx = engine.submit(request(long.clone(), no_eos.clone(), 300)).unwrap();
+            let mut text = String::new();
+            while text.is_empty() {
+                if let Some(Event::Delta { text: t, .. }) = rx.blocking_recv() {
+                    text.push_str(&t);
+                }
+            }
+            let high =
+                JobRequest { priority: 10, ..request(vec![50, 51, 52, 53, 54, 55, 56, 57, 58, 59], no_eos.clone(), 5) };
+            let high = collect(&mut engine.submit(high).unwrap());
+            assert_eq!(high.1.unwrap().1.completion_tokens, 5);
+            let (rest, _) = collect(&mut rx);
+            text.push_str(&rest);
+            assert_eq!(engine.stats.preemptions.load(Ordering::Relaxed), 1, "prompt cache {prompt_cache_bytes}");
+            assert_eq!(text, want, "prompt cache {prompt_cache_bytes}");
+        }
+        drop(alone);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
