@@ -148,6 +148,15 @@ fn a_batch_of_a_hybrid_recurrent_model_gives_mlx_lm_batch_generate_ids_and_solo_
     check_batch(&f, "tiny-qwen3_5-moe");
 }
 
+/// Gemma 4 in a batch: per-layer inputs per row, KV-shared layers attending over their
+/// source layer's batch cache, sliding and full layers of different head sizes; its MoE shape.
+#[test]
+fn a_batch_of_gemma4_gives_mlx_lm_batch_generate_ids_and_solo_ids() {
+    let Some(f) = fixtures() else { return };
+    check_batch(&f, "tiny-gemma4");
+    check_batch(&f, "tiny-gemma4-moe");
+}
+
 /// The eight prompts decoded together by `model` (half joining after the others' third
 /// step) give each prompt its solo ids and mlx-lm `batch_generate`'s, up to near-ties.
 fn check_batch(f: &Fixtures, name: &str) {

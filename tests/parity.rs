@@ -244,6 +244,20 @@ fn qwen3_5_hybrid_models_equal_mlx_lm() {
     }
 }
 
+/// Gemma 4 as Google publishes it (a `gemma4` folder: the text model beside vision and audio
+/// stand-ins): the e-series' per-layer inputs, KV-shared layers and double-wide MLPs, sliding
+/// (window 8, shorter than every prompt) and full layers of different head sizes with
+/// proportional RoPE; and the 26B-A4B's shape (experts beside the dense MLP, keys as values
+/// in full layers); each as `mlx_lm.convert -q` writes it too (4-bit, the routers at 8 bits).
+#[test]
+fn gemma4_models_equal_mlx_lm() {
+    let Some(f) = fixtures() else { return };
+    for model in ["tiny-gemma4", "tiny-gemma4-q4", "tiny-gemma4-moe", "tiny-gemma4-moe-q4"] {
+        check_logits(&f, model, 16);
+        check_ids(&f, f.models.join(model), model, 16);
+    }
+}
+
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
 /// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
 /// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids

@@ -98,6 +98,9 @@ fn tiny_random_models_speculative_greedy_output_is_the_plain_output() {
         // Positions past the query scale's original context, rolled back and redone.
         ("tiny-ministral3", "tiny-llama"),
         ("tiny-ministral3-q4", "tiny-ministral3"),
+        // Shared keys and per-layer inputs over a verified window, rolled back.
+        ("tiny-gemma4", "tiny-llama"),
+        ("tiny-gemma4-moe-q4", "tiny-gemma4-moe"),
     ] {
         let totals = check_identical(&m.join(target), &m.join(draft), &[EDIT, CHAT], 32, &[]);
         assert!(totals[1].0 > 0, "{target}: the draft model drafted nothing");

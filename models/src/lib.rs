@@ -10,6 +10,7 @@ pub mod batch_cache;
 pub mod cache;
 mod error;
 pub mod gemma3;
+pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
 pub mod llama;

@@ -380,23 +380,33 @@ impl Attention {
             Some(s) => q.multiply(s)?,
             None => q,
         };
-        let o = match self.window {
-            Some(window) if k.dim(2) > window => {
-                windowed_attention(&q, &k, &v, self.scale, mask, window, self.sinks.as_ref())?
-            }
-            _ => match mask {
-                Mask::Array(m) => {
-                    let m = last_keys(m, k.dim(2))?;
-                    attention(&q, &k, &v, self.scale, Mask::Array(&m), self.sinks.as_ref())?
-                }
-                _ => attention(&q, &k, &v, self.scale, mask_ref(mask), self.sinks.as_ref())?,
-            },
-        };
+        let o = attend(&q, &k, &v, self.scale, mask, self.window, self.sinks.as_ref())?;
         let mut o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         if let Some(gate) = gate {
             o = o.multiply(&gate.sigmoid()?)?;
         }
         reduced(self.o_proj.forward(&o)?, self.reduce)
+    }
+}
+
+/// Scaled dot-product attention of `q` over the keys and values a layer's cache gave back,
+/// under the forward's `mask` (a batch's padding mask cut to the columns held), over the last
+/// `window` positions for a sliding layer.
+pub(crate) fn attend(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Mask<'_>,
+    window: Option<usize>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    match window {
+        Some(window) if k.dim(2) > window => windowed_attention(q, k, v, scale, mask, window, sinks),
+        _ => match mask {
+            Mask::Array(m) => attention(q, k, v, scale, Mask::Array(&last_keys(m, k.dim(2))?), sinks),
+            _ => attention(q, k, v, scale, mask_ref(mask), sinks),
+        },
     }
 }
 

@@ -4,8 +4,8 @@
 use crate::tokenizer::Tokenizer;
 use crate::weights::{gguf, safetensors, QuantMode, Quantization, Weights};
 use crate::{
-    gemma3, gpt_oss, llama, minicpm, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, CausalLm, Error,
-    Result,
+    gemma3, gemma4, gpt_oss, llama, minicpm, ministral3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, CausalLm,
+    Error, Result,
 };
 use mlx::Device;
 use serde::de::DeserializeOwned;
@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, gemma3_text, gpt_oss, phi3, minicpm (and the text models of gemma3 and mistral3 folders)";
+pub const SUPPORTED_MODEL_TYPES: &str = "llama, mistral, ministral3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, gemma3_text, gemma4_text, gpt_oss, phi3, minicpm (and the text models of gemma3, gemma4 and mistral3 folders)";
 
 /// What the engine needs to know about a loaded model besides the model itself.
 #[derive(Debug, Clone)]
@@ -123,7 +123,7 @@ pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
         return (qwen3_5_text_config(&config, kind), true);
     }
     let Some(Value::Object(mut text)) =
-        config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "mistral3"))
+        config.get("text_config").cloned().filter(|_| matches!(kind, "gemma3" | "gemma4" | "mistral3"))
     else {
         return (config, false);
     };
@@ -132,6 +132,11 @@ pub(crate) fn text_model_config(config: Value) -> (Value, bool) {
         text.insert("vocab_size".into(), config.get("vocab_size").cloned().unwrap_or(262208.into()));
         text.entry("num_attention_heads").or_insert(8.into());
         text.entry("num_key_value_heads").or_insert(4.into());
+    } else if kind == "gemma4" {
+        text.insert("model_type".into(), "gemma4_text".into());
+        text.insert("vocab_size".into(), config.get("vocab_size").cloned().unwrap_or(262144.into()));
+        text.entry("num_attention_heads").or_insert(8.into());
+        text.entry("num_key_value_heads").or_insert(1.into());
     } else {
         // mlx-lm builds `ministral3` and `mistral4` text models by name, anything else as Llama.
         let inner = text.get("model_type").and_then(Value::as_str).unwrap_or("llama");
@@ -182,7 +187,9 @@ fn qwen3_5_text_config(config: &Value, kind: &str) -> Value {
 /// tower and projector dropped (`None`), `language_model.` and transformers 5's
 /// `model.language_model.` taken off.
 pub(crate) fn text_weight_name(name: &str) -> Option<String> {
-    if name.contains("vision_tower") || name.contains("multi_modal_projector") || name.starts_with("model.visual.") {
+    let towers =
+        ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
+    if towers.iter().any(|t| name.contains(t)) || name.starts_with("model.visual.") {
         return None;
     }
     Some(match name.strip_prefix("model.language_model.") {
@@ -200,6 +207,7 @@ pub enum Arch {
     Qwen3Moe(qwen3_moe::Config),
     Qwen2Moe(qwen2_moe::Config),
     Gemma3(gemma3::Config),
+    Gemma4(gemma4::Config),
     GptOss(gpt_oss::Config),
     Phi3(phi3::Config),
     MiniCpm(minicpm::Config),
@@ -221,6 +229,7 @@ impl Arch {
             "qwen3_moe" => Arch::Qwen3Moe(parse(config, path)?),
             "qwen2_moe" => Arch::Qwen2Moe(parse(config, path)?),
             "gemma3_text" => Arch::Gemma3(parse(config, path)?),
+            "gemma4_text" => Arch::Gemma4(parse(config, path)?),
             "gpt_oss" => Arch::GptOss(parse(config, path)?),
             "phi3" => Arch::Phi3(parse(config, path)?),
             "minicpm" => Arch::MiniCpm(parse(config, path)?),
@@ -235,25 +244,33 @@ impl Arch {
         })
     }
 
-    /// (layers, KV heads, head dim) of the attention stack.
-    pub fn kv_dims(&self) -> (usize, usize, usize) {
+    /// Key (or value) features a position takes in the cache, summed over the layers that
+    /// keep their own (layers x KV heads x head dim for a uniform stack).
+    pub fn kv_features(&self) -> usize {
+        let uniform = |layers: usize, kv: usize, hd: usize| layers * kv * hd;
         match self {
             Arch::Llama(c) => {
                 let d = c.dims();
-                (d.layers, d.n_kv_heads, d.head_dim)
+                uniform(d.layers, d.n_kv_heads, d.head_dim)
             }
-            Arch::Ministral3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
-            Arch::Qwen2(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
-            Arch::Qwen3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
-            Arch::Qwen3Moe(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
-            Arch::Qwen2Moe(c) => (c.num_hidden_layers, c.kv_heads(), c.hidden_size / c.num_attention_heads),
-            Arch::Gemma3(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
-            Arch::GptOss(c) => (c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
-            Arch::Phi3(c) => (c.num_hidden_layers, c.kv_heads(), c.head_dim()),
-            Arch::MiniCpm(c) => (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads),
+            Arch::Ministral3(c) => uniform(c.num_hidden_layers, c.kv_heads(), c.head_dim()),
+            Arch::Qwen2(c) => {
+                uniform(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads)
+            }
+            Arch::Qwen3(c) => uniform(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Qwen3Moe(c) => uniform(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Qwen2Moe(c) => uniform(c.num_hidden_layers, c.kv_heads(), c.hidden_size / c.num_attention_heads),
+            Arch::Gemma3(c) => uniform(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            // Sliding and full layers' head sizes differ; shared layers keep none.
+            Arch::Gemma4(c) => c.kv_features(),
+            Arch::GptOss(c) => uniform(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            Arch::Phi3(c) => uniform(c.num_hidden_layers, c.kv_heads(), c.head_dim()),
+            Arch::MiniCpm(c) => {
+                uniform(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size / c.num_attention_heads)
+            }
             // Only the full-attention layers keep keys and values; a DeltaNet layer's state
             // is the same size whatever the length.
-            Arch::Qwen3_5(c) => (c.attention_layers(), c.num_key_value_heads, c.head_dim()),
+            Arch::Qwen3_5(c) => uniform(c.attention_layers(), c.num_key_value_heads, c.head_dim()),
         }
     }
 
@@ -269,6 +286,13 @@ impl Arch {
             Arch::Ministral3(c) => (c.num_attention_heads, c.kv_heads(), c.intermediate_size),
             Arch::Qwen3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Gemma3(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
+            Arch::Gemma4(_) if n > 1 => {
+                return Err(Error::Invalid(
+                    "tensor parallelism over gemma4 (per-layer head sizes and shared keys) is not supported yet; run it on one rank"
+                        .into(),
+                ))
+            }
+            Arch::Gemma4(c) => (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size),
             Arch::Qwen3Moe(_) | Arch::Qwen2Moe(_) | Arch::GptOss(_) if n > 1 => {
                 return Err(Error::Invalid(format!(
                     "tensor parallelism over a mixture-of-experts model ({}) is not supported yet; run it on one rank",
@@ -303,6 +327,7 @@ impl Arch {
             Arch::Qwen2Moe(c) => Some((c.num_experts_per_tok, c.num_experts)),
             Arch::GptOss(c) => Some((c.num_experts_per_tok, c.num_local_experts)),
             Arch::Qwen3_5(c) if c.num_experts > 0 => Some((c.num_experts_per_tok, c.num_experts)),
+            Arch::Gemma4(c) if c.enable_moe_block => Some((c.top_k_experts?, c.num_experts?)),
             _ => None,
         }
     }
@@ -316,6 +341,7 @@ impl Arch {
             Arch::Qwen3Moe(_) => "qwen3_moe",
             Arch::Qwen2Moe(_) => "qwen2_moe",
             Arch::Gemma3(_) => "gemma3_text",
+            Arch::Gemma4(_) => "gemma4_text",
             Arch::GptOss(_) => "gpt_oss",
             Arch::Phi3(_) => "phi3",
             Arch::MiniCpm(_) => "minicpm",
@@ -335,6 +361,7 @@ impl Arch {
             Arch::Qwen3Moe(c) => Box::new(qwen3_moe::load(c, weights, options)?),
             Arch::Qwen2Moe(c) => Box::new(qwen2_moe::load(c, weights, options)?),
             Arch::Gemma3(c) => Box::new(gemma3::Model::load(c, weights, options)?),
+            Arch::Gemma4(c) => Box::new(gemma4::load(c, weights, options)?),
             Arch::GptOss(c) => Box::new(gpt_oss::load(c, weights, options)?),
             Arch::Phi3(c) => Box::new(phi3::load(c, weights, options)?),
             Arch::MiniCpm(c) => Box::new(minicpm::load(c, weights, options)?),
@@ -453,9 +480,8 @@ fn build(
     // The cache holds keys and values in the activation dtype: the embedding's (or, when
     // it is quantized, its scales').
     let act = weights.get("model.embed_tokens.scales").or_else(|_| weights.get("model.embed_tokens.weight"))?.dtype();
-    let (layers, kv_heads, head_dim) = arch.kv_dims();
     // A tensor-parallel rank holds its share of the heads.
-    let kv_heads = kv_heads / options.tensor_parallel.map_or(1, |g| g.size);
+    let kv_features = arch.kv_features() / options.tensor_parallel.map_or(1, |g| g.size);
     let embedding: usize = weights
         .names()
         .filter(|n| n.starts_with("model.embed_tokens."))
@@ -464,11 +490,16 @@ fn build(
     let untied = weights.get("lm_head.weight").is_ok() || weights.get("lm_head.scales").is_ok();
     let mut per_token =
         if untied { weights.nbytes() - embedding + embedding / model.vocab_size().max(1) } else { weights.nbytes() };
+    // Gemma 4's per-layer embedding: a token reads its own row.
+    for name in weights.names().filter(|n| n.starts_with("model.embed_tokens_per_layer.")) {
+        let bytes = weights.get(name)?.nbytes();
+        per_token -= bytes - bytes / weights.get(name)?.dim(0).max(1);
+    }
     // A token reads only its own experts' weights.
     if let Some((k, experts)) = arch.active_experts() {
         let expert_bytes: usize = weights
             .names()
-            .filter(|n| n.contains(".switch_mlp.") || n.contains(".mlp.experts."))
+            .filter(|n| n.contains(".switch_mlp.") || n.contains(".mlp.experts.") || n.contains(".experts.switch_glu."))
             .map(|n| weights.get(n).map(|a| a.nbytes()))
             .sum::<Result<usize>>()?;
         per_token -= expert_bytes - expert_bytes * k / experts.max(1);
@@ -484,7 +515,7 @@ fn build(
         recurrent_layers: model.make_cache().iter().filter(|c| c.is_recurrent()).count(),
         vocab_size: model.vocab_size(),
         max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
-        kv_bytes_per_token: layers * 2 * kv_heads * head_dim * act.size(),
+        kv_bytes_per_token: 2 * kv_features * act.size(),
     };
     Ok(Loaded { model, tokenizer, info })
 }

@@ -79,7 +79,7 @@ impl SwitchMatrix {
 }
 
 /// `SwitchGLU`: each token through its top-k experts' gated MLPs.
-struct SwitchGlu {
+pub(crate) struct SwitchGlu {
     gate_proj: SwitchLinear,
     up_proj: SwitchLinear,
     down_proj: SwitchLinear,
@@ -94,6 +94,8 @@ pub(crate) enum ExpertActivation {
     /// GPT-OSS's `swiglu_oai`: the gate clipped above at 7, the linear part to ±7, then
     /// `(up + 1) * gate * sigmoid(1.702 gate)`.
     SwigluOai,
+    /// `gelu_approx(gate) * up` (Gemma 4).
+    Geglu,
 }
 
 impl ExpertActivation {
@@ -101,6 +103,7 @@ impl ExpertActivation {
         match self {
             ExpertActivation::Swiglu => Ok(ops::swiglu(gate, up)?),
             ExpertActivation::SwigluOai => Ok(ops::swiglu_oai(gate, up)?),
+            ExpertActivation::Geglu => Ok(ops::gelu_approx(gate)?.multiply(up)?),
         }
     }
 }
@@ -110,8 +113,26 @@ impl ExpertActivation {
 const SORT_FROM: usize = 64;
 
 impl SwitchGlu {
+    /// The experts under `s` (`{s}.{gate,up,down}_proj`), `experts` of width `ffn` over
+    /// `hidden`, without biases.
+    pub(crate) fn load(
+        w: &Weights,
+        s: &str,
+        experts: usize,
+        hidden: usize,
+        ffn: usize,
+        activation: ExpertActivation,
+    ) -> Result<Self> {
+        Ok(SwitchGlu {
+            gate_proj: SwitchLinear::load(w, &format!("{s}.gate_proj"), experts, hidden, ffn, false)?,
+            up_proj: SwitchLinear::load(w, &format!("{s}.up_proj"), experts, hidden, ffn, false)?,
+            down_proj: SwitchLinear::load(w, &format!("{s}.down_proj"), experts, ffn, hidden, false)?,
+            activation,
+        })
+    }
+
     /// `x` `[..., D]`, `indices` `[..., k]` → `[..., k, D]`.
-    fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+    pub(crate) fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
         let x = x.expand_dims(&[-2, -3])?;
         let k = indices.dim(-1) as i32;
         let sort = indices.size() >= SORT_FROM;

@@ -715,6 +715,17 @@ Ptr precise_swiglu(const array& h, const array& gate, const array& x) {
   return wrap(fn({h, gate, x})[0]);
 }
 
+// mlx-lm's `logit_softcap(softcap, x)` (gemma4_text.py, `mx.compile(shapeless=True)`):
+// tanh(x / softcap) * softcap, the cap a scalar of x's dtype.
+Ptr softcap(const array& x, float cap) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        return {mx::multiply(mx::tanh(mx::divide(in[0], in[1])), in[1])};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({x, array(cap, x.dtype())})[0]);
+}
+
 // mlx-lm's `compute_g` (gated_delta.py, `mx.compile(shapeless=True)`): the Gated DeltaNet's
 // decay, exp(-exp(A_log) * softplus(a + dt_bias)), softplus being logaddexp(x, 0).
 Ptr gated_delta_g(const array& a_log, const array& a, const array& dt_bias) {

@@ -81,6 +81,7 @@ Ptr gelu_approx(const array& x);
 Ptr swiglu_oai(const array& gate, const array& x);
 Ptr silu(const array& x);
 Ptr precise_swiglu(const array& h, const array& gate, const array& x);
+Ptr softcap(const array& x, float cap);
 Ptr gated_delta_g(const array& a_log, const array& a, const array& dt_bias);
 std::unique_ptr<ArrayList> gated_delta_step(const array& q, const array& k, const array& v, const array& g,
                                              const array& beta, const array& state);

@@ -63,6 +63,7 @@ pub(crate) mod ffi {
         fn swiglu_oai(gate: &array, x: &array) -> Result<UniquePtr<array>>;
         fn silu(x: &array) -> Result<UniquePtr<array>>;
         fn precise_swiglu(h: &array, gate: &array, x: &array) -> Result<UniquePtr<array>>;
+        fn softcap(x: &array, cap: f32) -> Result<UniquePtr<array>>;
         fn gated_delta_g(a_log: &array, a: &array, dt_bias: &array) -> Result<UniquePtr<array>>;
         fn gated_delta_step(
             q: &array,

@@ -124,6 +124,12 @@ pub fn silu(x: &Array) -> Result<Array> {
     wrap(ffi::silu(&x.0))
 }
 
+/// mlx-lm's `logit_softcap(cap, x)` (Gemma's final logits): `tanh(x / cap) * cap`, compiled
+/// as mlx-lm compiles it.
+pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    wrap(ffi::softcap(&x.0, cap))
+}
+
 /// mlx-lm's `precise_swiglu(h, gate, x)`: `silu(gate) * x` in float32, in `h`'s dtype.
 pub fn precise_swiglu(h: &Array, gate: &Array, x: &Array) -> Result<Array> {
     wrap(ffi::precise_swiglu(&h.0, &gate.0, &x.0))
