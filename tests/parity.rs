@@ -223,6 +223,9 @@ fn tiny_random_models_equal_mlx_lm() {
         "tiny-ministral3-q4",
         "tiny-minicpm",
         "tiny-minicpm-q4",
+        // MiniCPM 5: model_type llama, head_dim wider than hidden / heads.
+        "tiny-minicpm5",
+        "tiny-minicpm5-q4",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);

@@ -22,7 +22,7 @@ BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
             "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning",
-            "harmony": "tool", "harmony-channels": "reasoning", "guidance": "constraint"}
+            "harmony": "tool", "harmony-channels": "reasoning", "guidance": "constraint", "minicpm5": "tool"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]
@@ -39,6 +39,8 @@ FORMATS = {
     "gemma": ("Let me check. ", '```tool_code\nget_weather(city="Paris", days=3)\n```'),
     "harmony": ("Let me check. ", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                 '{"city": "Paris", "days": 3}<|call|>'),
+    "minicpm5": ("Let me check. ", '<function name="get_weather"><param name="city">Paris</param>'
+                 '<param name="days">3</param></function>'),
 }
 
 
@@ -195,6 +197,7 @@ FORCED_REST = {
     "mistral": '{"city": "Paris", "days": 3}}]',
     "gemma": 'city="Paris", days=3)\n```',
     "harmony": '{"city": "Paris", "days": 3}',
+    "minicpm5": '<param name="city">Paris</param><param name="days">3</param></function>',
 }
 
 

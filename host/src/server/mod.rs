@@ -121,6 +121,8 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
         "harmony"
     } else if t.contains("<function=") && t.contains("<parameter=") {
         "qwen3-coder"
+    } else if t.contains("<function name=") && t.contains("<param name=") {
+        "minicpm5"
     } else if t.contains("<tool_call>") {
         "hermes"
     } else if t.contains("[TOOL_CALLS]") {

@@ -882,6 +882,7 @@ mod tests {
         use crate::server::detect_tool_adapter as detect;
         assert_eq!(detect(Some("{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}")), "hermes");
         assert_eq!(detect(Some("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>")), "qwen3-coder");
+        assert_eq!(detect(Some("<function name=\"{{ name }}\"><param name=\"{{ k }}\">")), "minicpm5");
         assert_eq!(detect(Some("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]")), "mistral");
         assert_eq!(detect(Some("<|start_header_id|>ipython<|end_header_id|>")), "llama3-json");
         assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");

@@ -234,11 +234,11 @@ const QWEN_CLOSE: &str = "\n</parameter>\n";
 /// writes the next `<parameter=` as the value, or inside it): no raw value holds one.
 const QWEN_LOST: &str = r"((?s:.)*\n)?<\/?(parameter|function|tool_call)[=>](?s:.)*";
 
-/// A qwen3-coder argument's value and its closer (Lark): a string property's raw text (one
-/// of its enum, a match of its pattern, or any text within its length bounds: a
+/// An XML format's argument value and its closer `close` (Lark): a string property's raw
+/// text (one of its enum, a match of its pattern, or any text within its length bounds: a
 /// `text_MIN_MAX` rule, recorded in `texts`, that the first closer ends), else JSON.
-fn qwen_value(prop: &Value, texts: &mut std::collections::BTreeSet<(u64, Option<u64>)>) -> String {
-    let close = Value::String(QWEN_CLOSE.to_string());
+fn tag_value(prop: &Value, close: &str, texts: &mut std::collections::BTreeSet<(u64, Option<u64>)>) -> String {
+    let close = Value::String(close.to_string());
     let kind = prop.get("type").and_then(Value::as_str);
     let strings: Option<Vec<String>> = prop
         .get("enum")
@@ -307,7 +307,7 @@ impl Format for Qwen3Coder {
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
         let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("<parameter={key}>\n")));
-        let value = |prop: &Value| qwen_value(prop, &mut texts.borrow_mut());
+        let value = |prop: &Value| tag_value(prop, QWEN_CLOSE, &mut texts.borrow_mut());
         let mut out = keyword_rest(name, tools, |n| format!("{n}>\n"), item, value, "", "</function>\n</tool_call>")?;
         for (min, max) in texts.into_inner() {
             let max = max.map(|m| m.to_string()).unwrap_or_default();
@@ -360,6 +360,134 @@ impl Format for Qwen3Coder {
                 Ok(Call::new(name, &Value::Object(args)))
             })
             .collect()
+    }
+}
+
+/// MiniCPM 5's XML: `<function name="f"><param name="city">Paris</param></function>`, a value
+/// with markup or line breaks wrapped as `<![CDATA[...]]>`; single or double quotes, and
+/// other attributes after the name, as the model may write them (SGLang's `MiniCPM5Detector`
+/// and mlx-lm's `minicpm5` parser read the same). Values are typed as Qwen3-Coder's; a
+/// `<param>` without a name spoils the call (given back as written).
+#[derive(Default)]
+pub struct MiniCpm5;
+
+/// What ends a MiniCPM 5 argument's value.
+const MINICPM_CLOSE: &str = "</param>";
+
+/// Raw value text that holds a tag of the format: a model that lost its place.
+const MINICPM_LOST: &str = r"(?s:.)*<\/?(param|function)[\s>](?s:.)*";
+
+/// The value of attribute `name` in a tag's text (`name="x"` or `name='x'`).
+fn attribute<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = tag;
+    while let Some(at) = rest.find(name) {
+        let before = rest[..at].chars().last();
+        let after = rest[at + name.len()..].trim_start();
+        rest = &rest[at + name.len()..];
+        if !before.is_some_and(char::is_whitespace) {
+            continue;
+        }
+        let Some(after) = after.strip_prefix('=') else { continue };
+        let after = after.trim_start();
+        let quote = after.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+        let body = &after[1..];
+        return body.find(quote).map(|end| &body[..end]);
+    }
+    None
+}
+
+/// A value as written: CDATA's contents as they are, else the text trimmed.
+fn cdata(value: &str) -> &str {
+    let v = value.trim();
+    v.strip_prefix("<![CDATA[").and_then(|v| v.strip_suffix("]]>")).unwrap_or(v)
+}
+
+impl Format for MiniCpm5 {
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(match name {
+            Some(name) => format!("<function name=\"{name}\">"),
+            None => "<function name=\"".into(),
+        })
+    }
+    /// `<param name="KEY">VALUE</param>` per argument (the tool's properties in its schema's
+    /// order), then `</function>`: raw text for a string property (held to its enum, pattern
+    /// or length bounds, ended by the first `</param>`), JSON held to its schema otherwise.
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("<param name=\"{key}\">")));
+        let value = |prop: &Value| tag_value(prop, MINICPM_CLOSE, &mut texts.borrow_mut());
+        let mut out = keyword_rest(name, tools, |n| format!("{n}\">"), item, value, "", "</function>")?;
+        for (min, max) in texts.into_inner() {
+            let max = max.map(|m| m.to_string()).unwrap_or_default();
+            out.push_str(&format!(
+                "text_{min}_{max}[suffix={MINICPM_CLOSE:?}]: /(?s:.){{{min},{max}}}/ & ~/{MINICPM_LOST}/\n"
+            ));
+        }
+        Some(out)
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("<function name=\"")
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let mut out = Vec::new();
+        for c in calls {
+            let mut text = format!("<function name=\"{}\">", c.name);
+            if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&c.arguments) {
+                for (k, v) in args {
+                    let v = match v {
+                        Value::String(s) => s,
+                        v => v.to_string(),
+                    };
+                    let plain = !v.contains(['<', '>', '&', '\n']) && v.trim() == v;
+                    let v = if plain { v } else { format!("<![CDATA[{v}]]>") };
+                    text.push_str(&format!("<param name=\"{k}\">{v}</param>"));
+                }
+            }
+            out.push(text + "</function>");
+        }
+        Some(out.join("\n"))
+    }
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<function", true)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("</function>")
+    }
+    fn parse(&self, region: &str, tools: &[Value]) -> Result<Vec<Call>, String> {
+        let rest = region.strip_prefix("<function").ok_or("no <function> tag")?;
+        if !rest.starts_with(char::is_whitespace) {
+            return Err("not a <function name=...> tag".into());
+        }
+        let gt = rest.find('>').ok_or("unterminated <function ...> tag")?;
+        let name = attribute(&rest[..gt], "name").ok_or("a <function> tag without a name")?.trim();
+        if name.is_empty() {
+            return Err("a <function> tag with an empty name".into());
+        }
+        let mut body = &rest[gt + 1..];
+        body = body.strip_suffix("</function>").unwrap_or(body);
+        let mut args = Map::new();
+        while let Some(at) = body.find("<param") {
+            let after = &body[at + "<param".len()..];
+            let gt = after.find('>').ok_or("unterminated <param ...> tag")?;
+            let key = attribute(&after[..gt], "name").ok_or("a <param> tag without a name")?;
+            let value = &after[gt + 1..];
+            // CDATA may hold `</param>`: a value that opens one ends after it closes.
+            let end = match value.trim_start().starts_with("<![CDATA[") {
+                true => value.find("]]>").map(|e| e + 3 + value[e + 3..].find(MINICPM_CLOSE).unwrap_or(0)),
+                false => value.find(MINICPM_CLOSE),
+            }
+            .ok_or_else(|| format!("<param name=\"{key}\"> is not closed"))?;
+            args.insert(key.to_string(), typed(cdata(&value[..end]), param_type(tools, name, key)));
+            body = &value[end + MINICPM_CLOSE.len()..];
+        }
+        Ok(vec![Call::new(name, &Value::Object(args))])
+    }
+    fn render(&self, tools: &[Value]) -> Option<String> {
+        let list: Vec<String> = tools.iter().map(|t| function(t).to_string()).collect();
+        Some(format!(
+            "You have access to functions. To call one, write <function name=\"NAME\"><param name=\"ARG\">VALUE</param></function>, one <param> per argument; wrap a value that has markup or line breaks in <![CDATA[...]]>.\nThe functions, as JSON schemas:\n{}",
+            list.join("\n")
+        ))
     }
 }
 
@@ -912,7 +1040,8 @@ mod tests {
         assert_eq!(back::<Llama3Json>(&calls, &tools), (String::new(), want.clone()), "llama3-json");
         assert_eq!(back::<Mistral>(&calls, &tools), (String::new(), want.clone()), "mistral");
         assert_eq!(back::<Gemma>(&calls, &tools), (String::new(), want.clone()), "gemma");
-        assert_eq!(back::<Harmony>(&calls, &tools), (String::new(), want), "harmony");
+        assert_eq!(back::<Harmony>(&calls, &tools), (String::new(), want.clone()), "harmony");
+        assert_eq!(back::<MiniCpm5>(&calls, &tools), (String::new(), want), "minicpm5");
     }
 
     /// A forced call: the opener the host puts at the start of the reply, then what a model
@@ -930,7 +1059,7 @@ mod tests {
             check::<F>(&format!("{opener}{rest}"), tools)
         }
         let want = vec![call("get_weather", json!({"city": "Paris"}))];
-        let cases: [(&str, Parsed, Parsed); 6] = [
+        let cases: [(&str, Parsed, Parsed); 7] = [
             (
                 "hermes",
                 forced::<Hermes>(Some("get_weather"), "{\"city\": \"Paris\"}}\n</tool_call>", &tools),
@@ -973,6 +1102,11 @@ mod tests {
                     &tools,
                 ),
             ),
+            (
+                "minicpm5",
+                forced::<MiniCpm5>(Some("get_weather"), "<param name=\"city\">Paris</param></function>", &tools),
+                forced::<MiniCpm5>(None, "get_weather\"><param name=\"city\">Paris</param></function>", &tools),
+            ),
         ];
         for (format, named, any) in cases {
             assert_eq!(named, (String::new(), want.clone()), "{format}, named");
@@ -980,6 +1114,33 @@ mod tests {
         }
         // A name that needs escaping stays one JSON string.
         assert_eq!(Hermes.force(Some("a\"b")).unwrap(), "<tool_call>\n{\"name\": \"a\\\"b\", \"arguments\": ");
+    }
+
+    /// MiniCPM 5's calls as the model writes them: after prose, several in a row, single
+    /// quotes and extra attributes, a CDATA value holding markup and line breaks, values
+    /// typed by the schema; a `<param>` without a name, or prose mentioning `<function`,
+    /// stays content.
+    #[test]
+    fn minicpm5_calls_between_content() {
+        let tools = [json!({"type": "function", "function": {"name": "write", "parameters": {"type": "object",
+            "properties": {"path": {"type": "string"}, "n": {"type": "integer"}, "text": {"type": "string"}}}}})];
+        let text =
+            "Writing it.\n<function name=\"write\"><param name=\"path\">a.txt</param><param name=\"n\">3</param>\
+                    <param name=\"text\"><![CDATA[<b>x</b>\n  & </param> y]]></param></function>\
+                    <function name='write' id=\"2\">\n<param name='n'> 7 </param>\n</function>";
+        let (content, calls) = check::<MiniCpm5>(text, &tools);
+        assert_eq!(content, "Writing it.\n");
+        assert_eq!(
+            calls,
+            vec![
+                call("write", json!({"path": "a.txt", "n": 3, "text": "<b>x</b>\n  & </param> y"})),
+                call("write", json!({"n": 7})),
+            ]
+        );
+        let spoiled = "<function name=\"write\"><param>3</param></function>";
+        assert_eq!(check::<MiniCpm5>(spoiled, &tools), (spoiled.to_string(), vec![]));
+        let prose = "The <functional> view.";
+        assert_eq!(check::<MiniCpm5>(prose, &tools), (prose.to_string(), vec![]));
     }
 
     #[test]
