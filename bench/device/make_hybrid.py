@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""make_hybrid.py SHAPE OUT [--quantize 4] [--seed N]
+
+Runs ON THE DEVICE after `. /tmp/site/env.sh` (issue 44's side by side). Writes a random-weight
+model of a real Qwen3.5 or Gemma 4 shape as mlx-lm saves one: mlx-lm 0.32.2's own model class
+(`qwen3_5`, `gemma4_text`) built from the shape's config, its random initialization cast to
+bfloat16 (a MoE quantized to 4 bits, group 64, with mlx-lm's quantization predicate: routers at
+8 bits), saved with `mlx_lm.utils.save_model`; the tokenizer is the device kit's byte-level BPE
+(`make-model.py`'s `make_tokenizer`) covering every id. Shapes (configs as the public
+checkpoints give them; see bench/RESULTS.md for where they were read):
+
+    qwen3.5-4b        32 layers (every 4th full attention), hidden 2560, DeltaNet 16 key / 32 value heads
+    qwen3.5-35b-a3b   40 layers, hidden 2048, 256 experts (8 per token) + a shared expert
+    gemma4-e4b        42 layers, hidden 2560, per-layer inputs (256), the last 18 sharing KV
+    gemma4-26b-a4b    30 layers, hidden 2816, 128 experts (8 per token) beside the dense MLP
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+QWEN_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+                   linear_num_value_heads=32, linear_value_head_dim=128, full_attention_interval=4,
+                   head_dim=256, attn_output_gate=True, rms_norm_eps=1e-6, vocab_size=248320,
+                   tie_word_embeddings=False, max_position_embeddings=262144,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+GEMMA_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+              "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+SHAPES = {
+    "qwen3.5-4b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=2560, intermediate_size=9216,
+                                   num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(QWEN_LINEAR, model_type="qwen3_5_moe", hidden_size=2048,
+                                            intermediate_size=4096, num_hidden_layers=40, num_attention_heads=16,
+                                            num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                            moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                            norm_topk_prob=True)),
+    "gemma4-e4b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=2560, intermediate_size=10240,
+                                       num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+                                       head_dim=256, global_head_dim=512, num_kv_shared_layers=18,
+                                       hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                                       vocab_size=262144, sliding_window=512, rms_norm_eps=1e-6,
+                                       final_logit_softcapping=30.0, use_double_wide_mlp=False,
+                                       attention_k_eq_v=False, enable_moe_block=False, tie_word_embeddings=True,
+                                       layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                                                    for i in range(42)], rope_parameters=GEMMA_ROPE)),
+    "gemma4-26b-a4b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112,
+                                           num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                                           num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
+                                           num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+                                           vocab_size=262144, sliding_window=1024, rms_norm_eps=1e-6,
+                                           final_logit_softcapping=30.0, use_double_wide_mlp=False,
+                                           attention_k_eq_v=True, enable_moe_block=True, num_experts=128,
+                                           top_k_experts=8, moe_intermediate_size=704, tie_word_embeddings=True,
+                                           layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                                                        for i in range(30)], rope_parameters=GEMMA_ROPE)),
+}
+
+
+def kit_tokenizer():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".device", "kit", "make-model.py")
+    spec = importlib.util.spec_from_file_location("make_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.make_tokenizer
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out")
+    ap.add_argument("--quantize", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="only the first N layers (a quick check of the script)")
+    a = ap.parse_args()
+    if os.path.exists(os.path.join(a.out, "config.json")):
+        print(f"{a.out}: exists")
+        return
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    module, config = SHAPES[a.shape]
+    config = dict(config, eos_token_id=151643, bos_token_id=151643)
+    if a.layers:
+        config["num_hidden_layers"] = a.layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][: a.layers]
+        if config.get("num_kv_shared_layers"):
+            config["num_kv_shared_layers"] = a.layers // 3
+    mx.random.seed(a.seed)
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    # mlx-lm's random initialization, in bfloat16.
+    model.update(tree_map(lambda p: p.astype(mx.bfloat16) if p.dtype == mx.float32 else p, model.parameters()))
+    mx.eval(model.parameters())
+    if a.quantize:
+        model, config = quantize_model(model, config, 64, a.quantize)
+    os.makedirs(a.out, exist_ok=True)
+    save_model(a.out, model, donate_model=True)
+    save_config(config, os.path.join(a.out, "config.json"))
+    kit_tokenizer()(a.out, a.shape, dict(config, model_type="qwen2", max_position_embeddings=131072))
+    with open(os.path.join(a.out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 151643, "bos_token_id": 151643}, f)
+    print(f"{a.out}: {a.shape}{' q' + str(a.quantize) if a.quantize else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
