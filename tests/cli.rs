@@ -427,7 +427,7 @@ fn a_hub_name_loads_from_the_hub_cache_and_a_missing_one_says_how_to_fetch_it() 
     assert_eq!(json_of(&run(&format!("test-org/tiny-qwen3@{commit}")))["token_ids"], by_path["token_ids"]);
     let missing = stderr_of_failure(&run("test-org/absent"));
     assert!(missing.contains("test-org/absent") && missing.contains("HF_HUB_OFFLINE"), "{missing}");
-    assert!(missing.contains("huggingface-cli download test-org/absent"), "{missing}");
+    assert!(missing.contains("host pull test-org/absent"), "{missing}");
     let revision = stderr_of_failure(&run("test-org/tiny-qwen3@v9"));
     assert!(revision.contains("\"v9\"") && revision.contains("cached: main"), "{revision}");
     // `host models` lists it: its name, type and size on disk.

@@ -8,6 +8,8 @@ mod common;
 mod batch;
 #[path = "cli.rs"]
 mod cli;
+#[path = "hub.rs"]
+mod hub;
 #[path = "parity.rs"]
 mod parity;
 #[path = "speculative.rs"]

@@ -23,6 +23,8 @@ enum Command {
     Launch(host::cli::launch::Args),
     /// List the models the Hugging Face cache holds (for `--model org/name`).
     Models(host::cli::models::Args),
+    /// Download a model from the Hugging Face hub into its cache (`org/name[@revision]`).
+    Pull(host::cli::pull::Args),
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::cli::plugins::PluginsCommand),
@@ -39,6 +41,7 @@ fn main() {
         Command::Serve(args) => host::server::run(args),
         Command::Launch(args) => host::cli::launch::run(args),
         Command::Models(args) => host::cli::models::run(args),
+        Command::Pull(args) => host::cli::pull::run(args),
         Command::Plugins(command) => host::cli::plugins::run_command(command),
         Command::TpWorker(args) => host::load::tp::worker(args),
     };

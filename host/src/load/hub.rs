@@ -3,8 +3,8 @@
 //! `huggingface_hub` program): `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 //! `$XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`; in it
 //! `models--org--name/refs/<revision>` holds a commit, `snapshots/<commit>/` the files
-//! (links into `blobs/`). Only the cache is read: the host does not download from the hub
-//! (yet), and says how to fetch what is missing. `list` is what `host models` prints.
+//! (links into `blobs/`). A name the cache lacks is downloaded into it (`pull.rs`) unless
+//! `HF_HUB_OFFLINE` is set. `list` is what `host models` prints.
 
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -73,8 +73,26 @@ pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
     }
     let text = arg.to_string_lossy();
     match HubName::parse(&text) {
-        Some(name) => resolve(&name, &cache_root()?)
-            .with_context(|| format!("there is no file or folder {text:?} here, so it was looked up as a hub name")),
+        Some(name) => {
+            let root = cache_root()?;
+            let here = || format!("there is no file or folder {text:?} here, so it was looked up as a hub name");
+            match resolve(&name, &root) {
+                Ok(path) => Ok(path),
+                Err(missing) if !super::pull::offline() => {
+                    eprintln!("{}: {missing:#}; downloading it", name.repo());
+                    super::pull::pull(&name, &root, &[]).map_err(|e| {
+                        anyhow::anyhow!(
+                            "{}: not in the Hugging Face cache at {}, and downloading it failed: {e:#}. Fetch it with \
+                             `host pull {}` where the hub is reachable, or set HF_HUB_OFFLINE=1 to use the cache only",
+                            name.repo(),
+                            root.display(),
+                            name.repo()
+                        )
+                    })
+                }
+                Err(missing) => Err(missing).with_context(here),
+            }
+        }
         None if text.contains('/') && !text.starts_with(['/', '.', '~']) && text.matches('/').count() == 1 => bail!(
             "{text:?} is not a model name the hub allows (org/name[@revision]: letters, digits, '-', '_', '.') \
              and no file or folder of that name exists"
@@ -96,9 +114,8 @@ pub fn resolve(name: &HubName, root: &Path) -> Result<PathBuf> {
     let repo = name.repo();
     let dir = root.join(format!("models--{}--{}", name.org, name.name));
     let fetch = format!(
-        "fetch it with `huggingface-cli download {repo}{}` (or `hf download`), which fills {}; \
-         the host reads the hub's cache but does not download from the hub",
-        if name.revision == "main" { String::new() } else { format!(" --revision {}", name.revision) },
+        "fetch it with `host pull {repo}{}` (or `huggingface-cli download`), which fills {}",
+        if name.revision == "main" { String::new() } else { format!("@{}", name.revision) },
         root.display()
     );
     let offline = if std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0") {
@@ -320,10 +337,10 @@ mod tests {
             .unwrap()
             .starts_with(root.canonicalize().unwrap().join("models--org--model/blobs")));
         let missing = at("org/other").unwrap_err().to_string();
-        assert!(missing.contains("org/other") && missing.contains("huggingface-cli download org/other"), "{missing}");
+        assert!(missing.contains("org/other") && missing.contains("host pull org/other"), "{missing}");
         let revision = at("org/model@v2").unwrap_err().to_string();
         assert!(revision.contains("\"v2\"") && revision.contains("cached: main, v1"), "{revision}");
-        assert!(revision.contains("--revision v2"), "{revision}");
+        assert!(revision.contains("host pull org/model@v2"), "{revision}");
         // A GGUF repository: its one file; several: the error lists them.
         let gguf = cache(&root, "org", "gguf", commit, &[("m.Q4_K_M.gguf", "GGUF")], &["main"]);
         assert_eq!(at("org/gguf").unwrap(), gguf.join("m.Q4_K_M.gguf"));

@@ -5,11 +5,13 @@
 //! - `device.rs`: `--device` and MLX's default device;
 //! - `tp.rs`: a model split over tensor-parallel ranks (this process is rank 0);
 //! - `default_model.rs`: the built-in default model, fetched on first use;
-//! - `hub.rs`: `org/name[@revision]` found in the Hugging Face cache.
+//! - `hub.rs`: `org/name[@revision]` found in the Hugging Face cache;
+//! - `pull.rs`: such a model downloaded into that cache (`host pull`, or `--model` when missing).
 
 pub mod default_model;
 pub mod device;
 pub mod hub;
+pub mod pull;
 pub mod tp;
 
 pub use device::{select_device, DeviceChoice};
