@@ -22,7 +22,8 @@ BUILTINS = {"mirostat": "sampler", "dry": "sampler", "xtc": "sampler", "typical-
             "regex-stop": "stop", "max-sentences": "stop", "hermes": "tool", "qwen3-coder": "tool", "llama3-json": "tool",
             "mistral": "tool", "gemma": "tool", "fcfs": "scheduler", "priority": "scheduler",
             "shortest-prompt-first": "scheduler", "latest-wins": "scheduler", "fair": "scheduler", "think": "reasoning",
-            "harmony": "tool", "harmony-channels": "reasoning", "guidance": "constraint", "minicpm5": "tool"}
+            "harmony": "tool", "harmony-channels": "reasoning", "guidance": "constraint", "minicpm5": "tool",
+            "gemma4": "tool"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]}}}]
@@ -41,6 +42,7 @@ FORMATS = {
                 '{"city": "Paris", "days": 3}<|call|>'),
     "minicpm5": ("Let me check. ", '<function name="get_weather"><param name="city">Paris</param>'
                  '<param name="days">3</param></function>'),
+    "gemma4": ("Let me check. ", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'),
 }
 
 
@@ -198,6 +200,7 @@ FORCED_REST = {
     "gemma": 'city="Paris", days=3)\n```',
     "harmony": '{"city": "Paris", "days": 3}',
     "minicpm5": '<param name="city">Paris</param><param name="days">3</param></function>',
+    "gemma4": 'city:<|"|>Paris<|"|>,days:3}<tool_call|>',
 }
 
 

@@ -119,6 +119,8 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
     let t = template.unwrap_or("");
     if t.contains("<|channel|>") {
         "harmony"
+    } else if t.contains("<|tool_call>") {
+        "gemma4"
     } else if t.contains("<function=") && t.contains("<parameter=") {
         "qwen3-coder"
     } else if t.contains("<function name=") && t.contains("<param name=") {
@@ -137,7 +139,8 @@ pub fn detect_tool_adapter(template: Option<&str>) -> &'static str {
 }
 
 /// The reasoning parser that fits a chat template, by its thinking markers: the built-in
-/// `think` (`<think>`...`</think>`, or Mistral's `[THINK]`...`[/THINK]` by config), or
+/// `think` (`<think>`...`</think>`, or by config Gemma 4's `<|channel>thought`...`<channel|>`
+/// or Mistral's `[THINK]`...`[/THINK]`), or
 /// `harmony-channels` for OpenAI's harmony (GPT-OSS: `<|channel|>analysis`); `None` for
 /// templates without them. Runs with `fallback` on: if it faults, the text passes
 /// through as content.
@@ -153,6 +156,9 @@ pub fn detect_reasoning_parser(template: Option<&str>) -> Option<crate::plugins:
     }
     let config = if t.contains("<think>") {
         None
+    } else if t.contains("<|channel>") {
+        // Gemma 4: `<|channel>thought\n...<channel|>` (special tokens, kept as text).
+        Some(serde_json::json!({"open": "<|channel>thought", "close": "<channel|>"}))
     } else if t.contains("[THINK]") {
         Some(serde_json::json!({"open": "[THINK]", "close": "[/THINK]"}))
     } else {

@@ -883,6 +883,7 @@ mod tests {
         assert_eq!(detect(Some("{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}")), "hermes");
         assert_eq!(detect(Some("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>")), "qwen3-coder");
         assert_eq!(detect(Some("<function name=\"{{ name }}\"><param name=\"{{ k }}\">")), "minicpm5");
+        assert_eq!(detect(Some("<|turn>model\n<|tool_call>call:{{ name }}{<tool_call|>")), "gemma4");
         assert_eq!(detect(Some("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]")), "mistral");
         assert_eq!(detect(Some("<|start_header_id|>ipython<|end_header_id|>")), "llama3-json");
         assert_eq!(detect(Some("<start_of_turn>user\n{{ m }}<end_of_turn>")), "gemma");
@@ -900,6 +901,10 @@ mod tests {
         assert_eq!(magistral.config, Some(json!({"open": "[THINK]", "close": "[/THINK]"})));
         let gpt_oss = detect(Some("<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>")).unwrap();
         assert_eq!((gpt_oss.name.as_str(), gpt_oss.config, gpt_oss.fallback), ("harmony-channels", None, true));
+        let gemma4 =
+            detect(Some("<|turn>model\n{%- if not enable_thinking %}<|channel>thought\n<channel|>{% endif %}"))
+                .unwrap();
+        assert_eq!(gemma4.config, Some(json!({"open": "<|channel>thought", "close": "<channel|>"})));
         assert!(detect(Some("<|im_start|>{{ m }}<|im_end|>")).is_none());
         assert!(detect(None).is_none());
     }

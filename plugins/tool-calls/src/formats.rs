@@ -656,6 +656,167 @@ impl Format for Gemma {
     }
 }
 
+/// Gemma 4: `<|tool_call>call:f{city:<|"|>Paris<|"|>,days:3}<tool_call|>`, the markers and
+/// the string quote `<|"|>` special tokens (the host's detokenizer keeps them as text). Keys
+/// bare, strings between quote tokens as written (no escapes), numbers, booleans, `null`,
+/// and nested `{k:v}` / `[..]` as the template's `format_argument` writes them.
+#[derive(Default)]
+pub struct Gemma4;
+
+const GEMMA4_QUOTE: &str = "<|\"|>";
+
+impl Format for Gemma4 {
+    fn force(&self, name: Option<&str>) -> Option<String> {
+        Some(format!("<|tool_call>call:{}", name.map(|n| format!("{n}{{")).unwrap_or_default()))
+    }
+    fn write(&self, calls: &[Call]) -> Option<String> {
+        let calls: Vec<String> = calls
+            .iter()
+            .map(|c| {
+                let args = serde_json::from_str::<Value>(&c.arguments).unwrap_or(Value::Object(Map::new()));
+                let body = match gemma4_arg(&args) {
+                    b if b.starts_with('{') => b,
+                    _ => "{}".into(),
+                };
+                format!("<|tool_call>call:{}{body}<tool_call|>", c.name)
+            })
+            .collect();
+        Some(calls.concat())
+    }
+    fn open(&self) -> &'static [(&'static str, bool)] {
+        &[("<|tool_call>", false)]
+    }
+    fn close(&self) -> Option<&'static str> {
+        Some("<tool_call|>")
+    }
+    fn parse(&self, region: &str, _tools: &[Value]) -> Result<Vec<Call>, String> {
+        let mut p = G4 { s: region, at: 0 };
+        let mut calls = Vec::new();
+        loop {
+            p.space();
+            if p.at >= p.s.len() {
+                break;
+            }
+            if !p.s[p.at..].starts_with("call:") {
+                return Err(format!("expected `call:` at byte {}", p.at));
+            }
+            p.at += "call:".len();
+            let name = p.word();
+            if name.is_empty() {
+                return Err("a call without a function name".into());
+            }
+            p.space();
+            let args = match p.s[p.at..].starts_with('{') {
+                true => p.value()?,
+                false => Value::Object(Map::new()),
+            };
+            calls.push(Call::new(&name, &args));
+        }
+        if calls.is_empty() {
+            return Err("an empty tool call".into());
+        }
+        Ok(calls)
+    }
+}
+
+/// A value as Gemma 4's template writes an argument (`format_argument`).
+fn gemma4_arg(v: &Value) -> String {
+    match v {
+        Value::String(s) => format!("{GEMMA4_QUOTE}{s}{GEMMA4_QUOTE}"),
+        Value::Array(items) => format!("[{}]", items.iter().map(gemma4_arg).collect::<Vec<_>>().join(",")),
+        Value::Object(map) => {
+            format!("{{{}}}", map.iter().map(|(k, v)| format!("{k}:{}", gemma4_arg(v))).collect::<Vec<_>>().join(","))
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Gemma 4's argument syntax.
+struct G4<'a> {
+    s: &'a str,
+    at: usize,
+}
+
+impl G4<'_> {
+    fn space(&mut self) {
+        while self.s[self.at..].starts_with(|c: char| c.is_whitespace()) {
+            self.at += 1;
+        }
+    }
+    fn eat(&mut self, c: char) -> bool {
+        self.space();
+        let ok = self.s[self.at..].starts_with(c);
+        self.at += usize::from(ok);
+        ok
+    }
+    /// A bare word: letters, digits, `_`, `-`, `.`, `+`.
+    fn word(&mut self) -> String {
+        self.space();
+        let rest = &self.s[self.at..];
+        let n = rest.find(|c: char| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '+'))).unwrap_or(rest.len());
+        self.at += n;
+        rest[..n].to_string()
+    }
+    fn value(&mut self) -> Result<Value, String> {
+        self.space();
+        let rest = &self.s[self.at..];
+        if let Some(body) = rest.strip_prefix(GEMMA4_QUOTE) {
+            let end = body.find(GEMMA4_QUOTE).ok_or("an unterminated <|\"|> string")?;
+            self.at += GEMMA4_QUOTE.len() * 2 + end;
+            return Ok(Value::String(body[..end].to_string()));
+        }
+        if rest.starts_with('"') {
+            let mut de = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+            let v = de.next().ok_or("a bad string")?.map_err(|e| e.to_string())?;
+            self.at += de.byte_offset();
+            return Ok(v);
+        }
+        if self.eat('[') {
+            let mut items = Vec::new();
+            loop {
+                if self.eat(']') {
+                    return Ok(Value::Array(items));
+                }
+                items.push(self.value()?);
+                if !self.eat(',') && !self.s[self.at..].trim_start().starts_with(']') {
+                    return Err(format!("expected `,` or `]` at byte {}", self.at));
+                }
+            }
+        }
+        if self.eat('{') {
+            let mut map = Map::new();
+            loop {
+                if self.eat('}') {
+                    return Ok(Value::Object(map));
+                }
+                let key = match self.value()? {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                if !self.eat(':') {
+                    return Err(format!("expected `:` after the key {key:?} at byte {}", self.at));
+                }
+                map.insert(key, self.value()?);
+                if !self.eat(',') && !self.s[self.at..].trim_start().starts_with('}') {
+                    return Err(format!("expected `,` or `}}` at byte {}", self.at));
+                }
+            }
+        }
+        let word = self.word();
+        Ok(match word.as_str() {
+            "" => return Err(format!("expected a value at byte {}", self.at)),
+            "true" => Value::Bool(true),
+            "false" => Value::Bool(false),
+            "null" | "None" => Value::Null,
+            w => match serde_json::from_str::<serde_json::Number>(w) {
+                Ok(n) => Value::Number(n),
+                // A bare key, or a bare string the model wrote unquoted.
+                Err(_) => Value::String(w.to_string()),
+            },
+        })
+    }
+}
+
 /// OpenAI's harmony (GPT-OSS): a message addressed to a function,
 /// `<|channel|>commentary to=functions.f <|constrain|>json<|message|>{..}<|call|>`, or with the
 /// recipient in the role part, `<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{..}<|call|>`
@@ -1041,7 +1202,8 @@ mod tests {
         assert_eq!(back::<Mistral>(&calls, &tools), (String::new(), want.clone()), "mistral");
         assert_eq!(back::<Gemma>(&calls, &tools), (String::new(), want.clone()), "gemma");
         assert_eq!(back::<Harmony>(&calls, &tools), (String::new(), want.clone()), "harmony");
-        assert_eq!(back::<MiniCpm5>(&calls, &tools), (String::new(), want), "minicpm5");
+        assert_eq!(back::<MiniCpm5>(&calls, &tools), (String::new(), want.clone()), "minicpm5");
+        assert_eq!(back::<Gemma4>(&calls, &tools), (String::new(), want), "gemma4");
     }
 
     /// A forced call: the opener the host puts at the start of the reply, then what a model
@@ -1059,7 +1221,7 @@ mod tests {
             check::<F>(&format!("{opener}{rest}"), tools)
         }
         let want = vec![call("get_weather", json!({"city": "Paris"}))];
-        let cases: [(&str, Parsed, Parsed); 7] = [
+        let cases: [(&str, Parsed, Parsed); 8] = [
             (
                 "hermes",
                 forced::<Hermes>(Some("get_weather"), "{\"city\": \"Paris\"}}\n</tool_call>", &tools),
@@ -1103,6 +1265,11 @@ mod tests {
                 ),
             ),
             (
+                "gemma4",
+                forced::<Gemma4>(Some("get_weather"), "city:<|\"|>Paris<|\"|>}<tool_call|>", &tools),
+                forced::<Gemma4>(None, "get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>", &tools),
+            ),
+            (
                 "minicpm5",
                 forced::<MiniCpm5>(Some("get_weather"), "<param name=\"city\">Paris</param></function>", &tools),
                 forced::<MiniCpm5>(None, "get_weather\"><param name=\"city\">Paris</param></function>", &tools),
@@ -1141,6 +1308,26 @@ mod tests {
         assert_eq!(check::<MiniCpm5>(spoiled, &tools), (spoiled.to_string(), vec![]));
         let prose = "The <functional> view.";
         assert_eq!(check::<MiniCpm5>(prose, &tools), (prose.to_string(), vec![]));
+    }
+
+    /// Gemma 4's calls as its template writes them: after prose, strings between quote
+    /// tokens (holding quotes, commas and braces), nested objects and arrays with bare keys,
+    /// two calls in a row; a broken call stays content.
+    #[test]
+    fn gemma4_calls_between_content() {
+        let text = "Checking.<|tool_call>call:edit{path:<|\"|>a \"b\", {c}.rs<|\"|>,n:3,ok:true,opts:{deep:[1,<|\"|>x<|\"|>,null]}}<tool_call|>\
+                    <|tool_call>call:time{}<tool_call|>";
+        let (content, calls) = check::<Gemma4>(text, &[]);
+        assert_eq!(content, "Checking.");
+        assert_eq!(
+            calls,
+            vec![
+                call("edit", json!({"path": "a \"b\", {c}.rs", "n": 3, "ok": true, "opts": {"deep": [1, "x", null]}})),
+                call("time", json!({})),
+            ]
+        );
+        let broken = "<|tool_call>call:f{a:<|\"|>x}<tool_call|>";
+        assert_eq!(check::<Gemma4>(broken, &[]), (broken.to_string(), vec![]));
     }
 
     #[test]
