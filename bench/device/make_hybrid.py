@@ -9,6 +9,7 @@ bfloat16 (a MoE quantized to 4 bits, group 64, with mlx-lm's quantization predic
 (`make-model.py`'s `make_tokenizer`) covering every id. Shapes (configs as the public
 checkpoints give them; see bench/RESULTS.md for where they were read):
 
+    qwen3.5-0.8b      24 layers, hidden 1024, DeltaNet 16 key / 16 value heads, tied embeddings (the CPU's)
     qwen3.5-4b        32 layers (every 4th full attention), hidden 2560, DeltaNet 16 key / 32 value heads
     qwen3.5-35b-a3b   40 layers, hidden 2048, 256 experts (8 per token) + a shared expert
     gemma4-e4b        42 layers, hidden 2560, per-layer inputs (256), the last 18 sharing KV
@@ -35,6 +36,9 @@ GEMMA_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 10
 SHAPES = {
     "qwen3.5-4b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=2560, intermediate_size=9216,
                                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)),
+    "qwen3.5-0.8b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=1024, intermediate_size=3584,
+                                     num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                                     linear_num_value_heads=16, tie_word_embeddings=True)),
     "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(QWEN_LINEAR, model_type="qwen3_5_moe", hidden_size=2048,
                                             intermediate_size=4096, num_hidden_layers=40, num_attention_heads=16,
                                             num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
@@ -77,6 +81,7 @@ def main():
     ap.add_argument("--quantize", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers (a quick check of the script)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = ap.parse_args()
     if os.path.exists(os.path.join(a.out, "config.json")):
         print(f"{a.out}: exists")
@@ -94,7 +99,8 @@ def main():
     arch = importlib.import_module(f"mlx_lm.models.{module}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # mlx-lm's random initialization, in bfloat16.
-    model.update(tree_map(lambda p: p.astype(mx.bfloat16) if p.dtype == mx.float32 else p, model.parameters()))
+    dtype = getattr(mx, a.dtype)
+    model.update(tree_map(lambda p: p.astype(dtype) if p.dtype == mx.float32 else p, model.parameters()))
     mx.eval(model.parameters())
     if a.quantize:
         model, config = quantize_model(model, config, 64, a.quantize)
