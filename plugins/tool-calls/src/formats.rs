@@ -261,6 +261,53 @@ fn tag_value(prop: &Value, close: &str, texts: &mut std::collections::BTreeSet<(
     format!("text_{min}_{}", max.map(|m| m.to_string()).unwrap_or_default())
 }
 
+/// An XML-tagged format's arguments (Qwen3-Coder's, MiniCPM 5's): each opened by `open(key)`,
+/// its value raw text or JSON (`tag_value`) ended by `close`, raw text never holding what
+/// matches `lost` (a tag of the format).
+struct XmlTags<F: Fn(&str) -> String> {
+    open: F,
+    close: &'static str,
+    lost: &'static str,
+}
+
+impl<F: Fn(&str) -> String> XmlTags<F> {
+    /// `keyword_rest`'s grammar of a call in this format (`any_head`: a named function's
+    /// opening; `end`: the call's closer), with the raw-text rules its values use.
+    fn grammar(
+        &self,
+        name: Option<&str>,
+        tools: &[Value],
+        any_head: impl Fn(&str) -> String,
+        end: &str,
+    ) -> Option<String> {
+        let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String((self.open)(key)));
+        let value = |prop: &Value| tag_value(prop, self.close, &mut texts.borrow_mut());
+        let mut out = keyword_rest(name, tools, any_head, item, value, "", end)?;
+        let (close, lost) = (self.close, self.lost);
+        for (min, max) in texts.into_inner() {
+            let max = max.map(|m| m.to_string()).unwrap_or_default();
+            out.push_str(&format!("text_{min}_{max}[suffix={close:?}]: /(?s:.){{{min},{max}}}/ & ~/{lost}/\n"));
+        }
+        Some(out)
+    }
+}
+
+/// A call's arguments as an XML format writes them: (key, text), a string as it is, any other
+/// value as JSON.
+fn raw_arguments(call: &Call) -> Vec<(String, String)> {
+    match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(Value::Object(args)) => args
+            .into_iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => (k, s),
+                v => (k, v.to_string()),
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// The schema type of `param` of function `name` among `tools`.
 fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
     tools.iter().map(function).find(|f| f["name"] == name)?["parameters"]["properties"][param]["type"].as_str()
@@ -305,17 +352,8 @@ impl Format for Qwen3Coder {
     /// the first `\n</parameter>\n`), JSON held to its schema otherwise ([`Qwen3Coder::parse`]
     /// types values the same way).
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
-        let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
-        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("<parameter={key}>\n")));
-        let value = |prop: &Value| tag_value(prop, QWEN_CLOSE, &mut texts.borrow_mut());
-        let mut out = keyword_rest(name, tools, |n| format!("{n}>\n"), item, value, "", "</function>\n</tool_call>")?;
-        for (min, max) in texts.into_inner() {
-            let max = max.map(|m| m.to_string()).unwrap_or_default();
-            out.push_str(&format!(
-                "text_{min}_{max}[suffix={QWEN_CLOSE:?}]: /(?s:.){{{min},{max}}}/ & ~/{QWEN_LOST}/\n"
-            ));
-        }
-        Some(out)
+        let tags = XmlTags { open: |key| format!("<parameter={key}>\n"), close: QWEN_CLOSE, lost: QWEN_LOST };
+        tags.grammar(name, tools, |n| format!("{n}>\n"), "</function>\n</tool_call>")
     }
     fn trigger(&self) -> Option<&'static str> {
         Some("<tool_call>")
@@ -324,14 +362,8 @@ impl Format for Qwen3Coder {
         let mut out = Vec::new();
         for c in calls {
             let mut text = format!("<tool_call>\n<function={}>\n", c.name);
-            if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&c.arguments) {
-                for (k, v) in args {
-                    let v = match v {
-                        Value::String(s) => s,
-                        v => v.to_string(),
-                    };
-                    text.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
-                }
+            for (k, v) in raw_arguments(c) {
+                text.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
             }
             out.push(text + "</function>\n</tool_call>");
         }
@@ -413,17 +445,8 @@ impl Format for MiniCpm5 {
     /// order), then `</function>`: raw text for a string property (held to its enum, pattern
     /// or length bounds, ended by the first `</param>`), JSON held to its schema otherwise.
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
-        let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
-        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("<param name=\"{key}\">")));
-        let value = |prop: &Value| tag_value(prop, MINICPM_CLOSE, &mut texts.borrow_mut());
-        let mut out = keyword_rest(name, tools, |n| format!("{n}\">"), item, value, "", "</function>")?;
-        for (min, max) in texts.into_inner() {
-            let max = max.map(|m| m.to_string()).unwrap_or_default();
-            out.push_str(&format!(
-                "text_{min}_{max}[suffix={MINICPM_CLOSE:?}]: /(?s:.){{{min},{max}}}/ & ~/{MINICPM_LOST}/\n"
-            ));
-        }
-        Some(out)
+        let tags = XmlTags { open: |key| format!("<param name=\"{key}\">"), close: MINICPM_CLOSE, lost: MINICPM_LOST };
+        tags.grammar(name, tools, |n| format!("{n}\">"), "</function>")
     }
     fn trigger(&self) -> Option<&'static str> {
         Some("<function name=\"")
@@ -432,16 +455,10 @@ impl Format for MiniCpm5 {
         let mut out = Vec::new();
         for c in calls {
             let mut text = format!("<function name=\"{}\">", c.name);
-            if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&c.arguments) {
-                for (k, v) in args {
-                    let v = match v {
-                        Value::String(s) => s,
-                        v => v.to_string(),
-                    };
-                    let plain = !v.contains(['<', '>', '&', '\n']) && v.trim() == v;
-                    let v = if plain { v } else { format!("<![CDATA[{v}]]>") };
-                    text.push_str(&format!("<param name=\"{k}\">{v}</param>"));
-                }
+            for (k, v) in raw_arguments(c) {
+                let plain = !v.contains(['<', '>', '&', '\n']) && v.trim() == v;
+                let v = if plain { v } else { format!("<![CDATA[{v}]]>") };
+                text.push_str(&format!("<param name=\"{k}\">{v}</param>"));
             }
             out.push(text + "</function>");
         }
