@@ -155,6 +155,27 @@ fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_token
     }
 }
 
+/// As `check_logits`, with the prompt fed in chunks of `chunk` tokens (each a forward over the
+/// cache the last left: sliding windows crossed inside a chunk and between chunks, a
+/// recurrent state carried from chunk to chunk).
+fn check_chunked_logits(f: &Fixtures, model: &str, chunk: usize) {
+    let loaded = models::load(&f.models.join(model)).unwrap();
+    for want in oracle(f, model, 16).iter() {
+        let tokens: Vec<i32> = want.prompt_ids.iter().map(|&t| t as i32).collect();
+        let mut cache = loaded.model.make_cache();
+        let mut last = None;
+        for piece in tokens.chunks(chunk) {
+            let input = mlx::Array::from_i32(piece, &[1, piece.len()]).unwrap();
+            last = Some(loaded.model.forward(&input, &mut cache).unwrap());
+        }
+        let logits = last.unwrap();
+        let n = logits.dim(1) as i32;
+        let got = logits.slice_axis(1, n - 1, n).unwrap().to_vec_f32().unwrap();
+        let diff = got.iter().zip(&want.last_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-4, "{model}, chunks of {chunk}: last-position logits differ by {diff}");
+    }
+}
+
 #[test]
 fn smollm2_float32_greedy_ids_equal_mlx_lm() {
     let Some(f) = fixtures() else { return };
@@ -245,6 +266,8 @@ fn qwen3_5_hybrid_models_equal_mlx_lm() {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);
     }
+    check_chunked_logits(&f, "tiny-qwen3_5", 7);
+    check_chunked_logits(&f, "tiny-qwen3_5-moe", 13);
 }
 
 /// Gemma 4 as Google publishes it (a `gemma4` folder: the text model beside vision and audio
@@ -259,6 +282,9 @@ fn gemma4_models_equal_mlx_lm() {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);
     }
+    // Prompts over several prefill chunks, longer and shorter than the sliding window (8).
+    check_chunked_logits(&f, "tiny-gemma4", 11);
+    check_chunked_logits(&f, "tiny-gemma4-moe", 5);
 }
 
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
