@@ -38,6 +38,9 @@ pub struct ModelInfo {
     /// Layers whose cache is a recurrent state (Qwen3.5's Gated DeltaNet): it rolls back only
     /// to the snapshots it keeps (`KvCache::keep_snapshots`).
     pub recurrent_layers: usize,
+    /// Bytes of recurrent state one sequence holds whatever its length (0 without recurrent
+    /// layers): what a request reserves beside its keys and values.
+    pub recurrent_state_bytes: usize,
 }
 
 pub struct Loaded {
@@ -513,6 +516,10 @@ fn build(
         weight_bytes_per_token: per_token,
         n_layers: model.make_cache().len(),
         recurrent_layers: model.make_cache().iter().filter(|c| c.is_recurrent()).count(),
+        recurrent_state_bytes: match &arch {
+            Arch::Qwen3_5(c) => c.recurrent_state_bytes(act.size()),
+            _ => 0,
+        },
         vocab_size: model.vocab_size(),
         max_position_embeddings: config.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as usize),
         kv_bytes_per_token: 2 * kv_features * act.size(),

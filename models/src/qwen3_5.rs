@@ -155,6 +155,18 @@ impl Config {
         (0..self.num_hidden_layers).filter(|&i| !self.is_linear(i)).count()
     }
 
+    /// Bytes one sequence's recurrent states take over the DeltaNet layers, whatever its
+    /// length: each layer's convolution inputs (`kernel - 1` positions of the q/k/v channels,
+    /// in the activations' `act` bytes) and recurrence state (value heads x value dim x key
+    /// dim, float32), twice (the state before the last step is kept too).
+    pub fn recurrent_state_bytes(&self, act: usize) -> usize {
+        let key_dim = self.linear_num_key_heads * self.linear_key_head_dim;
+        let value_dim = self.linear_num_value_heads * self.linear_value_head_dim;
+        let conv = self.linear_conv_kernel_dim.saturating_sub(1) * (2 * key_dim + value_dim) * act;
+        let state = self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim * 4;
+        2 * (self.num_hidden_layers - self.attention_layers()) * (conv + state)
+    }
+
     /// `rope_parameters`' theta and rotated fraction when it is there, else the config's own
     /// keys, else mlx-lm's defaults (100000, a quarter of the head).
     fn rope(&self) -> (f64, f64) {

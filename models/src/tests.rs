@@ -1041,6 +1041,22 @@ fn a_hybrid_batch_gives_every_row_its_solo_logits_and_gives_back_a_step_in_fligh
     assert!(d < 1e-4, "the row given back its step in flight: max diff {d}");
 }
 
+/// A Qwen3.5 model's info says what one sequence's recurrent states weigh (what a request
+/// reserves beside its keys and values): for the tiny model's one DeltaNet layer, its
+/// convolution inputs (3 positions of 2 x 32 + 64 channels) and state (4 x 16 x 16 float32),
+/// twice; a model without recurrent layers, nothing.
+#[test]
+fn a_hybrid_models_info_counts_its_recurrent_state_per_sequence() {
+    let dir = std::env::temp_dir().join(format!("models-state-bytes-{}", std::process::id()));
+    testing::write_model(&dir, "qwen3_5", 1).unwrap();
+    let loaded = crate::load(&dir).unwrap();
+    assert_eq!(loaded.info.recurrent_layers, 1);
+    assert_eq!(loaded.info.recurrent_state_bytes, 2 * (3 * 128 * 4 + 4 * 16 * 16 * 4));
+    testing::write_model(&dir, "llama", 1).unwrap();
+    assert_eq!(crate::load(&dir).unwrap().info.recurrent_state_bytes, 0);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A recurrent state cannot be cut back: it is never trimmable, and a trim that needs it
 /// leaves the cache stale, so continuing from it is an error rather than wrong logits; a
 /// clone taken before goes on as the uncut run.

@@ -63,9 +63,11 @@ impl Active<'_> {
     }
 }
 
-/// The KV a request may come to hold: its whole prompt plus every token it may generate.
-fn kv_reserved(job: &Job) -> usize {
-    job.request.prompt.len() + job.request.max_tokens
+/// The KV a request may come to hold, in positions: its whole prompt plus every token it may
+/// generate, plus `state` (a recurrent model's fixed state per sequence, as positions:
+/// `Worker::state_positions`).
+fn kv_reserved(job: &Job, state: usize) -> usize {
+    job.request.prompt.len() + job.request.max_tokens + state
 }
 
 /// What generation borrows for as long as the engine thread runs.
@@ -306,8 +308,9 @@ impl Worker {
     ) {
         let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
         while running.len() < self.max_batch && !waiting.is_empty() {
-            let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
-            if budget > 0 && !running.is_empty() && reserved + kv_reserved(waiting[0].job()) > budget {
+            let state = self.state_positions();
+            let reserved: usize = running.iter().map(|a| kv_reserved(&a.job, state)).sum();
+            if budget > 0 && !running.is_empty() && reserved + kv_reserved(waiting[0].job(), state) > budget {
                 break;
             }
             match waiting.remove(0) {
@@ -470,6 +473,12 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The positions of keys and values one sequence's recurrent state weighs as much as (0
+    /// without recurrent layers): what each request reserves beside its own in the budget.
+    fn state_positions(&self) -> usize {
+        self.info.recurrent_state_bytes.div_ceil(self.info.kv_bytes_per_token.max(1))
     }
 
     /// Stores `cache` in the prompt cache under the leading tokens of `sequence` it holds (a

@@ -5,13 +5,14 @@
 use super::*;
 use crate::engine::scheduler::{self, Entry, Limits, Memory, Preemption, QueueView, Runner, Slots, WaitState, Waiter};
 
-/// The waiting requests as the scheduler's plan sees them.
-fn waiters(waiting: &[Waiting<'_>]) -> Vec<Waiter> {
+/// The waiting requests as the scheduler's plan sees them (`state`: the positions a
+/// sequence's recurrent state counts as).
+fn waiters(waiting: &[Waiting<'_>], state: usize) -> Vec<Waiter> {
     waiting
         .iter()
         .map(|w| Waiter {
             id: w.job().key(),
-            kv_reserved: kv_reserved(w.job()),
+            kv_reserved: kv_reserved(w.job(), state),
             state: match w {
                 Waiting::New(_) => WaitState::New,
                 Waiting::Paused(a) if a.holds_kv() => WaitState::Parked,
@@ -25,12 +26,12 @@ fn waiters(waiting: &[Waiting<'_>]) -> Vec<Waiter> {
 /// have its KV dropped; one decoding alone only if it can go on as a batch row (a lone
 /// constrained request), since speculation's or tensor parallelism's state cannot be
 /// recomputed.
-fn runners(running: &[Active<'_>], batch: &Batch<'_>) -> Vec<Runner> {
+fn runners(running: &[Active<'_>], batch: &Batch<'_>, state: usize) -> Vec<Runner> {
     running
         .iter()
         .map(|a| Runner {
             id: a.job.key(),
-            kv_reserved: kv_reserved(&a.job),
+            kv_reserved: kv_reserved(&a.job, state),
             droppable: match &a.source {
                 Source::Batched | Source::Prefill { .. } => true,
                 Source::Solo(g) => g.can_hand_over() && batch.batches(),
@@ -62,7 +63,8 @@ impl Worker {
         let name = policy.name();
         let budget = view.memory.kv_budget_tokens;
         let limits = Limits { max_batch: self.max_batch, kv_budget_tokens: budget };
-        let plan = scheduler::plan(&waiters(waiting), &runners(running, batch), &decision, limits);
+        let state = self.state_positions();
+        let plan = scheduler::plan(&waiters(waiting, state), &runners(running, batch, state), &decision, limits);
         let mut slots: Vec<Option<Waiting<'m>>> = waiting.drain(..).map(Some).collect();
         for &i in &plan.cancel {
             let message = format!(
@@ -101,7 +103,7 @@ impl Worker {
             kv_bytes: kv_tokens * per_token,
         };
         let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
-        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job)).sum();
+        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job, self.state_positions())).sum();
         QueueView {
             now_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
