@@ -3,8 +3,8 @@
 //! `huggingface_hub` program): `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 //! `$XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`; in it
 //! `models--org--name/refs/<revision>` holds a commit, `snapshots/<commit>/` the files
-//! (links into `blobs/`). A name the cache lacks is downloaded into it (`pull.rs`) unless
-//! `HF_HUB_OFFLINE` is set. `list` is what `host models` prints.
+//! (links into `blobs/`). This file only reads the cache (`pull.rs` fills it, and its
+//! `resolve_model_arg` downloads a name the cache lacks). `list` is what `host models` prints.
 
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -64,7 +64,8 @@ pub fn cache_root() -> Result<PathBuf> {
     Ok(base.join("huggingface").join("hub"))
 }
 
-/// What `--model` names: an existing path as it is, else a hub name resolved in the cache.
+/// What `--model` names: an existing path as it is, else a hub name resolved in the cache
+/// (`pull::resolve_model_arg` also downloads a name the cache lacks).
 /// Anything else is returned as it is, for the loader to say what a model path must be; a
 /// string shaped like `org/name` with characters the hub does not allow is refused here.
 pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
@@ -73,26 +74,8 @@ pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
     }
     let text = arg.to_string_lossy();
     match HubName::parse(&text) {
-        Some(name) => {
-            let root = cache_root()?;
-            let here = || format!("there is no file or folder {text:?} here, so it was looked up as a hub name");
-            match resolve(&name, &root) {
-                Ok(path) => Ok(path),
-                Err(missing) if !super::pull::offline() => {
-                    eprintln!("{}: {missing:#}; downloading it", name.repo());
-                    super::pull::pull(&name, &root, &[]).map_err(|e| {
-                        anyhow::anyhow!(
-                            "{}: not in the Hugging Face cache at {}, and downloading it failed: {e:#}. Fetch it with \
-                             `host pull {}` where the hub is reachable, or set HF_HUB_OFFLINE=1 to use the cache only",
-                            name.repo(),
-                            root.display(),
-                            name.repo()
-                        )
-                    })
-                }
-                Err(missing) => Err(missing).with_context(here),
-            }
-        }
+        Some(name) => resolve(&name, &cache_root()?)
+            .with_context(|| format!("there is no file or folder {text:?} here, so it was looked up as a hub name")),
         None if text.contains('/') && !text.starts_with(['/', '.', '~']) && text.matches('/').count() == 1 => bail!(
             "{text:?} is not a model name the hub allows (org/name[@revision]: letters, digits, '-', '_', '.') \
              and no file or folder of that name exists"

@@ -22,7 +22,7 @@ use std::path::Path;
 
 /// Loads a draft model for `target` and checks that it shares the target's tokenizer.
 pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
-    let path = &hub::resolve_model_arg(path).context("the draft model")?;
+    let path = &pull::resolve_model_arg(path).context("the draft model")?;
     let draft = models::load(path).with_context(|| format!("loading the draft model from {}", path.display()))?;
     check_draft(target, &draft)?;
     Ok(draft)
@@ -37,7 +37,7 @@ pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
 /// process becomes rank 0 and launches the others; see `tp.rs`).
 pub fn load_model_split(path: Option<&Path>, tensor_parallel: usize, device: DeviceChoice) -> Result<Loaded> {
     let path = match path {
-        Some(p) => hub::resolve_model_arg(p)?,
+        Some(p) => pull::resolve_model_arg(p)?,
         None => default_model::ensure()?,
     };
     if tensor_parallel > 1 {

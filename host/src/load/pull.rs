@@ -84,6 +84,33 @@ fn explain(e: ApiError, name: &HubName, what: &str) -> anyhow::Error {
     }
 }
 
+/// What `--model` names, as `hub::resolve_model_arg` finds it; a hub name the cache lacks is
+/// downloaded first, unless `HF_HUB_OFFLINE` is set (then the cache's error, which says how
+/// to fetch it).
+pub fn resolve_model_arg(arg: &Path) -> Result<PathBuf> {
+    let found = hub::resolve_model_arg(arg);
+    let name = match (&found, arg.exists()) {
+        (Err(_), false) => HubName::parse(&arg.to_string_lossy()),
+        _ => None,
+    };
+    match (found, name) {
+        (Err(missing), Some(name)) if !offline() => {
+            let root = hub::cache_root()?;
+            eprintln!("{}: {missing:#}; downloading it", name.repo());
+            pull(&name, &root, &[]).map_err(|e| {
+                anyhow!(
+                    "{}: not in the Hugging Face cache at {}, and downloading it failed: {e:#}. Fetch it with \
+                     `host pull {}` where the hub is reachable, or set HF_HUB_OFFLINE=1 to use the cache only",
+                    name.repo(),
+                    root.display(),
+                    name.repo()
+                )
+            })
+        }
+        (found, _) => found,
+    }
+}
+
 /// Downloads what `name` needs into the hub cache at `root` (files already there are kept)
 /// and returns the model path `--model` then loads. `include`, when not empty, picks the
 /// repository files to fetch by name instead (`*` matches any run of characters).
