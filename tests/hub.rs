@@ -192,6 +192,7 @@ fn host_pull_fetches_resumes_and_the_model_then_runs_offline_by_its_name() {
     // Cut halfway: the pull fails, and the next one resumes at the bytes the first kept.
     let first = pull("org/tiny");
     assert!(!first.status.success(), "the cut download should fail: {}", text(&first));
+    assert!(!text(&first).contains("resuming"), "a fresh download is not a resumed one: {}", text(&first));
     assert!(text(&first).contains("model.safetensors"), "{}", text(&first));
     let second = pull("org/tiny");
     assert!(second.status.success(), "{}", text(&second));

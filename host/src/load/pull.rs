@@ -235,6 +235,8 @@ struct Meter {
     shown: Instant,
     quarter: usize,
     terminal: bool,
+    /// `init` was just called: the next update is the bytes a part file already held.
+    starting: bool,
 }
 
 impl Meter {
@@ -247,6 +249,7 @@ impl Meter {
             shown: Instant::now(),
             quarter: 0,
             terminal: std::io::stderr().is_terminal(),
+            starting: false,
         }
     }
 
@@ -267,17 +270,15 @@ impl Meter {
 impl Progress for Meter {
     fn init(&mut self, size: usize, _filename: &str) {
         self.total = size;
+        self.starting = true;
     }
 
     fn update(&mut self, size: usize) {
-        let first = self.done == 0;
-        self.done += size;
-        if first && self.done < self.total {
-            // A resumed download starts with the bytes the part file already held.
-            if self.done > 0 && size == self.done {
-                eprintln!("{}: resuming at {:.1} MB", self.file, self.done as f64 / 1e6);
-            }
+        // hf-hub reports a resumed download's part file as the first update after `init`.
+        if std::mem::take(&mut self.starting) && size > 0 && self.done == 0 {
+            eprintln!("{}: resuming at {:.1} MB", self.file, size as f64 / 1e6);
         }
+        self.done += size;
         if self.terminal {
             if self.shown.elapsed() > Duration::from_millis(200) {
                 self.shown = Instant::now();
