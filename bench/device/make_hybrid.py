@@ -11,6 +11,7 @@ checkpoints give them; see bench/RESULTS.md for where they were read):
 
     qwen3.5-0.8b      24 layers, hidden 1024, DeltaNet 16 key / 16 value heads, tied embeddings (the CPU's)
     qwen3.5-4b        32 layers (every 4th full attention), hidden 2560, DeltaNet 16 key / 32 value heads
+    qwen3.5-9b        32 layers, hidden 4096, DeltaNet 16 key / 32 value heads
     qwen3.5-35b-a3b   40 layers, hidden 2048, 256 experts (8 per token) + a shared expert
     gemma4-e4b        42 layers, hidden 2560, per-layer inputs (256), the last 18 sharing KV
     gemma4-26b-a4b    30 layers, hidden 2816, 128 experts (8 per token) beside the dense MLP
@@ -39,6 +40,8 @@ SHAPES = {
     "qwen3.5-0.8b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=1024, intermediate_size=3584,
                                      num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
                                      linear_num_value_heads=16, tie_word_embeddings=True)),
+    "qwen3.5-9b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=4096, intermediate_size=12288,
+                                   num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)),
     "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(QWEN_LINEAR, model_type="qwen3_5_moe", hidden_size=2048,
                                             intermediate_size=4096, num_hidden_layers=40, num_attention_heads=16,
                                             num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
