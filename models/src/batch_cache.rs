@@ -212,10 +212,7 @@ impl BatchKvCache {
         let rows = self.rows();
         let mine = match rows {
             0 => Snapshot::default(),
-            _ => {
-                let r = self.buffer.recurrent_state()?;
-                Snapshot { conv: r.conv.clone(), state: r.state.clone() }
-            }
+            _ => self.buffer.recurrent_state()?.now(),
         };
         let joined = |batch: &Snapshot| -> Result<Snapshot> {
             Ok(Snapshot {
@@ -259,8 +256,7 @@ impl BatchKvCache {
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         self.check_row(row)?;
         if self.buffer.is_recurrent() {
-            let r = self.buffer.recurrent_state()?;
-            let now = Snapshot { conv: r.conv.clone(), state: r.state.clone() };
+            let now = self.buffer.recurrent_state()?.now();
             let keep = Array::from_i32(&[row as i32], &[1])?;
             let mut cache = self.buffer.with_recurrent(rows_of(&now, &keep)?, self.len(row), None);
             cache.set_checkpoints(self.checkpoints[row].clone());
@@ -326,8 +322,7 @@ impl BatchKvCache {
             return Ok(());
         }
         let keep = Array::from_i32(&keep, &[keep.len()])?;
-        let r = self.buffer.recurrent_state()?;
-        let now = rows_of(&Snapshot { conv: r.conv.clone(), state: r.state.clone() }, &keep)?;
+        let now = rows_of(&self.buffer.recurrent_state()?.now(), &keep)?;
         let before = self.buffer.last_snapshot().map(|s| rows_of(s, &keep)).transpose()?;
         self.buffer = self.buffer.with_recurrent(now, self.width() - trim, before);
         Ok(())

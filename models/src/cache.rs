@@ -86,6 +86,11 @@ pub struct Snapshot {
 }
 
 impl Recurrent {
+    /// The state held now, as a snapshot (the arrays shared, not copied).
+    pub fn now(&self) -> Snapshot {
+        Snapshot { conv: self.conv.clone(), state: self.state.clone() }
+    }
+
     /// How many snapshots an update of the layer should give: the states at the offsets
     /// before each of its positions are wanted only while they number no more than this.
     pub fn keeps(&self) -> usize {
@@ -302,7 +307,8 @@ impl KvCache {
         if offset == 0 || r.checkpoints.last().is_some_and(|&(at, _)| at >= offset) {
             return;
         }
-        r.checkpoints.push((offset, Snapshot { conv: r.conv.clone(), state: r.state.clone() }));
+        let now = r.now();
+        r.checkpoints.push((offset, now));
         if r.checkpoints.len() > MAX_CHECKPOINTS {
             r.checkpoints.remove(0);
         }

@@ -381,7 +381,8 @@ struct Block {
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
-    layer_scalar: Array,
+    /// The layer's output scale (`layer_scalar`; a checkpoint without one scales by 1).
+    layer_scalar: Option<Array>,
     full: bool,
     /// The earlier layer whose keys and values this one attends over (its own index if none).
     shares: usize,
@@ -409,7 +410,10 @@ impl Block {
             let gate = ops::gelu_approx(&p.gate.forward(&h)?)?.multiply(input)?;
             h = h.add(&p.norm.forward(&p.projection.forward(&gate)?)?)?;
         }
-        Ok((h.multiply(&self.layer_scalar)?, kv))
+        match &self.layer_scalar {
+            Some(s) => Ok((h.multiply(s)?, kv)),
+            None => Ok((h, kv)),
+        }
     }
 }
 
@@ -582,10 +586,10 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
                     c.hidden_size,
                     eps,
                 )?,
-                layer_scalar: match w.contains(&format!("{p}.layer_scalar")) {
-                    true => w.get_shaped(&format!("{p}.layer_scalar"), &[1])?,
-                    false => Array::from_f32(&[1.0], &[1])?,
-                },
+                layer_scalar: w
+                    .contains(&format!("{p}.layer_scalar"))
+                    .then(|| w.get_shaped(&format!("{p}.layer_scalar"), &[1]))
+                    .transpose()?,
                 full,
                 shares,
             })

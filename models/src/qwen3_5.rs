@@ -22,7 +22,7 @@
 //! them (conv1d `[C, 1, K]`, norms stored as offsets from 1) are sanitized as mlx-lm does;
 //! mlx-community's conversions are already in that form.
 
-use crate::cache::{KvCache, Snapshot};
+use crate::cache::{KvCache, LayerCache, Snapshot};
 use crate::layers::{Embedding, Forward, Linear, Positions, RmsNorm, Rope};
 use crate::llama::{self, Activation, Attention, Dims, Mlp, Tp};
 use crate::moe::{MoeDims, SparseMoe};
@@ -441,6 +441,46 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
     })
 }
 
+/// A layer's cache as the hybrid decoder uses it: keys and values for an attention layer,
+/// the state a DeltaNet layer updates (one sequence's, or a batch's stacked rows).
+trait HybridCache: LayerCache {
+    fn recurrent(&mut self) -> Result<&mut KvCache>;
+}
+
+impl HybridCache for KvCache {
+    fn recurrent(&mut self) -> Result<&mut KvCache> {
+        Ok(self)
+    }
+}
+
+impl HybridCache for BatchKvCache {
+    fn recurrent(&mut self) -> Result<&mut KvCache> {
+        self.recurrent_mut()
+    }
+}
+
+impl Model {
+    fn decoder(
+        &self,
+        tokens: &Array,
+        mask: &Mask<'_>,
+        cache: &mut [impl HybridCache],
+        at: &Positions,
+    ) -> Result<Array> {
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
+            let x = layer.input_layernorm.forward(&h)?;
+            let r = match &layer.mixer {
+                Mixer::Linear(net) => net.forward(&x, c.recurrent()?)?,
+                Mixer::Attention(attn) => attn.forward(&x, mask, c, &self.rope, at, None)?,
+            };
+            h = h.add(&r)?;
+            h = h.add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?)?;
+        }
+        self.norm.forward(&h)
+    }
+}
+
 impl CausalLm for Model {
     fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let h = self.forward_hidden(tokens, cache)?;
@@ -450,36 +490,13 @@ impl CausalLm for Model {
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
         let short = llama::short_mask(len, offset)?;
-        let mask = llama::mask_of(len, &short);
-        let at = Positions::From(offset);
-        let mut h = self.embed_tokens.forward(tokens)?;
-        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            let x = layer.input_layernorm.forward(&h)?;
-            let r = match &layer.mixer {
-                Mixer::Linear(net) => net.forward(&x, c)?,
-                Mixer::Attention(attn) => attn.forward(&x, &mask, c, &self.rope, &at, None)?,
-            };
-            h = h.add(&r)?;
-            h = h.add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?)?;
-        }
-        self.norm.forward(&h)
+        self.decoder(tokens, &llama::mask_of(len, &short), cache, &Positions::From(offset))
     }
 
     fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
         let (offsets, padding) = llama::batch_inputs(tokens, cache)?;
         let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
-        let at = Positions::Rows(&offsets);
-        let mut h = self.embed_tokens.forward(tokens)?;
-        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
-            let x = layer.input_layernorm.forward(&h)?;
-            let r = match &layer.mixer {
-                Mixer::Linear(net) => net.forward(&x, c.recurrent_mut()?)?,
-                Mixer::Attention(attn) => attn.forward(&x, &mask, c, &self.rope, &at, None)?,
-            };
-            h = h.add(&r)?;
-            h = h.add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?)?;
-        }
-        self.norm.forward(&h)
+        self.decoder(tokens, &mask, cache, &Positions::Rows(&offsets))
     }
 
     fn batches(&self) -> bool {
