@@ -1218,4 +1218,50 @@ mod tests {
         drop(alone);
         std::fs::remove_dir_all(dir).unwrap();
     }
+    /// A policy that records the memory each view shows, and decides nothing.
+    struct Recorder(Arc<std::sync::Mutex<Vec<(usize, usize)>>>);
+
+    impl crate::engine::scheduler::Policy for Recorder {
+        fn name(&self) -> String {
+            "recorder".into()
+        }
+
+        fn decide(
+            &mut self,
+            view: &crate::engine::scheduler::QueueView,
+        ) -> anyhow::Result<crate::engine::scheduler::Decision> {
+            if !view.running.is_empty() {
+                self.0.lock().unwrap().push((view.memory.kv_budget_tokens, view.memory.kv_free_tokens));
+            }
+            Ok(Default::default())
+        }
+    }
+
+    /// A running Qwen3.5 request reserves its recurrent states beside its positions: the free
+    /// memory the scheduler shows is the budget less prompt, max_tokens and the states'
+    /// weight in positions (`recurrent_state_bytes` / `kv_bytes_per_token`, rounded up).
+    #[test]
+    fn a_hybrid_request_reserves_its_recurrent_state_in_the_memory_budget() {
+        let dir = std::env::temp_dir().join(format!("host-hybrid-reserve-{}", std::process::id()));
+        models::testing::write_model(&dir, "qwen3_5", 4).unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let maker = crate::engine::scheduler::MakePolicy(Arc::new(move || Box::new(Recorder(record.clone()))));
+        let engine = Engine::start(EngineConfig { policy: Some(maker), ..EngineConfig::cpu(dir.clone()) }).unwrap();
+        let state = engine.info.recurrent_state_bytes.div_ceil(engine.info.kv_bytes_per_token);
+        assert!(state > 0);
+        engine.set_kv_budget_tokens(10_000);
+        let mut no_eos = SamplingParams::default();
+        no_eos.logit_bias.insert(2, -1e9);
+        let mut long = engine.submit(request((40..60).collect(), no_eos.clone(), 200)).unwrap();
+        while !matches!(long.blocking_recv(), Some(Event::Delta { .. })) {}
+        // A waiting request makes the engine consult the policy while the long one runs.
+        let short = collect(&mut engine.submit(request(vec![50, 51, 52], no_eos, 2)).unwrap());
+        assert!(short.1.is_some());
+        drop(long);
+        let views = seen.lock().unwrap().clone();
+        assert!(views.contains(&(10_000, 10_000 - (20 + 200 + state))), "{views:?} (state {state})");
+        drop(engine);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
