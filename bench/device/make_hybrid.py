@@ -12,9 +12,15 @@ checkpoints give them; see bench/RESULTS.md for where they were read):
     qwen3.5-0.8b      24 layers, hidden 1024, DeltaNet 16 key / 16 value heads, tied embeddings (the CPU's)
     qwen3.5-4b        32 layers (every 4th full attention), hidden 2560, DeltaNet 16 key / 32 value heads
     qwen3.5-9b        32 layers, hidden 4096, DeltaNet 16 key / 32 value heads
+    qwen3.5-27b       64 layers, hidden 5120, DeltaNet 16 key / 48 value heads
     qwen3.5-35b-a3b   40 layers, hidden 2048, 256 experts (8 per token) + a shared expert
     gemma4-e4b        42 layers, hidden 2560, per-layer inputs (256), the last 18 sharing KV
+    gemma4-12b        48 layers, hidden 3840 (Gemma 3 12B's dimensions with Gemma 4's attention:
+                      no published config was found in the reference material here)
     gemma4-26b-a4b    30 layers, hidden 2816, 128 experts (8 per token) beside the dense MLP
+
+A quantized shape is quantized before it is evaluated and then evaluated layer by layer, so the
+bfloat16 model never exists whole (a 35B-A3B's is 70 GB).
 """
 import argparse
 import importlib.util
@@ -42,6 +48,9 @@ SHAPES = {
                                      linear_num_value_heads=16, tie_word_embeddings=True)),
     "qwen3.5-9b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=4096, intermediate_size=12288,
                                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)),
+    "qwen3.5-27b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=5120, intermediate_size=17408,
+                                    num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                                    linear_num_value_heads=48)),
     "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(QWEN_LINEAR, model_type="qwen3_5_moe", hidden_size=2048,
                                             intermediate_size=4096, num_hidden_layers=40, num_attention_heads=16,
                                             num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
@@ -56,6 +65,15 @@ SHAPES = {
                                        attention_k_eq_v=False, enable_moe_block=False, tie_word_embeddings=True,
                                        layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
                                                     for i in range(42)], rope_parameters=GEMMA_ROPE)),
+    "gemma4-12b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=3840, intermediate_size=15360,
+                                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                                       num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
+                                       num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+                                       vocab_size=262144, sliding_window=1024, rms_norm_eps=1e-6,
+                                       final_logit_softcapping=30.0, use_double_wide_mlp=False,
+                                       attention_k_eq_v=True, enable_moe_block=False, tie_word_embeddings=True,
+                                       layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                                                    for i in range(48)], rope_parameters=GEMMA_ROPE)),
     "gemma4-26b-a4b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112,
                                            num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
                                            num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
@@ -104,9 +122,11 @@ def main():
     # mlx-lm's random initialization, in bfloat16.
     dtype = getattr(mx, a.dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if p.dtype == mx.float32 else p, model.parameters()))
-    mx.eval(model.parameters())
     if a.quantize:
         model, config = quantize_model(model, config, 64, a.quantize)
+        for layer in model.layers if hasattr(model, "layers") else []:
+            mx.eval(layer.parameters())
+    mx.eval(model.parameters())
     os.makedirs(a.out, exist_ok=True)
     save_model(a.out, model, donate_model=True)
     save_config(config, os.path.join(a.out, "config.json"))
