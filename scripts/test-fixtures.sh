@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what the parity tests compare against, in a cache (nothing goes into git):
 #   $HOST_CACHE_DIR/oracle/            virtualenv with the pinned mlx-lm oracle
-#   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest, jsonschema
+#   $HOST_CACHE_DIR/e2e/               virtualenv with the official openai and anthropic SDKs, pytest, jsonschema, playwright
 #   $HOST_CACHE_DIR/zig-0.14.1/        Zig from PyPI (ziglang), for the Zig example plugin
 #   $HOST_CACHE_DIR/assemblyscript-0.28.20/  AssemblyScript from npm, for its example plugin
 #   $HOST_CACHE_DIR/test-models/       smollm2-f32, tiny-{llama,qwen2,qwen3,llama3,gemma3,qwen3-moe,qwen2-moe,gpt-oss,
@@ -72,6 +72,11 @@ if ! "$E2E/bin/python" -c 'import openai, anthropic, pytest, httpx, jsonschema' 
   "$PY" -m venv "$E2E"
   "$E2E/bin/pip" install --quiet --disable-pip-version-check \
     'openai==3.51.0' 'anthropic==2.10.0' 'pytest==9.2.0' 'httpx==0.28.1' 'jsonschema==4.26.0' >&2
+fi
+# Playwright's Python client drives Debian's Chromium in the web page's tests (its own browser
+# builds are not used: it is pointed at /usr/bin/chromium).
+if ! "$E2E/bin/python" -c 'import sys; from importlib.metadata import version; sys.exit(version("playwright") != "1.65.2")' 2>/dev/null; then
+  "$E2E/bin/pip" install --quiet --disable-pip-version-check 'playwright==1.65.2' >&2
 fi
 # pytest-xdist: the end-to-end tests run in two worker processes (scripts/test.sh).
 if ! "$E2E/bin/python" -c 'import sys, xdist; sys.exit(xdist.__version__ != "3.8.0")' 2>/dev/null; then

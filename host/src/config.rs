@@ -86,6 +86,8 @@ pub struct ServeConfig {
     /// adapter's lazy grammar, from the call's opening to its end), not only forced calls and
     /// `strict: true` tools' calls. Default: false.
     pub constrain_tool_calls: bool,
+    /// Serve the built-in web page (chat and plugin console) at `/` to browsers. Default: true.
+    pub ui: bool,
     /// The reasoning-parser plugin that splits a thinking model's reasoning from its answer
     /// on chat routes (e.g. "think"); "none" leaves the thinking in the text. Default:
     /// chosen from the model's chat template (`<think>` or `[THINK]`: think).
@@ -146,6 +148,7 @@ impl Default for ServeConfig {
             draft_candidates: None,
             tool_adapter: None,
             constrain_tool_calls: false,
+            ui: true,
             reasoning_parser: None,
             scheduler: "fcfs".into(),
             scheduler_config: None,
@@ -259,6 +262,9 @@ pub struct ServeArgs {
     /// calls and `strict: true` tools' calls).
     #[arg(long)]
     pub constrain_tool_calls: bool,
+    /// Serve no web page: `GET /` answers JSON to browsers too (`ui = false` in host.toml).
+    #[arg(long)]
+    pub no_ui: bool,
     /// The reasoning parser for chat replies (default: chosen from the chat template;
     /// "none" leaves the model's thinking in the text).
     #[arg(long)]
@@ -359,6 +365,9 @@ impl ServeConfig {
         }
         if args.constrain_tool_calls {
             config.constrain_tool_calls = true;
+        }
+        if args.no_ui {
+            config.ui = false;
         }
         config.allowed_hosts.extend(args.allowed_hosts.iter().cloned());
         config.cors_origins.extend(args.cors_origins.iter().cloned());

@@ -81,6 +81,8 @@ pub struct PluginStatus {
     pub error: Option<String>,
     pub calls: u64,
     pub faults: u64,
+    /// Seconds of quarantine left (state "quarantined").
+    pub quarantine_s: Option<u64>,
 }
 
 /// Loaded plugins by name, and the files that failed to load with their reasons. A plugin
@@ -332,6 +334,7 @@ impl PluginRegistry {
                     None if state == "ready" && !p.healthy() => "unhealthy",
                     None => state,
                 },
+                quarantine_s: quarantine.as_ref().map(|q| q.retry_after.as_secs_f64().ceil() as u64),
                 error: quarantine.map(|q| q.message).or_else(|| p.last_fault().filter(|_| !p.healthy())),
                 calls: p.calls.load(Ordering::Relaxed),
                 faults: p.faults.load(Ordering::Relaxed),
@@ -353,6 +356,7 @@ impl PluginRegistry {
                 error: Some(refusal.error.clone()),
                 calls: 0,
                 faults: 0,
+                quarantine_s: None,
             });
         }
         out

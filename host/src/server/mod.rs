@@ -16,6 +16,7 @@ pub mod state;
 mod store;
 mod tokens;
 pub mod turn;
+mod ui;
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::engine::handle::{Engine, EngineConfig};
@@ -109,6 +110,8 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         responses: Default::default(),
         grammars: Arc::new(crate::structured::Grammars::new(engine_tokenizer, engine_vocab, engine_eos)),
         constrain_tool_calls: config.constrain_tool_calls,
+        ui: config.ui,
+        memory_budget: budget,
     })
 }
 
@@ -269,6 +272,9 @@ fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<En
             );
         }
         eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
+        if state.ui {
+            eprintln!("host: web page (chat and plugin console) at http://{local}/");
+        }
         let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
         let limits = Limits {
             header_timeout: std::time::Duration::from_secs(config.header_timeout_secs.max(1)),

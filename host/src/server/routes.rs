@@ -31,6 +31,9 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/messages", post(super::messages::messages))
         .route("/v1/messages/count_tokens", post(super::messages::count_tokens))
         .route("/v1/plugins", get(list_plugins))
+        .route("/v1/plugins/events", get(plugin_events))
+        .route("/ui/{file}", get(super::ui::asset))
+        .route("/favicon.ico", get(super::ui::favicon))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn(super::guard::json_body))
@@ -158,7 +161,12 @@ async fn observe(State(state): State<Shared>, req: Request, next: Next) -> Respo
 /// With an API key configured, every route but `/health` needs it.
 async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, next: Next) -> Response {
     let Some(key) = state.api_key.as_deref() else { return next.run(req).await };
-    if req.uri().path() == "/health" {
+    // The page and its files carry no secret: they load without the key and ask for it.
+    let path = req.uri().path();
+    if path == "/health"
+        || super::ui::is_page_file(&state, path)
+        || (path == "/" && super::ui::wants_page(&state, &headers))
+    {
         return next.run(req).await;
     }
     // The scheme is case-insensitive (RFC 7235): `Bearer`, `bearer`.
@@ -188,11 +196,16 @@ async fn method_not_allowed(req: Request) -> ApiError {
         .with_code("method_not_allowed")
 }
 
-/// `GET /` (and `HEAD /`, which clients such as Claude Code probe on start): what this is.
-async fn root(State(state): State<Shared>) -> Json<Value> {
+/// `GET /` (and `HEAD /`, which clients such as Claude Code probe on start): the web page to
+/// a browser (`server::ui`), else what this is.
+async fn root(State(state): State<Shared>, headers: HeaderMap) -> Response {
+    if super::ui::wants_page(&state, &headers) {
+        return super::ui::index();
+    }
     Json(
         json!({"service": "host", "model": state.model_id, "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]}),
     )
+    .into_response()
 }
 
 async fn health(State(state): State<Shared>) -> Json<Value> {
@@ -208,10 +221,45 @@ async fn list_plugins(State(state): State<Shared>) -> Json<Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
+/// How often `/v1/plugins/events` looks at the registry.
+const PLUGIN_EVENTS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// `GET /v1/plugins/events`: server-sent events of the plugin list. A `plugins` event (the
+/// data is `GET /v1/plugins`'s body) comes at once and again whenever anything in the list
+/// changes — a file loaded, replaced, refused or removed, a fault, a quarantine starting or
+/// ending, a call counted — at most every 250 ms. The registry is looked at on that tick
+/// rather than told to every listener: its changes come from the watcher thread, the engine
+/// thread (calls, faults) and the clock (a quarantine ends), and a snapshot compared with the
+/// last one sees them all.
+async fn plugin_events(State(state): State<Shared>) -> impl IntoResponse {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let mut last = String::new();
+    let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(PLUGIN_EVENTS_EVERY));
+    let events = ticks.filter_map(move |_| {
+        let data = state.plugins.as_ref().map(|r| r.status()).unwrap_or_default();
+        let text = serde_json::to_string(&json!({"object": "list", "data": data})).ok()?;
+        if text == last {
+            return None;
+        }
+        last = text.clone();
+        Some(Ok::<_, std::convert::Infallible>(Event::default().event("plugins").data(text)))
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+/// `GET /v1/models`: the one model, with what the page's console shows of it.
 async fn models(State(state): State<Shared>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created, "owned_by": "host", "max_model_len": state.max_sequence_tokens}]}),
-    )
+    let info = &state.engine.info;
+    Json(json!({"object": "list", "data": [{
+        "id": state.model_id, "object": "model", "created": state.created, "owned_by": "host",
+        "max_model_len": state.max_sequence_tokens,
+        "model_type": info.model_type,
+        "context_length": state.context_tokens,
+        "device": state.engine.device.to_string(),
+        "quantization": super::ui::quantization(&info.source),
+        "weight_bytes": info.weight_bytes,
+        "memory_budget_bytes": state.memory_budget,
+    }]}))
 }
 
 #[cfg(test)]
@@ -314,6 +362,37 @@ mod tests {
             v["usage"]["total_tokens"].as_u64().unwrap()
         );
         assert_eq!(v["object"], "chat.completion");
+    }
+
+    /// A browser gets the page at `/` (with its CSP) and its files, without the API key, which
+    /// every API route still needs; other clients keep the JSON root; `--no-ui` turns it off.
+    #[tokio::test]
+    async fn a_browser_gets_the_page_and_its_files_without_the_key_and_nothing_else() {
+        async fn get(router: Router, path: &str, accept: &str) -> (u16, String, Option<String>) {
+            let req = Request::builder().uri(path).header("host", "127.0.0.1").header("accept", accept);
+            let response = router.oneshot(req.body(Body::empty()).unwrap()).await.unwrap();
+            let csp = response.headers().get("content-security-policy").map(|v| v.to_str().unwrap().to_string());
+            let status = response.status().as_u16();
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&bytes).into_owned(), csp)
+        }
+        let html = "text/html,application/xhtml+xml;q=0.9,*/*;q=0.8";
+        let (status, body, csp) = get(router(Some("k")), "/", html).await;
+        assert_eq!(status, 200);
+        assert!(body.starts_with("<!doctype html>") && csp.unwrap().contains("script-src 'self'"));
+        let (status, body, _) = get(router(Some("k")), "/ui/app.js", "*/*").await;
+        assert!(status == 200 && body.contains("import"), "{status}");
+        assert_eq!(get(router(Some("k")), "/", "application/json").await.0, 401);
+        assert_eq!(get(router(Some("k")), "/v1/models", html).await.0, 401);
+        assert_eq!(get(router(Some("k")), "/ui/../v1/models", "*/*").await.0, 401);
+        assert_eq!(get(router(None), "/ui/nothing.js", "*/*").await.0, 404);
+        let (status, body, _) = get(router(None), "/", "application/json").await;
+        assert!(status == 200 && body.contains("\"service\":\"host\""), "{body}");
+        let config = ServeConfig { ui: false, ..Default::default() };
+        let no_ui = app(crate::server::state(&config, engine(), None));
+        let (_, body, csp) = get(no_ui.clone(), "/", html).await;
+        assert!(body.contains("\"service\":\"host\"") && csp.is_none());
+        assert_eq!(get(no_ui, "/ui/app.js", "*/*").await.0, 404);
     }
 
     /// Sends a request; returns the status and the raw body.

@@ -43,6 +43,10 @@ pub struct AppState {
     /// Every call the model starts is held to its tool's schema (`constrain_tool_calls`),
     /// not only `strict: true` tools' calls.
     pub constrain_tool_calls: bool,
+    /// The built-in web page is served at `/` (`server::ui`).
+    pub ui: bool,
+    /// The memory budget in bytes (model and KV caches), as the console shows it.
+    pub memory_budget: u64,
 }
 
 pub type Shared = Arc<AppState>;
