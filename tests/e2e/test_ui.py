@@ -84,7 +84,10 @@ def settings(page, **values):
     if page.is_hidden("#settings"):
         page.click("#toggle-settings")
     for k, v in values.items():
-        page.fill(f"#{k}", str(v))
+        if k == "sampler":
+            page.select_option("#sampler", v)
+        else:
+            page.fill(f"#{k}", str(v))
 
 
 def metric(http, name):
@@ -153,7 +156,7 @@ def test_the_sampler_picked_in_the_page_is_used_and_stop_ends_the_servers_work(b
             assert time.time() < deadline, "the stopped request still runs on the server"
             time.sleep(0.1)
         assert plugin(http, "scripted")["calls"] > calls
-        assert re.fullmatch(r"(\s*Paris\.)+", page.inner_text(".message.assistant .content"))
+        assert re.fullmatch(r"(\s*Paris\.)*\s*Paris\.?", page.inner_text(".message.assistant .content"))
     finally:
         view.close()
         http.close()
@@ -216,3 +219,48 @@ def test_with_an_api_key_the_page_asks_for_it_and_the_api_still_refuses_without(
         if view:
             view.close()
         s.stop()
+
+
+def test_edit_and_regenerate_export_and_import_and_a_reply_is_escaped(browser, server, tmp_path):
+    view = Page(browser, server.url + "/")
+    try:
+        page = view.ready()
+        page.on("dialog", lambda d: d.accept())
+        page.click("#new-chat")
+        settings(page, temperature=0, max_tokens=8, sampler="")
+        page.fill("#input", "Say one word.")
+        page.click("#send")
+        page.wait_for_selector(".message.assistant[data-state=done]", timeout=60000)
+        # Edit the question: the reply after it is replaced by a new one.
+        page.click(".message.user .edit")
+        page.fill(".message.user .edit-text", "What is the capital of France?")
+        page.click(".message.user .save-edit")
+        page.wait_for_selector(".message.assistant[data-state=done]", timeout=60000)
+        assert page.locator(".message").count() == 2
+        assert page.inner_text(".message.user .content") == "What is the capital of France?"
+        page.click("#title")
+        page.fill("#title", "France")
+        page.press("#title", "Enter")
+        page.wait_for_selector("#conversations .conversation.active:text-is('France')")
+        # Export, delete, import: the conversation comes back.
+        with page.expect_download() as download:
+            page.click("#export")
+        saved = tmp_path / "conversations.json"
+        download.value.save_as(saved)
+        count = page.locator("#conversations li").count()
+        page.click("#delete-chat")
+        page.wait_for_selector("#conversations .conversation:text-is('France')", state="detached")
+        page.set_input_files("#import", str(saved))
+        page.wait_for_selector("#conversations .conversation:text-is('France')")
+        assert page.locator("#conversations li").count() >= count
+        # Model text is escaped before any tag is made: markup in a reply stays text.
+        html = page.evaluate("""async () => {
+            const md = await import('/ui/markdown.js');
+            return md.render('<img src=x onerror=alert(1)> **bold** [x](javascript:alert(1))\\n```js\\nlet a = "<b>";\\n```');
+        }""")
+        assert "<img" not in html and "&lt;img" in html and "<strong>bold</strong>" in html, html
+        assert "javascript:" not in html.replace("[x](javascript:alert(1))", ""), html
+        assert 'href="javascript' not in html and "&lt;b&gt;" in html
+        assert view.errors == [], view.errors
+    finally:
+        view.close()
