@@ -232,12 +232,24 @@ function requestBody() {
   num("min_p");
   num("max_tokens", true);
   num("seed", true);
-  if (s.sampler || s.stop.length) {
+  const constraintPlugin = s.constraintKind.startsWith("plugin:") ? s.constraintKind.slice(7) : "";
+  if (s.sampler || s.stop.length || constraintPlugin) {
     body.plugins = {};
     if (s.sampler) body.plugins.sampler = { name: s.sampler };
     if (s.stop.length) body.plugins.stop = s.stop.map((name) => ({ name }));
   }
-  if (s.constraintKind && s.constraint.trim()) {
+  if (constraintPlugin) {
+    // A constraint plugin loaded in the server; the text, when given, is its config (JSON).
+    const ref = { name: constraintPlugin };
+    if (s.constraint.trim()) {
+      try {
+        ref.config = JSON.parse(s.constraint);
+      } catch (e) {
+        throw new Error(`the config of constraint plugin ${constraintPlugin} does not parse as JSON: ${e.message}`);
+      }
+    }
+    body.plugins.constraint = ref;
+  } else if (s.constraintKind && s.constraint.trim()) {
     if (s.constraintKind === "json_schema") {
       let schema;
       try {
@@ -367,7 +379,14 @@ function renderSettings() {
     label.append(input, " " + p.name);
     box.append(label);
   }
-  $("constraint-kind").value = s.constraintKind;
+  const kind = $("constraint-kind");
+  kind.querySelectorAll("option[data-plugin]").forEach((o) => o.remove());
+  for (const p of plugins.filter((p) => p.kinds.includes("constraint") && p.state !== "refused" && p.state !== "overridden")) {
+    const o = new Option(`plugin: ${p.name} (config as JSON)`, "plugin:" + p.name);
+    o.dataset.plugin = p.name;
+    kind.append(o);
+  }
+  kind.value = s.constraintKind;
   $("constraint").value = s.constraint;
   $("constraint").hidden = !s.constraintKind;
 }

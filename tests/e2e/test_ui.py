@@ -253,6 +253,14 @@ def test_edit_and_regenerate_export_and_import_and_a_reply_is_escaped(browser, s
         page.set_input_files("#import", str(saved))
         page.wait_for_selector("#conversations .conversation:text-is('France')")
         assert page.locator("#conversations li").count() >= count
+        # A constraint chosen in the settings holds the reply.
+        page.click("#new-chat")
+        page.select_option("#constraint-kind", "regex")
+        page.fill("#constraint", "[0-9]{3}")
+        page.fill("#input", "Pick a number.")
+        page.click("#send")
+        page.wait_for_selector(".message.assistant[data-state=done]", timeout=60000)
+        assert re.fullmatch(r"[0-9]{3}", page.inner_text(".message.assistant .content").strip())
         # Model text is escaped before any tag is made: markup in a reply stays text.
         html = page.evaluate("""async () => {
             const md = await import('/ui/markdown.js');
