@@ -63,7 +63,8 @@ fn json_rest(name: Option<&str>, tools: &[Value], mid: &str, close: &str) -> Opt
 /// The grammar of the rest of a forced call in a keyword format (Gemma's Python calls): the tool's properties in its schema's order, each required
 /// one always and each optional one at most once, as `item(key, rule)` writes one (`rule`
 /// names the value's rule, made by `value(property schema)`), separated by `sep`, then
-/// `close` and the end of the reply. A call to `name` starts at its first argument; a call to
+/// `close` (a grammar fragment: a quoted literal, or special tokens as `<name>`) and the end
+/// of the reply. A call to `name` starts at its first argument; a call to
 /// any function starts where `any_head(name)` (the name as the format writes it) does.
 /// `None` when `name` is not among the tools.
 fn keyword_rest(
@@ -102,7 +103,7 @@ fn keyword_rest(
             .map(|r| r.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let head = if name.is_some() { String::new() } else { format!("{} ", lit(&any_head(tool))) };
-        out.push_str(&format!("call_{i}: {head}first_{i}_0 {}\n", lit(close)));
+        out.push_str(&format!("call_{i}: {head}first_{i}_0 {close}\n"));
         let n = props.len();
         // first_{i}_k: nothing written yet from property k on; rest_{i}_k: something was.
         for (k, (key, prop)) in props.iter().enumerate() {
@@ -283,7 +284,7 @@ impl<F: Fn(&str) -> String> XmlTags<F> {
         let texts = std::cell::RefCell::new(std::collections::BTreeSet::new());
         let item = |key: &str, rule: &str| format!("{} {rule}", Value::String((self.open)(key)));
         let value = |prop: &Value| tag_value(prop, self.close, &mut texts.borrow_mut());
-        let mut out = keyword_rest(name, tools, any_head, item, value, "", end)?;
+        let mut out = keyword_rest(name, tools, any_head, item, value, "", &Value::String(end.into()).to_string())?;
         let (close, lost) = (self.close, self.lost);
         for (min, max) in texts.into_inner() {
             let max = max.map(|m| m.to_string()).unwrap_or_default();
@@ -611,7 +612,7 @@ impl Format for Gemma {
     /// Keyword arguments with JSON values (Python reads them; `Py` reads `true`/`null` too).
     fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
         let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("{key}=")));
-        keyword_rest(name, tools, |n| format!("{n}("), item, json_value, ", ", ")\n```")
+        keyword_rest(name, tools, |n| format!("{n}("), item, json_value, ", ", r#"")\n```""#)
     }
     fn trigger(&self) -> Option<&'static str> {
         Some("```tool_code")
@@ -686,6 +687,19 @@ impl Format for Gemma4 {
     fn force(&self, name: Option<&str>) -> Option<String> {
         Some(format!("<|tool_call>call:{}", name.map(|n| format!("{n}{{")).unwrap_or_default()))
     }
+    /// `key:value` in the schema's order, values as [`gemma4_value`] holds them; the quote
+    /// and the closing marker are special tokens, written as llguidance's `<name>`, so only
+    /// those tokens (never their text spelled out) match them.
+    fn grammar(&self, name: Option<&str>, tools: &[Value]) -> Option<String> {
+        let item = |key: &str, rule: &str| format!("{} {rule}", Value::String(format!("{key}:")));
+        let close = format!("\"}}\" {GEMMA4_CLOSE}");
+        let mut out = keyword_rest(name, tools, |n| format!("{n}{{"), item, gemma4_value, ",", &close)?;
+        out.push_str(&gemma4_rules());
+        Some(out)
+    }
+    fn trigger(&self) -> Option<&'static str> {
+        Some("<|tool_call>")
+    }
     fn write(&self, calls: &[Call]) -> Option<String> {
         let calls: Vec<String> = calls
             .iter()
@@ -734,6 +748,63 @@ impl Format for Gemma4 {
         }
         Ok(calls)
     }
+}
+
+const GEMMA4_CLOSE: &str = "<tool_call|>";
+
+/// A property's value as Gemma 4 writes it, held to the property's schema where the syntax
+/// lets a grammar say it: strings (an `enum`'s as alternatives) between quote tokens,
+/// integers, numbers, booleans, `null`, arrays of their `items`; an object, or a property
+/// without a type, takes any value.
+fn gemma4_value(prop: &Value) -> String {
+    let lit = |s: &str| Value::String(s.to_string()).to_string();
+    if let Some(options) = prop.get("enum").and_then(Value::as_array) {
+        let alts: Vec<String> = options
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => format!("{GEMMA4_QUOTE} {} {GEMMA4_QUOTE}", lit(s)),
+                other => lit(&other.to_string()),
+            })
+            .collect();
+        if !alts.is_empty() {
+            return format!("({})", alts.join(" | "));
+        }
+    }
+    let one = |t: &str| match t {
+        "string" => "g4_string".to_string(),
+        "integer" => "g4_integer".to_string(),
+        "number" => "g4_number".to_string(),
+        "boolean" => r#"("true" | "false")"#.to_string(),
+        "null" => r#""null""#.to_string(),
+        "array" => {
+            let item = prop.get("items").map(gemma4_value).unwrap_or_else(|| "g4_any".into());
+            format!(r#"("[" ({item} ("," {item})*)? "]")"#)
+        }
+        "object" => "g4_object".to_string(),
+        _ => "g4_any".to_string(),
+    };
+    match prop.get("type") {
+        Some(Value::String(t)) => one(t),
+        Some(Value::Array(types)) if !types.is_empty() => {
+            format!("({})", types.iter().filter_map(Value::as_str).map(one).collect::<Vec<_>>().join(" | "))
+        }
+        _ => "g4_any".into(),
+    }
+}
+
+/// The rules [`gemma4_value`] names: a string is any text between two quote tokens (the quote
+/// is a token of its own, so text cannot end it), keys are bare words.
+fn gemma4_rules() -> String {
+    let q = GEMMA4_QUOTE;
+    format!(
+        "g4_string: {q} G4_TEXT {q}\n\
+         G4_TEXT: /(?s:.)*/\n\
+         g4_integer: /-?(0|[1-9][0-9]*)/\n\
+         g4_number: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/\n\
+         g4_any: g4_string | g4_number | \"true\" | \"false\" | \"null\" | \"[\" (g4_any (\",\" g4_any)*)? \"]\" | g4_object\n\
+         g4_object: \"{{\" (g4_key \":\" g4_any (\",\" g4_key \":\" g4_any)*)? \"}}\"\n\
+         g4_key: /[A-Za-z_][A-Za-z0-9_]*/\n"
+    )
 }
 
 /// A value as Gemma 4's template writes an argument (`format_argument`).
@@ -1530,24 +1601,85 @@ mod tests {
         }
         let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
         words.push(b"\xff<end>".to_vec());
-        let env: TokEnv = std::sync::Arc::new(Bytes(TokTrie::from(&TokRxInfo::new(257, 256), &words)));
+        // Gemma 4's special tokens (257...).
+        words.extend(GEMMA4_SPECIAL.iter().map(|t| [b"\xff".as_slice(), t.as_bytes()].concat()));
+        let n = words.len() as u32;
+        let env: TokEnv = std::sync::Arc::new(Bytes(TokTrie::from(&TokRxInfo::new(n, 256), &words)));
         let mut factory = llguidance::ParserFactory::new_simple(&env).unwrap();
         factory.quiet();
         let g = llguidance::api::TopLevelGrammar::from_lark(grammar.to_string());
         llguidance::Matcher::new(factory.create_parser(g))
     }
 
+    const GEMMA4_SPECIAL: [&str; 3] = ["<|\"|>", "<|tool_call>", "<tool_call|>"];
+
+    /// `text` as the byte vocabulary's tokens, Gemma 4's special tokens as their own ids.
+    fn byte_tokens(text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        'outer: while !rest.is_empty() {
+            for (i, t) in GEMMA4_SPECIAL.iter().enumerate() {
+                if let Some(after) = rest.strip_prefix(t) {
+                    out.push(257 + i as u32);
+                    rest = after;
+                    continue 'outer;
+                }
+            }
+            let c = rest.chars().next().unwrap();
+            out.extend(rest[..c.len_utf8()].bytes().map(u32::from));
+            rest = &rest[c.len_utf8()..];
+        }
+        out
+    }
+
     /// Whether the grammar takes `text` whole and then allows the end.
     fn takes(grammar: &str, text: &str) -> bool {
         let mut m = byte_matcher(grammar);
-        for (i, b) in text.bytes().enumerate() {
-            let allowed = m.compute_mask().map(|mask| mask.is_allowed(b as u32));
-            if !matches!(allowed, Ok(true)) || m.consume_token(b as u32).is_err() {
-                eprintln!("refused at byte {i} of {text:?}: {allowed:?}");
+        for (i, t) in byte_tokens(text).into_iter().enumerate() {
+            let allowed = m.compute_mask().map(|mask| mask.is_allowed(t));
+            if !matches!(allowed, Ok(true)) || m.consume_token(t).is_err() {
+                eprintln!("refused at token {i} of {text:?}: {allowed:?}");
                 return false;
             }
         }
         m.is_stopped() || m.compute_mask().is_ok_and(|mask| mask.is_allowed(256))
+    }
+
+    /// Gemma 4's forced calls: arguments in the schema's order as its template writes them,
+    /// strings only between quote *tokens* (the quote's text spelled out is refused), the
+    /// closing marker a token too; a call to any tool starts at its name.
+    #[test]
+    fn gemma4_calls_hold_to_the_tools_schema_with_its_special_tokens() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+                           "tags": {"type": "array", "items": {"type": "string"}}, "extra": {"type": "object"}},
+            "required": ["city"]}}}),
+            json!({"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}),
+        ];
+        let named = Gemma4.grammar(Some("get_weather"), &tools).unwrap();
+        let q = GEMMA4_QUOTE;
+        let call = format!("city:{q}Paris, {{France}}{q},days:3,unit:{q}c{q},tags:[{q}a{q},{q}b{q}],extra:{{k:[1,{q}x{q}]}}}}<tool_call|>");
+        assert!(takes(&named, &call), "{named}");
+        assert!(takes(&named, &format!("city:{q}Oslo{q}}}<tool_call|>")));
+        assert!(!takes(&named, "days:3}<tool_call|>"), "the required city is missing");
+        assert!(!takes(&named, &format!("city:{q}Oslo{q},days:3.5}}<tool_call|>")), "days is an integer");
+        assert!(!takes(&named, &format!("city:{q}Oslo{q},unit:{q}k{q}}}<tool_call|>")), "unit is c or f");
+        // The quote's text spelled out in bytes is not the quote token.
+        let mut m = byte_matcher(&named);
+        for t in byte_tokens("city:") {
+            m.consume_token(t).unwrap();
+        }
+        assert!(!m.compute_mask().unwrap().is_allowed(u32::from(b'<')), "a quote as text");
+        assert!(!takes(&named, &format!("city:{q}Oslo{q}}}")), "the call must close");
+        let any = Gemma4.grammar(None, &tools).unwrap();
+        assert!(takes(&any, "now{}<tool_call|>"), "{any}");
+        assert!(takes(&any, &format!("get_weather{{city:{q}Rome{q}}}<tool_call|>")));
+        assert!(!takes(&any, "later{}<tool_call|>"));
+        assert_eq!(Gemma4.grammar(Some("nope"), &tools), None);
+        // The lazy grammar (a call the model starts itself) begins after the opening token.
+        let lazy = crate::Adapter::<Gemma4>::default().lazy_grammar(&tools).unwrap();
+        assert!(takes(&lazy, "call:now{}<tool_call|>"), "{lazy}");
     }
 
     #[test]
