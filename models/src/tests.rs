@@ -622,6 +622,151 @@ fn a_gguf_file_loads_as_the_same_model_as_its_folder() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// llama.cpp's `_reorder_v_heads`: value heads from grouped by key head to tiled, along `axis`.
+fn llama_cpp_tiled(a: &Array, axis: usize, k: i32, r: i32) -> Array {
+    let shape: Vec<i32> = a.shape().iter().map(|&d| d as i32).collect();
+    let mut split = shape[..axis].to_vec();
+    split.extend([k, r, shape[axis] / (k * r)]);
+    split.extend(&shape[axis + 1..]);
+    let mut perm: Vec<i32> = (0..split.len() as i32).collect();
+    perm.swap(axis, axis + 1);
+    a.reshape(&split).unwrap().transpose(&perm).unwrap().reshape(&shape).unwrap()
+}
+
+/// Writes the tiny Qwen3.5 of `testing::write_model(dir, "qwen3_5", seed)` as llama.cpp's
+/// converter writes a `qwen35` file (`conversion/qwen.py`): its tensor names, `-exp(A_log)`,
+/// `dt_bias` as `ssm_dt.bias`, the conv kernel squeezed, the value heads (4, over 2 key heads)
+/// reordered to tiled in every DeltaNet tensor, and a multi-token-prediction block after the
+/// last layer, which a loader must drop.
+fn write_tiny_qwen35_gguf(path: &Path, seed: u64) {
+    use mlx::io::GgufValue;
+    let weights = testing::weights_with_vocab("qwen3_5", seed, testing::BYTE_VOCAB).unwrap();
+    let (k, r, kd) = (2, 2, 16);
+    let qk = 2 * k * kd;
+    let tiled_rows = |a: &Array, from: i32| {
+        let rows = a.dim(0) as i32;
+        let v = llama_cpp_tiled(&a.slice_axis(0, from, rows).unwrap(), 0, k, r);
+        mlx::ops::concatenate(&[&a.slice_axis(0, 0, from).unwrap(), &v], 0).unwrap()
+    };
+    let mut tensors: Vec<(String, Array)> = Vec::new();
+    for (name, a) in &weights {
+        let g = |n: &str| n.to_string();
+        let (gname, a) = match name.as_str() {
+            "model.embed_tokens.weight" => (g("token_embd.weight"), a.clone()),
+            "model.norm.weight" => (g("output_norm.weight"), a.clone()),
+            _ => {
+                let rest = name.strip_prefix("model.layers.").unwrap();
+                let (l, module) = rest.split_once('.').unwrap();
+                let kinds = [
+                    ("input_layernorm.weight", "attn_norm.weight"),
+                    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+                    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+                    ("mlp.up_proj.weight", "ffn_up.weight"),
+                    ("mlp.down_proj.weight", "ffn_down.weight"),
+                    ("self_attn.q_proj.weight", "attn_q.weight"),
+                    ("self_attn.k_proj.weight", "attn_k.weight"),
+                    ("self_attn.v_proj.weight", "attn_v.weight"),
+                    ("self_attn.o_proj.weight", "attn_output.weight"),
+                    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+                    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+                    ("linear_attn.in_proj_qkv.weight", "attn_qkv.weight"),
+                    ("linear_attn.in_proj_z.weight", "attn_gate.weight"),
+                    ("linear_attn.in_proj_a.weight", "ssm_alpha.weight"),
+                    ("linear_attn.in_proj_b.weight", "ssm_beta.weight"),
+                    ("linear_attn.conv1d.weight", "ssm_conv1d.weight"),
+                    ("linear_attn.A_log", "ssm_a"),
+                    ("linear_attn.dt_bias", "ssm_dt.bias"),
+                    ("linear_attn.norm.weight", "ssm_norm.weight"),
+                    ("linear_attn.out_proj.weight", "ssm_out.weight"),
+                ];
+                let kind = kinds.iter().find(|(h, _)| *h == module).unwrap_or_else(|| panic!("{name}")).1;
+                let a = match module {
+                    "linear_attn.in_proj_qkv.weight" => tiled_rows(a, qk),
+                    "linear_attn.in_proj_z.weight"
+                    | "linear_attn.in_proj_a.weight"
+                    | "linear_attn.in_proj_b.weight" => llama_cpp_tiled(a, 0, k, r),
+                    "linear_attn.conv1d.weight" => {
+                        tiled_rows(&a.reshape(&[a.dim(0) as i32, a.dim(1) as i32]).unwrap(), qk)
+                    }
+                    "linear_attn.A_log" => llama_cpp_tiled(&a.exp().unwrap().negative().unwrap(), 0, k, r),
+                    "linear_attn.dt_bias" => llama_cpp_tiled(a, 0, k, r),
+                    "linear_attn.out_proj.weight" => llama_cpp_tiled(a, 1, k, r),
+                    _ => a.clone(),
+                };
+                (format!("blk.{l}.{kind}"), a)
+            }
+        };
+        tensors.push((gname, a));
+    }
+    // The multi-token-prediction block (block 2 of 3).
+    let mtp = Array::from_f32(&vec![0.5; 64 * 128], &[64, 128]).unwrap();
+    tensors.push(("blk.2.nextn.eh_proj.weight".into(), mtp.clone()));
+    tensors.push(("blk.2.attn_norm.weight".into(), Array::from_f32(&[1.0; 64], &[64]).unwrap()));
+    let tok = testing::byte_tokenizer_json();
+    let vocab = tok["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    let types: Vec<i32> = (0..tokens.len()).map(|i| if i < 2 { 3 } else { 1 }).collect();
+    let u32s = |v: u32| GgufValue::Array(Array::from_u32(&[v], &[1]).unwrap());
+    let f32s = |v: f32| GgufValue::Array(Array::from_f32(&[v], &[1]).unwrap());
+    let meta = vec![
+        ("general.architecture", GgufValue::String("qwen35".into())),
+        ("qwen35.block_count", u32s(3)),
+        ("qwen35.nextn_predict_layers", u32s(1)),
+        ("qwen35.embedding_length", u32s(64)),
+        ("qwen35.feed_forward_length", u32s(128)),
+        ("qwen35.attention.head_count", u32s(4)),
+        ("qwen35.attention.head_count_kv", u32s(2)),
+        ("qwen35.attention.key_length", u32s(16)),
+        ("qwen35.attention.value_length", u32s(16)),
+        ("qwen35.attention.layer_norm_rms_epsilon", f32s(1e-5)),
+        ("qwen35.rope.freq_base", f32s(10000.0)),
+        ("qwen35.rope.dimension_count", u32s(4)),
+        ("qwen35.context_length", u32s(2048)),
+        ("qwen35.ssm.conv_kernel", u32s(4)),
+        ("qwen35.ssm.state_size", u32s(16)),
+        ("qwen35.ssm.group_count", u32s(2)),
+        ("qwen35.ssm.time_step_rank", u32s(4)),
+        ("qwen35.ssm.inner_size", u32s(64)),
+        ("qwen35.full_attention_interval", u32s(2)),
+        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", GgufValue::String("qwen35".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Strings(tokens)),
+        ("tokenizer.ggml.token_type", GgufValue::Array(Array::from_i32(&types, &[types.len()]).unwrap())),
+        ("tokenizer.ggml.merges", GgufValue::Strings(vec![])),
+        ("tokenizer.ggml.bos_token_id", u32s(0)),
+        ("tokenizer.ggml.eos_token_id", u32s(1)),
+        ("tokenizer.chat_template", GgufValue::String(testing::CHATML.into())),
+    ];
+    let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_gguf(path, &refs, &meta).unwrap();
+}
+
+/// A `qwen35` GGUF (as llama.cpp's converter lays one out; no converter runs here, so the
+/// file is written by the test from `conversion/qwen.py`'s transforms) loads as the same
+/// hybrid model as its folder: the value heads regrouped, `A_log` and `dt_bias` restored, the
+/// MTP block dropped.
+#[test]
+fn a_qwen35_gguf_file_loads_as_the_same_hybrid_model_as_its_folder() {
+    let dir = temp_dir("gguf-qwen35");
+    testing::write_model(&dir.join("folder"), "qwen3_5", 23).unwrap();
+    let folder = load(&dir.join("folder")).unwrap();
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 250 + 2).collect();
+    let want = last_logits(&folder, &ids);
+    let path = dir.join("tiny-qwen35.gguf");
+    write_tiny_qwen35_gguf(&path, 23);
+    let gguf =
+        crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
+    assert_eq!(gguf.info.model_type, "qwen3_5");
+    assert_eq!(gguf.info.n_layers, 2, "the MTP block is not a layer");
+    assert_eq!(gguf.info.recurrent_layers, 1);
+    let d = max_abs_diff(&want, &last_logits(&gguf, &ids));
+    assert!(d < 1e-4, "the qwen35 GGUF differs from the folder by {d}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn a_damaged_gguf_file_is_a_clear_error() {
     let dir = temp_dir("gguf-bad");

@@ -46,7 +46,19 @@ const GEMMA3_LAYER_MAP: &[(&str, &str)] = &[
 ];
 
 /// GGUF architectures and the `model_type` they load as.
-const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
+const ARCHS: &[(&str, &str)] = &[
+    ("llama", "llama"),
+    ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("gemma3", "gemma3_text"),
+    ("qwen35", "qwen3_5"),
+    ("qwen35moe", "qwen3_5_moe"),
+];
+
+/// Qwen3.5's hybrid architectures (`gguf_qwen35.rs`).
+fn is_qwen35(arch: &str) -> bool {
+    matches!(arch, "qwen35" | "qwen35moe")
+}
 
 /// GGUF tensor name (without `.weight`/`.bias`/`.scales`/`.biases`) to HF module name.
 fn hf_name(arch: &str, gguf: &str) -> Option<String> {
@@ -59,7 +71,15 @@ fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, kind) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let special = if arch == "gemma3" { GEMMA3_LAYER_MAP } else { &[] };
+    if is_qwen35(arch) && kind.starts_with("nextn.") {
+        // A multi-token-prediction block's own tensors (dropped with the block).
+        return Some(format!("model.layers.{layer}.{kind}"));
+    }
+    let special = match arch {
+        "gemma3" => GEMMA3_LAYER_MAP,
+        a if is_qwen35(a) => super::gguf_qwen35::LAYER_MAP,
+        _ => &[],
+    };
     let hf = special.iter().chain(LAYER_MAP).find(|(g, _)| *g == kind)?.1;
     Some(format!("model.layers.{layer}.{hf}"))
 }
@@ -140,7 +160,8 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         .string("general.architecture")
         .ok_or_else(|| head.err("missing metadata key \"general.architecture\"".into()))?;
     let model_type = ARCHS.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
-        head.err(format!("GGUF architecture {arch:?} is not supported; supported: llama, qwen2, qwen3, gemma3"))
+        let known: Vec<&str> = ARCHS.iter().map(|a| a.0).collect();
+        head.err(format!("GGUF architecture {arch:?} is not supported; supported: {}", known.join(", ")))
     })?;
     let file = read(path, &header, dequantize)?;
     let meta = Meta { map: &file.gguf, path };
@@ -164,6 +185,13 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     let mut stems: Vec<&String> =
         file.arrays.keys().filter(|k| k.ends_with(".weight") || k.ends_with(".bias")).collect();
     stems.sort();
+    if is_qwen35(arch) {
+        // A DeltaNet layer's `ssm_a` is a tensor without a suffix.
+        for (name, a) in file.arrays.iter().filter(|(k, _)| k.ends_with(".ssm_a")) {
+            let hf = hf_name(arch, name).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
+            tensors.insert(hf, if dequantize { a.astype(Dtype::Float32)? } else { a.clone() });
+        }
+    }
     for name in stems {
         let (stem, suffix) = name.rsplit_once('.').expect("filtered on a suffix");
         let hf = hf_name(arch, stem).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
@@ -217,11 +245,17 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
     let bos = meta.number("tokenizer.ggml.bos_token_id")?.map(|v| v as u32);
     let eos = meta.number("tokenizer.ggml.eos_token_id")?.map(|v| v as u32);
     let layers = meta.required(&key("block_count"))? as usize;
+    let ffn = match meta.number(&key("feed_forward_length"))? {
+        Some(n) => n as usize,
+        // A Qwen3.5 MoE's layers have experts only.
+        None if arch == "qwen35moe" => 0,
+        None => meta.required(&key("feed_forward_length"))? as usize,
+    };
     let mut config = json!({
         "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": meta.required(&key("feed_forward_length"))? as usize,
+        "intermediate_size": ffn,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
@@ -240,6 +274,21 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         // except in the 27B (62 layers), which scales by (hidden / heads)^-0.5.
         config["sliding_window"] = json!(meta.number(&key("attention.sliding_window"))?.map_or(512, |v| v as usize));
         config["query_pre_attn_scalar"] = json!(if layers == 62 { hidden / n_head } else { head_dim });
+    }
+    if is_qwen35(arch) {
+        let num = |k: &str| meta.number(&key(k));
+        let err = |m: String| meta.err(m);
+        let (c, shape) = super::gguf_qwen35::config(arch == "qwen35moe", config, &num, &err)?;
+        config = c;
+        super::gguf_qwen35::restore(&mut tensors, &shape).map_err(|e| meta.err(e.to_string()))?;
+        // Quantization overrides follow the tensors' names (a fused expert split in two).
+        for (hf, q) in overrides.clone() {
+            if let Some(stem) = hf.strip_suffix(".gate_up_proj") {
+                overrides.insert(format!("{stem}.gate_proj"), q.clone());
+                overrides.insert(format!("{stem}.up_proj"), q);
+            }
+        }
+        overrides.retain(|hf, _| tensors.contains_key(&format!("{hf}.weight")));
     }
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
     let tokenizer = if arch == "gemma3" {
@@ -266,11 +315,24 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
         Some("smollm" | "starcoder" | "refact") => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]}),
         Some("gpt2" | "default") | None => byte_level,
-        Some(other) => {
-            return Err(meta.err(format!(
-                "GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2"
-            )))
+        // Qwen's own split (its tokenizer.json's), then bytes; Qwen3.5's counts combining
+        // marks (\p{M}) with letters.
+        Some(p @ ("qwen2" | "qwen35")) => {
+            let (letters, others) = if p == "qwen35" {
+                (r"[\p{L}\p{M}]+", r"[^\s\p{L}\p{M}\p{N}]+")
+            } else {
+                (r"\p{L}+", r"[^\s\p{L}\p{N}]+")
+            };
+            let pattern = format!(
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?{letters}|\p{{N}}| ?{others}[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            );
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
         }
+        Some(other) => return Err(meta.err(format!(
+            "GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2, qwen2, qwen35"
+        ))),
     };
     let added = added_tokens(meta, tokens)?;
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
