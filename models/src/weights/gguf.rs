@@ -284,7 +284,7 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         // Quantization overrides follow the tensors' names (a fused expert split in two).
         for (hf, q) in overrides.clone() {
             if let Some(stem) = hf.strip_suffix(".gate_up_proj") {
-                overrides.insert(format!("{stem}.gate_proj"), q.clone());
+                overrides.insert(format!("{stem}.gate_proj"), q);
                 overrides.insert(format!("{stem}.up_proj"), q);
             }
         }
