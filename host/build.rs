@@ -4,8 +4,14 @@
 //!
 //! On Linux, when the system has OpenBLAS (Debian: libopenblas0-pthread), link it as a
 //! direct dependency: its BLAS symbols then take precedence over the slow reference BLAS
-//! bundled with the mlx-cpu wheel (float32 matmul ~10x faster on a 2-core VM).
-//! `HOST_BLAS=bundled` keeps the wheel's BLAS; `HOST_BLAS=openblas` requires OpenBLAS.
+//! bundled with the mlx-cpu wheel (float32 matmul ~10x faster on a 2-core VM). Without it,
+//! OpenBLAS comes from PyPI (`scipy-openblas32`, self-contained, its symbols prefixed
+//! `scipy_`) into the same cache as the MLX wheel, and `blas/forward.c`, built into
+//! `libhost_blas.so` beside it, gives MLX's and the shim's `cblas_*` calls to it; if pip cannot
+//! fetch it, the wheel's reference BLAS stays (with a warning). The build reruns when the
+//! system library folder changes (OpenBLAS installed or removed). `HOST_BLAS=bundled` keeps
+//! the wheel's BLAS; `HOST_BLAS=openblas` requires the system's; `HOST_BLAS=pypi` takes
+//! PyPI's even beside the system's.
 //!
 //! Built-in plugins: every `cdylib` crate in `plugins/` is built for wasm32-unknown-unknown
 //! by a nested cargo (its own target folder, so it never waits on this build's lock) and
@@ -33,7 +39,12 @@ fn main() {
     }
     let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
     let candidates = [format!("/usr/lib/{arch}-linux-gnu"), "/usr/lib64".into(), "/usr/lib".into()];
+    for dir in candidates.iter().filter(|d| Path::new(d).is_dir()) {
+        // A library installed or removed there changes the folder: the choice is made again.
+        println!("cargo:rerun-if-changed={dir}");
+    }
     let found = candidates.iter().find(|d| Path::new(d).join("libopenblas.so.0").exists());
+    let found = found.filter(|_| choice != "pypi");
     match (found, choice.as_str()) {
         (Some(dir), _) => {
             println!("cargo:rerun-if-changed={dir}/libopenblas.so.0");
@@ -50,11 +61,90 @@ fn main() {
         (None, "openblas") => {
             panic!("HOST_BLAS=openblas but no libopenblas.so.0 found; apt-get install libopenblas0-pthread")
         }
-        (None, _) => {
-            println!("cargo:rustc-env=HOST_LINKED_BLAS=");
-            println!("cargo:warning=OpenBLAS not found: using the mlx-cpu wheel's slower bundled BLAS (apt-get install libopenblas0-pthread and rebuild for ~2x faster CPU decode)");
+        (None, _) => match pypi_openblas() {
+            Ok(lib) => {
+                let dir = lib.parent().expect("a file in a folder").display().to_string();
+                println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+                println!("cargo:rustc-link-arg=-L{dir}");
+                println!("cargo:rustc-link-arg=-l:libhost_blas.so");
+                println!("cargo:rustc-link-arg=-Wl,--as-needed");
+                println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+                println!("cargo:rustc-env=HOST_LINKED_BLAS={}", lib.display());
+            }
+            Err(e) if choice == "pypi" => panic!("HOST_BLAS=pypi: {e}"),
+            Err(e) => {
+                println!("cargo:rustc-env=HOST_LINKED_BLAS=");
+                println!("cargo:warning=no OpenBLAS ({e}): using the mlx-cpu wheel's slower bundled BLAS (apt-get install libopenblas0-pthread and rebuild for ~2x faster CPU decode)");
+            }
+        },
+    }
+}
+
+/// scipy-openblas32 from PyPI: the version the forwarders are written against.
+const SCIPY_OPENBLAS: &str = "0.3.34.481.3";
+
+/// `libhost_blas.so` (blas/forward.c over PyPI's OpenBLAS) in the host cache, fetched and
+/// built once; its path.
+fn pypi_openblas() -> Result<PathBuf, String> {
+    let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let source = manifest_dir.join("blas/forward.c");
+    println!("cargo:rerun-if-changed={}", source.display());
+    println!("cargo:rerun-if-env-changed=HOST_CACHE_DIR");
+    let cache = match std::env::var_os("HOST_CACHE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .ok_or("neither HOME nor XDG_CACHE_HOME is set")?
+            .join("host"),
+    };
+    let target = cache.join(format!("scipy-openblas32-{SCIPY_OPENBLAS}"));
+    let openblas = target.join("scipy_openblas32/lib/libscipy_openblas.so");
+    if !openblas.is_file() {
+        let tmp = cache.join(format!(".scipy-openblas32-{SCIPY_OPENBLAS}.tmp"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let status = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"])
+            .args(["--only-binary=:all:", "--target"])
+            .arg(&tmp)
+            .arg(format!("scipy-openblas32=={SCIPY_OPENBLAS}"))
+            .status()
+            .map_err(|e| format!("python3: {e}"))?;
+        if !status.success() {
+            return Err(format!("python3 -m pip install scipy-openblas32=={SCIPY_OPENBLAS} failed ({status})"));
+        }
+        let _ = std::fs::remove_dir_all(&target);
+        std::fs::rename(&tmp, &target).map_err(|e| format!("moving it into {}: {e}", target.display()))?;
+        if !openblas.is_file() {
+            return Err(format!("{} is missing after pip install", openblas.display()));
         }
     }
+    // Rebuilt when the forwarders change (the source's hash in the file name).
+    let text = std::fs::read(&source).map_err(|e| format!("{}: {e}", source.display()))?;
+    let hash = text.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+    let dir = target.join(format!("forward-{hash:016x}"));
+    let lib = dir.join("libhost_blas.so");
+    if lib.is_file() {
+        return Ok(lib);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let libdir = openblas.parent().expect("in a folder");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let tmp = dir.join("libhost_blas.so.tmp");
+    let status = Command::new(&cc)
+        .args(["-O2", "-shared", "-fPIC", "-o"])
+        .arg(&tmp)
+        .arg(&source)
+        .arg(format!("-L{}", libdir.display()))
+        .arg("-l:libscipy_openblas.so")
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .status()
+        .map_err(|e| format!("{cc}: {e}"))?;
+    if !status.success() {
+        return Err(format!("{cc} could not build {} ({status})", source.display()));
+    }
+    std::fs::rename(&tmp, &lib).map_err(|e| format!("{}: {e}", lib.display()))?;
+    Ok(lib)
 }
 
 /// Builds the plugin crates of `plugins/` to wasm and writes the table that embeds them.

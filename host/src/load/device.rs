@@ -42,3 +42,15 @@ pub fn select_device(choice: DeviceChoice) -> Result<Device> {
     device.set_default()?;
     Ok(device)
 }
+
+/// The BLAS the binary links for MLX's CPU products (chosen by build.rs), in words for the
+/// startup log.
+pub fn linked_blas() -> String {
+    match env!("HOST_LINKED_BLAS") {
+        "" => "the mlx-cpu wheel's reference BLAS (slow: install libopenblas0-pthread, or let the build fetch \
+               scipy-openblas32 from PyPI, and rebuild)"
+            .into(),
+        path if path.ends_with("libhost_blas.so") => format!("OpenBLAS from PyPI (scipy-openblas32, {path})"),
+        path => format!("OpenBLAS ({path})"),
+    }
+}

@@ -272,6 +272,9 @@ fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<En
             );
         }
         eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
+        if engine.device == mlx::Device::Cpu {
+            eprintln!("host: CPU BLAS: {}", crate::load::device::linked_blas());
+        }
         if state.ui {
             eprintln!("host: web page (chat and plugin console) at http://{local}/");
         }
