@@ -39,7 +39,7 @@ fn main() {
     }
     let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
     let candidates = [format!("/usr/lib/{arch}-linux-gnu"), "/usr/lib64".into(), "/usr/lib".into()];
-    for dir in candidates.iter().filter(|d| Path::new(d).is_dir()) {
+    if let Some(dir) = candidates.iter().find(|d| Path::new(d).is_dir()) {
         // A library installed or removed there changes the folder: the choice is made again.
         println!("cargo:rerun-if-changed={dir}");
     }
