@@ -112,6 +112,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         constrain_tool_calls: config.constrain_tool_calls,
         ui: config.ui,
         memory_budget: budget,
+        plugin_feed: Default::default(),
     })
 }
 

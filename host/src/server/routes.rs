@@ -216,35 +216,30 @@ async fn metrics(State(state): State<Shared>) -> impl IntoResponse {
     ([("content-type", "text/plain; version=0.0.4")], state.metrics.render(&state.engine.stats))
 }
 
-async fn list_plugins(State(state): State<Shared>) -> Json<Value> {
-    let data = state.plugins.as_ref().map(|r| r.status()).unwrap_or_default();
-    Json(json!({"object": "list", "data": data}))
+async fn list_plugins(State(state): State<Shared>) -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], state.plugin_list()).into_response()
 }
-
-/// How often `/v1/plugins/events` looks at the registry.
-const PLUGIN_EVENTS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// `GET /v1/plugins/events`: server-sent events of the plugin list. A `plugins` event (the
 /// data is `GET /v1/plugins`'s body) comes at once and again whenever anything in the list
-/// changes — a file loaded, replaced, refused or removed, a fault, a quarantine starting or
-/// ending, a call counted — at most every 250 ms. The registry is looked at on that tick
-/// rather than told to every listener: its changes come from the watcher thread, the engine
-/// thread (calls, faults) and the clock (a quarantine ends), and a snapshot compared with the
-/// last one sees them all.
+/// changes, at most every 250 ms (`AppState::plugin_feed`).
 async fn plugin_events(State(state): State<Shared>) -> impl IntoResponse {
     use axum::response::sse::{Event, KeepAlive, Sse};
-    let mut last = String::new();
-    let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(PLUGIN_EVENTS_EVERY));
-    let events = ticks.filter_map(move |_| {
-        let data = state.plugins.as_ref().map(|r| r.status()).unwrap_or_default();
-        let text = serde_json::to_string(&json!({"object": "list", "data": data})).ok()?;
-        if text == last {
-            return None;
+    let mut feed = state.plugin_feed();
+    let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(4);
+    tokio::spawn(async move {
+        loop {
+            let text = feed.borrow_and_update().clone();
+            if tx.send(Ok(Event::default().event("plugins").data(&*text))).await.is_err() {
+                return;
+            }
+            tokio::select! {
+                changed = feed.changed() => if changed.is_err() { return },
+                _ = tx.closed() => return,
+            }
         }
-        last = text.clone();
-        Some(Ok::<_, std::convert::Infallible>(Event::default().event("plugins").data(text)))
     });
-    Sse::new(events).keep_alive(KeepAlive::default())
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out)).keep_alive(KeepAlive::default())
 }
 
 /// `GET /v1/models`: the one model, with what the page's console shows of it.
@@ -393,6 +388,35 @@ mod tests {
         let (_, body, csp) = get(no_ui.clone(), "/", html).await;
         assert!(body.contains("\"service\":\"host\"") && csp.is_none());
         assert_eq!(get(no_ui, "/ui/app.js", "*/*").await.0, 404);
+    }
+
+    /// The plugin feed sends the list at once, and again (only) when it changes; many
+    /// subscribers share one look at the registry.
+    #[tokio::test]
+    async fn plugin_events_send_the_list_at_once_and_on_change() {
+        let registry = crate::plugins::PluginRegistry::new().unwrap();
+        let config = ServeConfig::default();
+        let state = crate::server::state(&config, engine(), Some(registry.clone()));
+        let req =
+            || Request::builder().uri("/v1/plugins/events").header("host", "127.0.0.1").body(Body::empty()).unwrap();
+        let response = app(state.clone()).oneshot(req()).await.unwrap();
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let mut body = response.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        let text = String::from_utf8_lossy(&first).into_owned();
+        assert!(text.starts_with("event: plugins\ndata: ") && text.contains("\"data\":[]"), "{text}");
+        // A file refused by the registry is a change: the next event lists it.
+        let dir = std::env::temp_dir().join(format!("host-feed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("broken.wasm"), b"not wasm").unwrap();
+        let _ = registry.load_file(&dir.join("broken.wasm"));
+        let next = tokio::time::timeout(std::time::Duration::from_secs(5), body.frame()).await.unwrap();
+        let text = String::from_utf8_lossy(&next.unwrap().unwrap().into_data().unwrap()).into_owned();
+        assert!(text.contains("\"state\":\"refused\"") && text.contains("broken"), "{text}");
+        // A second subscriber shares the feed.
+        let _second = app(state.clone()).oneshot(req()).await.unwrap();
+        assert!(state.plugin_feed.get().is_some());
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     /// Sends a request; returns the status and the raw body.

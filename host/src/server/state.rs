@@ -7,7 +7,8 @@ use super::store::Store;
 use crate::engine::handle::Engine;
 use crate::engine::SpecConfig;
 use crate::plugins::PluginRegistry;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use tokio::sync::watch;
 
 /// Everything handlers share.
 pub struct AppState {
@@ -47,6 +48,50 @@ pub struct AppState {
     pub ui: bool,
     /// The memory budget in bytes (model and KV caches), as the console shows it.
     pub memory_budget: u64,
+    /// `GET /v1/plugins`'s body, kept current for `/v1/plugins/events` (see `plugin_feed`).
+    pub plugin_feed: OnceLock<watch::Receiver<Arc<str>>>,
+}
+
+/// How often the plugin list is looked at for `/v1/plugins/events`.
+const PLUGIN_FEED_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+impl AppState {
+    /// The plugin list as JSON (`GET /v1/plugins`'s body).
+    pub fn plugin_list(&self) -> String {
+        let data = self.plugins.as_ref().map(|r| r.status()).unwrap_or_default();
+        serde_json::json!({"object": "list", "data": data}).to_string()
+    }
+
+    /// A receiver of the plugin list, changed whenever anything in it changes — a file loaded,
+    /// replaced, refused or removed, a fault, a quarantine starting or ending, a call counted.
+    /// One task (started by the first subscriber, inside the runtime) looks at the registry
+    /// every 250 ms and publishes a list that differs from the last: the changes come from the
+    /// watcher thread, the engine thread and the clock, and one snapshot compared with the last
+    /// sees them all, once for every subscriber.
+    pub fn plugin_feed(self: &Arc<Self>) -> watch::Receiver<Arc<str>> {
+        self.plugin_feed
+            .get_or_init(|| {
+                let (tx, rx) = watch::channel::<Arc<str>>(Arc::from(self.plugin_list()));
+                let state = Arc::downgrade(self);
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(PLUGIN_FEED_EVERY);
+                    loop {
+                        tick.tick().await;
+                        let Some(state) = state.upgrade() else { return };
+                        let now = state.plugin_list();
+                        tx.send_if_modified(|last| {
+                            let changed = **last != *now;
+                            if changed {
+                                *last = Arc::from(now);
+                            }
+                            changed
+                        });
+                    }
+                });
+                rx
+            })
+            .clone()
+    }
 }
 
 pub type Shared = Arc<AppState>;

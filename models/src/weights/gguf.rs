@@ -330,9 +330,11 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
                 {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
                 {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
         }
-        Some(other) => return Err(meta.err(format!(
+        Some(other) => {
+            return Err(meta.err(format!(
             "GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2, qwen2, qwen35"
-        ))),
+        )))
+        }
     };
     let added = added_tokens(meta, tokens)?;
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
