@@ -40,6 +40,16 @@ QWEN_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num
                                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 GEMMA_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
               "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+GEMMA = dict(model_type="gemma4_text", head_dim=256, global_head_dim=512, vocab_size=262144, rms_norm_eps=1e-6,
+             final_logit_softcapping=30.0, use_double_wide_mlp=False, tie_word_embeddings=True,
+             rope_parameters=GEMMA_ROPE)
+
+
+def gemma_layers(n):
+    """Gemma 4's layer pattern: one global layer in six."""
+    return ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
+
+
 SHAPES = {
     "qwen3.5-4b": ("qwen3_5", dict(QWEN_LINEAR, model_type="qwen3_5", hidden_size=2560, intermediate_size=9216,
                                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)),
@@ -56,34 +66,20 @@ SHAPES = {
                                             num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
                                             moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                             norm_topk_prob=True)),
-    "gemma4-e4b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=2560, intermediate_size=10240,
-                                       num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
-                                       head_dim=256, global_head_dim=512, num_kv_shared_layers=18,
+    "gemma4-e4b": ("gemma4_text", dict(GEMMA, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+                                       num_attention_heads=8, num_key_value_heads=2, num_kv_shared_layers=18,
                                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
-                                       vocab_size=262144, sliding_window=512, rms_norm_eps=1e-6,
-                                       final_logit_softcapping=30.0, use_double_wide_mlp=False,
-                                       attention_k_eq_v=False, enable_moe_block=False, tie_word_embeddings=True,
-                                       layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
-                                                    for i in range(42)], rope_parameters=GEMMA_ROPE)),
-    "gemma4-12b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=3840, intermediate_size=15360,
-                                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
-                                       num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
-                                       num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                                       vocab_size=262144, sliding_window=1024, rms_norm_eps=1e-6,
-                                       final_logit_softcapping=30.0, use_double_wide_mlp=False,
-                                       attention_k_eq_v=True, enable_moe_block=False, tie_word_embeddings=True,
-                                       layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
-                                                    for i in range(48)], rope_parameters=GEMMA_ROPE)),
-    "gemma4-26b-a4b": ("gemma4_text", dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112,
-                                           num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
-                                           num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
-                                           num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                                           vocab_size=262144, sliding_window=1024, rms_norm_eps=1e-6,
-                                           final_logit_softcapping=30.0, use_double_wide_mlp=False,
+                                       sliding_window=512, attention_k_eq_v=False, enable_moe_block=False,
+                                       layer_types=gemma_layers(42))),
+    "gemma4-12b": ("gemma4_text", dict(GEMMA, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                       num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=4,
+                                       num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window=1024,
+                                       attention_k_eq_v=True, enable_moe_block=False, layer_types=gemma_layers(48))),
+    "gemma4-26b-a4b": ("gemma4_text", dict(GEMMA, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                                           num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                                           num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window=1024,
                                            attention_k_eq_v=True, enable_moe_block=True, num_experts=128,
-                                           top_k_experts=8, moe_intermediate_size=704, tie_word_embeddings=True,
-                                           layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
-                                                        for i in range(30)], rope_parameters=GEMMA_ROPE)),
+                                           top_k_experts=8, moe_intermediate_size=704, layer_types=gemma_layers(30))),
 }
 
 

@@ -538,6 +538,37 @@ fn gguf_name(hf: &str) -> String {
     format!("blk.{layer}.{g}.{suffix}")
 }
 
+/// GGUF metadata values as MLX's writer takes them, and the byte vocabulary's tokenizer keys.
+fn gguf_u32(v: u32) -> mlx::io::GgufValue {
+    mlx::io::GgufValue::Array(Array::from_u32(&[v], &[1]).unwrap())
+}
+
+fn gguf_f32(v: f32) -> mlx::io::GgufValue {
+    mlx::io::GgufValue::Array(Array::from_f32(&[v], &[1]).unwrap())
+}
+
+/// `testing::byte_tokenizer_json()` as a GGUF's `tokenizer.*` keys (`pre`: its pre-tokenizer).
+fn byte_vocab_meta(pre: &str) -> Vec<(&'static str, mlx::io::GgufValue)> {
+    use mlx::io::GgufValue;
+    let tok = testing::byte_tokenizer_json();
+    let vocab = tok["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    let types: Vec<i32> = (0..tokens.len()).map(|i| if i < 2 { 3 } else { 1 }).collect();
+    vec![
+        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", GgufValue::String(pre.into())),
+        ("tokenizer.ggml.tokens", GgufValue::Strings(tokens)),
+        ("tokenizer.ggml.token_type", GgufValue::Array(Array::from_i32(&types, &[types.len()]).unwrap())),
+        ("tokenizer.ggml.merges", GgufValue::Strings(vec![])),
+        ("tokenizer.ggml.bos_token_id", gguf_u32(0)),
+        ("tokenizer.ggml.eos_token_id", gguf_u32(1)),
+        ("tokenizer.chat_template", GgufValue::String(testing::CHATML.into())),
+    ]
+}
+
 /// Writes the tiny Llama of `testing::write_model(dir, "llama", seed)` as a GGUF file the
 /// way llama.cpp's converter would (names, permuted Q/K rows, tokenizer metadata).
 fn write_tiny_gguf(path: &Path, seed: u64, dtype: Dtype) {
@@ -555,16 +586,8 @@ fn write_tiny_gguf(path: &Path, seed: u64, dtype: Dtype) {
         let a = if name.contains("norm") { a } else { a.astype(dtype).unwrap() };
         tensors.push((gguf_name(name), a));
     }
-    let tok = testing::byte_tokenizer_json();
-    let vocab = tok["model"]["vocab"].as_object().unwrap();
-    let mut tokens = vec![String::new(); vocab.len()];
-    for (t, id) in vocab {
-        tokens[id.as_u64().unwrap() as usize] = t.clone();
-    }
-    let types: Vec<i32> = (0..tokens.len()).map(|i| if i < 2 { 3 } else { 1 }).collect();
-    let u32s = |v: u32| GgufValue::Array(Array::from_u32(&[v], &[1]).unwrap());
-    let f32s = |v: f32| GgufValue::Array(Array::from_f32(&[v], &[1]).unwrap());
-    let meta = vec![
+    let (u32s, f32s) = (gguf_u32, gguf_f32);
+    let mut meta = vec![
         ("general.architecture", GgufValue::String("llama".into())),
         ("llama.block_count", u32s(2)),
         ("llama.embedding_length", u32s(64)),
@@ -574,15 +597,8 @@ fn write_tiny_gguf(path: &Path, seed: u64, dtype: Dtype) {
         ("llama.attention.layer_norm_rms_epsilon", f32s(1e-5)),
         ("llama.rope.freq_base", f32s(10000.0)),
         ("llama.context_length", u32s(2048)),
-        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
-        ("tokenizer.ggml.pre", GgufValue::String("gpt2".into())),
-        ("tokenizer.ggml.tokens", GgufValue::Strings(tokens)),
-        ("tokenizer.ggml.token_type", GgufValue::Array(Array::from_i32(&types, &[types.len()]).unwrap())),
-        ("tokenizer.ggml.merges", GgufValue::Strings(vec![])),
-        ("tokenizer.ggml.bos_token_id", u32s(0)),
-        ("tokenizer.ggml.eos_token_id", u32s(1)),
-        ("tokenizer.chat_template", GgufValue::String(testing::CHATML.into())),
     ];
+    meta.extend(byte_vocab_meta("gpt2"));
     let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx::io::save_gguf(path, &refs, &meta).unwrap();
 }
@@ -702,16 +718,8 @@ fn write_tiny_qwen35_gguf(path: &Path, seed: u64) {
     let mtp = Array::from_f32(&vec![0.5; 64 * 128], &[64, 128]).unwrap();
     tensors.push(("blk.2.nextn.eh_proj.weight".into(), mtp.clone()));
     tensors.push(("blk.2.attn_norm.weight".into(), Array::from_f32(&[1.0; 64], &[64]).unwrap()));
-    let tok = testing::byte_tokenizer_json();
-    let vocab = tok["model"]["vocab"].as_object().unwrap();
-    let mut tokens = vec![String::new(); vocab.len()];
-    for (t, id) in vocab {
-        tokens[id.as_u64().unwrap() as usize] = t.clone();
-    }
-    let types: Vec<i32> = (0..tokens.len()).map(|i| if i < 2 { 3 } else { 1 }).collect();
-    let u32s = |v: u32| GgufValue::Array(Array::from_u32(&[v], &[1]).unwrap());
-    let f32s = |v: f32| GgufValue::Array(Array::from_f32(&[v], &[1]).unwrap());
-    let meta = vec![
+    let (u32s, f32s) = (gguf_u32, gguf_f32);
+    let mut meta = vec![
         ("general.architecture", GgufValue::String("qwen35".into())),
         ("qwen35.block_count", u32s(3)),
         ("qwen35.nextn_predict_layers", u32s(1)),
@@ -731,15 +739,8 @@ fn write_tiny_qwen35_gguf(path: &Path, seed: u64) {
         ("qwen35.ssm.time_step_rank", u32s(4)),
         ("qwen35.ssm.inner_size", u32s(64)),
         ("qwen35.full_attention_interval", u32s(2)),
-        ("tokenizer.ggml.model", GgufValue::String("gpt2".into())),
-        ("tokenizer.ggml.pre", GgufValue::String("qwen35".into())),
-        ("tokenizer.ggml.tokens", GgufValue::Strings(tokens)),
-        ("tokenizer.ggml.token_type", GgufValue::Array(Array::from_i32(&types, &[types.len()]).unwrap())),
-        ("tokenizer.ggml.merges", GgufValue::Strings(vec![])),
-        ("tokenizer.ggml.bos_token_id", u32s(0)),
-        ("tokenizer.ggml.eos_token_id", u32s(1)),
-        ("tokenizer.chat_template", GgufValue::String(testing::CHATML.into())),
     ];
+    meta.extend(byte_vocab_meta("qwen35"));
     let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx::io::save_gguf(path, &refs, &meta).unwrap();
 }
