@@ -158,7 +158,8 @@ async fn observe(State(state): State<Shared>, req: Request, next: Next) -> Respo
     response
 }
 
-/// With an API key configured, every route but `/health` needs it.
+/// With an API key configured, every route needs it but `/health` and the web page's own
+/// files (`/` to a browser, `/ui/*`, `/favicon.ico`), which hold no data.
 async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, next: Next) -> Response {
     let Some(key) = state.api_key.as_deref() else { return next.run(req).await };
     // The page and its files carry no secret: they load without the key and ask for it.
