@@ -348,7 +348,8 @@ def test_a_fault_after_the_stream_started_is_an_error_event_with_its_code(plugge
     error = events[-1]["error"]
     assert error["code"] == "plugin_error" and error["type"] == "server_error" and "late-trap" in error["message"], error
     # The Responses API: response.failed carries the same code.
-    body = {"input": "What is the capital of France?", "max_output_tokens": 20, "stream": True,
+    # Greedy: a sampled reply can end (EOS) before the stop rule's fourth call, where it traps.
+    body = {"input": "What is the capital of France?", "max_output_tokens": 20, "stream": True, "temperature": 0,
             "plugins": {"stop": [{"name": "late-trap"}]}}
     text = httpx.post(plugged.url + "/v1/responses", json=body, timeout=60).text
     failed = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and "response.failed" in line]
