@@ -40,7 +40,10 @@ use mlx::Array;
 pub trait CausalLm {
     /// Runs `tokens` (`[B, L]` int32) through the model, appending to `cache` (one entry per
     /// layer), and returns logits `[B, L, vocab]`.
-    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        let h = self.forward_hidden(tokens, cache)?;
+        self.head(&h)
+    }
     /// The final hidden states (`forward` is `head(forward_hidden(..))`). Tensor-parallel
     /// ranks evaluate these: they depend on every all-reduce of the step.
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array>;

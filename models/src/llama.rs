@@ -469,34 +469,55 @@ fn mask_ref<'a>(m: &'a Mask<'a>) -> Mask<'a> {
     }
 }
 
-/// A short query's explicit causal mask (`layers::short_query`) for a forward of `len` new
-/// positions after `offset` held ones; `None` where [`mask_of`] needs no array.
-pub(crate) fn short_mask(len: usize, offset: usize) -> Result<Option<Array>> {
-    short_query(len).then(|| causal_mask(len, offset)).transpose()
+/// What a forward's layers take besides the hidden states, from its tokens and caches: the
+/// attention mask (`mask`) and where each position sits (`positions`). Every decoder builds
+/// its single-sequence and batch forwards from these.
+pub(crate) enum StepInputs {
+    /// `len` new positions of one sequence after `offset` held ones; `short`: a short query's
+    /// explicit causal mask (`layers::short_query`), else mlx-lm's choice.
+    Sequence { len: usize, offset: usize, short: Option<Array> },
+    /// One new token per row of a batch: each row's offset, and the left padding's mask.
+    Batch { offsets: Array, padding: Option<Array> },
 }
 
-/// The mask of a forward of `len` new positions: `short` (from [`short_mask`]) or
-/// [`attention_mask`]'s.
-pub(crate) fn mask_of(len: usize, short: &Option<Array>) -> Mask<'_> {
-    short.as_ref().map_or(attention_mask(len), Mask::Array)
-}
-
-/// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
-/// mask, from the layer's cache that holds the most columns (a full-attention one, where
-/// sliding layers drop their oldest; a recurrent layer's only if there is no other);
-/// `tokens` must be one per row, `[B, 1]`.
-pub(crate) fn batch_inputs(tokens: &Array, cache: &[BatchKvCache]) -> Result<(Array, Option<Array>)> {
-    if tokens.ndim() != 2 || tokens.dim(1) != 1 {
-        return Err(crate::Error::Invalid(format!(
-            "a batch forward takes one token per row, [B, 1]; got shape {:?}",
-            tokens.shape()
-        )));
+impl StepInputs {
+    pub(crate) fn sequence(tokens: &Array, cache: &[KvCache]) -> Result<StepInputs> {
+        let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
+        let short = short_query(len).then(|| causal_mask(len, offset)).transpose()?;
+        Ok(StepInputs::Sequence { len, offset, short })
     }
-    let widest = cache
-        .iter()
-        .min_by_key(|c| (c.is_recurrent(), c.start()))
-        .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
-    Ok((widest.offsets()?, widest.mask()?))
+
+    /// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
+    /// mask, from the layer's cache that holds the most columns (a full-attention one, where
+    /// sliding layers drop their oldest; a recurrent layer's only if there is no other);
+    /// `tokens` must be one per row, `[B, 1]`.
+    pub(crate) fn batch(tokens: &Array, cache: &[BatchKvCache]) -> Result<StepInputs> {
+        if tokens.ndim() != 2 || tokens.dim(1) != 1 {
+            return Err(crate::Error::Invalid(format!(
+                "a batch forward takes one token per row, [B, 1]; got shape {:?}",
+                tokens.shape()
+            )));
+        }
+        let widest = cache
+            .iter()
+            .min_by_key(|c| (c.is_recurrent(), c.start()))
+            .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
+        Ok(StepInputs::Batch { offsets: widest.offsets()?, padding: widest.mask()? })
+    }
+
+    pub(crate) fn mask(&self) -> Mask<'_> {
+        match self {
+            StepInputs::Sequence { len, short, .. } => short.as_ref().map_or(attention_mask(*len), Mask::Array),
+            StepInputs::Batch { padding, .. } => padding.as_ref().map_or(Mask::None, Mask::Array),
+        }
+    }
+
+    pub(crate) fn positions(&self) -> Positions<'_> {
+        match self {
+            StepInputs::Sequence { offset, .. } => Positions::From(*offset),
+            StepInputs::Batch { offsets, .. } => Positions::Rows(offsets),
+        }
+    }
 }
 
 /// mlx-lm's mask choice: none for one new token, "causal" for several (but a short query
@@ -731,10 +752,8 @@ impl Model {
     /// The final hidden states (after the last norm), before the output head. Under tensor
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let h = self.embed(tokens)?;
-        let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
-        let short = short_mask(len, offset)?;
-        self.decoder(h, &mask_of(len, &short), cache, &Positions::From(offset))
+        let s = StepInputs::sequence(tokens, cache)?;
+        self.decoder(self.embed(tokens)?, &s.mask(), cache, &s.positions())
     }
 
     /// The decoder layers and the final norm over embeddings `h`.
@@ -751,9 +770,8 @@ impl Model {
     /// As `forward_hidden`, for one new token per row of a batch (`tokens` `[B, 1]`): each
     /// row rotated from its own length and masked off its left padding.
     pub fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
-        let (offsets, padding) = batch_inputs(tokens, cache)?;
-        let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
-        self.decoder(self.embed(tokens)?, &mask, cache, &Positions::Rows(&offsets))
+        let s = StepInputs::batch(tokens, cache)?;
+        self.decoder(self.embed(tokens)?, &s.mask(), cache, &s.positions())
     }
 
     /// Logits of final hidden states.
@@ -847,11 +865,6 @@ pub(crate) fn shard(d: &Dims, w: &mut Weights, tp: Tp) -> Result<Dims> {
 }
 
 impl CausalLm for Model {
-    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let h = self.forward_hidden(tokens, cache)?;
-        self.head(&h)
-    }
-
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         Model::forward_hidden(self, tokens, cache)
     }

@@ -482,21 +482,14 @@ impl Model {
 }
 
 impl CausalLm for Model {
-    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let h = self.forward_hidden(tokens, cache)?;
-        self.head(&h)
-    }
-
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let (len, offset) = (tokens.dim(-1), cache.first().map_or(0, KvCache::offset));
-        let short = llama::short_mask(len, offset)?;
-        self.decoder(tokens, &llama::mask_of(len, &short), cache, &Positions::From(offset))
+        let s = llama::StepInputs::sequence(tokens, cache)?;
+        self.decoder(tokens, &s.mask(), cache, &s.positions())
     }
 
     fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
-        let (offsets, padding) = llama::batch_inputs(tokens, cache)?;
-        let mask = padding.as_ref().map_or(Mask::None, Mask::Array);
-        self.decoder(tokens, &mask, cache, &Positions::Rows(&offsets))
+        let s = llama::StepInputs::batch(tokens, cache)?;
+        self.decoder(tokens, &s.mask(), cache, &s.positions())
     }
 
     fn batches(&self) -> bool {
