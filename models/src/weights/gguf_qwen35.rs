@@ -186,3 +186,51 @@ pub fn restore(tensors: &mut HashMap<String, Array>, s: &Shape) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arange(shape: &[usize]) -> Array {
+        let n: usize = shape.iter().product();
+        Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
+    }
+
+    /// A `qwen35moe` block's expert tensors: llama.cpp's fused gate/up experts split into
+    /// `switch_mlp`'s two (quantization triples alike), the shared expert's gate `[H]` made
+    /// the `[1, H]` a linear layer reads, and an MTP block past the last layer dropped.
+    #[test]
+    fn moe_tensors_are_split_reshaped_and_the_mtp_block_dropped() {
+        let s = Shape { layers: 1, k_heads: 1, v_heads: 1, k_dim: 4 };
+        let mut t = HashMap::new();
+        t.insert("model.layers.0.mlp.switch_mlp.gate_up_proj.weight".to_string(), arange(&[2, 6, 3]));
+        t.insert("model.layers.0.mlp.switch_mlp.gate_up_proj.scales".to_string(), arange(&[2, 6, 1]));
+        t.insert("model.layers.0.mlp.shared_expert_gate.weight".to_string(), arange(&[3]));
+        t.insert("model.layers.1.nextn.eh_proj.weight".to_string(), arange(&[2, 2]));
+        restore(&mut t, &s).unwrap();
+        let get = |n: &str| t[&format!("model.layers.0.mlp.{n}")].clone();
+        let gate = get("switch_mlp.gate_proj.weight");
+        assert_eq!(gate.shape(), vec![2, 3, 3]);
+        assert_eq!(gate.to_vec_f32().unwrap()[..3], [0.0, 1.0, 2.0]);
+        assert_eq!(get("switch_mlp.up_proj.weight").to_vec_f32().unwrap()[..3], [9.0, 10.0, 11.0]);
+        assert_eq!(get("switch_mlp.up_proj.scales").shape(), vec![2, 3, 1]);
+        assert_eq!(get("shared_expert_gate.weight").shape(), vec![1, 3]);
+        assert!(!t.keys().any(|k| k.contains("gate_up_proj") || k.starts_with("model.layers.1.")), "{:?}", t.keys());
+    }
+
+    /// `grouped` undoes llama.cpp's `_reorder_v_heads` (grouped → tiled) along rows and along
+    /// column blocks of any width, so packed quantized columns regroup with their scales.
+    #[test]
+    fn grouped_inverts_the_converters_tiling_on_rows_and_column_blocks() {
+        let (k, r) = (2, 3);
+        // Tiled rows of 6 heads of width 2: head order v0k0 v0k1 v1k0 ... (r outer, k inner).
+        let tiled: Vec<f32> = (0..r).flat_map(|v| (0..k).flat_map(move |g| [(g * r + v) as f32; 2])).collect();
+        let a = Array::from_f32(&tiled, &[12, 1]).unwrap();
+        let back = grouped(&a, 0, k as usize, r as usize).unwrap().to_vec_f32().unwrap();
+        let want: Vec<f32> = (0..k * r).flat_map(|h| [h as f32; 2]).collect();
+        assert_eq!(back, want);
+        let cols = grouped(&a.reshape(&[1, 12]).unwrap(), 1, k as usize, r as usize).unwrap();
+        assert_eq!(cols.to_vec_f32().unwrap(), want);
+        assert!(grouped(&arange(&[7, 1]), 0, 2, 3).is_err(), "7 rows do not split into 6 heads");
+    }
+}
