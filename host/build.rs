@@ -89,15 +89,9 @@ fn pypi_openblas() -> Result<PathBuf, String> {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let source = manifest_dir.join("blas/forward.c");
     println!("cargo:rerun-if-changed={}", source.display());
-    println!("cargo:rerun-if-env-changed=HOST_CACHE_DIR");
-    let cache = match std::env::var_os("HOST_CACHE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .ok_or("neither HOME nor XDG_CACHE_HOME is set")?
-            .join("host"),
-    };
+    // The mlx crate's build chose the cache (and reruns when HOST_CACHE_DIR changes).
+    let cache =
+        PathBuf::from(std::env::var("DEP_MLX_CACHE_DIR").map_err(|_| "the mlx crate published no cache folder")?);
     let target = cache.join(format!("scipy-openblas32-{SCIPY_OPENBLAS}"));
     let openblas = target.join("scipy_openblas32/lib/libscipy_openblas.so");
     if !openblas.is_file() {

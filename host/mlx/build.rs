@@ -48,8 +48,24 @@ fn main() {
     // Published to dependents as DEP_MLX_LIB_DIR / DEP_MLX_INCLUDE_DIR.
     println!("cargo:lib_dir={}", lib.display());
     println!("cargo:include_dir={}", include.display());
+    // And the download cache (DEP_MLX_CACHE_DIR: the host's build puts PyPI's OpenBLAS there).
+    if let Ok(cache) = cache_dir() {
+        println!("cargo:cache_dir={}", cache.display());
+    }
     // This crate's own tests need the rpath too.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+}
+
+/// The host's download cache: `$HOST_CACHE_DIR`, else `${XDG_CACHE_HOME:-~/.cache}/host`.
+fn cache_dir() -> Result<PathBuf, String> {
+    match env::var_os("HOST_CACHE_DIR") {
+        Some(d) => Ok(PathBuf::from(d)),
+        None => Ok(env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .ok_or("neither HOME nor XDG_CACHE_HOME is set")?
+            .join("host")),
+    }
 }
 
 fn has_mlx(dir: &Path) -> bool {
@@ -96,14 +112,7 @@ fn find_mlx() -> Result<PathBuf, String> {
             }
         }
     }
-    let cache = match env::var_os("HOST_CACHE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .ok_or("neither HOME nor XDG_CACHE_HOME is set")?
-            .join("host"),
-    };
+    let cache = cache_dir()?;
     let target = cache.join(format!("{}-{MLX_VERSION}", wheel()));
     let dir = target.join("mlx");
     if has_mlx(&dir) {

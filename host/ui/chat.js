@@ -349,20 +349,25 @@ function stop() {
 }
 
 // Settings.
+
+// The loaded plugins of `kind` a request can name (not a refused file, not a built-in a file
+// overrides: its name is the file's).
+const usable = (kind) => plugins.filter((p) => p.kinds.includes(kind) && p.state !== "refused" && p.state !== "overridden");
+
 const FIELDS = ["system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"];
 
 function renderSettings() {
   const s = current ? current.settings : DEFAULT_SETTINGS;
   for (const f of FIELDS) $(f).value = s[f] ?? "";
   const sampler = $("sampler");
-  const samplers = plugins.filter((p) => p.kinds.includes("sampler") && p.state !== "refused" && p.state !== "overridden");
+  const samplers = usable("sampler");
   sampler.replaceChildren(new Option("native (the server's default)", ""));
   for (const p of samplers) sampler.append(new Option(`${p.name} ${p.version}`, p.name));
   if (s.sampler && !samplers.some((p) => p.name === s.sampler)) sampler.append(new Option(`${s.sampler} (not loaded)`, s.sampler));
   sampler.value = s.sampler;
   const box = $("stop-rules");
   box.querySelectorAll("label").forEach((l) => l.remove());
-  for (const p of plugins.filter((p) => p.kinds.includes("stop") && p.state !== "refused" && p.state !== "overridden")) {
+  for (const p of usable("stop")) {
     const label = document.createElement("label");
     label.className = "check";
     const input = document.createElement("input");
@@ -381,7 +386,7 @@ function renderSettings() {
   }
   const kind = $("constraint-kind");
   kind.querySelectorAll("option[data-plugin]").forEach((o) => o.remove());
-  for (const p of plugins.filter((p) => p.kinds.includes("constraint") && p.state !== "refused" && p.state !== "overridden")) {
+  for (const p of usable("constraint")) {
     const o = new Option(`plugin: ${p.name} (config as JSON)`, "plugin:" + p.name);
     o.dataset.plugin = p.name;
     kind.append(o);

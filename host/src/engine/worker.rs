@@ -1157,6 +1157,7 @@ mod tests {
         drop((warm, cold, fresh));
         std::fs::remove_dir_all(dir).unwrap();
     }
+
     /// A native policy for tests: the waiting by priority, and any running request of lower
     /// priority than the first of them preempted.
     struct ByPriority;
@@ -1218,6 +1219,7 @@ mod tests {
         drop(alone);
         std::fs::remove_dir_all(dir).unwrap();
     }
+
     /// A policy that records the memory each view shows, and decides nothing.
     struct Recorder(Arc<std::sync::Mutex<Vec<(usize, usize)>>>);
 

@@ -90,6 +90,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
     let speculative = config.spec().unwrap_or_default();
     let (engine_tokenizer, engine_vocab, engine_eos) =
         (engine.tokenizer.clone(), engine.info.vocab_size, engine.info.eos_token_ids.clone());
+    let engine_source = engine.info.source.clone();
     Arc::new(AppState {
         engine,
         metrics: Default::default(),
@@ -112,6 +113,7 @@ pub fn state(config: &ServeConfig, engine: Arc<Engine>, plugins: Option<Arc<Plug
         constrain_tool_calls: config.constrain_tool_calls,
         ui: config.ui,
         memory_budget: budget,
+        quantization: ui::quantization(&engine_source),
         plugin_feed: Default::default(),
     })
 }

@@ -252,7 +252,7 @@ async fn models(State(state): State<Shared>) -> Json<Value> {
         "model_type": info.model_type,
         "context_length": state.context_tokens,
         "device": state.engine.device.to_string(),
-        "quantization": super::ui::quantization(&info.source),
+        "quantization": state.quantization,
         "weight_bytes": info.weight_bytes,
         "memory_budget_bytes": state.memory_budget,
     }]}))

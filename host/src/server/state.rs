@@ -48,6 +48,8 @@ pub struct AppState {
     pub ui: bool,
     /// The memory budget in bytes (model and KV caches), as the console shows it.
     pub memory_budget: u64,
+    /// The model's quantization in words (`server::ui::quantization`), read once at start.
+    pub quantization: String,
     /// `GET /v1/plugins`'s body, kept current for `/v1/plugins/events` (see `plugin_feed`).
     pub plugin_feed: OnceLock<watch::Receiver<Arc<str>>>,
 }

@@ -103,7 +103,8 @@ impl Worker {
             kv_bytes: kv_tokens * per_token,
         };
         let budget = self.kv_budget_tokens.load(Ordering::Relaxed);
-        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job, self.state_positions())).sum();
+        let state = self.state_positions();
+        let reserved: usize = running.iter().map(|a| kv_reserved(&a.job, state)).sum();
         QueueView {
             now_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
