@@ -274,13 +274,14 @@ fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<En
                 "listening beyond this machine without an API key: anyone who can reach the port can use the server; set --api-key"
             );
         }
-        eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
+        // The address line last: clients (and tests) act on it at once.
         if engine.device == mlx::Device::Cpu {
             eprintln!("host: CPU BLAS: {}", crate::load::device::linked_blas());
         }
         if state.ui {
             eprintln!("host: web page (chat and plugin console) at http://{local}/");
         }
+        eprintln!("host: serving {} ({}) on http://{local}", state.model_id, engine.device);
         let grace = std::time::Duration::from_secs(config.shutdown_grace_secs);
         let limits = Limits {
             header_timeout: std::time::Duration::from_secs(config.header_timeout_secs.max(1)),
