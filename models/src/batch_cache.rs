@@ -19,6 +19,16 @@
 //! leaving while a step is in flight takes its state from before that step: the batch keeps
 //! the states at its last offset but one ([`extract_before_step`](BatchKvCache::extract_before_step)).
 //!
+//! Speculative rows roll back by their own amounts ([`trim_rows`](BatchKvCache::trim_rows)):
+//! after a forward of T positions per row, each row keeps its first few, the buffer is cut to
+//! the row that kept most, and in every other row the columns it rejected become *holes*,
+//! masked out of attention as padding is, until enough of them gather that the rows are
+//! compacted in one gather (the cost of a buffer's growth, paid once per many steps).
+//! Chosen over keeping the rows right-aligned by shifting each row after every verification
+//! (a copy of the row's whole KV per step) and over a left-aligned layout (per-row scattered
+//! writes in every plain step). Holes are for attention layers of full reach: a
+//! sliding-window or recurrent layer refuses a ragged trim.
+//!
 //! A sliding-window layer's batch is bounded as its rows' caches are: the buffer's columns
 //! are numbered from the first ever written, and the buffer holds columns `start..width`
 //! (see `KvCache::windowed`), so a row's padding and length keep their meaning when the
@@ -38,11 +48,25 @@ pub struct BatchKvCache {
     id: u64,
     /// A recurrent layer's rows' checkpoints (`KvCache::checkpoint`), given back on extraction.
     checkpoints: Vec<Vec<(usize, Snapshot)>>,
+    /// Row r's holes: column ranges `[from, to)` past its padding that hold no position of
+    /// its own (drafts it rejected while another row accepted more), in column order.
+    holes: Vec<Vec<(usize, usize)>>,
 }
+
+/// Holes past which a batch is compacted: this many columns in one row (or an eighth of the
+/// buffer's width, if more), or a quarter of the columns held over all rows. A hole costs a
+/// masked column of attention; a compaction a copy of the buffers.
+const COMPACT_HOLES: usize = 32;
 
 impl Default for BatchKvCache {
     fn default() -> Self {
-        BatchKvCache { buffer: KvCache::default(), left_padding: Vec::new(), id: next_id(), checkpoints: Vec::new() }
+        BatchKvCache {
+            buffer: KvCache::default(),
+            left_padding: Vec::new(),
+            id: next_id(),
+            checkpoints: Vec::new(),
+            holes: Vec::new(),
+        }
     }
 }
 
@@ -122,7 +146,17 @@ impl BatchKvCache {
 
     /// Positions row `row` holds (its sequence length so far).
     pub fn len(&self, row: usize) -> usize {
-        self.width() - self.left_padding[row]
+        self.width() - self.left_padding[row] - self.hole_columns(row)
+    }
+
+    /// Columns of row `row` that are holes.
+    fn hole_columns(&self, row: usize) -> usize {
+        self.holes[row].iter().map(|(a, b)| b - a).sum()
+    }
+
+    /// Whether any row has holes.
+    pub fn has_holes(&self) -> bool {
+        self.holes.iter().any(|h| !h.is_empty())
     }
 
     /// Whether the batch has no rows.
@@ -150,15 +184,139 @@ impl BatchKvCache {
     /// boolean `[B, 1, 1, width + 1 - start]`, false on each row's padding; `None` when no row
     /// is padded.
     pub fn mask(&self) -> Result<Option<Array>> {
-        if self.left_padding.iter().all(|&p| p == 0) {
+        self.mask_for(1)
+    }
+
+    /// The attention mask of a forward of `len` new positions per row: boolean
+    /// `[B, 1, len, width + len - start]`, false on each row's padding and holes, and causal
+    /// over the new positions; `None` when one position needs no mask (no padding, no hole).
+    pub fn mask_for(&self, len: usize) -> Result<Option<Array>> {
+        let holes = self.has_holes();
+        if len == 1 && !holes && self.left_padding.iter().all(|&p| p == 0) {
             return Ok(None);
         }
-        let b = self.rows() as i32;
-        let (from, to) = (self.start() as f64, (self.width() + 1) as f64);
-        let cols = Array::arange(from, to, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
-        let pads: Vec<i32> = self.left_padding.iter().map(|&p| p as i32).collect();
-        let pads = Array::from_i32(&pads, &[pads.len(), 1])?;
-        Ok(Some(cols.greater_equal(&pads)?.reshape(&[b, 1, 1, -1])?))
+        let b = self.rows();
+        let (from, width) = (self.start(), self.width());
+        let n = width + len - from;
+        let held = if holes {
+            let mut keep = vec![1i32; b * n];
+            for (r, row) in keep.chunks_mut(n).enumerate() {
+                let pad = self.left_padding[r].saturating_sub(from).min(n);
+                row[..pad].fill(0);
+                for &(a, z) in &self.holes[r] {
+                    row[a.max(from) - from..z.max(from) - from].fill(0);
+                }
+            }
+            Array::from_i32(&keep, &[b, n])?.astype(Dtype::Bool)?
+        } else {
+            let cols = Array::arange(from as f64, (width + len) as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+            let pads: Vec<i32> = self.left_padding.iter().map(|&p| p as i32).collect();
+            cols.greater_equal(&Array::from_i32(&pads, &[b, 1])?)?
+        };
+        let held = held.reshape(&[b as i32, 1, 1, n as i32])?;
+        if len == 1 {
+            return Ok(Some(held));
+        }
+        // New position q sees the held columns and the new ones up to itself.
+        let q = Array::arange(0.0, len as f64, 1.0, Dtype::Int32)?.reshape(&[len as i32, 1])?;
+        let c = Array::arange(from as f64 - width as f64, len as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
+        let causal = c.less(&q.add(&Array::scalar(1.0, Dtype::Int32)?)?)?.reshape(&[1, 1, len as i32, n as i32])?;
+        Ok(Some(held.logical_and(&causal)?))
+    }
+
+    /// After a forward of `added` positions per row: row r keeps the first `kept[r]` of them
+    /// (its committed tokens; a speculative row's rejected drafts go). The buffer is cut to
+    /// the row that kept most; the others' rejected columns become holes (compacted once
+    /// they gather, `COMPACT_HOLES`). Attention layers of full reach only: a sliding-window
+    /// or recurrent layer cannot leave holes (an error), nor can a batch mirrored to
+    /// tensor-parallel ranks yet.
+    pub fn trim_rows(&mut self, added: usize, kept: &[usize]) -> Result<()> {
+        if kept.len() != self.rows() || kept.iter().any(|&k| k > added) || added > self.width() {
+            return Err(Error::Invalid(format!(
+                "a ragged trim of {} rows keeping {kept:?} of {added} new positions, over a batch of {} rows {} wide",
+                kept.len(),
+                self.rows(),
+                self.width()
+            )));
+        }
+        let most = kept.iter().copied().max().unwrap_or(0);
+        if kept.iter().all(|&k| k == most) {
+            self.buffer.trim(added - most);
+            return Ok(());
+        }
+        if !self.ragged() {
+            return Err(Error::Invalid(
+                "rows of this batch cannot roll back by different amounts: a sliding-window or recurrent layer, or a tensor-parallel batch"
+                    .into(),
+            ));
+        }
+        self.buffer.trim(added - most);
+        let end = self.width();
+        for (holes, &k) in self.holes.iter_mut().zip(kept) {
+            if k == most {
+                continue;
+            }
+            let from = end - (most - k);
+            match holes.last_mut() {
+                Some(last) if last.1 == from => last.1 = end,
+                _ => holes.push((from, end)),
+            }
+        }
+        let in_holes: usize = (0..self.rows()).map(|r| self.hole_columns(r)).sum();
+        let worst = (0..self.rows()).map(|r| self.hole_columns(r)).max().unwrap_or(0);
+        if worst >= COMPACT_HOLES.max(self.width() / 8) || in_holes * 4 >= self.width() * self.rows() {
+            self.compact()?;
+        }
+        Ok(())
+    }
+
+    /// Whether this batch's rows may roll back by different amounts (`trim_rows`).
+    pub fn ragged(&self) -> bool {
+        !self.buffer.is_recurrent() && !self.buffer.is_windowed() && !crate::cache::mirroring()
+    }
+
+    /// Each row's held columns, in order: past its padding, outside its holes.
+    fn row_columns(&self, row: usize) -> Vec<i32> {
+        let (pad, start) = (self.left_padding[row], self.start());
+        let mut holes = self.holes[row].iter().peekable();
+        let mut cols = Vec::with_capacity(self.len(row));
+        let mut c = pad.max(start);
+        while c < self.width() {
+            match holes.peek() {
+                Some(&&(a, z)) if c >= a => {
+                    c = c.max(z);
+                    holes.next();
+                }
+                _ => {
+                    cols.push((c - start) as i32);
+                    c += 1;
+                }
+            }
+        }
+        cols
+    }
+
+    /// Gathers every row's positions right-aligned again, without holes (one gather of the
+    /// buffers).
+    fn compact(&mut self) -> Result<()> {
+        let Some((k, v)) = self.buffer.held()? else { return Ok(()) };
+        let rows = self.rows();
+        let lens: Vec<usize> = (0..rows).map(|r| self.len(r)).collect();
+        let width = lens.iter().copied().max().unwrap_or(0);
+        let mut index = vec![0i32; rows * width];
+        for (r, out) in index.chunks_mut(width.max(1)).enumerate().take(rows) {
+            let cols = self.row_columns(r);
+            out[width - cols.len()..].copy_from_slice(&cols);
+        }
+        let index = Array::from_i32(&index, &[rows, 1, width, 1])?;
+        let gather = |a: &Array| -> Result<Array> {
+            let shape = [rows as i32, a.dim(1) as i32, width as i32, a.dim(3) as i32];
+            Ok(a.take_along_axis(&index.broadcast_to(&shape)?, 2)?)
+        };
+        self.buffer = self.buffer.with_buffer(gather(&k)?, gather(&v)?, 0, width);
+        self.left_padding = lens.iter().map(|&l| width - l).collect();
+        self.holes.iter_mut().for_each(Vec::clear);
+        Ok(())
     }
 
     /// Adds a row holding `cache`'s positions (one sequence's cache of this layer) as the
@@ -175,6 +333,7 @@ impl BatchKvCache {
                 *p += target - width;
             }
             self.left_padding.push(target - n);
+            self.holes.push(Vec::new());
             return Ok(());
         }
         // The first column each side holds in the joined buffer (0 when it holds all of its
@@ -201,6 +360,10 @@ impl BatchKvCache {
             *p += target - width;
         }
         self.left_padding.push(target - n);
+        for (a, z) in self.holes.iter_mut().flatten() {
+            (*a, *z) = (*a + target - width, *z + target - width);
+        }
+        self.holes.push(Vec::new());
         Ok(())
     }
 
@@ -265,6 +428,14 @@ impl BatchKvCache {
         }
         let cache = match self.buffer.held()? {
             None => self.buffer.empty_like(),
+            Some((k, v)) if !self.holes[row].is_empty() => {
+                let cols = self.row_columns(row);
+                let index = Array::from_i32(&cols, &[cols.len()])?;
+                let r = row as i32;
+                let take =
+                    |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, r, r + 1)?.take(&index, 2)?.contiguous()?) };
+                self.buffer.with_buffer(take(&k)?, take(&v)?, 0, cols.len())
+            }
             Some((k, v)) => {
                 let (pad, start) = (self.left_padding[row], self.start());
                 let first = pad.max(start);
@@ -285,6 +456,7 @@ impl BatchKvCache {
         self.check_row(row)?;
         record(CacheOp::BatchRemove { batch: self.id, row });
         self.left_padding.remove(row);
+        self.holes.remove(row);
         if self.buffer.is_recurrent() {
             return self.remove_recurrent(row);
         }
@@ -293,6 +465,7 @@ impl BatchKvCache {
             // No row left, or none holds a position yet.
             self.buffer = self.buffer.empty_like();
             self.left_padding.iter_mut().for_each(|p| *p = 0);
+            self.holes.iter_mut().for_each(Vec::clear);
             return Ok(());
         };
         let trim = self.left_padding.iter().copied().min().unwrap_or(0);
@@ -304,6 +477,9 @@ impl BatchKvCache {
         self.buffer = self.buffer.with_buffer(take(&k)?, take(&v)?, first - trim, self.width() - trim);
         for p in &mut self.left_padding {
             *p -= trim;
+        }
+        for (a, z) in self.holes.iter_mut().flatten() {
+            (*a, *z) = (*a - trim, *z - trim);
         }
         Ok(())
     }

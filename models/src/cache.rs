@@ -126,6 +126,11 @@ pub fn mirror() {
     MIRRORING.store(true, Ordering::SeqCst);
 }
 
+/// Whether cache operations are being recorded for tensor-parallel peers.
+pub(crate) fn mirroring() -> bool {
+    MIRRORING.load(Ordering::Relaxed)
+}
+
 /// The operations recorded since the last call.
 pub fn take_ops() -> Vec<CacheOp> {
     std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
@@ -232,6 +237,11 @@ impl KvCache {
         let mut cache = KvCache::default();
         cache.recurrent = Some(Recurrent::default());
         cache
+    }
+
+    /// Whether this is a sliding-window layer's cache.
+    pub fn is_windowed(&self) -> bool {
+        self.window.is_some()
     }
 
     /// Whether this is a recurrent layer's cache.

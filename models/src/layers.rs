@@ -185,6 +185,14 @@ pub fn attention_unfused(
     axes.swap(last - 1, last - 2);
     let scores = ops::matmul(&q, &k.transpose(&axes)?)?;
     let lowest = Array::scalar(lowest_finite(dtype), dtype)?;
+    // A per-row mask `[B, 1, L, S]` gains the repeats' axis, as MLX's fallback gives it.
+    let grouped;
+    let mask = if repeats > 1 && mask.ndim() >= 3 && mask.dim(-3) == 1 {
+        grouped = mask.expand_dims(&[-3])?;
+        &grouped
+    } else {
+        mask
+    };
     let mut scores = ops::where_(mask, &scores, &lowest)?;
     if let Some(sinks) = sinks {
         // A first column of each head's sink logit, dropped after the softmax.

@@ -476,7 +476,8 @@ pub(crate) enum StepInputs {
     /// `len` new positions of one sequence after `offset` held ones; `short`: a short query's
     /// explicit causal mask (`layers::short_query`), else mlx-lm's choice.
     Sequence { len: usize, offset: usize, short: Option<Array> },
-    /// One new token per row of a batch: each row's offset, and the left padding's mask.
+    /// New tokens per row of a batch (one, or a speculative step's several): each row's
+    /// offset, and the mask of the rows' padding and holes (causal over several new ones).
     Batch { offsets: Array, padding: Option<Array> },
 }
 
@@ -490,11 +491,13 @@ impl StepInputs {
     /// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
     /// mask, from the layer's cache that holds the most columns (a full-attention one, where
     /// sliding layers drop their oldest; a recurrent layer's only if there is no other);
-    /// `tokens` must be one per row, `[B, 1]`.
+    /// `tokens` `[B, T]`: T new positions per row, more than one only where every layer may
+    /// leave holes (`BatchKvCache::ragged`: a speculative step's).
     pub(crate) fn batch(tokens: &Array, cache: &[BatchKvCache]) -> Result<StepInputs> {
-        if tokens.ndim() != 2 || tokens.dim(1) != 1 {
+        let several = tokens.ndim() == 2 && tokens.dim(1) > 1;
+        if tokens.ndim() != 2 || tokens.dim(1) == 0 || (several && !cache.iter().all(BatchKvCache::ragged)) {
             return Err(crate::Error::Invalid(format!(
-                "a batch forward takes one token per row, [B, 1]; got shape {:?}",
+                "a batch forward takes one token per row, [B, 1] (several only where every layer attends over all its keys); got shape {:?}",
                 tokens.shape()
             )));
         }
@@ -502,7 +505,7 @@ impl StepInputs {
             .iter()
             .min_by_key(|c| (c.is_recurrent(), c.start()))
             .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
-        Ok(StepInputs::Batch { offsets: widest.offsets()?, padding: widest.mask()? })
+        Ok(StepInputs::Batch { offsets: widest.offsets()?, padding: widest.mask_for(tokens.dim(1))? })
     }
 
     pub(crate) fn mask(&self) -> Mask<'_> {

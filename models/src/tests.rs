@@ -1046,6 +1046,108 @@ fn check_batched_decoding(archs: &[&str], slack: usize) {
     }
 }
 
+/// Speculative rows in a batch: each step feeds every row several positions (its true next
+/// tokens up to a point, then wrong "drafts"), each row keeps its own number of them
+/// (`BatchKvCache::trim_rows`), and every kept position's logits are the row's solo ones —
+/// through holes, their compaction, rows joining and leaving, and a row extracted and
+/// decoded alone. Layers that cannot hold holes (sliding, recurrent) refuse a ragged trim.
+#[test]
+fn ragged_rollback_in_a_batch_gives_every_row_its_solo_logits() {
+    for arch in ["llama", "qwen3", "qwen3_moe", "phi3"] {
+        let model = testing::model(arch, 3).unwrap();
+        let model = model.as_ref();
+        let prompts = [prompt(3), prompt(17).into_iter().rev().collect(), prompt(40), vec![7]];
+        let steps = 200;
+        let solo: Vec<_> = prompts.iter().map(|p| solo_greedy(model, p, steps)).collect();
+        let layers = model.make_cache().len();
+        let mut batch: Vec<crate::BatchKvCache> = (0..layers).map(|_| Default::default()).collect();
+        let mut rows: Vec<(usize, usize)> = Vec::new();
+        let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
+            let p = &prompts[i];
+            let mut cache = model.make_cache();
+            if p.len() > 1 {
+                model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
+            }
+            for (b, c) in batch.iter_mut().zip(&cache) {
+                b.push(c).unwrap();
+            }
+            rows.push((i, 0));
+        };
+        join(&mut batch, &mut rows, 0);
+        join(&mut batch, &mut rows, 1);
+        let (mut saw_holes, mut compacted) = (false, false);
+        for step in 0..40 {
+            if step == 3 {
+                join(&mut batch, &mut rows, 2);
+            }
+            if step == 5 {
+                join(&mut batch, &mut rows, 3);
+            }
+            if step == 14 {
+                for b in batch.iter_mut() {
+                    b.remove(1).unwrap();
+                }
+                rows.remove(1);
+            }
+            let t = 1 + step % 5;
+            let kept: Vec<usize> = (0..rows.len()).map(|r| 1 + (step + 2 * r) % t).collect();
+            let mut input = Vec::new();
+            for (r, &(i, done)) in rows.iter().enumerate() {
+                for j in 0..t {
+                    let right = solo[i].1[done + j];
+                    input.push(if j < kept[r] { right } else { (right * 7 + 3) % testing::VOCAB as i32 });
+                }
+            }
+            let logits = model.forward_batch(&Array::from_i32(&input, &[rows.len(), t]).unwrap(), &mut batch).unwrap();
+            assert_eq!(logits.shape(), vec![rows.len(), t, testing::VOCAB]);
+            for (r, (i, done)) in rows.iter_mut().enumerate() {
+                for j in 0..kept[r] {
+                    let got =
+                        logits.slice_axis(0, r as i32, r as i32 + 1).unwrap().slice_axis(1, j as i32, j as i32 + 1);
+                    let d = max_abs_diff(&got.unwrap().reshape(&[-1]).unwrap(), &solo[*i].0[*done + j]);
+                    assert!(d < 1e-4, "{arch}: prompt {i}, position {}: max diff {d}", *done + j);
+                }
+            }
+            for b in batch.iter_mut() {
+                b.trim_rows(t, &kept).unwrap();
+            }
+            // A ragged trim leaves holes unless it compacted them all.
+            let ragged = kept.iter().any(|&k| k != kept[0]);
+            saw_holes |= batch[0].has_holes();
+            compacted |= ragged && !batch[0].has_holes();
+            for (r, (i, done)) in rows.iter_mut().enumerate() {
+                *done += kept[r];
+                assert_eq!(batch[0].len(r), prompts[*i].len() + *done - 1, "{arch}: row {r}");
+            }
+        }
+        assert!(saw_holes, "{arch}: no row was left with holes");
+        assert!(compacted, "{arch}: the holes were never compacted");
+        let (i, done) = rows[0];
+        let mut alone: Vec<KvCache> = batch.iter().map(|b| b.extract(0).unwrap()).collect();
+        assert_eq!(alone[0].offset(), prompts[i].len() + done - 1);
+        for step in done..done + 4 {
+            let l = model.forward(&tokens(&solo[i].1[step..step + 1]), &mut alone).unwrap().reshape(&[-1]).unwrap();
+            let d = max_abs_diff(&l, &solo[i].0[step]);
+            assert!(d < 1e-4, "{arch}: extracted row, step {step}: max diff {d}");
+        }
+    }
+    for arch in ["gemma3_text", "qwen3_5"] {
+        let model = testing::model(arch, 3).unwrap();
+        let model = model.as_ref();
+        let mut batch: Vec<crate::BatchKvCache> = (0..model.make_cache().len()).map(|_| Default::default()).collect();
+        for p in [prompt(5), prompt(9)] {
+            let mut cache = model.make_cache();
+            model.forward(&tokens(&p), &mut cache).unwrap();
+            for (b, c) in batch.iter_mut().zip(&cache) {
+                b.push(c).unwrap();
+            }
+        }
+        assert!(model.forward_batch(&Array::from_i32(&[1, 2, 3, 4], &[2, 2]).unwrap(), &mut batch).is_err());
+        let refused = batch.iter_mut().map(|b| b.trim_rows(2, &[1, 2])).filter(Result::is_err).count();
+        assert!(refused > 0, "{arch}: every layer took a ragged trim");
+    }
+}
+
 /// A sliding layer's bounded cache (window 8, slack 3) holds a bounded number of positions
 /// however long the sequence, and gives the logits a cache of every position gives: decoding
 /// token by token, after rollbacks of up to its slack (and one it refuses to take past its
