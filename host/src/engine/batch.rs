@@ -18,12 +18,16 @@ use super::constraint::{self, takes_forced_runs, Guard, Overlap, SLOW_MASK_SECS}
 use super::external::{external_frame, pick_from_frame};
 use super::hooks::ExternalSampler;
 use super::sampling::{log_softmax, Sampler};
+use super::speculative::Speculation;
 use super::step::tokens_array;
 use super::step::{DecodeOptions, FinishReason, Token};
 use anyhow::{bail, Context, Result};
 use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
 use std::time::Instant;
+
+mod speculate;
+pub use speculate::{speculates_in_batch, takes_speculation, SpecCounts};
 
 /// One sequence of the batch.
 pub struct Row<'m> {
@@ -43,6 +47,9 @@ pub struct Row<'m> {
     /// The token fed to the most recent step built with this row; before any, the one to feed.
     last: u32,
     generated: usize,
+    /// Drafts tokens to verify several a step (`speculate.rs`).
+    speculation: Option<Speculation<'m>>,
+    counts: SpecCounts,
 }
 
 impl<'m> Row<'m> {
@@ -61,6 +68,8 @@ impl<'m> Row<'m> {
             position: prompt.len(),
             last,
             generated: 0,
+            speculation: None,
+            counts: SpecCounts::default(),
         })
     }
 
@@ -129,6 +138,9 @@ struct Step {
     copy: Option<mlx::Detached>,
 }
 
+/// A step's tokens: each row's, in row order, or the error that fails that row alone.
+type StepTokens = Vec<(u64, Result<Token>)>;
+
 /// A step's token for one row, told to the row (its sampler plugin, its constraint, its
 /// limits): the token and its finish, or the error that fails the row.
 type Told = (u64, Result<(u32, Option<FinishReason>)>);
@@ -148,6 +160,10 @@ pub struct Batch<'m> {
     merged_steps: usize,
     /// Where the steps spent the engine thread's time.
     split: StepSplit,
+    /// Speculative steps so far (`speculate.rs`).
+    verifications: usize,
+    /// Whether speculative rows may verify here (`speculates_in_batch`).
+    speculates: bool,
 }
 
 /// Where a batch's steps spend the engine thread's time, summed in seconds (`host bench
@@ -207,6 +223,8 @@ impl<'m> Batch<'m> {
             overlap: Overlap::from_env(),
             merged_steps: 0,
             split: StepSplit::default(),
+            verifications: 0,
+            speculates: speculate::speculates_in_batch(model),
         }
     }
 
@@ -307,7 +325,30 @@ impl<'m> Batch<'m> {
     /// order (a row that joined since the last call gets its first), or the error that fails
     /// that row alone (its sampler plugin failed). Rows that leave before the next call are
     /// simply not fed again. An `Err` of the whole call is the device's: every row fails.
+    /// A speculative row may commit several tokens in one step (they come in order, none
+    /// after its finish).
     pub fn step(&mut self) -> Result<Vec<(u64, Result<Token>)>> {
+        if self.wants_speculation() {
+            // Drafts continue the rows' last tokens: a step in flight is read first, without
+            // building the next (the call after this one verifies).
+            if let Some(current) = self.pending.take() {
+                return self.read(current);
+            }
+            if let Some(out) = self.speculate()? {
+                return Ok(out);
+            }
+        }
+        let started = Instant::now();
+        let out = self.plain_step();
+        let secs = started.elapsed().as_secs_f64();
+        for spec in self.rows.iter_mut().filter_map(|r| r.speculation.as_mut()) {
+            spec.adaptive.plain_step(secs);
+        }
+        out
+    }
+
+    /// One plain step: every row one token, pipelined where no row needs otherwise.
+    fn plain_step(&mut self) -> Result<Vec<(u64, Result<Token>)>> {
         let current = match self.pending.take() {
             Some(step) => step,
             None if self.rows.is_empty() => return Ok(Vec::new()),
@@ -598,6 +639,7 @@ fn tell(rows: &mut [Row<'_>], keys: &[u64], ids: &[i32], constraints: bool) -> V
         let id = id as u32;
         row.last = id;
         row.generated += 1;
+        row.committed(id, true);
         if let Some(e) = row.failed.take() {
             out.push((key, Err(e)));
             continue;
@@ -1025,5 +1067,90 @@ mod tests {
         assert_eq!(failed[0].0, 4);
         assert!(failed[0].1.contains("failed at position 11"), "{failed:?}");
         assert_eq!(got[&4].len(), 2, "the failing row had its tokens before the failure");
+    }
+
+    /// Speculative rows (prompt lookup, a draft model; greedy and seeded) beside plain rows
+    /// (greedy, penalized): every row gets exactly its solo plain tokens while rows join,
+    /// park and rejoin, and leave; verifications ran, drafts were accepted and rejected (rows
+    /// rolled back by their own amounts), and a sliding-window model keeps them out.
+    #[test]
+    fn speculative_rows_get_their_solo_plain_tokens_beside_plain_rows() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        for arch in ["llama", "qwen3"] {
+            let model = models::testing::model(arch, 4).unwrap();
+            let model = model.as_ref();
+            let draft = models::testing::model(arch, 9).unwrap();
+            assert!(speculates_in_batch(model));
+            let vocab = model.vocab_size() as u32;
+            // Repetitive prompts, so prompt lookup finds matches in them and in the output.
+            let prompts: Vec<Vec<u32>> = [5usize, 3, 7, 4, 6]
+                .iter()
+                .map(|&p| (0..24u32).map(|i| (i % p as u32) * 13 % vocab + 2).collect())
+                .collect();
+            let mut penalized = SamplingParams { presence_penalty: Some(0.5), ..Default::default() };
+            penalized.logit_bias.insert(3, 1.0);
+            let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() };
+            let greedy = SamplingParams::default();
+            let params = [greedy.clone(), seeded.clone(), greedy.clone(), penalized, greedy];
+            let methods = [
+                SpecMethod::PromptLookup,
+                SpecMethod::PromptLookup,
+                SpecMethod::Draft,
+                SpecMethod::Off,
+                SpecMethod::Off,
+            ];
+            let n = 40;
+            let expected: Vec<Vec<u32>> = (0..5).map(|i| alone(model, &prompts[i], &params[i], n)).collect();
+            let mut batch = Batch::new(model);
+            let make = |i: usize| -> Row {
+                let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
+                let config = SpecConfig { method: methods[i], num_draft_tokens: 6, ..Default::default() };
+                let spec = (methods[i] != SpecMethod::Off)
+                    .then(|| Speculation::new(config, &prompts[i], Some(draft.as_ref()), 16).unwrap());
+                Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap().with_speculation(spec)
+            };
+            let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+            let mut counts: HashMap<u64, SpecCounts> = HashMap::new();
+            let mut parked = None;
+            for i in [0, 3] {
+                batch.join(make(i), &prefilled(model, &prompts[i])).unwrap();
+            }
+            for step in 0..200 {
+                match step {
+                    2 => batch.join(make(1), &prefilled(model, &prompts[1])).unwrap(),
+                    3 => batch.join(make(2), &prefilled(model, &prompts[2])).unwrap(),
+                    6 => parked = batch.leave(0).unwrap(),
+                    7 => batch.join(make(4), &prefilled(model, &prompts[4])).unwrap(),
+                    9 => {
+                        let left = parked.take().unwrap();
+                        batch.join(left.row, &left.cache).unwrap();
+                    }
+                    _ => {}
+                }
+                for (key, token) in batch.step().unwrap() {
+                    let token = token.unwrap();
+                    got.entry(key).or_default().push(token.id);
+                    if token.finish.is_some() {
+                        counts.insert(key, batch.row(key).unwrap().spec_counts());
+                        batch.leave(key).unwrap();
+                    }
+                }
+                if batch.is_empty() && step > 9 {
+                    break;
+                }
+            }
+            for (i, want) in expected.iter().enumerate() {
+                assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i} ({:?})", methods[i]);
+            }
+            assert!(batch.verifications() > 0, "{arch}: no step verified drafts");
+            let spec: Vec<SpecCounts> = (0..3).map(|i| counts[&i]).collect();
+            assert!(spec.iter().all(|c| c.verifications > 0), "{arch}: {spec:?}");
+            assert!(spec.iter().any(|c| c.accepted > 0), "{arch}: no draft accepted: {spec:?}");
+            assert!(spec.iter().any(|c| c.drafted > c.accepted), "{arch}: no draft rejected: {spec:?}");
+            assert!(spec[0].steps < n, "{arch}: speculation saved no step: {spec:?}");
+            assert_eq!(counts[&3].drafted, 0);
+        }
+        assert!(!speculates_in_batch(models::testing::model("gemma3_text", 1).unwrap().as_ref()));
+        assert!(!speculates_in_batch(models::testing::model("qwen3_5", 1).unwrap().as_ref()));
     }
 }

@@ -80,7 +80,7 @@ pub struct Handover {
 }
 
 /// How many of `drafts` the model's `picks` (at the same positions) agree with, from the first.
-fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
+pub(super) fn agreement(drafts: &[u32], picks: &[i32]) -> usize {
     drafts.iter().zip(picks).take_while(|(d, p)| **d as i32 == **p).count()
 }
 

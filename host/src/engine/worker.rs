@@ -8,14 +8,14 @@
 //! A job ends early when its event receiver is dropped (the client went away): the loop
 //! notices at the next token and frees the job's cache.
 
-use super::batch::{Batch, Left, Row};
+use super::batch::{self, Batch, Left, Row};
 use super::constraint::takes_forced_runs;
 use super::constraint::{ConstraintFailed, Guard};
 use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
 use super::output::{char_split, flush, logprob, route, Tools};
 use super::prompt_cache::PromptCache;
 use super::scheduler::Policy;
-use super::stats::EngineStats;
+use super::stats::{DecodeStats, EngineStats};
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
 
@@ -68,6 +68,13 @@ impl Active<'_> {
 /// `Worker::state_positions`).
 fn kv_reserved(job: &Job, state: usize) -> usize {
     job.request.prompt.len() + job.request.max_tokens + state
+}
+
+/// Whether speculative requests may be batch rows (`HOST_SPEC_ROWS=0` decodes them alone,
+/// beside the batch, as before: for measuring).
+fn speculative_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HOST_SPEC_ROWS").map_or(true, |v| v != "0"))
 }
 
 /// What generation borrows for as long as the engine thread runs.
@@ -232,6 +239,10 @@ impl Worker {
                     Ok(tokens) => {
                         for (key, token) in tokens {
                             let Some(i) = running.iter().position(|a| a.job.seq == key) else { continue };
+                            // A speculative row's tokens after its text ended (a stop string).
+                            if ended.iter().any(|(j, _)| *j == i) {
+                                continue;
+                            }
                             match token.and_then(|token| self.deliver(m, &mut running[i], token)) {
                                 Ok(false) => {}
                                 Ok(true) => ended.push((i, None)),
@@ -565,9 +576,21 @@ impl Worker {
                 .transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
             let runs = alone && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
-            let then = if speculation.is_none() && m.model.batches() && !runs {
+            // A speculative request is a batch row where its rows can roll back alone and its
+            // settings verify there (`batch::takes_speculation`); else it decodes alone.
+            let batched = match &speculation {
+                None => true,
+                Some(s) => {
+                    speculative_rows()
+                        && batch::speculates_in_batch(m.model)
+                        && external.is_none()
+                        && constraint.is_none()
+                        && batch::takes_speculation(s, sampler.params())
+                }
+            };
+            let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
-                Then::Batch(Box::new(row.with_constraint(constraint)))
+                Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))
             } else {
                 Then::Solo(Box::new((sampler, options, Hooks { external, speculation, constraint })))
             };
@@ -691,6 +714,16 @@ impl Worker {
         let request = &a.job.request;
         let stats = match &a.source {
             Source::Solo(generation) => generation.stats(),
+            Source::Batched => {
+                batch.row(a.job.seq).map(Row::spec_counts).map_or_else(Default::default, |c| DecodeStats {
+                    generated_tokens: a.generated.len(),
+                    decode_steps: c.steps,
+                    drafted_tokens: c.drafted,
+                    accepted_tokens: c.accepted,
+                    verifications: c.verifications,
+                    ..Default::default()
+                })
+            }
             _ => Default::default(),
         };
         self.stats.forced_tokens.fetch_add(stats.forced_tokens, Ordering::Relaxed);
