@@ -27,7 +27,7 @@ use models::{BatchKvCache, CausalLm, KvCache};
 use std::time::Instant;
 
 mod speculate;
-pub use speculate::{speculates_in_batch, takes_speculation, SpecCounts};
+pub use speculate::{speculates_in_batch, takes_speculation, DraftCost, SpecCounts};
 
 /// One sequence of the batch.
 pub struct Row<'m> {
@@ -50,6 +50,8 @@ pub struct Row<'m> {
     /// Drafts tokens to verify several a step (`speculate.rs`).
     speculation: Option<Speculation<'m>>,
     counts: SpecCounts,
+    /// How the row's drafts fared lately, position by position.
+    acceptance: speculate::Acceptance,
 }
 
 impl<'m> Row<'m> {
@@ -70,6 +72,7 @@ impl<'m> Row<'m> {
             generated: 0,
             speculation: None,
             counts: SpecCounts::default(),
+            acceptance: speculate::Acceptance::default(),
         })
     }
 
@@ -164,6 +167,8 @@ pub struct Batch<'m> {
     verifications: usize,
     /// Whether speculative rows may verify here (`speculates_in_batch`).
     speculates: bool,
+    /// The step's cost the draft length is chosen by.
+    draft_cost: DraftCost,
 }
 
 /// Where a batch's steps spend the engine thread's time, summed in seconds (`host bench
@@ -225,6 +230,7 @@ impl<'m> Batch<'m> {
             split: StepSplit::default(),
             verifications: 0,
             speculates: speculate::speculates_in_batch(model),
+            draft_cost: DraftCost::from_env(),
         }
     }
 
@@ -338,11 +344,14 @@ impl<'m> Batch<'m> {
                 return Ok(out);
             }
         }
-        let started = Instant::now();
+        let (started, rows) = (Instant::now(), self.rows.len());
         let out = self.plain_step();
         let secs = started.elapsed().as_secs_f64();
         for spec in self.rows.iter_mut().filter_map(|r| r.speculation.as_mut()) {
             spec.adaptive.plain_step(secs);
+        }
+        if rows > 0 {
+            self.draft_cost.timed(rows, secs);
         }
         out
     }
@@ -1102,6 +1111,8 @@ mod tests {
             let n = 40;
             let expected: Vec<Vec<u32>> = (0..5).map(|i| alone(model, &prompts[i], &params[i], n)).collect();
             let mut batch = Batch::new(model);
+            // Every draft verified: the tiny model's timings would keep most steps plain.
+            batch.draft_cost = DraftCost::off();
             let make = |i: usize| -> Row {
                 let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
                 let config = SpecConfig { method: methods[i], num_draft_tokens: 6, ..Default::default() };

@@ -27,6 +27,52 @@ use mlx::{Array, Dtype};
 use models::CausalLm;
 use std::time::Instant;
 
+/// How a row's drafts fare, position by position: for the i-th drafted token, (verifications
+/// that reached it, those that accepted it), decayed so the recent ones weigh more. Drafts
+/// are not accepted independently (prompt lookup's either follow the copied text for a while
+/// or miss at once), so the chance that the first i all pass is the product of each
+/// position's rate given the ones before it, not one rate to the i-th power.
+#[derive(Debug, Clone, Default)]
+pub struct Acceptance {
+    at: Vec<[f64; 2]>,
+}
+
+/// The weight of a verification relative to the one after it, in `Acceptance`.
+const ACCEPTANCE_DECAY: f64 = 0.9;
+
+/// A position's rate before any news of it, as this many verifications' worth (weight, and
+/// passes for the first position: a rate of 0.6).
+const PRIOR: (f64, f64) = (0.5, 0.3);
+
+impl Acceptance {
+    /// A verification of `drafted` tokens accepted the first `accepted`.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if self.at.len() < drafted {
+            self.at.resize(drafted, [0.0; 2]);
+        }
+        // Drafts after the first miss, and past the draft, were not tried: no news of them.
+        for (i, [reached, passed]) in self.at.iter_mut().enumerate().take(drafted.min(accepted + 1)) {
+            *reached = *reached * ACCEPTANCE_DECAY + 1.0;
+            *passed = *passed * ACCEPTANCE_DECAY + f64::from(u8::from(i < accepted));
+        }
+    }
+
+    /// The chance that the first i + 1 drafts all pass, for i below `k`. A position with
+    /// little news is taken to pass about as the one before it does (a copy that held so far
+    /// tends to go on), the first as `PRIOR` says.
+    pub fn survival(&self, k: usize) -> Vec<f64> {
+        let (mut p, mut rate) = (1.0, PRIOR.1 / PRIOR.0);
+        (0..k)
+            .map(|i| {
+                let [reached, passed] = self.at.get(i).copied().unwrap_or_default();
+                rate = (passed + PRIOR.0 * rate) / (reached + PRIOR.0);
+                p *= rate;
+                p
+            })
+            .collect()
+    }
+}
+
 /// A speculative row's counts, for its usage.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SpecCounts {
@@ -80,18 +126,159 @@ pub fn speculates_in_batch(model: &dyn CausalLm) -> bool {
     model.batches() && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
 }
 
+/// How many positions a verification feeds per row, chosen each step by the batch's measured
+/// cost against what the rows' drafts are expected to commit. A step's time is measured by
+/// the positions it feeds (rows × positions per row), plain and verifying steps alike: a
+/// moving average per size, read between sizes by interpolation and past the largest along
+/// the last two — not one line, because on a CPU it is not one (SmolLM2 on 2 cores: 2-4
+/// positions take a matrix-vector product each, from 5 one matrix product does them all).
+/// A size never timed is taken to cost what the plain step does, so it gets tried once.
+/// Each row's drafts are expected to commit one token plus the chance that each prefix of
+/// them passes (its `Acceptance`). The rule takes the positions per row with the most tokens
+/// per second, plain decoding included — so a CPU, where a step's cost grows with its
+/// positions, drafts less as the batch grows, and a GPU, where it barely does, drafts as much
+/// as rows accept.
+#[derive(Debug, Clone, Default)]
+pub struct DraftCost {
+    /// Seconds per step by positions fed (a moving average, `COST_EWMA`).
+    times: std::collections::BTreeMap<usize, f64>,
+    /// Steps the rule kept plain while rows had drafts, since the last verification.
+    passed: usize,
+    /// Verify every draft whatever the cost (`HOST_DRAFT_COST=off`, for measuring; tests).
+    off: bool,
+}
+
+/// The weight of a step's time in its size's moving average.
+const COST_EWMA: f64 = 0.3;
+
+/// The share of the best draft length's expected tokens per second within which the longest
+/// drafts are verified instead.
+const LONGEST_WITHIN: f64 = 0.85;
+
+/// A plain step is chosen at most this many times in a row while rows have drafts; then one
+/// verification of every draft is tried, so the sizes not taken keep being measured.
+const EXPLORE_EVERY: usize = 32;
+
+impl DraftCost {
+    /// The rule as `HOST_DRAFT_COST` sets it: measured, or `off` (every draft verified).
+    pub fn from_env() -> DraftCost {
+        DraftCost { off: std::env::var("HOST_DRAFT_COST").is_ok_and(|v| v == "off"), ..Default::default() }
+    }
+
+    /// Every draft verified, whatever the cost.
+    pub fn off() -> DraftCost {
+        DraftCost { off: true, ..Default::default() }
+    }
+
+    /// A step that fed `positions` took `secs`.
+    pub fn timed(&mut self, positions: usize, secs: f64) {
+        let avg = self.times.entry(positions).or_insert(secs);
+        *avg += COST_EWMA * (secs - *avg);
+    }
+
+    /// Seconds of a step feeding `positions`: measured, or read between the sizes measured
+    /// (past the largest, along the last two; below the smallest, as the smallest); `None`
+    /// when that size cannot be read (nothing measured, or only smaller sizes than one).
+    pub fn secs(&self, positions: usize) -> Option<f64> {
+        if let Some(&t) = self.times.get(&positions) {
+            return Some(t);
+        }
+        let below: Vec<(usize, f64)> = self.times.range(..positions).rev().take(2).map(|(&p, &t)| (p, t)).collect();
+        let above = self.times.range(positions..).next().map(|(&p, &t)| (p, t));
+        let line = |(p0, t0): (usize, f64), (p1, t1): (usize, f64)| {
+            let slope = ((t1 - t0) / (p1 as f64 - p0 as f64)).max(0.0);
+            t0 + slope * (positions as f64 - p0 as f64)
+        };
+        match (below.first(), above) {
+            (Some(&lo), Some(hi)) => Some(line(lo, hi)),
+            (None, Some((_, t))) => Some(t),
+            (Some(&hi), None) => below.get(1).map(|&lo| line(lo, hi).max(hi.1)),
+            (None, None) => None,
+        }
+    }
+
+    /// Positions per row for a step over rows whose drafts are `drafts` long, each row's
+    /// chances that its first 1, 2, ... drafts all pass being `survival`: 1 (plain) or more.
+    /// Before the line is known, every draft is verified.
+    pub fn best(&self, drafts: &[usize], survival: &[Vec<f64>]) -> usize {
+        let b = drafts.len();
+        let most = drafts.iter().copied().max().unwrap_or(0);
+        if most == 0 {
+            return 1;
+        }
+        let Some(plain) = self.secs(b).filter(|_| !self.off) else { return most + 1 };
+        // A size never measured is tried once at the plain step's cost.
+        let expected = |t: usize| -> f64 {
+            let per_row = |(&k, s): (&usize, &Vec<f64>)| -> f64 { 1.0 + s.iter().take(k.min(t - 1)).sum::<f64>() };
+            drafts.iter().zip(survival).map(per_row).sum()
+        };
+        let rate = |t: usize| expected(t) / self.secs(b * t).unwrap_or(plain).max(1e-9);
+        let (mut best, mut at) = (b as f64 / plain.max(1e-9), 1);
+        for t in 2..=most + 1 {
+            if rate(t) > best {
+                (best, at) = (rate(t), t);
+            }
+        }
+        // Between draft lengths the longest is kept unless a shorter one clearly pays more:
+        // the chances of long drafts are measured least (only where they are verified), and
+        // each shorter verification leaves more for later steps, each a step the pipeline
+        // waits for.
+        if at > 1 && rate(most + 1) >= LONGEST_WITHIN * best {
+            return most + 1;
+        }
+        at
+    }
+
+    /// A step the rule kept plain while rows had drafts; whether the next should verify
+    /// anyway (every `EXPLORE_EVERY`th), to keep measuring.
+    fn passed(&mut self) {
+        self.passed += 1;
+    }
+
+    fn explore(&mut self) -> bool {
+        self.passed >= EXPLORE_EVERY
+    }
+
+    /// `best`, or every draft when a verification is due to keep the sizes measured.
+    pub fn choose(&mut self, drafts: &[usize], survival: &[Vec<f64>]) -> usize {
+        let best = self.best(drafts, survival);
+        let most = drafts.iter().copied().max().unwrap_or(0);
+        if best == 1 && most > 0 && self.explore() {
+            self.passed = 0;
+            return most + 1;
+        }
+        if best > 1 {
+            self.passed = 0;
+        }
+        best
+    }
+}
+
 impl<'m> Batch<'m> {
     /// Whether speculative rows can join this batch (`speculates_in_batch`).
     pub fn speculates(&self) -> bool {
         self.speculates
     }
 
-    /// Whether the next step should verify drafts: a row expects one, and no row makes the
-    /// batch serial or masked.
-    pub(super) fn wants_speculation(&self) -> bool {
-        self.speculates()
-            && self.rows.iter().all(|r| r.external.is_none() && r.constraint.is_none())
-            && self.rows.iter().any(Row::wants_to_draft)
+    /// Whether the next step should verify drafts: a row expects one, no row makes the batch
+    /// serial or masked, and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
+    /// would verify (or a verification is due to keep it measured).
+    pub(super) fn wants_speculation(&mut self) -> bool {
+        if !self.speculates() || self.rows.iter().any(|r| r.external.is_some() || r.constraint.is_some()) {
+            return false;
+        }
+        let lens: Vec<usize> = (self.rows.iter())
+            .map(|r| r.speculation.as_ref().filter(|_| r.wants_to_draft()).map_or(0, |s| s.adaptive.k))
+            .collect();
+        if lens.iter().all(|&k| k == 0) {
+            return false;
+        }
+        let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
+        if self.draft_cost.best(&lens, &survival) > 1 || self.draft_cost.explore() {
+            return true;
+        }
+        self.draft_cost.passed();
+        false
     }
 
     /// One verification over every row, or `None` when no row drafted anything (the caller
@@ -118,9 +305,20 @@ impl<'m> Batch<'m> {
             };
             drafts.push(tokens);
         }
-        let t = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let lens: Vec<usize> = drafts.iter().map(Vec::len).collect();
+        let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
+        let t = self.draft_cost.choose(&lens, &survival);
         if t == 1 {
+            // Plain is quicker for what these drafts promise: none is verified.
+            for row in self.rows.iter_mut() {
+                if let Some(spec) = row.speculation.as_mut() {
+                    spec.drafter.commit(0)?;
+                }
+            }
             return Ok(None);
+        }
+        for d in &mut drafts {
+            d.truncate(t - 1);
         }
         let b = self.rows.len();
         let mut ids = Vec::with_capacity(b * t);
@@ -206,6 +404,7 @@ impl<'m> Batch<'m> {
             }
             if let Some(spec) = row.speculation.as_mut().filter(|_| !drafted.is_empty()) {
                 let accepted = accepted.min(told - 1);
+                row.acceptance.verified(drafted.len(), accepted);
                 spec.drafter.commit(accepted)?;
                 spec.adaptive.verify_step(secs, told);
                 spec.adaptive.update(drafted.len(), accepted);
@@ -220,6 +419,7 @@ impl<'m> Batch<'m> {
         for c in &mut self.cache {
             c.trim_rows(t, &kept)?;
         }
+        self.draft_cost.timed(b * t, started.elapsed().as_secs_f64());
         self.verifications += 1;
         self.steps += 1;
         Ok(Some(out))
@@ -228,5 +428,77 @@ impl<'m> Batch<'m> {
     /// Verifications (speculative steps) so far.
     pub fn verifications(&self) -> usize {
         self.verifications
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rule verifies where the measured cost pays: on a line where every position costs
+    /// (a CPU), a lone row with good drafts verifies most of them, eight rows with middling
+    /// ones decode plainly and fewer drafts are taken where they clearly pay more; on a nearly flat line
+    /// (a GPU) eight rows with good drafts verify all of them; with nothing timed, or the rule
+    /// off, every draft is verified; kept plain, it still verifies now and then.
+    /// `rows` rows each passing every draft with chance `a` independently.
+    fn geometric(rows: usize, a: f64) -> Vec<Vec<f64>> {
+        vec![(1..=8).map(|i| a.powi(i)).collect(); rows]
+    }
+
+    #[test]
+    fn the_draft_length_follows_the_measured_cost_and_the_acceptance() {
+        let mut cpu = DraftCost::default();
+        // SmolLM2-135M in float32 on this 2-core CPU: a plain step of 1 row 44 ms, of 8 rows 133.
+        for (p, secs) in [(1, 0.044), (8, 0.133), (16, 0.235), (40, 0.54), (4, 0.085)] {
+            cpu.timed(p, secs);
+        }
+        assert!(cpu.best(&[6], &geometric(1, 0.9)) >= 5, "one row, good drafts: most of them");
+        assert_eq!(cpu.best(&[6; 8], &geometric(8, 0.3)), 1, "eight rows, poor drafts: plain");
+        assert_eq!(cpu.best(&[6; 8], &geometric(8, 0.7)), 1, "eight rows, middling drafts: plain");
+        assert_eq!(cpu.best(&[6], &geometric(1, 0.5)), 2, "one row, middling drafts: fewer");
+        // Where a shorter length is only a little better, the longest is kept.
+        assert_eq!(cpu.best(&[6; 8], &geometric(8, 0.9)), 7);
+        assert_eq!(DraftCost { off: true, ..cpu.clone() }.best(&[6; 8], &geometric(8, 0.3)), 7);
+        let mut gpu = DraftCost::default();
+        for (p, secs) in [(1, 0.010), (8, 0.0102), (32, 0.0108), (64, 0.0115)] {
+            gpu.timed(p, secs);
+        }
+        assert_eq!(gpu.best(&[6; 8], &geometric(8, 0.8)), 7);
+        assert_eq!(DraftCost::default().best(&[3, 0, 5], &geometric(3, 0.1)), 6);
+        assert_eq!(cpu.best(&[0; 4], &geometric(4, 0.9)), 1, "nothing drafted");
+        let picks: Vec<usize> = (0..EXPLORE_EVERY + 1)
+            .map(|_| {
+                cpu.passed();
+                cpu.choose(&[6; 8], &geometric(8, 0.3))
+            })
+            .collect();
+        assert_eq!(picks.iter().filter(|&&t| t > 1).count(), 1, "{picks:?}");
+    }
+
+    /// Drafts that either all pass or miss at once (a copy followed or not): the chance of
+    /// passing six is about that of passing one, where one rate to the sixth power would
+    /// call six drafts hopeless; a row that misses at once lately gets low chances.
+    #[test]
+    fn acceptance_is_measured_position_by_position() {
+        let mut copying = Acceptance::default();
+        for i in 0..20 {
+            copying.verified(6, if i % 2 == 0 { 6 } else { 0 });
+        }
+        let s = copying.survival(6);
+        assert!((s[0] - 0.5).abs() < 0.1 && s[5] > 0.3, "{s:?}");
+        let mut missing = Acceptance::default();
+        for _ in 0..10 {
+            missing.verified(4, 0);
+        }
+        assert!(missing.survival(4)[0] < 0.15, "{:?}", missing.survival(4));
+        let fresh = Acceptance::default().survival(2);
+        assert!((fresh[0] - 0.6).abs() < 1e-9 && (fresh[1] - 0.36).abs() < 1e-9, "{fresh:?}");
+        // Copies that always held for the two drafts tried: the third is hoped to hold too.
+        let mut short = Acceptance::default();
+        for _ in 0..10 {
+            short.verified(2, 2);
+        }
+        let s = short.survival(4);
+        assert!(s[1] > 0.8 && s[3] > 0.75 * s[1], "{s:?}");
     }
 }
