@@ -108,3 +108,45 @@ def test_metrics_count_drafts_and_acceptance(spec_server, client):
     assert values["host_spec_drafted_tokens_total"] > 0
     assert 0 < values["host_spec_accepted_tokens_total"] <= values["host_spec_drafted_tokens_total"]
     assert values["host_spec_generation_tokens_total"] > values["host_spec_target_steps_total"] > 0
+
+
+def test_speculative_and_plain_requests_share_the_batch_and_answer_as_alone(spec_server, client):
+    # Five requests at once — prompt lookup, the draft model, plain, a seeded one with lookup
+    # — are rows of one batch: each answers what it answers alone, the batch verified drafts
+    # (rows rolling back by their own amounts), and /metrics counts both drafters.
+    import concurrent.futures
+    import httpx
+
+    def metrics():
+        text = httpx.get(spec_server.url + "/metrics").text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("host_spec_", "host_batch_size_bucket"))}
+
+    names = ["merge_configs", "combine", "merge_all", "join_configs", "merged"]
+    asks = [(EDIT.replace("merge_configs", n), m, kw) for n, m, kw in zip(
+        names, ["prompt-lookup", "draft", "off", "prompt-lookup", "off"],
+        [{}, {}, {}, dict(temperature=0.8, seed=5), dict(temperature=0.7, seed=9)])]
+
+    def one(a):
+        text, method, kw = a
+        r = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": text}], max_tokens=48,
+            temperature=kw.get("temperature", 0), seed=kw.get("seed"), extra_body={"speculative": method})
+        return r.choices[0].message.content, r.usage
+
+    alone = [one((text, "off", kw))[0] for text, _, kw in asks]
+    before = metrics()
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(one, asks))
+    after = metrics()
+    assert [t[0] for t in together] == alone
+    assert all(t[1].speculative["drafted_tokens"] > 0 for t, a in zip(together, asks) if a[1] != "off")
+    assert after["host_spec_batch_verifications_total"] > before["host_spec_batch_verifications_total"]
+    assert after["host_spec_batch_draft_tokens_total"] > before["host_spec_batch_draft_tokens_total"]
+    for drafter in ["prompt-lookup", "draft"]:
+        key = f'host_spec_drafter_drafted_tokens_total{{drafter="{drafter}"}}'
+        assert after[key] > before[key], drafter
+    # Steps of more than one row: the speculative requests did not decode beside the batch.
+    one_row = 'host_batch_size_bucket{le="1"}'
+    all_rows = 'host_batch_size_bucket{le="+Inf"}'
+    assert after[all_rows] - after[one_row] > before[all_rows] - before[one_row]

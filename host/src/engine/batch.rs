@@ -163,8 +163,9 @@ pub struct Batch<'m> {
     merged_steps: usize,
     /// Where the steps spent the engine thread's time.
     split: StepSplit,
-    /// Speculative steps so far (`speculate.rs`).
+    /// Speculative steps so far (`speculate.rs`), and the draft tokens they verified.
     verifications: usize,
+    verified_drafts: usize,
     /// Whether speculative rows may verify here (`speculates_in_batch`).
     speculates: bool,
     /// The step's cost the draft length is chosen by.
@@ -229,6 +230,7 @@ impl<'m> Batch<'m> {
             merged_steps: 0,
             split: StepSplit::default(),
             verifications: 0,
+            verified_drafts: 0,
             speculates: speculate::speculates_in_batch(model),
             draft_cost: DraftCost::from_env(),
         }

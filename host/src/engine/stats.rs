@@ -30,10 +30,19 @@ pub struct EngineStats {
     pub spec_accepted_tokens: AtomicUsize,
     pub spec_target_steps: AtomicUsize,
     pub spec_generated_tokens: AtomicUsize,
+    /// The same drafted and accepted tokens by drafter (`SPEC_DRAFTERS`' order).
+    pub spec_by_drafter: [[AtomicUsize; 2]; SPEC_DRAFTERS.len()],
+    /// The batch's verification steps (speculative rows verified together) and the tokens
+    /// they verified, summed over rows (draft tokens per step = this / those).
+    pub batch_verifications: AtomicUsize,
+    pub batch_draft_tokens: AtomicUsize,
     /// Tokens an output constraint forced and a request decoding alone committed in runs
     /// (`Generation::forced_run`: without sampling, many in one forward).
     pub forced_tokens: AtomicUsize,
 }
+
+/// The drafters `EngineStats::spec_by_drafter` counts, by their names in requests.
+pub const SPEC_DRAFTERS: [&str; 2] = ["prompt-lookup", "draft"];
 
 /// Upper bounds of the batch-size histogram's buckets (`EngineStats::batch_size_counts`).
 pub const BATCH_SIZE_BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];

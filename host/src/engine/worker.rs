@@ -15,7 +15,7 @@ use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
 use super::output::{char_split, flush, logprob, route, Tools};
 use super::prompt_cache::PromptCache;
 use super::scheduler::Policy;
-use super::stats::{DecodeStats, EngineStats};
+use super::stats::{DecodeStats, EngineStats, SPEC_DRAFTERS};
 use super::stop::StopMatcher;
 use super::{DecodeOptions, FinishReason, Generation, Hooks, Sampler, SpecMethod, Speculation};
 
@@ -304,6 +304,9 @@ impl Worker {
             self.stats.running.store(running.len(), Ordering::Relaxed);
             self.stats.batch_rows.store(batch.len(), Ordering::Relaxed);
             self.stats.batch_kv_bytes.store(batch.kv_bytes(), Ordering::Relaxed);
+            let (verifications, drafted) = batch.verified();
+            self.stats.batch_verifications.store(verifications, Ordering::Relaxed);
+            self.stats.batch_draft_tokens.store(drafted, Ordering::Relaxed);
         }
     }
 
@@ -735,6 +738,10 @@ impl Worker {
         });
         if let Some(s) = &speculative {
             self.stats.spec_drafted_tokens.fetch_add(s.drafted_tokens, Ordering::Relaxed);
+            if let Some(d) = SPEC_DRAFTERS.iter().position(|&d| d == s.method.as_str()) {
+                self.stats.spec_by_drafter[d][0].fetch_add(s.drafted_tokens, Ordering::Relaxed);
+                self.stats.spec_by_drafter[d][1].fetch_add(s.accepted_tokens, Ordering::Relaxed);
+            }
             self.stats.spec_accepted_tokens.fetch_add(s.accepted_tokens, Ordering::Relaxed);
             self.stats.spec_target_steps.fetch_add(s.target_steps, Ordering::Relaxed);
             self.stats.spec_generated_tokens.fetch_add(stats.generated_tokens, Ordering::Relaxed);

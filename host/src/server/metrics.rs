@@ -1,7 +1,7 @@
 //! Prometheus text metrics: requests by route and status, time-to-first-token and
 //! inter-token latency histograms, token counters, queue depth and prompt-cache figures.
 
-use crate::engine::stats::{EngineStats, BATCH_SIZE_BUCKETS};
+use crate::engine::stats::{EngineStats, BATCH_SIZE_BUCKETS, SPEC_DRAFTERS};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
@@ -153,6 +153,18 @@ impl Metrics {
                 load(&engine.spec_generated_tokens),
             ),
             (
+                "host_spec_batch_verifications_total",
+                "counter",
+                "Batch steps that verified speculative rows' drafts together.",
+                load(&engine.batch_verifications),
+            ),
+            (
+                "host_spec_batch_draft_tokens_total",
+                "counter",
+                "Draft tokens those steps verified, summed over rows (draft tokens per step = this / verifications).",
+                load(&engine.batch_draft_tokens),
+            ),
+            (
                 "host_constraint_forced_tokens_total",
                 "counter",
                 "Tokens an output constraint forced, committed in runs by requests decoding alone (no sampling, one forward for a run).",
@@ -161,6 +173,18 @@ impl Metrics {
         ];
         for (name, kind, help, value) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        for (i, (name, help)) in [
+            ("host_spec_drafter_drafted_tokens_total", "Tokens drafted, by drafter."),
+            ("host_spec_drafter_accepted_tokens_total", "Drafted tokens accepted, by drafter."),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (drafter, counts) in SPEC_DRAFTERS.iter().zip(&engine.spec_by_drafter) {
+                let _ = writeln!(out, "{name}{{drafter=\"{drafter}\"}} {}", load(&counts[i]));
+            }
         }
         let _ = writeln!(
             out,

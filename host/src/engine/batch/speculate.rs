@@ -421,6 +421,7 @@ impl<'m> Batch<'m> {
         }
         self.draft_cost.timed(b * t, started.elapsed().as_secs_f64());
         self.verifications += 1;
+        self.verified_drafts += drafts.iter().map(Vec::len).sum::<usize>();
         self.steps += 1;
         Ok(Some(out))
     }
@@ -428,6 +429,11 @@ impl<'m> Batch<'m> {
     /// Verifications (speculative steps) so far.
     pub fn verifications(&self) -> usize {
         self.verifications
+    }
+
+    /// Verifications so far and the draft tokens they verified (summed over rows).
+    pub fn verified(&self) -> (usize, usize) {
+        (self.verifications, self.verified_drafts)
     }
 }
 
