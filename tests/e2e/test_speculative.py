@@ -3,6 +3,7 @@
 plain one (greedy and seeded sampling), streams never carry a rejected token, usage and
 /metrics report acceptance, and the prompt cache stays valid after rollbacks."""
 import os
+import time
 
 import pytest
 
@@ -150,3 +151,83 @@ def test_speculative_and_plain_requests_share_the_batch_and_answer_as_alone(spec
     one_row = 'host_batch_size_bucket{le="1"}'
     all_rows = 'host_batch_size_bucket{le="+Inf"}'
     assert after[all_rows] - after[one_row] > before[all_rows] - before[one_row]
+
+
+def draft_policy(version, budget):
+    """A scheduling policy in WAT that keeps the queue as it is (`schedule` says `{}`) and
+    gives every speculative row `budget` drafts per step (`schedule_drafts`, ABI.md §5.4)."""
+    answer = '{"default": %d}' % budget
+    quoted = answer.replace('"', '\\"')
+    return f"""(module
+      (@custom "host.plugin" "{{\\"abi\\": 1, \\"name\\": \\"drafts\\", \\"version\\": \\"{version}\\", \\"kinds\\": [\\"scheduler\\"]}}")
+      (memory (export "memory") 2)
+      (func (export "host_alloc") (param i32) (result i32) (i32.const 4096))
+      (data (i32.const 1024) "{{}}")
+      (data (i32.const 2048) "{quoted}")
+      (func (export "schedule") (param i32 i32) (result i64) (i64.const 0x0000040000000002))
+      (func (export "schedule_drafts") (param i32 i32) (result i64)
+        (i64.or (i64.const 0x0000080000000000) (i64.const {len(answer)}))))"""
+
+
+def test_a_draft_policy_plugin_sets_the_budgets_and_swaps_under_streaming_clients(tmp_path):
+    # The policy caps every row at one draft a step (the built-in rule drafts up to 8 on this
+    # workload); swapped for one that allows none while eight clients stream, no request
+    # fails, every answer is still the plain one, and the requests after it draft nothing.
+    import concurrent.futures
+    import httpx
+    import openai
+
+    binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+
+    def install(version, budget):
+        src = tmp_path / f"drafts-{version}.wat"
+        src.write_text(draft_policy(version, budget))
+        built = tmp_path / f"drafts-{version}.wasm"
+        import subprocess
+        subprocess.run([binary, "plugins", "build-wat", str(src), str(built)], check=True)
+        os.replace(built, plugins / "drafts.wasm")
+
+    install("1", 1)
+    s = Server("--plugins", str(plugins), "--scheduler", "drafts", "--prompt-cache-bytes", "0")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        texts = [EDIT.replace("merge_configs", f"merge_{i}") for i in range(8)]
+
+        def run(i, max_tokens=40):
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": texts[i]}],
+                                          max_tokens=max_tokens, temperature=0,
+                                          extra_body={"speculative": "prompt-lookup"})
+            return r.choices[0].message.content, r.usage.speculative
+
+        plain = [c.chat.completions.create(model="m", messages=[{"role": "user", "content": t}], max_tokens=40,
+                                           temperature=0).choices[0].message.content for t in texts[:2]]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            capped = list(pool.map(run, range(2)))
+        assert [t for t, _ in capped] == plain
+        for _, spec in capped:
+            # One draft at most per step: drafted tokens never outnumber the steps.
+            assert 0 < spec["drafted_tokens"] <= spec["target_steps"], spec
+
+        def version():
+            status = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
+            return status["drafts"]["version"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(run, i, 96) for i in range(8)]
+            time.sleep(1.0)
+            install("2", 0)
+            deadline = time.time() + 30
+            while version() != "2" and time.time() < deadline:
+                time.sleep(0.1)
+            assert version() == "2"
+            answers = [f.result() for f in streams]
+        assert all(text for text, _ in answers)
+        after, spec = run(0)
+        assert after == plain[0]
+        assert spec["drafted_tokens"] == 0, spec
+        status = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
+        assert status["drafts"]["faults"] == 0
+    finally:
+        s.stop()

@@ -18,6 +18,7 @@ use super::constraint::{self, takes_forced_runs, Guard, Overlap, SLOW_MASK_SECS}
 use super::external::{external_frame, pick_from_frame};
 use super::hooks::ExternalSampler;
 use super::sampling::{log_softmax, Sampler};
+use super::scheduler::Policy;
 use super::speculative::Speculation;
 use super::step::tokens_array;
 use super::step::{DecodeOptions, FinishReason, Token};
@@ -336,13 +337,20 @@ impl<'m> Batch<'m> {
     /// A speculative row may commit several tokens in one step (they come in order, none
     /// after its finish).
     pub fn step(&mut self) -> Result<Vec<(u64, Result<Token>)>> {
-        if self.wants_speculation() {
+        self.step_with(None)
+    }
+
+    /// `step`, with `policy` choosing the speculative rows' draft budgets where it does
+    /// (`Policy::drafts`; else the built-in rule, `DraftCost`).
+    pub fn step_with(&mut self, mut policy: Option<&mut (dyn Policy + '_)>) -> Result<StepTokens> {
+        let chooses = policy.as_deref_mut().is_some_and(|p| p.chooses_drafts());
+        if self.wants_speculation(chooses) {
             // Drafts continue the rows' last tokens: a step in flight is read first, without
             // building the next (the call after this one verifies).
             if let Some(current) = self.pending.take() {
                 return self.read(current);
             }
-            if let Some(out) = self.speculate()? {
+            if let Some(out) = self.speculate(policy.filter(|_| chooses))? {
                 return Ok(out);
             }
         }

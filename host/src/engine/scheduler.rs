@@ -62,6 +62,45 @@ pub trait Policy {
     /// The policy's name, for logs and cancellation messages.
     fn name(&self) -> String;
     fn decide(&mut self, view: &QueueView) -> anyhow::Result<Decision>;
+    /// Whether it chooses how many drafts the batch's speculative rows verify
+    /// (`schedule_drafts`, ABI.md §5.4); if not, the built-in rule does.
+    fn chooses_drafts(&mut self) -> bool {
+        false
+    }
+    /// Each speculative row's draft budget for this step; `None`: the built-in rule's.
+    fn drafts(&mut self, _view: &DraftView) -> anyhow::Result<Option<DraftDecision>> {
+        Ok(None)
+    }
+}
+
+/// What a policy is shown to choose a verification's draft budgets: the batch's speculative
+/// rows, each with the tokens its drafter proposed this step, the chances that its first
+/// 1, 2, ... drafts all pass (its recent verifications, position by position) and the
+/// built-in rule's budget; the batch's rows in all; and the measured milliseconds of a
+/// step by the positions it feeds (rows × positions per row).
+#[derive(Debug, Clone, Serialize)]
+pub struct DraftView {
+    pub rows: Vec<DraftRow>,
+    pub batch_rows: usize,
+    pub step_ms: std::collections::BTreeMap<usize, f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DraftRow {
+    pub id: String,
+    pub drafted: usize,
+    pub survival: Vec<f64>,
+    pub rule: usize,
+}
+
+/// A policy's draft budgets: by row id, and for the rows it does not name (absent: the
+/// built-in rule's). A budget above what a row drafted is that row's drafts; 0 everywhere
+/// makes the step plain.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DraftDecision {
+    pub drafts: std::collections::BTreeMap<String, usize>,
+    pub default: Option<usize>,
 }
 
 /// Makes the engine's policy, once, on the engine thread (`EngineConfig::policy`).

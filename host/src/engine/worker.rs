@@ -235,7 +235,7 @@ impl Worker {
             self.rebalance(m, &mut running, &mut batch, &mut ended);
             if !batch.is_empty() {
                 self.stats.batch_step(batch.len());
-                match batch.step() {
+                match batch.step_with(self.policy.as_deref_mut()) {
                     Ok(tokens) => {
                         for (key, token) in tokens {
                             let Some(i) = running.iter().position(|a| a.job.seq == key) else { continue };

@@ -512,17 +512,45 @@ impl crate::engine::scheduler::Policy for PluginScheduler {
     }
 
     fn decide(&mut self, view: &crate::engine::scheduler::QueueView) -> Result<crate::engine::scheduler::Decision> {
+        if !self.ready()? {
+            // First come, first served until it is back.
+            return Ok(crate::engine::scheduler::Decision::default());
+        }
+        self.call("schedule", view, |instance, text| instance.schedule(text))
+    }
+
+    fn chooses_drafts(&mut self) -> bool {
+        self.ready().unwrap_or(false) && self.current.as_ref().is_some_and(|(_, i)| i.has_schedule_drafts())
+    }
+
+    fn drafts(
+        &mut self,
+        view: &crate::engine::scheduler::DraftView,
+    ) -> Result<Option<crate::engine::scheduler::DraftDecision>> {
+        if !self.chooses_drafts() {
+            return Ok(None);
+        }
+        self.call("schedule_drafts", view, |instance, text| instance.schedule_drafts(text)).map(Some)
+    }
+}
+
+impl PluginScheduler {
+    /// The current version's instance started (a new one when hot reload swapped the plugin);
+    /// false while the plugin is quarantined (said once, not at every decision).
+    fn ready(&mut self) -> Result<bool> {
         let plugin = self
             .registry
             .get(&self.name)
             .filter(|p| p.manifest.has(Kind::Scheduler))
             .with_context(|| format!("scheduling policy {:?} is not loaded", self.name))?;
         if let Some(q) = plugin.quarantine() {
-            // First come, first served until it is back (said once, not at every decision).
             if !std::mem::replace(&mut self.quarantine_told, true) {
-                tracing::warn!("{q}; serving first come first served meanwhile");
+                tracing::warn!(
+                    "{q}; serving first come first served, speculative drafts by the built-in rule, meanwhile"
+                );
             }
-            return Ok(crate::engine::scheduler::Decision::default());
+            self.current = None;
+            return Ok(false);
         }
         self.quarantine_told = false;
         if !self.current.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, &plugin)) {
@@ -530,10 +558,20 @@ impl crate::engine::scheduler::Policy for PluginScheduler {
             tracing::info!(policy = self.name, version = plugin.manifest.version, "scheduling policy instance started");
             self.current = Some((plugin, instance));
         }
-        let (plugin, instance) = self.current.as_mut().expect("set above");
-        let result = instance.schedule(&serde_json::to_string(view).expect("JSON serializes")).and_then(|text| {
+        Ok(true)
+    }
+
+    /// One call of the started instance's `entry` with `input` as JSON, its answer parsed.
+    fn call<T: serde::de::DeserializeOwned>(
+        &mut self,
+        entry: &str,
+        input: &impl serde::Serialize,
+        f: impl FnOnce(&mut Instance, &str) -> Result<String>,
+    ) -> Result<T> {
+        let (plugin, instance) = self.current.as_mut().context("the scheduling policy has no instance")?;
+        let result = f(instance, &serde_json::to_string(input).expect("JSON serializes")).and_then(|text| {
             serde_json::from_str(&text).map_err(|e| {
-                instance.fault(format!("plugin {} returned a bad decision from schedule: {e}", plugin.name()))
+                instance.fault(format!("plugin {} returned a bad decision from {entry}: {e}", plugin.name()))
             })
         });
         match &result {

@@ -539,6 +539,7 @@ impl PluginRuntime {
             reasoning_feed: optional(&instance, &mut store, "reasoning_feed", &name)?,
             reasoning_finish: optional(&instance, &mut store, "reasoning_finish", &name)?,
             schedule: optional(&instance, &mut store, "schedule", &name)?,
+            schedule_drafts: optional(&instance, &mut store, "schedule_drafts", &name)?,
             constraint_vocab: optional(&instance, &mut store, "constraint_vocab", &name)?,
             constraint_mask: optional(&instance, &mut store, "constraint_mask", &name)?,
             constraint_accept: optional(&instance, &mut store, "constraint_accept", &name)?,

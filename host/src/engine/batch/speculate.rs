@@ -20,6 +20,7 @@
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::agreement;
 use crate::engine::sampling::log_softmax;
+use crate::engine::scheduler::{DraftRow, DraftView, Policy};
 use crate::engine::speculative::{Speculation, Verify};
 use crate::engine::step::Token;
 use anyhow::Result;
@@ -170,6 +171,11 @@ impl DraftCost {
         DraftCost { off: true, ..Default::default() }
     }
 
+    /// The sizes measured so far: milliseconds of a step by positions fed.
+    pub fn measured_ms(&self) -> std::collections::BTreeMap<usize, f64> {
+        self.times.iter().map(|(&p, &t)| (p, t * 1e3)).collect()
+    }
+
     /// A step that fed `positions` took `secs`.
     pub fn timed(&mut self, positions: usize, secs: f64) {
         let avg = self.times.entry(positions).or_insert(secs);
@@ -263,9 +269,12 @@ impl<'m> Batch<'m> {
     /// Whether the next step should verify drafts: a row expects one, no row makes the batch
     /// serial or masked, and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
     /// would verify (or a verification is due to keep it measured).
-    pub(super) fn wants_speculation(&mut self) -> bool {
+    pub(super) fn wants_speculation(&mut self, policy_chooses: bool) -> bool {
         if !self.speculates() || self.rows.iter().any(|r| r.external.is_some() || r.constraint.is_some()) {
             return false;
+        }
+        if policy_chooses {
+            return self.rows.iter().any(Row::wants_to_draft);
         }
         let lens: Vec<usize> = (self.rows.iter())
             .map(|r| r.speculation.as_ref().filter(|_| r.wants_to_draft()).map_or(0, |s| s.adaptive.k))
@@ -284,7 +293,7 @@ impl<'m> Batch<'m> {
     /// One verification over every row, or `None` when no row drafted anything (the caller
     /// then steps plainly). Returns each row's committed tokens in order (several for a row
     /// whose drafts were accepted; none after one that finishes it).
-    pub(super) fn speculate(&mut self) -> Result<Option<StepTokens>> {
+    pub(super) fn speculate(&mut self, policy: Option<&mut (dyn Policy + '_)>) -> Result<Option<StepTokens>> {
         let started = Instant::now();
         let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(self.rows.len());
         for row in &mut self.rows {
@@ -307,7 +316,14 @@ impl<'m> Batch<'m> {
         }
         let lens: Vec<usize> = drafts.iter().map(Vec::len).collect();
         let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
-        let t = self.draft_cost.choose(&lens, &survival);
+        let mut t = self.draft_cost.choose(&lens, &survival);
+        if let Some(policy) = policy {
+            let budgets = self.policy_budgets(policy, &lens, survival, t);
+            for (d, &n) in drafts.iter_mut().zip(&budgets) {
+                d.truncate(n);
+            }
+            t = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        }
         if t == 1 {
             // Plain is quicker for what these drafts promise: none is verified.
             for row in self.rows.iter_mut() {
@@ -424,6 +440,44 @@ impl<'m> Batch<'m> {
         self.verified_drafts += drafts.iter().map(Vec::len).sum::<usize>();
         self.steps += 1;
         Ok(Some(out))
+    }
+
+    /// Each row's draft budget as `policy` chooses it (`Policy::drafts`), the built-in rule's
+    /// (`t - 1`) where it says nothing or fails (logged).
+    fn policy_budgets(
+        &self,
+        policy: &mut (dyn Policy + '_),
+        lens: &[usize],
+        survival: Vec<Vec<f64>>,
+        t: usize,
+    ) -> Vec<usize> {
+        let rule: Vec<usize> = lens.iter().map(|&k| k.min(t - 1)).collect();
+        let view = DraftView {
+            rows: (self.rows.iter().zip(lens).zip(survival).zip(&rule))
+                .filter(|(((_, &k), _), _)| k > 0)
+                .map(|(((r, &drafted), survival), &rule)| DraftRow {
+                    id: format!("r{}", r.key),
+                    drafted,
+                    survival,
+                    rule,
+                })
+                .collect(),
+            batch_rows: self.rows.len(),
+            step_ms: self.draft_cost.measured_ms(),
+        };
+        match policy.drafts(&view) {
+            Ok(Some(decision)) => (self.rows.iter().zip(lens).zip(&rule))
+                .map(|((r, &k), &rule)| {
+                    let named = decision.drafts.get(&format!("r{}", r.key)).copied();
+                    named.or(decision.default).unwrap_or(rule).min(k)
+                })
+                .collect(),
+            Ok(None) => rule,
+            Err(e) => {
+                tracing::warn!("the scheduling policy's draft budgets failed; the built-in rule's this step: {e:#}");
+                rule
+            }
+        }
     }
 
     /// Verifications (speculative steps) so far.

@@ -71,6 +71,7 @@ pub(super) struct Funcs {
     pub(super) reasoning_feed: Option<TypedFunc<(i32, i32), i64>>,
     pub(super) reasoning_finish: Option<TypedFunc<(), i64>>,
     pub(super) schedule: Option<TypedFunc<(i32, i32), i64>>,
+    pub(super) schedule_drafts: Option<TypedFunc<(i32, i32), i64>>,
     pub(super) constraint_vocab: Option<TypedFunc<(i32, i32), i32>>,
     pub(super) constraint_mask: Option<TypedFunc<(i32, i32), i32>>,
     pub(super) constraint_accept: Option<TypedFunc<i32, i32>>,
@@ -410,6 +411,16 @@ impl Instance {
     /// `schedule`: the policy's decision (JSON) for a queue description.
     pub fn schedule(&mut self, queue: &str) -> Result<String> {
         self.tool_call(self.funcs.schedule.clone(), queue.as_bytes(), "schedule")
+    }
+
+    /// Whether the instance exports `schedule_drafts` (ABI.md §5.4, optional).
+    pub fn has_schedule_drafts(&self) -> bool {
+        self.funcs.schedule_drafts.is_some()
+    }
+
+    /// `schedule_drafts`: the policy's draft budgets (JSON) for a batch's verification.
+    pub fn schedule_drafts(&mut self, view: &str) -> Result<String> {
+        self.tool_call(self.funcs.schedule_drafts.clone(), view.as_bytes(), "schedule_drafts")
     }
 
     /// `constraint_vocab`: every token's bytes, once, before the instance's first request
