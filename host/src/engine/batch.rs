@@ -1174,4 +1174,50 @@ mod tests {
         assert!(!speculates_in_batch(models::testing::model("gemma3_text", 1).unwrap().as_ref()));
         assert!(!speculates_in_batch(models::testing::model("qwen3_5", 1).unwrap().as_ref()));
     }
+
+    /// Lossless verification in batch rows keeps each row's output distribution: over many
+    /// seeds, the second token of a lossless row (drafted by another model) beside a plain
+    /// row is distributed as plain sampling's (the statistical test of `decode.rs`, on rows),
+    /// and the plain row beside it is unchanged.
+    #[test]
+    fn lossless_rows_keep_the_output_distribution() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation, Verify};
+        let model = models::testing::model("qwen2", 31).unwrap();
+        let draft = models::testing::model("qwen2", 32).unwrap();
+        let (model, draft) = (model.as_ref(), draft.as_ref());
+        let prompt = [1u32, 2, 3];
+        let other = [5u32, 6, 7, 8];
+        let beside = alone(model, &other, &SamplingParams::default(), 3);
+        let n = 400;
+        let (mut plain, mut rows) = (vec![0f64; 128], vec![0f64; 128]);
+        let mut verified = 0;
+        for seed in 0..n {
+            let params = SamplingParams { temperature: 0.6, seed: Some(seed), ..Default::default() };
+            plain[alone(model, &prompt, &params, 3)[1] as usize] += 1.0;
+            let mut batch = Batch::new(model);
+            batch.draft_cost = DraftCost::off();
+            let config = SpecConfig {
+                method: SpecMethod::Draft,
+                num_draft_tokens: 2,
+                verify: Verify::Lossless,
+                ..Default::default()
+            };
+            let spec = Speculation::new(config, &prompt, Some(draft), 16).unwrap();
+            let sampler = Sampler::new(params, model.vocab_size()).unwrap();
+            let row = Row::new(0, &prompt, sampler, options(3)).unwrap().with_speculation(Some(spec));
+            batch.join(row, &prefilled(model, &prompt)).unwrap();
+            let greedy = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+            batch.join(Row::new(1, &other, greedy, options(3)).unwrap(), &prefilled(model, &other)).unwrap();
+            let (got, failed) = drain(&mut batch);
+            assert!(failed.is_empty(), "{failed:?}");
+            assert_eq!(got[&1], beside);
+            rows[got[&0][1] as usize] += 1.0;
+            verified += batch.verifications();
+        }
+        assert!(verified >= n as usize, "the lossless rows verified drafts");
+        // Total variation between the two empirical second-token distributions (0.3: as
+        // `decode.rs`'s test; accepting every draft instead would give ~0.9).
+        let tv: f64 = plain.iter().zip(&rows).map(|(a, b)| (a - b).abs()).sum::<f64>() / (2.0 * n as f64);
+        assert!(tv < 0.3, "total variation {tv}");
+    }
 }

@@ -760,59 +760,7 @@ impl<'m> Generation<'m> {
         logprobs: &[Array],
         position: usize,
     ) -> Result<Vec<u32>> {
-        let k = drafts.tokens.len() as i32;
-        let rows: Vec<Array> = logprobs.iter().map(|lp| self.sampler.distribution(lp)).collect::<Result<_>>()?;
-        let refs: Vec<&Array> = rows.iter().collect();
-        let p_logits = mlx::ops::concatenate(&refs, 0)?.astype(mlx::Dtype::Float32)?;
-        let p = p_logits.softmax(&[-1], true)?;
-        let p_drafted = p.slice_axis(0, 0, k)?;
-        let d = Array::from_i32(&drafts.tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[k as usize, 1])?;
-        let p_d = p_drafted.take_along_axis(&d, 1)?;
-        let (q_d, residual) = match &drafts.distributions {
-            Some(q) => {
-                let q = q.astype(mlx::Dtype::Float32)?.softmax(&[-1], true)?;
-                let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
-                (q.take_along_axis(&d, 1)?, p_drafted.subtract(&q)?.maximum(&zero)?)
-            }
-            None => {
-                let zeros = Array::zeros(&[k as usize, 1], mlx::Dtype::Float32)?;
-                (
-                    Array::scalar(1.0, mlx::Dtype::Float32)?.broadcast_to(&[k, 1])?,
-                    p_drafted.put_along_axis(&d, &zeros, 1)?,
-                )
-            }
-        };
-        // Where the residual is all zero (p == q) rejection cannot happen; fall back to p.
-        let mass = residual.sum(&[-1], true)?;
-        let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
-        let residual_logits =
-            mlx::ops::where_(&mass.greater(&zero)?, &residual.log()?, &p_logits.slice_axis(0, 0, k)?)?;
-        let mut draws = Vec::with_capacity(k as usize + 1);
-        for i in 0..k {
-            let key = self.sampler.salted_key(position + i as usize, 2)?;
-            draws.push(mlx::random::categorical(&residual_logits.slice_axis(0, i, i + 1)?, -1, &key)?);
-        }
-        draws.push(mlx::random::categorical(
-            &p_logits.slice_axis(0, k, k + 1)?,
-            -1,
-            &self.sampler.key(position + k as usize)?,
-        )?);
-        let refs: Vec<&Array> = draws.iter().collect();
-        let draws = mlx::ops::concatenate(&refs, 0)?;
-        mlx::eval(&[&p_d, &q_d, &draws])?;
-        let (p_d, q_d, draws) = (p_d.to_vec_f32()?, q_d.to_vec_f32()?, draws.to_vec_i32()?);
-        let mut emitted = Vec::new();
-        for i in 0..k as usize {
-            let u = self.sampler.uniform(position + i, 1);
-            if u * (q_d[i] as f64) < p_d[i] as f64 {
-                emitted.push(drafts.tokens[i]);
-            } else {
-                emitted.push(draws[i] as u32);
-                return Ok(emitted);
-            }
-        }
-        emitted.push(draws[k as usize] as u32);
-        Ok(emitted)
+        verify_lossless(&self.sampler, drafts, logprobs, position)
     }
 
     pub fn stats(&self) -> DecodeStats {
@@ -911,6 +859,62 @@ impl<'m> Generation<'m> {
         self.external = None;
         Ok(())
     }
+}
+
+/// Rejection sampling: accept draft i with probability min(1, p_i(d)/q_i(d)); at the
+/// first rejection draw from normalize(max(p_i - q_i, 0)); after K acceptances draw the
+/// bonus token from p_K. Without draft distributions, q is one-hot on the draft.
+pub(super) fn verify_lossless(
+    sampler: &Sampler,
+    drafts: &super::speculative::Drafts,
+    logprobs: &[Array],
+    position: usize,
+) -> Result<Vec<u32>> {
+    let k = drafts.tokens.len() as i32;
+    let rows: Vec<Array> = logprobs.iter().map(|lp| sampler.distribution(lp)).collect::<Result<_>>()?;
+    let refs: Vec<&Array> = rows.iter().collect();
+    let p_logits = mlx::ops::concatenate(&refs, 0)?.astype(mlx::Dtype::Float32)?;
+    let p = p_logits.softmax(&[-1], true)?;
+    let p_drafted = p.slice_axis(0, 0, k)?;
+    let d = Array::from_i32(&drafts.tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[k as usize, 1])?;
+    let p_d = p_drafted.take_along_axis(&d, 1)?;
+    let (q_d, residual) = match &drafts.distributions {
+        Some(q) => {
+            let q = q.astype(mlx::Dtype::Float32)?.softmax(&[-1], true)?;
+            let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
+            (q.take_along_axis(&d, 1)?, p_drafted.subtract(&q)?.maximum(&zero)?)
+        }
+        None => {
+            let zeros = Array::zeros(&[k as usize, 1], mlx::Dtype::Float32)?;
+            (Array::scalar(1.0, mlx::Dtype::Float32)?.broadcast_to(&[k, 1])?, p_drafted.put_along_axis(&d, &zeros, 1)?)
+        }
+    };
+    // Where the residual is all zero (p == q) rejection cannot happen; fall back to p.
+    let mass = residual.sum(&[-1], true)?;
+    let zero = Array::scalar(0.0, mlx::Dtype::Float32)?;
+    let residual_logits = mlx::ops::where_(&mass.greater(&zero)?, &residual.log()?, &p_logits.slice_axis(0, 0, k)?)?;
+    let mut draws = Vec::with_capacity(k as usize + 1);
+    for i in 0..k {
+        let key = sampler.salted_key(position + i as usize, 2)?;
+        draws.push(mlx::random::categorical(&residual_logits.slice_axis(0, i, i + 1)?, -1, &key)?);
+    }
+    draws.push(mlx::random::categorical(&p_logits.slice_axis(0, k, k + 1)?, -1, &sampler.key(position + k as usize)?)?);
+    let refs: Vec<&Array> = draws.iter().collect();
+    let draws = mlx::ops::concatenate(&refs, 0)?;
+    mlx::eval(&[&p_d, &q_d, &draws])?;
+    let (p_d, q_d, draws) = (p_d.to_vec_f32()?, q_d.to_vec_f32()?, draws.to_vec_i32()?);
+    let mut emitted = Vec::new();
+    for i in 0..k as usize {
+        let u = sampler.uniform(position + i, 1);
+        if u * (q_d[i] as f64) < p_d[i] as f64 {
+            emitted.push(drafts.tokens[i]);
+        } else {
+            emitted.push(draws[i] as u32);
+            return Ok(emitted);
+        }
+    }
+    emitted.push(draws[k as usize] as u32);
+    Ok(emitted)
 }
 
 #[cfg(test)]

@@ -11,17 +11,20 @@
 //! verification is built from tokens already read. While no speculative row expects a draft
 //! the batch steps pipelined as before.
 //!
-//! Which rows may speculate here: native samplers without history penalties, verified
-//! exactly (`Verify::Exact`, or greedy), in a batch without a sampler plugin or a constraint
-//! row (those steps are serial or masked; a speculative row then decodes a token a step, the
-//! same tokens). `Batch::takes_speculation` says whether a request's row qualifies; the
-//! worker decodes the others alone as before.
+//! A `lossless` row (at a temperature) verifies by rejection sampling against its drafts
+//! instead (`decode::verify_lossless`, row by row): the same output distribution, not the same
+//! tokens.
+//!
+//! Which rows may speculate here: native samplers without history penalties, in a batch
+//! without a sampler plugin or a constraint row (those steps are serial or masked; a
+//! speculative row then decodes a token a step, the same tokens). `takes_speculation` says
+//! whether a request's row qualifies; the worker decodes the others alone as before.
 
 use super::{Batch, Row, StepTokens};
-use crate::engine::decode::agreement;
+use crate::engine::decode::{agreement, verify_lossless};
 use crate::engine::sampling::log_softmax;
 use crate::engine::scheduler::{DraftRow, DraftView, Policy};
-use crate::engine::speculative::{Speculation, Verify};
+use crate::engine::speculative::{Drafts, Speculation, Verify};
 use crate::engine::step::Token;
 use anyhow::Result;
 use mlx::{Array, Dtype};
@@ -96,6 +99,12 @@ impl<'m> Row<'m> {
         self.counts
     }
 
+    /// Whether the row verifies by rejection sampling (`Verify::Lossless` at a temperature).
+    fn lossless(&self) -> bool {
+        self.sampler.params().temperature > 0.0
+            && self.speculation.as_ref().is_some_and(|s| s.config.verify == Verify::Lossless)
+    }
+
     /// Whether the row would draft now (its back-off allows it and a draft is likely).
     fn wants_to_draft(&self) -> bool {
         self.speculation.as_ref().is_some_and(|s| s.wants_to_try())
@@ -115,9 +124,8 @@ impl<'m> Row<'m> {
 }
 
 /// Whether a row with these settings may speculate inside a batch (see the module's doc).
-pub fn takes_speculation(speculation: &Speculation<'_>, params: &crate::engine::SamplingParams) -> bool {
-    let exact = speculation.config.verify == Verify::Exact || params.temperature == 0.0;
-    exact && !params.needs_history()
+pub fn takes_speculation(_speculation: &Speculation<'_>, params: &crate::engine::SamplingParams) -> bool {
+    !params.needs_history()
 }
 
 /// Whether `model`'s batch rows can roll back by their own amounts (it batches, and every
@@ -296,23 +304,28 @@ impl<'m> Batch<'m> {
     pub(super) fn speculate(&mut self, policy: Option<&mut (dyn Policy + '_)>) -> Result<Option<StepTokens>> {
         let started = Instant::now();
         let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(self.rows.len());
+        // A lossless row's draft distributions (`None`: chosen deterministically).
+        let mut dists: Vec<Option<Array>> = Vec::with_capacity(self.rows.len());
         for row in &mut self.rows {
             let remaining = row.options.max_tokens.saturating_sub(row.generated);
             let wants = row.wants_to_draft();
-            let tokens = match row.speculation.as_mut().filter(|_| wants) {
+            let lossless = row.lossless();
+            let (tokens, dist) = match row.speculation.as_mut().filter(|_| wants) {
                 Some(spec) => {
                     let k = spec.adaptive.k.min(remaining.saturating_sub(1));
-                    match (k > 0).then(|| spec.drafter.draft(&spec.seq, k, &row.sampler, false)).transpose() {
-                        Ok(d) => d.map(|d| d.tokens).unwrap_or_default(),
+                    match (k > 0).then(|| spec.drafter.draft(&spec.seq, k, &row.sampler, lossless)).transpose() {
+                        Ok(Some(d)) => (d.tokens, d.distributions),
+                        Ok(None) => Default::default(),
                         Err(e) => {
                             row.failed.get_or_insert(e.context("drafting"));
-                            Vec::new()
+                            Default::default()
                         }
                     }
                 }
-                None => Vec::new(),
+                None => Default::default(),
             };
             drafts.push(tokens);
+            dists.push(dist);
         }
         let lens: Vec<usize> = drafts.iter().map(Vec::len).collect();
         let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
@@ -333,8 +346,11 @@ impl<'m> Batch<'m> {
             }
             return Ok(None);
         }
-        for d in &mut drafts {
+        for (d, q) in drafts.iter_mut().zip(&mut dists) {
             d.truncate(t - 1);
+            if let Some(dist) = q.as_mut().filter(|dist| dist.dim(0) > d.len()) {
+                *dist = dist.slice_axis(0, 0, d.len() as i32)?;
+            }
         }
         let b = self.rows.len();
         let mut ids = Vec::with_capacity(b * t);
@@ -394,8 +410,18 @@ impl<'m> Batch<'m> {
         let mut out = Vec::new();
         let mut kept = Vec::with_capacity(b);
         for (i, (row, drafted)) in self.rows.iter_mut().zip(&drafts).enumerate() {
-            let mine = &picks[i * t..(i + 1) * t];
-            let accepted = agreement(drafted, mine);
+            let mut mine = picks[i * t..(i + 1) * t].to_vec();
+            let accepted = if row.lossless() && !drafted.is_empty() {
+                // Rejection sampling against the draft (`decode::verify_lossless`).
+                let at = |j: usize| logprobs.slice_axis(0, (i * t + j) as i32, (i * t + j + 1) as i32);
+                let rows: Vec<Array> = (0..=drafted.len()).map(at).collect::<mlx::Result<_>>()?;
+                let proposal = Drafts { tokens: drafted.clone(), distributions: dists[i].clone() };
+                let emitted = verify_lossless(&row.sampler, &proposal, &rows, row.position)?;
+                mine = emitted.iter().map(|&id| id as i32).collect();
+                emitted.len() - 1
+            } else {
+                agreement(drafted, &mine)
+            };
             let mut told = 0;
             row.counts.steps += 1;
             if let Some(e) = row.failed.take() {
