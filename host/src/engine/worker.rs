@@ -579,18 +579,13 @@ impl Worker {
                 .transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
             let runs = alone && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
-            // A speculative request is a batch row where its rows can roll back alone and its
-            // settings verify there (`batch::takes_speculation`); else it decodes alone.
-            let batched = match &speculation {
-                None => true,
-                Some(s) => {
-                    speculative_rows()
-                        && batch::speculates_in_batch(m.model)
-                        && external.is_none()
-                        && constraint.is_none()
-                        && batch::takes_speculation(s, sampler.params())
-                }
-            };
+            // A speculative request is a batch row where the batch's rows can roll back alone
+            // and it has no sampler plugin or constraint; else it decodes alone.
+            let batched = speculation.is_none()
+                || (speculative_rows()
+                    && batch::speculates_in_batch(m.model)
+                    && external.is_none()
+                    && constraint.is_none());
             let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))

@@ -15,10 +15,10 @@
 //! instead (`decode::verify_lossless`, row by row): the same output distribution, not the same
 //! tokens.
 //!
-//! Which rows may speculate here: native samplers without history penalties, in a batch
+//! Which rows may speculate here: native samplers (penalties and bias included), in a batch
 //! without a sampler plugin or a constraint row (those steps are serial or masked; a
-//! speculative row then decodes a token a step, the same tokens). `takes_speculation` says
-//! whether a request's row qualifies; the worker decodes the others alone as before.
+//! speculative row then decodes a token a step, the same tokens). The worker decodes a
+//! speculative request with a sampler plugin or a constraint alone, as before.
 
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::{agreement, verify_lossless};
@@ -121,11 +121,6 @@ impl<'m> Row<'m> {
             }
         }
     }
-}
-
-/// Whether a row with these settings may speculate inside a batch (see the module's doc).
-pub fn takes_speculation(_speculation: &Speculation<'_>, params: &crate::engine::SamplingParams) -> bool {
-    !params.needs_history()
 }
 
 /// Whether `model`'s batch rows can roll back by their own amounts (it batches, and every
@@ -363,8 +358,9 @@ impl<'m> Batch<'m> {
         let logits = self.model.forward_batch(&input, &mut self.cache)?;
         let vocab = logits.dim(2) as i32;
         let logits = logits.reshape(&[(b * t) as i32, vocab])?;
-        // Logit bias acts on every position alike; history penalties are a plain row's (no
-        // row with them drafts), applied at its one real position.
+        // Logit bias acts on every position alike; history penalties position by position,
+        // each over the row's sequence with the drafts before it (as decoding them one by one
+        // would see it). The padding's positions are left as they are (never read).
         let processed = self.rows.iter().any(|r| r.history.is_some() || !r.sampler.params().logit_bias.is_empty());
         let logits = if processed {
             let mut parts = Vec::with_capacity(b);
@@ -372,10 +368,17 @@ impl<'m> Batch<'m> {
                 let mine = logits.slice_axis(0, (i * t) as i32, ((i + 1) * t) as i32)?;
                 parts.push(match &row.history {
                     Some(h) => {
-                        let h = mlx::ops::concatenate(&[h, &Array::from_i32(&[row.last as i32], &[1])?], 0)?;
-                        let first = row.sampler.process(&mine.slice_axis(0, 0, 1)?, Some(&h))?;
-                        row.history = Some(h);
-                        mlx::ops::concatenate(&[&first, &mine.slice_axis(0, 1, t as i32)?], 0)?
+                        let real = drafts[i].len() + 1;
+                        let fed = input.slice_axis(0, i as i32, i as i32 + 1)?.reshape(&[t as i32])?;
+                        let mut rows = Vec::with_capacity(t);
+                        for j in 0..real as i32 {
+                            let seen = mlx::ops::concatenate(&[h, &fed.slice_axis(0, 0, j + 1)?], 0)?;
+                            rows.push(row.sampler.process(&mine.slice_axis(0, j, j + 1)?, Some(&seen))?);
+                        }
+                        if real < t {
+                            rows.push(mine.slice_axis(0, real as i32, t as i32)?);
+                        }
+                        mlx::ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?
                     }
                     None => row.sampler.process(&mine, None)?,
                 });
@@ -455,6 +458,11 @@ impl<'m> Batch<'m> {
                 row.counts.verifications += 1;
             } else if let Some(spec) = row.speculation.as_mut() {
                 spec.adaptive.plain_token();
+            }
+            if let Some(h) = &row.history {
+                // The fed positions it keeps: its last token and the drafts it committed.
+                let fed = input.slice_axis(0, i as i32, i as i32 + 1)?.reshape(&[t as i32])?;
+                row.history = Some(mlx::ops::concatenate(&[h, &fed.slice_axis(0, 0, told as i32)?], 0)?);
             }
             kept.push(told);
         }
