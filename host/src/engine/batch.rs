@@ -825,7 +825,7 @@ mod tests {
                 .iter()
                 .map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32 * 7) % vocab).collect())
                 .collect();
-            let mut penalized = SamplingParams { frequency_penalty: Some(0.3), ..Default::default() };
+            let mut penalized = SamplingParams { repetition_penalty: Some(1.3), ..Default::default() };
             penalized.logit_bias.insert(5, 2.0);
             let params = [
                 SamplingParams::default(),
