@@ -274,6 +274,9 @@ fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<En
                 "listening beyond this machine without an API key: anyone who can reach the port can use the server; set --api-key"
             );
         }
+        // The handlers are in place before anyone is told the address: a SIGTERM right after
+        // it (a test's, a supervisor's) shuts down gracefully instead of killing the process.
+        let stop_signal = shutdown_signal()?;
         // The address line last: clients (and tests) act on it at once.
         if engine.device == mlx::Device::Cpu {
             eprintln!("host: CPU BLAS: {}", crate::load::device::linked_blas());
@@ -288,7 +291,7 @@ fn serve_until_stopped(config: ServeConfig, state: state::Shared, engine: Arc<En
             max_connections: config.max_connections.max(1),
         };
         serve(listener, routes::app(state), limits, async move {
-                shutdown_signal().await;
+                stop_signal.await;
                 eprintln!("host: shutting down; in-flight requests get {}s to finish", grace.as_secs());
                 tokio::spawn(async move {
                     tokio::time::sleep(grace).await;
@@ -384,20 +387,23 @@ async fn serve(
     graceful.shutdown().await;
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// SIGTERM or Ctrl-C (SIGINT), their handlers installed now (tokio's `ctrl_c()` installs
+/// its own only when first polled); the future ends at the first of them.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            s.recv().await;
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = int.recv() => {},
+            }
+        })
     }
+    #[cfg(not(unix))]
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
