@@ -105,9 +105,10 @@ impl<'m> Row<'m> {
     }
 
     /// Whether the row would go faster as a generation of its own when it is alone
-    /// (`constraint::takes_forced_runs`).
+    /// (`constraint::takes_forced_runs`; a speculative row stays: its drafts verify runs too).
     pub fn takes_forced_runs(&self) -> bool {
-        takes_forced_runs(self.constraint.is_some(), self.external.is_some(), self.sampler.params())
+        self.speculation.is_none()
+            && takes_forced_runs(self.constraint.is_some(), self.external.is_some(), self.sampler.params())
     }
 
     /// The row's sampler, options (`max_tokens` less the tokens it committed) and
@@ -1220,5 +1221,65 @@ mod tests {
         // `decode.rs`'s test; accepting every draft instead would give ~0.9).
         let tv: f64 = plain.iter().zip(&rows).map(|(a, b)| (a - b).abs()).sum::<f64>() / (2.0 * n as f64);
         assert!(tv < 0.3, "total variation {tv}");
+    }
+
+    /// Constrained speculative rows: masked at every drafted position, their committed tokens
+    /// told to the constraint. A row drafted by the model itself (its drafts are what the
+    /// model picks unconstrained) and one by prompt lookup, each under a constraint that
+    /// refuses some of those picks, get their solo tokens under it, beside a plain row; drafts
+    /// were accepted and refused.
+    #[test]
+    fn constrained_speculative_rows_get_their_solo_constrained_tokens() {
+        use crate::engine::constraint::tests::script;
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        let model = models::testing::model("llama", 8).unwrap();
+        let model = model.as_ref();
+        let vocab = model.vocab_size();
+        let eos = vocab as u32 - 1;
+        let prompts: Vec<Vec<u32>> =
+            vec![vec![3, 4, 5, 6, 3, 4, 5, 6, 3, 4], vec![9, 8, 9, 8, 9, 8, 9], vec![1, 2, 40]];
+        // Every position refuses an eighth of the vocabulary (a different eighth each time).
+        let sets: Vec<Vec<u32>> =
+            (0..30u32).map(|i| (0..vocab as u32 - 1).filter(|t| (t + i) % 8 != 0).collect()).collect();
+        let n = 24;
+        let opts = DecodeOptions { max_tokens: n, eos_token_ids: vec![eos], prefill_step_size: 16 };
+        let guard = || Guard::start(&script(sets.clone(), vocab), 0, &[eos], vocab).unwrap();
+        let greedy = SamplingParams::default();
+        let solo = |i: usize, constrained: bool| -> Vec<u32> {
+            let sampler = Sampler::new(greedy.clone(), vocab).unwrap();
+            let hooks = crate::engine::Hooks { constraint: constrained.then(guard), ..Default::default() };
+            let mut g =
+                Generation::start_with(model, model.make_cache(), &prompts[i], sampler, opts.clone(), hooks).unwrap();
+            std::iter::from_fn(|| g.next_token().unwrap()).map(|t| t.id).collect()
+        };
+        let expected = [solo(0, true), solo(1, true), solo(2, false)];
+        assert_ne!(expected[0], solo(0, false), "the constraint changes the output");
+        let mut batch = Batch::new(model);
+        batch.draft_cost = DraftCost::off();
+        let methods = [SpecMethod::Draft, SpecMethod::PromptLookup, SpecMethod::Off];
+        for (i, p) in prompts.iter().enumerate() {
+            let config = SpecConfig { method: methods[i], num_draft_tokens: 4, ..Default::default() };
+            let spec = (methods[i] != SpecMethod::Off).then(|| Speculation::new(config, p, Some(model), 16).unwrap());
+            let sampler = Sampler::new(greedy.clone(), vocab).unwrap();
+            let row = Row::new(i as u64, p, sampler, opts.clone()).unwrap().with_speculation(spec);
+            batch.join(row.with_constraint((i < 2).then(guard)), &prefilled(model, p)).unwrap();
+        }
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut counts = Vec::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                let token = token.unwrap();
+                got.entry(key).or_default().push(token.id);
+                if token.finish.is_some() {
+                    counts.push((key, batch.row(key).unwrap().spec_counts()));
+                    batch.leave(key).unwrap();
+                }
+            }
+        }
+        for (i, want) in expected.iter().enumerate() {
+            assert_eq!(got.get(&(i as u64)), Some(want), "row {i} ({:?})", methods[i]);
+        }
+        let drafted = counts.iter().find(|(k, _)| *k == 0).unwrap().1;
+        assert!(drafted.accepted > 0 && drafted.drafted > drafted.accepted, "{counts:?}");
     }
 }

@@ -578,14 +578,14 @@ impl Worker {
                 .map(|c| Guard::start(c, seed, &options.eos_token_ids, vocab))
                 .transpose()?;
             // Both prefill in the engine loop's chunks (cancellable, interleaved with decoding).
-            let runs = alone && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
+            // (A speculative one stays a batch row: its drafts do what the runs would.)
+            let runs = alone
+                && speculation.is_none()
+                && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
             // A speculative request is a batch row where the batch's rows can roll back alone
-            // and it has no sampler plugin or constraint; else it decodes alone.
+            // and it has no sampler plugin; else it decodes alone.
             let batched = speculation.is_none()
-                || (speculative_rows()
-                    && batch::speculates_in_batch(m.model)
-                    && external.is_none()
-                    && constraint.is_none());
+                || (speculative_rows() && batch::speculates_in_batch(m.model) && external.is_none());
             let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))

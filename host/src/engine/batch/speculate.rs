@@ -15,10 +15,14 @@
 //! instead (`decode::verify_lossless`, row by row): the same output distribution, not the same
 //! tokens.
 //!
-//! Which rows may speculate here: native samplers (penalties and bias included), in a batch
-//! without a sampler plugin or a constraint row (those steps are serial or masked; a
+//! A constrained row's logits are masked at each drafted position (`Guard::draft_masks`:
+//! the drafts accepted tentatively, then rolled back), and its committed tokens are told to
+//! its constraint.
+//!
+//! Which rows may speculate here: native samplers (penalties and bias included, under a
+//! constraint or not), in a batch without a sampler plugin row (its steps are serial; a
 //! speculative row then decodes a token a step, the same tokens). The worker decodes a
-//! speculative request with a sampler plugin or a constraint alone, as before.
+//! speculative request with a sampler plugin alone, as before.
 
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::{agreement, verify_lossless};
@@ -270,10 +274,10 @@ impl<'m> Batch<'m> {
     }
 
     /// Whether the next step should verify drafts: a row expects one, no row makes the batch
-    /// serial or masked, and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
+    /// serial (a sampler plugin), and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
     /// would verify (or a verification is due to keep it measured).
     pub(super) fn wants_speculation(&mut self, policy_chooses: bool) -> bool {
-        if !self.speculates() || self.rows.iter().any(|r| r.external.is_some() || r.constraint.is_some()) {
+        if !self.speculates() || self.rows.iter().any(|r| r.external.is_some()) {
             return false;
         }
         if policy_chooses {
@@ -387,6 +391,29 @@ impl<'m> Batch<'m> {
         } else {
             logits
         };
+        // A constrained row's mask at each drafted position (drafts accepted tentatively,
+        // rolled back), worked out while the forward runs; a draft the constraint refuses
+        // ends the masks there (nothing after it can be accepted).
+        let logits = if self.rows.iter().any(|r| r.constraint.is_some()) {
+            mlx::async_eval(&[&logits])?;
+            let mut masks = vec![None; b * t];
+            for (i, row) in self.rows.iter_mut().enumerate() {
+                let Some(guard) = row.constraint.as_mut() else { continue };
+                match guard.draft_masks(&drafts[i]) {
+                    Ok(mine) => {
+                        for (j, m) in mine.into_iter().enumerate() {
+                            masks[i * t + j] = m;
+                        }
+                    }
+                    Err(e) => {
+                        row.failed.get_or_insert(e.context("the output constraint"));
+                    }
+                }
+            }
+            self.masking.apply(&logits, &masks)?
+        } else {
+            logits
+        };
         let logprobs = log_softmax(&logits)?;
         let picks = if self.rows.iter().all(|r| r.sampler.params().temperature == 0.0) {
             logprobs.argmax(-1, false)?.astype(Dtype::Int32)?
@@ -439,6 +466,10 @@ impl<'m> Batch<'m> {
                 row.position += 1;
                 told += 1;
                 row.committed(id, false);
+                if let Some(Err(e)) = row.constraint.as_mut().map(|g| g.accept(id)) {
+                    out.push((row.key, Err(e.context("the output constraint"))));
+                    break;
+                }
                 let finish = row.options.finish(id, row.generated);
                 let at = (i * t + j) as i32;
                 let logprobs = logprobs.slice_axis(0, at, at + 1)?.squeeze(&[0])?;
