@@ -374,7 +374,7 @@ impl<'m> Batch<'m> {
             None if self.rows.is_empty() => return Ok(Vec::new()),
             None => self.build(None)?,
         };
-        let serial = self.rows.iter().any(|r| r.external.is_some());
+        let serial = self.rows.iter().any(|r| r.external.is_some() || r.constrained_speculation());
         let constrained = self.rows.iter().any(|r| r.constraint.is_some());
         if self.rows.is_empty() || serial {
             return self.read(current);

@@ -109,6 +109,14 @@ impl<'m> Row<'m> {
             && self.speculation.as_ref().is_some_and(|s| s.config.verify == Verify::Lossless)
     }
 
+    /// Whether the row speculates under a constraint: the batch then steps serially (no step
+    /// in flight when a step returns), so every token is looked at for a draft — a
+    /// constraint's matches (JSON's keys, a list's items) are short, there at one token and
+    /// gone at the next, and a pipelined batch sees each token a step late.
+    pub(super) fn constrained_speculation(&self) -> bool {
+        self.constraint.is_some() && self.speculation.is_some()
+    }
+
     /// Whether the row would draft now (its back-off allows it and a draft is likely).
     fn wants_to_draft(&self) -> bool {
         self.speculation.as_ref().is_some_and(|s| s.wants_to_try())
