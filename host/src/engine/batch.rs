@@ -1282,4 +1282,64 @@ mod tests {
         let drafted = counts.iter().find(|(k, _)| *k == 0).unwrap().1;
         assert!(drafted.accepted > 0 && drafted.drafted > drafted.accepted, "{counts:?}");
     }
+
+    /// Plugin-sampled speculative rows: the plugin picks at every drafted position, told each
+    /// pick before the next, and a row keeps its drafts while they equal the picks. A plugin
+    /// picking the top candidate with the model itself drafting (drafts accepted) and one
+    /// picking other candidates with prompt lookup (drafts refused) get what they get alone
+    /// without speculation, beside a plain row; a plugin that fails mid-way with a fallback
+    /// hands its row to native sampling, as alone.
+    #[test]
+    fn plugin_sampled_speculative_rows_get_their_solo_tokens() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        let model = models::testing::model("llama", 6).unwrap();
+        let model = model.as_ref();
+        let prompts: Vec<Vec<u32>> =
+            vec![vec![3, 4, 5, 3, 4, 5, 3], vec![9, 8, 9, 8, 9, 8], vec![1, 2], vec![7, 8, 7, 8]];
+        let n = 16;
+        let greedy = SamplingParams::default();
+        // (top-k the plugin picks from, fails at, falls back) per row; row 2 is plain.
+        let plugins = [Some((1, None)), Some((5, None)), None, Some((1, Some(prompts[3].len() + 6)))];
+        let methods = [SpecMethod::Draft, SpecMethod::PromptLookup, SpecMethod::Off, SpecMethod::Draft];
+        let external = |i: usize| -> Option<Box<dyn ExternalSampler>> {
+            plugins[i].map(|(k, fail_at)| {
+                Box::new(Cycling { k, accepted: Vec::new(), fail_at, fallback: true }) as Box<dyn ExternalSampler>
+            })
+        };
+        let expected: Vec<Vec<u32>> = (0..4)
+            .map(|i| {
+                let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+                let hooks = crate::engine::Hooks { external: external(i), ..Default::default() };
+                let mut g =
+                    Generation::start_with(model, model.make_cache(), &prompts[i], sampler, options(n), hooks).unwrap();
+                std::iter::from_fn(|| g.next_token().unwrap()).map(|t| t.id).collect()
+            })
+            .collect();
+        let mut batch = Batch::new(model);
+        batch.draft_cost = DraftCost::off();
+        for (i, p) in prompts.iter().enumerate() {
+            let config = SpecConfig { method: methods[i], num_draft_tokens: 4, ..Default::default() };
+            let spec = (methods[i] != SpecMethod::Off).then(|| Speculation::new(config, p, Some(model), 16).unwrap());
+            let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+            let row = Row::new(i as u64, p, sampler, options(n)).unwrap().with_external(external(i));
+            batch.join(row.with_speculation(spec), &prefilled(model, p)).unwrap();
+        }
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut counts = HashMap::new();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                let token = token.unwrap();
+                got.entry(key).or_default().push(token.id);
+                if token.finish.is_some() {
+                    counts.insert(key, batch.row(key).unwrap().spec_counts());
+                    batch.leave(key).unwrap();
+                }
+            }
+        }
+        for (i, want) in expected.iter().enumerate() {
+            assert_eq!(got.get(&(i as u64)), Some(want), "row {i} ({:?})", methods[i]);
+        }
+        assert!(counts[&0].accepted > 0, "{counts:?}");
+        assert!(counts[&1].drafted > counts[&1].accepted, "{counts:?}");
+    }
 }

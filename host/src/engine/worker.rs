@@ -582,10 +582,9 @@ impl Worker {
             let runs = alone
                 && speculation.is_none()
                 && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
-            // A speculative request is a batch row where the batch's rows can roll back alone
-            // and it has no sampler plugin; else it decodes alone.
-            let batched = speculation.is_none()
-                || (speculative_rows() && batch::speculates_in_batch(m.model) && external.is_none());
+            // A speculative request is a batch row where the batch's rows can roll back alone;
+            // else it decodes alone.
+            let batched = speculation.is_none() || (speculative_rows() && batch::speculates_in_batch(m.model));
             let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))

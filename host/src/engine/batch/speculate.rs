@@ -26,6 +26,7 @@
 
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::{agreement, verify_lossless};
+use crate::engine::external::pick_external;
 use crate::engine::sampling::log_softmax;
 use crate::engine::scheduler::{DraftRow, DraftView, Policy};
 use crate::engine::speculative::{Drafts, Speculation, Verify};
@@ -105,7 +106,8 @@ impl<'m> Row<'m> {
 
     /// Whether the row verifies by rejection sampling (`Verify::Lossless` at a temperature).
     fn lossless(&self) -> bool {
-        self.sampler.params().temperature > 0.0
+        self.external.is_none()
+            && self.sampler.params().temperature > 0.0
             && self.speculation.as_ref().is_some_and(|s| s.config.verify == Verify::Lossless)
     }
 
@@ -285,7 +287,7 @@ impl<'m> Batch<'m> {
     /// serial (a sampler plugin), and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
     /// would verify (or a verification is due to keep it measured).
     pub(super) fn wants_speculation(&mut self, policy_chooses: bool) -> bool {
-        if !self.speculates() || self.rows.iter().any(|r| r.external.is_some()) {
+        if !self.speculates() {
             return false;
         }
         if policy_chooses {
@@ -423,6 +425,7 @@ impl<'m> Batch<'m> {
             logits
         };
         let logprobs = log_softmax(&logits)?;
+        let processed = logits;
         let picks = if self.rows.iter().all(|r| r.sampler.params().temperature == 0.0) {
             logprobs.argmax(-1, false)?.astype(Dtype::Int32)?
         } else {
@@ -449,7 +452,46 @@ impl<'m> Batch<'m> {
         let mut kept = Vec::with_capacity(b);
         for (i, (row, drafted)) in self.rows.iter_mut().zip(&drafts).enumerate() {
             let mut mine = picks[i * t..(i + 1) * t].to_vec();
-            let accepted = if row.lossless() && !drafted.is_empty() {
+            let accepted = if row.external.is_some() {
+                // The plugin picks position by position, told each pick before the next (as
+                // decoding them one by one would); its picks past the first miss are not asked.
+                let mut emitted = Vec::with_capacity(drafted.len() + 1);
+                for j in 0..=drafted.len() {
+                    let at = (i * t + j) as i32;
+                    let id = match row.external.as_deref_mut() {
+                        Some(x) => match pick_external(
+                            x,
+                            &row.sampler,
+                            &processed.slice_axis(0, at, at + 1)?,
+                            row.position + j,
+                        ) {
+                            Ok(token) => Some(token.item_i32()?),
+                            Err(e) => {
+                                row.external_failed(e);
+                                None
+                            }
+                        },
+                        None => None,
+                    };
+                    if row.failed.is_some() {
+                        break;
+                    }
+                    // After a fallback the row samples natively from here on.
+                    let id = id.unwrap_or(mine[j]);
+                    if let Some(Err(e)) = row.external.as_deref_mut().map(|x| x.accept(&[id as u32])) {
+                        row.external_failed(e);
+                        if row.failed.is_some() {
+                            break;
+                        }
+                    }
+                    emitted.push(id);
+                    if j == drafted.len() || drafted[j] as i32 != id {
+                        break;
+                    }
+                }
+                mine = emitted;
+                mine.len().saturating_sub(1)
+            } else if row.lossless() && !drafted.is_empty() {
                 // Rejection sampling against the draft (`decode::verify_lossless`).
                 let at = |j: usize| logprobs.slice_axis(0, (i * t + j) as i32, (i * t + j + 1) as i32);
                 let rows: Vec<Array> = (0..=drafted.len()).map(at).collect::<mlx::Result<_>>()?;
