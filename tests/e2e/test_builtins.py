@@ -494,9 +494,12 @@ def race_one(server, long_body):
 
 
 def test_the_priority_policy_does_not_pause_a_request_decoding_alone_when_memory_is_short():
-    # As above, but the running request decodes alone (speculation): its state cannot be
-    # dropped and recomputed, and keeping it beside the next could outgrow the budget.
-    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0", "--memory-budget", "800M")
+    # As above, but the running request decodes alone (speculation beside the batch, as on a
+    # model whose sliding or recurrent layers the batch cannot roll back row by row, here by
+    # HOST_SPEC_ROWS=0): its state cannot be dropped and recomputed, and keeping it beside the
+    # next could outgrow the budget.
+    s = Server("--scheduler", "priority", "--prompt-cache-bytes", "0", "--memory-budget", "800M",
+               env={"HOST_SPEC_ROWS": "0"})
     try:
         t = httpx.post(s.url + "/tokenize", json={"messages": LONG}, timeout=30).json()
         # The running request alone may reach the whole budget, so no other fits beside it.

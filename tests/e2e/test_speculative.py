@@ -16,7 +16,10 @@ Q = [{"role": "user", "content": EDIT}]
 @pytest.fixture(scope="module")
 def spec_server():
     draft = os.path.join(os.environ["HOST_TEST_MODELS"], "smollm2-draft8")
-    s = Server("--draft-model", draft, "--speculative", "off", "--prompt-cache-bytes", "256M")
+    # Every draft verified (HOST_DRAFT_COST=off): these tests are about what verification
+    # does, and the cost rule may keep a loaded machine's steps plain (it has tests of its own).
+    s = Server("--draft-model", draft, "--speculative", "off", "--prompt-cache-bytes", "256M",
+               env={"HOST_DRAFT_COST": "off"})
     yield s
     s.stop()
 
