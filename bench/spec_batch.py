@@ -49,8 +49,8 @@ def stream(server, text, max_tokens, speculative):
     """One streamed greedy chat request: (start, end, tokens, text, usage)."""
     body = {"model": server.model, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": text}]}
-    if speculative:
-        body["speculative"] = speculative
+    # "off" for the plain requests: a server with --draft-model speculates unless told not to.
+    body["speculative"] = speculative or "off"
     start, out, usage = time.time(), [], {}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=1800) as r:
         r.raise_for_status()

@@ -336,6 +336,8 @@ impl<'m> Batch<'m> {
             drafts.push(tokens);
             dists.push(dist);
         }
+        // The step is timed from here: what a drafter costs is its own, not the forward's size.
+        let drafted_at = Instant::now();
         let lens: Vec<usize> = drafts.iter().map(Vec::len).collect();
         let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
         let mut t = self.draft_cost.choose(&lens, &survival);
@@ -347,10 +349,14 @@ impl<'m> Batch<'m> {
             t = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         }
         if t == 1 {
-            // Plain is quicker for what these drafts promise: none is verified.
-            for row in self.rows.iter_mut() {
+            // Plain is quicker for what these drafts promise: none is verified, and each row
+            // that drafted backs off as from a miss (a draft model's drafting is not free).
+            for (row, &k) in self.rows.iter_mut().zip(&lens) {
                 if let Some(spec) = row.speculation.as_mut() {
                     spec.drafter.commit(0)?;
+                    if k > 0 {
+                        spec.adaptive.update(k, 0);
+                    }
                 }
             }
             return Ok(None);
@@ -550,7 +556,7 @@ impl<'m> Batch<'m> {
         for c in &mut self.cache {
             c.trim_rows(t, &kept)?;
         }
-        self.draft_cost.timed(b * t, started.elapsed().as_secs_f64());
+        self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
         self.verifications += 1;
         self.verified_drafts += drafts.iter().map(Vec::len).sum::<usize>();
         self.steps += 1;
