@@ -958,6 +958,18 @@ fn caches_with_slack(model: &dyn CausalLm, slack: usize) -> Vec<KvCache> {
     model.make_cache().into_iter().map(|c| c.with_slack(slack)).collect()
 }
 
+/// A row holding `p` but its last token (prefilled alone, sliding layers keeping `slack`)
+/// pushed into `batch`.
+fn push_prefilled(model: &dyn CausalLm, batch: &mut [crate::BatchKvCache], p: &[i32], slack: usize) {
+    let mut cache = caches_with_slack(model, slack);
+    if p.len() > 1 {
+        model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
+    }
+    for (b, c) in batch.iter_mut().zip(&cache) {
+        b.push(c).unwrap();
+    }
+}
+
 /// Rows of different lengths decoded together in a `BatchKvCache` give each row the logits
 /// it gets alone, while rows join (one crossing the cache's 256-position growth step) and
 /// leave, and a row extracted from the batch goes on alone where it left off.
@@ -990,14 +1002,7 @@ fn check_batched_decoding(archs: &[&str], slack: usize) {
         // (prompt index, steps done) per batch row, in row order.
         let mut rows: Vec<(usize, usize)> = Vec::new();
         let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
-            let p = &prompts[i];
-            let mut cache = caches_with_slack(model, slack);
-            if p.len() > 1 {
-                model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
-            }
-            for (b, c) in batch.iter_mut().zip(&cache) {
-                b.push(c).unwrap();
-            }
+            push_prefilled(model, batch, &prompts[i], slack);
             rows.push((i, 0));
         };
         join(&mut batch, &mut rows, 0);
@@ -1063,14 +1068,7 @@ fn ragged_rollback_in_a_batch_gives_every_row_its_solo_logits() {
         let mut batch: Vec<crate::BatchKvCache> = (0..layers).map(|_| Default::default()).collect();
         let mut rows: Vec<(usize, usize)> = Vec::new();
         let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
-            let p = &prompts[i];
-            let mut cache = model.make_cache();
-            if p.len() > 1 {
-                model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
-            }
-            for (b, c) in batch.iter_mut().zip(&cache) {
-                b.push(c).unwrap();
-            }
+            push_prefilled(model, batch, &prompts[i], crate::cache::SLACK);
             rows.push((i, 0));
         };
         join(&mut batch, &mut rows, 0);
