@@ -385,6 +385,38 @@ fn bench_measures_constrained_batches_against_plain_ones_of_the_same_shape() {
     std::fs::remove_file(file).ok();
 }
 
+/// `host bench --batch --speculative`: every row speculates, each run paired with a plain
+/// batch of the same rows; the rows verified drafts; a prompt file alone is refused.
+#[test]
+fn bench_measures_speculative_batches_against_plain_ones() {
+    let file = std::env::temp_dir().join(format!("host-bench-spec-batch-{}.txt", std::process::id()));
+    std::fs::write(&file, "abcabcabcabcabcabcabcabcabcabc").unwrap();
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_host"))
+            .args(["bench", "--device", "cpu", "--json", "--gen", "12", "--runs", "2", "--batch", "1,3", "--model"])
+            .arg(model_dir())
+            .arg("--prompt-file")
+            .arg(&file)
+            .args(extra)
+            .output_within(HANG)
+    };
+    let out = bench(&["--speculative", "prompt-lookup"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.iter().map(|r| r["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
+    for row in &rows {
+        assert_eq!(row["speculative"], "prompt-lookup", "{row}");
+        assert!(row["vs_plain"].as_f64().unwrap() > 0.0 && row["plain_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["verifications"].as_u64().unwrap() > 0 && row["draft_tokens"].as_u64().unwrap() > 0, "{row}");
+        assert!(row["verifications"].as_u64().unwrap() <= row["steps"].as_u64().unwrap(), "{row}");
+    }
+    let refused = bench(&[]);
+    assert!(String::from_utf8_lossy(&refused.stderr)
+        .contains("--batch takes --prompt-file with --constraint or --speculative"));
+    std::fs::remove_file(file).ok();
+}
+
 /// The deadline every run of the binary here has: a child that hangs fails its test, with its
 /// stderr, instead of holding the suite until CI's time limit (a hang at exit did, once).
 #[test]

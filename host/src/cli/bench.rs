@@ -204,6 +204,12 @@ pub struct BatchRow {
     pub step_ms: f64,
     pub plain_step_split_ms: Option<[f64; 5]>,
     pub plain_step_ms: Option<f64>,
+    /// With --speculative (every row speculates; paired with a plain batch as a constraint
+    /// is): the method, and in the first run the steps that verified drafts and the draft
+    /// tokens they verified (summed over rows).
+    pub speculative: Option<&'static str>,
+    pub verifications: Option<usize>,
+    pub draft_tokens: Option<usize>,
 }
 
 /// One batched generation's measurements.
@@ -224,6 +230,9 @@ struct BatchRun {
     masks_applied: usize,
     masks_sent: usize,
     split: crate::engine::batch::StepSplit,
+    /// Speculative rows: the steps that verified drafts, and the draft tokens they verified.
+    verifications: usize,
+    draft_tokens: usize,
 }
 
 impl BatchRun {
@@ -241,6 +250,7 @@ fn run_batch(
     prompts: &[Vec<u32>],
     gen: &[usize],
     constraint: Option<(&crate::engine::ConstraintSpec, &[u32])>,
+    speculative: Option<(&SpecConfig, Option<&dyn models::CausalLm>)>,
 ) -> Result<BatchRun> {
     use crate::engine::batch::{Batch, Row as BatchRowState};
     let started = Instant::now();
@@ -254,7 +264,11 @@ fn run_batch(
             .map(|(c, eos)| crate::engine::Guard::start(c, key as u64, eos, model.vocab_size()))
             .transpose()?;
         let options = DecodeOptions { max_tokens: gen, eos_token_ids: eos, ..Default::default() };
-        batch.join(BatchRowState::new(key as u64, ids, sampler, options)?.with_constraint(guard), &cache)?;
+        let speculation = speculative
+            .map(|(config, draft)| crate::engine::Speculation::new(config.clone(), ids, draft, 2048))
+            .transpose()?;
+        let row = BatchRowState::new(key as u64, ids, sampler, options)?.with_constraint(guard);
+        batch.join(row.with_speculation(speculation), &cache)?;
     }
     let mut run = BatchRun {
         ttft: 0.0,
@@ -268,6 +282,8 @@ fn run_batch(
         masks_applied: 0,
         masks_sent: 0,
         split: Default::default(),
+        verifications: 0,
+        draft_tokens: 0,
     };
     let mut first = None;
     while !batch.is_empty() {
@@ -291,6 +307,7 @@ fn run_batch(
     }
     let end = Instant::now();
     let first = first.unwrap_or(end);
+    (run.verifications, run.draft_tokens) = batch.verified();
     run.merged_steps = batch.merged_steps();
     (run.masks_applied, run.masks_sent) = batch.mask_counts();
     run.split = batch.split();
@@ -306,11 +323,13 @@ fn run_batches(args: &Args) -> Result<()> {
     if args.batch.contains(&0) || args.gen < 2 || args.runs == 0 || args.prompt_lengths.contains(&0) {
         bail!("every --batch size must be at least 1, --gen at least 2, --runs at least 1 and every prompt length at least 1");
     }
-    if args.spec.config()?.method != SpecMethod::Off {
-        bail!("--batch measures batched decoding without speculation; leave out --speculative");
-    }
-    if args.constraint.is_some() != args.prompt_file.is_some() {
+    let spec = args.spec.config()?;
+    let speculating = spec.method != SpecMethod::Off;
+    if args.constraint.is_some() && args.prompt_file.is_none() {
         bail!("--batch takes --constraint and --prompt-file together (constrained rows answer the prompt, row i with \"(#i)\" appended) or neither (random prompts)");
+    }
+    if args.prompt_file.is_some() && args.constraint.is_none() && !speculating {
+        bail!("--batch takes --prompt-file with --constraint or --speculative (each paired with a plain batch); leave it out for random prompts");
     }
     let structure = args.constraint.as_deref().map(read_constraint).transpose()?;
     let text = match &args.prompt_file {
@@ -338,11 +357,14 @@ fn run_batches(args: &Args) -> Result<()> {
             .collect(),
     };
     let eos = loaded.info.eos_token_ids.clone();
+    let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let compiled = match &structure {
         Some(c) => Some(compile_constraint(c, loaded.tokenizer, &loaded.info)?.0),
         None => None,
     };
     let constraint = compiled.as_ref().map(|c| (c, eos.as_slice()));
+    let speculative = speculating.then(|| (&spec, draft.as_ref().map(|d| d.model.as_ref())));
+    let paired = constraint.is_some() || speculative.is_some();
     let model = loaded.model.as_ref();
     if !args.json {
         eprintln!("host bench --batch: {name} on {device} (mlx {}), {} runs per row", mlx::version(), args.runs);
@@ -352,11 +374,14 @@ fn run_batches(args: &Args) -> Result<()> {
         for &b in &args.batch {
             let prompts = &all[..b];
             let t = Instant::now();
-            run_batch(model, prompts, &vec![args.gen.min(16); b], None)?;
+            run_batch(model, prompts, &vec![args.gen.min(16); b], None, speculative)?;
             // Held to a constraint, a warm-up at full length gives the rows' lengths: the
             // plain batch paired with each run runs every row to its constrained length, so
-            // both have as many rows at every step.
-            let shape = constraint.map(|c| run_batch(model, prompts, &vec![args.gen; b], Some(c))).transpose()?;
+            // both have as many rows at every step. Speculative rows run to --gen, as plain.
+            let shape = match constraint {
+                Some(c) => Some(run_batch(model, prompts, &vec![args.gen; b], Some(c), speculative)?.lengths),
+                None => paired.then(|| vec![args.gen; b]),
+            };
             let warmup_s = t.elapsed().as_secs_f64();
             let (mut ttft, mut decode, mut peak, mut firsts) = (Vec::new(), Vec::new(), 0, None);
             let (mut plain_decode, mut ratios, mut first_plain) = (Vec::new(), Vec::new(), None);
@@ -364,9 +389,9 @@ fn run_batches(args: &Args) -> Result<()> {
             for i in 0..args.runs {
                 mlx::memory::reset_peak();
                 // Paired: plain first in even runs, second in odd ones.
-                let plain_run = || shape.as_ref().map(|s| run_batch(model, prompts, &s.lengths, None)).transpose();
+                let plain_run = || shape.as_ref().map(|s| run_batch(model, prompts, s, None, None)).transpose();
                 let mut plain = if i % 2 == 0 { plain_run()? } else { None };
-                let r = run_batch(model, prompts, &vec![args.gen; b], constraint)?;
+                let r = run_batch(model, prompts, &vec![args.gen; b], constraint, speculative)?;
                 if plain.is_none() {
                     plain = plain_run()?;
                 }
@@ -383,6 +408,7 @@ fn run_batches(args: &Args) -> Result<()> {
             let first = firsts.expect("at least one run");
             let (ttft, decode_tps) = (median(ttft), median(decode));
             let held = |v: f64| structure.as_ref().map(|_| v);
+            let speculated = |v: usize| speculative.map(|_| v);
             let row = BatchRow {
                 model: name.clone(),
                 device: device.to_string(),
@@ -398,12 +424,15 @@ fn run_batches(args: &Args) -> Result<()> {
                 warmup_s,
                 constraint: structure.as_ref().map(BenchConstraint::kind),
                 mean_row_tokens: held(first.lengths.iter().sum::<usize>() as f64 / b as f64),
-                plain_decode_tps: structure.as_ref().map(|_| median(plain_decode)),
-                vs_plain: structure.as_ref().map(|_| median(ratios)),
+                plain_decode_tps: paired.then(|| median(plain_decode)),
+                vs_plain: paired.then(|| median(ratios)),
+                speculative: speculative.map(|_| spec.method.as_str()),
+                verifications: speculated(first.verifications),
+                draft_tokens: speculated(first.draft_tokens),
                 mask_ms: held(per_step(first.mask_secs, first.masks)),
                 mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
                 merged_steps: structure.as_ref().map(|_| first.merged_steps),
-                steps: structure.as_ref().map(|_| first.steps),
+                steps: paired.then_some(first.steps),
                 masks_applied: structure.as_ref().map(|_| first.masks_applied),
                 masks_sent: structure.as_ref().map(|_| first.masks_sent),
                 step_split_ms: first.split.per_step_ms(),
@@ -434,6 +463,19 @@ fn run_batches(args: &Args) -> Result<()> {
             );
         }
         let split = |s: &[f64; 5]| s.map(|v| format!("{v:.3}")).join("/");
+        for r in rows.iter().filter(|r| r.speculative.is_some() && r.constraint.is_none()) {
+            println!(
+                "batch {}, every row speculating ({}): {:.2}x a plain batch of the same rows in this process (median of {} pairs; plain {:.1} tok/s); {} of {} steps verified drafts, {} draft tokens",
+                r.batch,
+                r.speculative.unwrap_or_default(),
+                r.vs_plain.unwrap_or_default(),
+                r.runs,
+                r.plain_decode_tps.unwrap_or_default(),
+                r.verifications.unwrap_or_default(),
+                r.steps.unwrap_or_default(),
+                r.draft_tokens.unwrap_or_default(),
+            );
+        }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {
             println!(
                 "batch {}, every row held to the {} constraint: {:.2}x a plain batch of the same lengths in this process (median of {} pairs; plain {:.1} tok/s); {:.0} tokens a row; {:.3} ms per mask, {:.3} ms of masks per step; {} of {} steps merged; {} of {} masks sent to the device; a step {:.3} ms, build/dispatch/wait/tell/pick {} (plain: {:.3} ms, {})",
