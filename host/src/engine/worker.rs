@@ -308,6 +308,13 @@ impl Worker {
             self.stats.batch_verifications.store(verifications, Ordering::Relaxed);
             self.stats.batch_draft_tokens.store(drafted, Ordering::Relaxed);
         }
+        // Stopped (shutdown, or the queue closed): no MLX work of a request outlives this
+        // thread. A prefill's chunk is started before the one after it is built, so an
+        // abandoned prefill could leave one running; the process then exited under it
+        // (SIGSEGV in CI's orphaned-prefill shutdown test), as `Generation`'s `Drop` says.
+        if let Err(e) = mlx::synchronize() {
+            tracing::warn!("waiting for the engine's last device work: {e:#}");
+        }
     }
 
     /// Starts waiting requests, in the queue's order, while a slot is free and (when the
