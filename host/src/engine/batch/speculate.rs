@@ -287,7 +287,8 @@ impl<'m> Batch<'m> {
     /// serial (a sampler plugin), and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
     /// would verify (or a verification is due to keep it measured).
     pub(super) fn wants_speculation(&mut self, policy_chooses: bool) -> bool {
-        if !self.speculates() {
+        // Asked every step: a batch without a speculative row allocates nothing here.
+        if !self.speculates() || self.rows.iter().all(|r| r.speculation.is_none()) {
             return false;
         }
         if policy_chooses {
