@@ -26,8 +26,10 @@
 //! compacted in one gather (the cost of a buffer's growth, paid once per many steps).
 //! Chosen over keeping the rows right-aligned by shifting each row after every verification
 //! (a copy of the row's whole KV per step) and over a left-aligned layout (per-row scattered
-//! writes in every plain step). Holes are for attention layers of full reach: a
-//! sliding-window or recurrent layer refuses a ragged trim.
+//! writes in every plain step). Holes are for attention layers: a recurrent layer refuses a
+//! ragged trim. A sliding layer's rows with holes hold their last `window` positions in more
+//! than `window` columns, so it masks its window by position (`key_distance`) and holes are
+//! compacted before they outgrow the columns its cache keeps beyond the window.
 //!
 //! A sliding-window layer's batch is bounded as its rows' caches are: the buffer's columns
 //! are numbered from the first ever written, and the buffer holds columns `start..width`
@@ -54,9 +56,14 @@ pub struct BatchKvCache {
 }
 
 /// Holes past which a batch is compacted: this many columns in one row (or an eighth of the
-/// buffer's width, if more), or a quarter of the columns held over all rows. A hole costs a
-/// masked column of attention; a compaction a copy of the buffers.
+/// buffer's width, if more, up to [`MAX_HOLES`]), or a quarter of the columns held over all
+/// rows. A hole costs a masked column of attention; a compaction a copy of the buffers.
 const COMPACT_HOLES: usize = 32;
+
+/// The most hole columns a row keeps after a trim. A sliding layer's row must find its last
+/// `window` positions among the columns its cache keeps (`window - 1 +` [`SLACK`] of them), so
+/// its holes stay well inside the slack. The same for every layer, so all compact together.
+const MAX_HOLES: usize = 64;
 
 impl Default for BatchKvCache {
     fn default() -> Self {
@@ -154,6 +161,11 @@ impl BatchKvCache {
         self.holes[row].iter().map(|(a, b)| b - a).sum()
     }
 
+    /// Whether this is a sliding-window layer's batch.
+    pub fn is_windowed(&self) -> bool {
+        self.buffer.is_windowed()
+    }
+
     /// Whether any row has holes.
     pub fn has_holes(&self) -> bool {
         self.holes.iter().any(|h| !h.is_empty())
@@ -227,9 +239,9 @@ impl BatchKvCache {
     /// After a forward of `added` positions per row: row r keeps the first `kept[r]` of them
     /// (its committed tokens; a speculative row's rejected drafts go). The buffer is cut to
     /// the row that kept most; the others' rejected columns become holes (compacted once
-    /// they gather, `COMPACT_HOLES`). Attention layers of full reach only: a sliding-window
-    /// or recurrent layer cannot leave holes (an error), nor can a batch mirrored to
-    /// tensor-parallel ranks yet.
+    /// they gather, `COMPACT_HOLES`). Attention layers only: a recurrent layer cannot leave
+    /// holes (an error). Recorded for tensor-parallel peers,
+    /// which repeat it on their shards (the same holes, compacted at the same step).
     pub fn trim_rows(&mut self, added: usize, kept: &[usize]) -> Result<()> {
         if kept.len() != self.rows() || kept.iter().any(|&k| k > added) || added > self.width() {
             return Err(Error::Invalid(format!(
@@ -240,15 +252,16 @@ impl BatchKvCache {
             )));
         }
         let most = kept.iter().copied().max().unwrap_or(0);
-        if kept.iter().all(|&k| k == most) {
+        let uniform = kept.iter().all(|&k| k == most);
+        if !uniform && !self.ragged() {
+            return Err(Error::Invalid(
+                "rows of this batch cannot roll back by different amounts: a recurrent layer".into(),
+            ));
+        }
+        record(CacheOp::BatchTrim { batch: self.id, added, kept: kept.to_vec() });
+        if uniform {
             self.buffer.trim(added - most);
             return Ok(());
-        }
-        if !self.ragged() {
-            return Err(Error::Invalid(
-                "rows of this batch cannot roll back by different amounts: a sliding-window or recurrent layer, or a tensor-parallel batch"
-                    .into(),
-            ));
         }
         self.buffer.trim(added - most);
         let end = self.width();
@@ -264,15 +277,49 @@ impl BatchKvCache {
         }
         let in_holes: usize = (0..self.rows()).map(|r| self.hole_columns(r)).sum();
         let worst = (0..self.rows()).map(|r| self.hole_columns(r)).max().unwrap_or(0);
-        if worst >= COMPACT_HOLES.max(self.width() / 8) || in_holes * 4 >= self.width() * self.rows() {
+        if worst >= (self.width() / 8).clamp(COMPACT_HOLES, MAX_HOLES) || in_holes * 4 >= self.width() * self.rows() {
             self.compact()?;
         }
         Ok(())
     }
 
-    /// Whether this batch's rows may roll back by different amounts (`trim_rows`).
+    /// Whether this batch's rows may roll back by different amounts (`trim_rows`): attention
+    /// layers (a sliding one masks its window by each row's positions, `key_distance`), not a
+    /// recurrent one, whose state cannot go back.
     pub fn ragged(&self) -> bool {
-        !self.buffer.is_recurrent() && !self.buffer.is_windowed() && !crate::cache::mirroring()
+        !self.buffer.is_recurrent()
+    }
+
+    /// For a forward of `len` new positions per row: each new query's position less each key
+    /// column's (int32 `[B, 1, len, width + len - start]`, the columns `mask_for` masks), which a
+    /// sliding layer compares with its window. A row's columns are its positions in order, but
+    /// for padding and holes (their values are of no use: the mask hides them).
+    pub fn key_distance(&self, len: usize) -> Result<Array> {
+        let (b, from, width) = (self.rows(), self.start(), self.width());
+        let n = width + len - from;
+        let mut at = vec![0i32; b * n];
+        for (r, row) in at.chunks_mut(n.max(1)).enumerate().take(b) {
+            // Walking back from the newest held column: the positions count down from len - 1.
+            let mut next = self.len(r) as i32;
+            let mut holes = self.holes[r].iter().rev().peekable();
+            for c in (from..width).rev() {
+                while holes.peek().is_some_and(|&&(a, _)| a > c) {
+                    holes.next();
+                }
+                let in_hole = holes.peek().is_some_and(|&&(a, z)| a <= c && c < z);
+                if !in_hole && c >= self.left_padding[r] {
+                    next -= 1;
+                }
+                row[c - from] = next;
+            }
+            for (j, slot) in row[width - from..].iter_mut().enumerate() {
+                *slot = self.len(r) as i32 + j as i32;
+            }
+        }
+        let keys = Array::from_i32(&at, &[b, 1, 1, n])?;
+        let lens: Vec<i32> = (0..b).flat_map(|r| (0..len).map(move |i| (self.len(r) + i) as i32)).collect();
+        let queries = Array::from_i32(&lens, &[b, 1, len, 1])?;
+        Ok(queries.subtract(&keys)?)
     }
 
     /// Each row's held columns, in order: past its padding, outside its holes.
@@ -303,17 +350,25 @@ impl BatchKvCache {
         let rows = self.rows();
         let lens: Vec<usize> = (0..rows).map(|r| self.len(r)).collect();
         let width = lens.iter().copied().max().unwrap_or(0);
-        let mut index = vec![0i32; rows * width];
-        for (r, out) in index.chunks_mut(width.max(1)).enumerate().take(rows) {
-            let cols = self.row_columns(r);
-            out[width - cols.len()..].copy_from_slice(&cols);
+        // A sliding layer whose oldest positions are gone holds fewer columns than positions:
+        // each row's held ones end the new buffer, which starts `held` columns before its end.
+        // A row holding fewer than the widest gets, before its own, copies of its first
+        // column: positions older than its window keeps (it held its window and the slack
+        // less its holes, `MAX_HOLES`), which no query of it sees.
+        let columns: Vec<Vec<i32>> = (0..rows).map(|r| self.row_columns(r)).collect();
+        let held = columns.iter().map(Vec::len).max().unwrap_or(0);
+        let mut index = vec![0i32; rows * held];
+        for (out, cols) in index.chunks_mut(held.max(1)).zip(&columns) {
+            let fill = cols.first().copied().unwrap_or(0);
+            out[..held - cols.len()].fill(fill);
+            out[held - cols.len()..].copy_from_slice(cols);
         }
-        let index = Array::from_i32(&index, &[rows, 1, width, 1])?;
+        let index = Array::from_i32(&index, &[rows, 1, held, 1])?;
         let gather = |a: &Array| -> Result<Array> {
-            let shape = [rows as i32, a.dim(1) as i32, width as i32, a.dim(3) as i32];
+            let shape = [rows as i32, a.dim(1) as i32, held as i32, a.dim(3) as i32];
             Ok(a.take_along_axis(&index.broadcast_to(&shape)?, 2)?)
         };
-        self.buffer = self.buffer.with_buffer(gather(&k)?, gather(&v)?, 0, width);
+        self.buffer = self.buffer.with_buffer(gather(&k)?, gather(&v)?, width - held, width);
         self.left_padding = lens.iter().map(|&l| width - l).collect();
         self.holes.iter_mut().for_each(Vec::clear);
         Ok(())
@@ -434,7 +489,9 @@ impl BatchKvCache {
                 let r = row as i32;
                 let take =
                     |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, r, r + 1)?.take(&index, 2)?.contiguous()?) };
-                self.buffer.with_buffer(take(&k)?, take(&v)?, 0, cols.len())
+                // A sliding layer's oldest positions may be gone: the row holds its last ones.
+                let len = self.len(row);
+                self.buffer.with_buffer(take(&k)?, take(&v)?, len - cols.len(), len)
             }
             Some((k, v)) => {
                 let (pad, start) = (self.left_padding[row], self.start());

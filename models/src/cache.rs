@@ -104,9 +104,9 @@ static LOG: Mutex<Vec<CacheOp>> = Mutex::new(Vec::new());
 
 /// What happened to caches since the last [`take_ops`], for a tensor-parallel peer that
 /// keeps the same caches (its shard of every layer) by id. Appends need no entry (the peer
-/// runs the same forward) and neither do trims (each forward carries the offsets it starts
-/// from); copies and frees do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// runs the same forward) and neither do a sequence's trims (each forward carries the offsets
+/// it starts from); copies, frees and a batch's joins, leaves and trims do.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CacheOp {
     /// Cache `to` starts as a copy of cache `from`.
     Clone { from: u64, to: u64 },
@@ -119,16 +119,14 @@ pub enum CacheOp {
     BatchRemove { batch: u64, row: usize },
     /// Cache `to` starts as a copy of row `row` of batch cache `batch`.
     BatchExtract { batch: u64, row: usize, to: u64 },
+    /// Batch cache `batch` rolls back after a forward of `added` positions per row, row r
+    /// keeping `kept[r]` of them (`BatchKvCache::trim_rows`).
+    BatchTrim { batch: u64, added: usize, kept: Vec<usize> },
 }
 
 /// Starts recording [`CacheOp`]s (rank 0 of a tensor-parallel group does).
 pub fn mirror() {
     MIRRORING.store(true, Ordering::SeqCst);
-}
-
-/// Whether cache operations are being recorded for tensor-parallel peers.
-pub(crate) fn mirroring() -> bool {
-    MIRRORING.load(Ordering::Relaxed)
 }
 
 /// The operations recorded since the last call.

@@ -294,7 +294,7 @@ impl Attention {
                 return Err(Error::Invalid("a KV-shared Gemma 4 layer ran without the keys it shares".into()))
             }
         };
-        let o = llama::attend(&q, &k, &v, 1.0, mask, self.window, None)?;
+        let o = llama::attend(&q, &k, &v, 1.0, mask, self.window, None, at)?;
         let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         Ok((self.o_proj.forward(&o)?, (k, v)))
     }

@@ -350,7 +350,7 @@ impl Rope {
     pub fn forward_at(&self, x: &Array, at: &Positions<'_>) -> Result<Array> {
         match at {
             Positions::From(offset) => self.forward(x, *offset),
-            Positions::Rows(offsets) => Ok(match self {
+            Positions::Rows(offsets) | Positions::Ragged { offsets, .. } => Ok(match self {
                 Rope::Default { dims, traditional, base, scale } => {
                     fast::rope_rows(x, *dims, *traditional, *base, *scale, offsets)?
                 }
@@ -384,6 +384,14 @@ impl Rope {
 pub enum Positions<'a> {
     From(usize),
     Rows(&'a Array),
+    /// As `Rows`, for a batch whose key columns are not each row's positions in one run (rows
+    /// with holes, or several new positions per row) and a model with sliding layers:
+    /// `distance` (int32 `[B, 1, L, keys]`) is each new query's position less each key
+    /// column's, which a sliding layer masks by (`BatchKvCache::key_distance`).
+    Ragged {
+        offsets: &'a Array,
+        distance: &'a Array,
+    },
 }
 
 /// `x` with its first `dims` features multiplied by `scale` (YaRN's `x.at[..., :dims].multiply`).

@@ -255,7 +255,7 @@ fn query_scale(beta: f32, original: f32, l: i32, at: &Positions, dtype: mlx::Dty
     let steps = Array::arange(0.0, l as f64, 1.0, f32)?;
     let pos = match at {
         Positions::From(offset) => steps.add(&Array::scalar(*offset as f32, f32)?)?.reshape(&[l, 1])?,
-        Positions::Rows(offsets) => {
+        Positions::Rows(offsets) | Positions::Ragged { offsets, .. } => {
             let rows = offsets.astype(f32)?.reshape(&[-1, 1])?.add(&steps)?;
             rows.reshape(&[rows.dim(0) as i32, 1, l, 1])?
         }
@@ -380,7 +380,7 @@ impl Attention {
             Some(s) => q.multiply(s)?,
             None => q,
         };
-        let o = attend(&q, &k, &v, self.scale, mask, self.window, self.sinks.as_ref())?;
+        let o = attend(&q, &k, &v, self.scale, mask, self.window, self.sinks.as_ref(), at)?;
         let mut o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         if let Some(gate) = gate {
             o = o.multiply(&gate.sigmoid()?)?;
@@ -391,7 +391,8 @@ impl Attention {
 
 /// Scaled dot-product attention of `q` over the keys and values a layer's cache gave back,
 /// under the forward's `mask` (a batch's padding mask cut to the columns held), over the last
-/// `window` positions for a sliding layer.
+/// `window` positions for a sliding layer (by the keys' distances where `at` gives them).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend(
     q: &Array,
     k: &Array,
@@ -400,7 +401,19 @@ pub(crate) fn attend(
     mask: &Mask<'_>,
     window: Option<usize>,
     sinks: Option<&Array>,
+    at: &Positions,
 ) -> Result<Array> {
+    if let (Some(window), Positions::Ragged { distance, .. }) = (window, at) {
+        // A row's last `window` positions are not its last `window` columns here: the mask
+        // takes the keys each query is near by position, over every key the layer holds.
+        let n = k.dim(2);
+        let near = last_keys(distance, n)?.less(&Array::scalar(window as f32, Dtype::Int32)?)?;
+        let visible = match mask {
+            Mask::Array(m) => last_keys(m, n)?.logical_and(&near)?,
+            _ => near,
+        };
+        return attention(q, k, v, scale, Mask::Array(&visible), sinks);
+    }
     match window {
         Some(window) if k.dim(2) > window => windowed_attention(q, k, v, scale, mask, window, sinks),
         _ => match mask {
@@ -477,8 +490,10 @@ pub(crate) enum StepInputs {
     /// explicit causal mask (`layers::short_query`), else mlx-lm's choice.
     Sequence { len: usize, offset: usize, short: Option<Array> },
     /// New tokens per row of a batch (one, or a speculative step's several): each row's
-    /// offset, and the mask of the rows' padding and holes (causal over several new ones).
-    Batch { offsets: Array, padding: Option<Array> },
+    /// offset, and the mask of the rows' padding and holes (causal over several new ones);
+    /// with sliding layers and holes or several new positions, the keys' distances from the
+    /// queries (`Positions::Ragged`).
+    Batch { offsets: Array, padding: Option<Array>, distance: Option<Array> },
 }
 
 impl StepInputs {
@@ -492,12 +507,13 @@ impl StepInputs {
     /// mask, from the layer's cache that holds the most columns (a full-attention one, where
     /// sliding layers drop their oldest; a recurrent layer's only if there is no other);
     /// `tokens` `[B, T]`: T new positions per row, more than one only where every layer may
-    /// leave holes (`BatchKvCache::ragged`: a speculative step's).
+    /// leave holes (`BatchKvCache::ragged`: a speculative step's). Where a sliding layer's row
+    /// may not hold its positions in one run (holes, or several new ones), the distances too.
     pub(crate) fn batch(tokens: &Array, cache: &[BatchKvCache]) -> Result<StepInputs> {
         let several = tokens.ndim() == 2 && tokens.dim(1) > 1;
         if tokens.ndim() != 2 || tokens.dim(1) == 0 || (several && !cache.iter().all(BatchKvCache::ragged)) {
             return Err(crate::Error::Invalid(format!(
-                "a batch forward takes one token per row, [B, 1] (several only where every layer attends over all its keys); got shape {:?}",
+                "a batch forward takes one token per row, [B, 1] (several only where no layer is recurrent); got shape {:?}",
                 tokens.shape()
             )));
         }
@@ -505,7 +521,10 @@ impl StepInputs {
             .iter()
             .min_by_key(|c| (c.is_recurrent(), c.start()))
             .ok_or_else(|| crate::Error::Invalid("a batch forward needs a cache".into()))?;
-        Ok(StepInputs::Batch { offsets: widest.offsets()?, padding: widest.mask_for(tokens.dim(1))? })
+        let len = tokens.dim(1);
+        let sliding = cache.iter().any(|c| c.is_windowed());
+        let distance = (sliding && (len > 1 || widest.has_holes())).then(|| widest.key_distance(len)).transpose()?;
+        Ok(StepInputs::Batch { offsets: widest.offsets()?, padding: widest.mask_for(len)?, distance })
     }
 
     pub(crate) fn mask(&self) -> Mask<'_> {
@@ -518,7 +537,8 @@ impl StepInputs {
     pub(crate) fn positions(&self) -> Positions<'_> {
         match self {
             StepInputs::Sequence { offset, .. } => Positions::From(*offset),
-            StepInputs::Batch { offsets, .. } => Positions::Rows(offsets),
+            StepInputs::Batch { offsets, distance: None, .. } => Positions::Rows(offsets),
+            StepInputs::Batch { offsets, distance: Some(distance), .. } => Positions::Ragged { offsets, distance },
         }
     }
 }

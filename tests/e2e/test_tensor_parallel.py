@@ -3,7 +3,10 @@ one process per rank, MLX's ring backend over loopback) answers like one rank �
 prompt cache (a follow-up turn reuses the cached prefix on every rank) and speculative
 decoding (rollbacks trim every rank's cache) and with concurrent requests decoded as one batch
 (the batch's joins and leaves mirrored on every rank) — and a rank that dies stops the server
-with a message naming it instead of hanging."""
+with a message naming it instead of hanging. On 2 ranks (a tiny model whose heads divide by
+2), speculative rows — prompt lookup, a draft model, constrained and plugin-sampled — verify
+inside the batch beside plain rows, rolling back by their own amounts on every rank, and
+each answers what it answers alone."""
 import concurrent.futures
 import os
 import signal
@@ -74,3 +77,56 @@ def test_three_ranks_serve_like_one_and_a_dead_rank_stops_the_server():
         assert any("tensor-parallel rank" in line and "exited" in line for line in tp.log), tp.log[-5:]
     finally:
         tp.stop()
+
+
+def test_two_ranks_verify_speculative_rows_in_the_batch_and_each_answers_as_alone():
+    tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
+    # The draft model is the target itself (on rank 0 only): its rows accept every draft while
+    # prompt lookup's are mostly rejected by the random model, so rows keep different amounts.
+    s = Server("--tensor-parallel", "2", "--draft-model", tiny, "--prompt-cache-bytes", "0",
+               model=tiny, env={"HOST_DRAFT_COST": "off"})
+    try:
+        def metrics():
+            text = httpx.get(s.url + "/metrics").text
+            return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith(("host_spec_", "host_batch_size_bucket"))}
+
+        loop = "one two three four one two three four one two three four one two"
+        asks = [
+            (loop, "prompt-lookup", {}),
+            ("red green blue red green blue red green blue red green", "prompt-lookup", {}),
+            ("The quick brown fox", "draft", {}),
+            (loop + " three", "prompt-lookup", {"regex": "[a-z ]{1,60}"}),
+            ("a b c a b c a b c a b c a b", "prompt-lookup",
+             {"plugins": {"sampler": {"name": "mirostat", "config": {"tau": 8.0}}}, "temperature": 1.0, "seed": 7}),
+            ("Hello there, how are", "off", {}),
+            (loop + " three four", "prompt-lookup", {"temperature": 0.8, "seed": 3}),
+        ]
+
+        def one(a, speculative=None):
+            prompt, method, extra = a
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, **extra,
+                    "speculative": speculative or method}
+            r = httpx.post(s.url + "/v1/completions", timeout=300, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        alone = [one(a, "off")["choices"][0]["text"] for a in asks]
+        before = metrics()
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            together = list(pool.map(one, asks))
+        after = metrics()
+        assert [r["choices"][0]["text"] for r in together] == alone
+        spec = [(a[0], r["usage"].get("speculative"), r["choices"][0]["text"]) for r, a in zip(together, asks)]
+        assert all(u["drafted_tokens"] > 0 for (_, u, _), a in zip(spec, asks) if a[1] != "off"), spec
+        assert after["host_spec_batch_verifications_total"] > before["host_spec_batch_verifications_total"]
+        # Rollbacks happened: prompt lookup's drafts were partly rejected while the draft
+        # model's were all accepted, in the same verifications.
+        drafted, accepted = ('host_spec_drafter_%s_tokens_total{drafter="%s"}' % (k, d)
+                             for k, d in [("drafted", "prompt-lookup"), ("accepted", "prompt-lookup")])
+        assert after[drafted] - before[drafted] > after[accepted] - before[accepted]
+        one_row, all_rows = 'host_batch_size_bucket{le="1"}', 'host_batch_size_bucket{le="+Inf"}'
+        assert after[all_rows] - after[one_row] > before[all_rows] - before[one_row]
+        assert s.alive()
+    finally:
+        s.stop()

@@ -115,7 +115,8 @@ impl Waiting<'_> {
 
 /// Where a running request's tokens come from.
 enum Source<'m> {
-    /// Decoded alone: speculation, or a model that does not batch (tensor parallelism).
+    /// Decoded alone: speculation the batch cannot verify (sliding-window or recurrent layers),
+    /// a constrained request running alone (forced runs), or a model that does not batch.
     Solo(Box<Generation<'m>>),
     /// Its prompt being prefilled into `cache` in chunks between the batch's steps (`todo`
     /// is what is left of it, but the last token; a request that leaves stops it between

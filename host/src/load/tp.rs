@@ -41,10 +41,9 @@ static CLOSING: AtomicBool = AtomicBool::new(false);
 /// One forward step, as rank 0 sends it to the workers.
 #[derive(Debug, Serialize, Deserialize)]
 struct Step {
-    /// Cache operations since the last step (`CacheOp`): `[0, from, to, 0]` a copy, `[1, id,
-    /// 0, 0]` a free, `[2, batch, cache, offset]` a batch row joining, `[3, batch, row, 0]` one
-    /// leaving, `[4, batch, row, to]` a row copied out of a batch.
-    ops: Vec<(u8, u64, u64, u64)>,
+    /// Cache operations since the last step, in order: copies, frees, batch rows joining,
+    /// leaving and copied out, and batch rollbacks.
+    ops: Vec<CacheOp>,
     /// A batch forward (one token per row): each layer's batch cache id; `caches` is empty.
     #[serde(default)]
     batch: Vec<u64>,
@@ -295,16 +294,7 @@ impl TpModel {
     /// Sends the workers the next forward: the cache operations logged since the last one,
     /// and the caches (or batch caches) it runs over.
     fn send_step(&self, tokens: &Array, caches: Vec<(u64, usize)>, batch: Vec<u64>) -> models::Result<()> {
-        let ops = models::cache::take_ops()
-            .into_iter()
-            .map(|op| match op {
-                CacheOp::Clone { from, to } => (0, from, to, 0),
-                CacheOp::Drop(id) => (1, id, 0, 0),
-                CacheOp::BatchPush { batch, cache, offset } => (2, batch, cache, offset as u64),
-                CacheOp::BatchRemove { batch, row } => (3, batch, row as u64, 0),
-                CacheOp::BatchExtract { batch, row, to } => (4, batch, row as u64, to),
-            })
-            .collect();
+        let ops = models::cache::take_ops();
         let step = Step { ops, batch, caches, shape: tokens.shape().iter().map(|&d| d as i32).collect() };
         for (i, worker) in self.workers.borrow_mut().iter_mut().enumerate() {
             send(worker, &step)
@@ -399,26 +389,33 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     let mut batches: HashMap<u64, BatchKvCache> = HashMap::new();
     let missing = |what: &str, id: u64| anyhow::anyhow!("rank {}: {what} {id} is unknown here", args.rank);
     while let Some(step) = receive(&mut reader)? {
-        for (kind, a, b, c) in step.ops {
-            match kind {
-                0 => {
-                    if let Some(copy) = caches.get(&a).cloned() {
-                        caches.insert(b, copy);
+        for op in step.ops {
+            match op {
+                // A copy of a cache this rank never saw (a draft model's, which runs on rank 0
+                // only) has nothing to copy.
+                CacheOp::Clone { from, to } => {
+                    if let Some(copy) = caches.get(&from).cloned() {
+                        caches.insert(to, copy);
                     }
                 }
-                1 => {
-                    caches.remove(&a);
-                    batches.remove(&a);
+                CacheOp::Drop(id) => {
+                    caches.remove(&id);
+                    batches.remove(&id);
                 }
-                2 => {
-                    let cache = caches.get_mut(&b).ok_or_else(|| missing("cache", b))?;
-                    cache.trim(cache.offset().saturating_sub(c as usize));
-                    batches.entry(a).or_default().push(cache)?;
+                CacheOp::BatchPush { batch, cache, offset } => {
+                    let c = caches.get_mut(&cache).ok_or_else(|| missing("cache", cache))?;
+                    c.trim(c.offset().saturating_sub(offset));
+                    batches.entry(batch).or_default().push(c)?;
                 }
-                3 => batches.get_mut(&a).ok_or_else(|| missing("batch cache", a))?.remove(b as usize)?,
-                _ => {
-                    let row = batches.get(&a).ok_or_else(|| missing("batch cache", a))?.extract(b as usize)?;
-                    caches.insert(c, row);
+                CacheOp::BatchRemove { batch, row } => {
+                    batches.get_mut(&batch).ok_or_else(|| missing("batch cache", batch))?.remove(row)?
+                }
+                CacheOp::BatchExtract { batch, row, to } => {
+                    let row = batches.get(&batch).ok_or_else(|| missing("batch cache", batch))?.extract(row)?;
+                    caches.insert(to, row);
+                }
+                CacheOp::BatchTrim { batch, added, kept } => {
+                    batches.get_mut(&batch).ok_or_else(|| missing("batch cache", batch))?.trim_rows(added, &kept)?
                 }
             }
         }

@@ -137,11 +137,10 @@ impl<'m> Row<'m> {
     }
 }
 
-/// Whether `model`'s batch rows can roll back by their own amounts (it batches, and every
-/// layer attends over all its keys: no sliding window, no recurrent state), so speculative
-/// rows can join its batch.
+/// Whether `model`'s batch rows can roll back by their own amounts (it batches, and no layer
+/// carries a recurrent state, which cannot go back), so speculative rows can join its batch.
 pub fn speculates_in_batch(model: &dyn CausalLm) -> bool {
-    model.batches() && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
+    model.batches() && model.make_cache().iter().all(|c| !c.is_recurrent())
 }
 
 /// How many positions a verification feeds per row, chosen each step by the batch's measured
