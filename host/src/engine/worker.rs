@@ -8,7 +8,7 @@
 //! A job ends early when its event receiver is dropped (the client went away): the loop
 //! notices at the next token and frees the job's cache.
 
-use super::batch::{self, Batch, Left, Row};
+use super::batch::{Batch, Left, Row};
 use super::constraint::takes_forced_runs;
 use super::constraint::{ConstraintFailed, Guard};
 use super::job::{Cancel, Event, Finish, Job, SpecUsage, TokenLogprob, Usage};
@@ -358,7 +358,7 @@ impl Worker {
                         continue;
                     }
                     let alone = running.is_empty();
-                    match self.start(m, *job, alone) {
+                    match self.start(m, *job, alone, batch.speculates()) {
                         Ok(active) => running.push(active),
                         Err((job, e)) => {
                             let _ = job.events.send(failure(e));
@@ -546,12 +546,14 @@ impl Worker {
     #[allow(clippy::result_large_err)]
     /// A request that is `alone` (nothing else running) and whose constraint may force runs of
     /// tokens decodes as a generation of its own, which takes them (`rebalance` moves it into
-    /// the batch when another request joins).
+    /// the batch when another request joins). A speculative request is a batch row where the
+    /// batch `verifies` drafts (`Batch::speculates`), else a generation of its own.
     fn start<'m>(
         &mut self,
         m: Models<'m>,
         job: Job,
         alone: bool,
+        verifies: bool,
     ) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
         let request = &job.request;
         let prompt = &request.prompt;
@@ -592,7 +594,7 @@ impl Worker {
                 && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
             // A speculative request is a batch row where the batch's rows can roll back alone;
             // else it decodes alone.
-            let batched = speculation.is_none() || (speculative_rows() && batch::speculates_in_batch(m.model));
+            let batched = speculation.is_none() || (speculative_rows() && verifies);
             let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))
