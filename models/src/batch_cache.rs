@@ -161,6 +161,13 @@ impl BatchKvCache {
         self.holes[row].iter().map(|(a, b)| b - a).sum()
     }
 
+    /// A recurrent layer's batch keeps the states before each of the last `n` positions of a
+    /// forward (at least 1), so rows can roll back that far (`trim_rows`); no effect on an
+    /// attention layer's.
+    pub fn keep_snapshots(&mut self, n: usize) {
+        self.buffer.keep_snapshots(n);
+    }
+
     /// Whether this is a sliding-window layer's batch.
     pub fn is_windowed(&self) -> bool {
         self.buffer.is_windowed()
@@ -239,9 +246,12 @@ impl BatchKvCache {
     /// After a forward of `added` positions per row: row r keeps the first `kept[r]` of them
     /// (its committed tokens; a speculative row's rejected drafts go). The buffer is cut to
     /// the row that kept most; the others' rejected columns become holes (compacted once
-    /// they gather, `COMPACT_HOLES`). Attention layers only: a recurrent layer cannot leave
-    /// holes (an error). Recorded for tensor-parallel peers,
-    /// which repeat it on their shards (the same holes, compacted at the same step).
+    /// they gather, `COMPACT_HOLES`). A recurrent layer has no columns to leave: each row
+    /// takes the state after its own kept positions, from the states the forward kept before
+    /// each of them (`keep_snapshots` at least `added`; an error otherwise), and keeps the
+    /// holes' bookkeeping so every layer agrees on the rows' lengths. Recorded for
+    /// tensor-parallel peers, which repeat it on their shards (the same holes, compacted at
+    /// the same step).
     pub fn trim_rows(&mut self, added: usize, kept: &[usize]) -> Result<()> {
         if kept.len() != self.rows() || kept.iter().any(|&k| k > added) || added > self.width() {
             return Err(Error::Invalid(format!(
@@ -253,17 +263,16 @@ impl BatchKvCache {
         }
         let most = kept.iter().copied().max().unwrap_or(0);
         let uniform = kept.iter().all(|&k| k == most);
-        if !uniform && !self.ragged() {
-            return Err(Error::Invalid(
-                "rows of this batch cannot roll back by different amounts: a recurrent layer".into(),
-            ));
-        }
         record(CacheOp::BatchTrim { batch: self.id, added, kept: kept.to_vec() });
         if uniform {
             self.buffer.trim(added - most);
             return Ok(());
         }
-        self.buffer.trim(added - most);
+        if self.buffer.is_recurrent() {
+            self.pick_states(added, kept, self.width() - (added - most))?;
+        } else {
+            self.buffer.trim(added - most);
+        }
         let end = self.width();
         for (holes, &k) in self.holes.iter_mut().zip(kept) {
             if k == most {
@@ -283,11 +292,40 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// Whether this batch's rows may roll back by different amounts (`trim_rows`): attention
-    /// layers (a sliding one masks its window by each row's positions, `key_distance`), not a
-    /// recurrent one, whose state cannot go back.
-    pub fn ragged(&self) -> bool {
-        !self.buffer.is_recurrent()
+    /// A recurrent layer's rows after a forward of `added` positions: row r's state is the
+    /// one before its position `kept[r]` (the forward's snapshots), or the state now where it
+    /// kept them all; the batch is then `width` wide.
+    fn pick_states(&mut self, added: usize, kept: &[usize], width: usize) -> Result<()> {
+        let now = self.buffer.recurrent_state()?.now();
+        let before = self.buffer.snapshots();
+        if before.len() < added {
+            return Err(Error::Invalid(format!(
+                "a recurrent layer kept its states before {} of the {added} positions it was asked to roll back over (keep_snapshots)",
+                before.len()
+            )));
+        }
+        let first = before.len() - added;
+        let rows = self.rows() as i32;
+        let index: Vec<i32> = kept.iter().map(|&k| k as i32).collect();
+        let pick = |part: fn(&Snapshot) -> Option<&Array>| -> Result<Array> {
+            let missing = || Error::Invalid("a recurrent batch row has no state to roll back to".into());
+            let states: Vec<Array> = (0..=added)
+                .map(|k| {
+                    let s = if k < added { part(before[first + k]) } else { part(&now) };
+                    Ok(s.ok_or_else(missing)?.expand_dims(&[0])?)
+                })
+                .collect::<Result<_>>()?;
+            let all = mlx::ops::concatenate(&states.iter().collect::<Vec<_>>(), 0)?;
+            let mut shape = vec![1i32; all.ndim()];
+            shape[1] = rows;
+            let at = Array::from_i32(&index, &[index.len()])?.reshape(&shape)?;
+            let mut full: Vec<i32> = all.shape().iter().map(|&d| d as i32).collect();
+            full[0] = 1;
+            Ok(all.take_along_axis(&at.broadcast_to(&full)?, 0)?.squeeze(&[0])?)
+        };
+        let state = Snapshot { conv: Some(pick(|s| s.conv.as_ref())?), state: Some(pick(|s| s.state.as_ref())?) };
+        self.buffer = self.buffer.with_recurrent(state, width, None);
+        Ok(())
     }
 
     /// For a forward of `len` new positions per row: each new query's position less each key
@@ -346,10 +384,18 @@ impl BatchKvCache {
     /// Gathers every row's positions right-aligned again, without holes (one gather of the
     /// buffers).
     fn compact(&mut self) -> Result<()> {
-        let Some((k, v)) = self.buffer.held()? else { return Ok(()) };
         let rows = self.rows();
         let lens: Vec<usize> = (0..rows).map(|r| self.len(r)).collect();
         let width = lens.iter().copied().max().unwrap_or(0);
+        if self.buffer.is_recurrent() {
+            // No columns: only the bookkeeping every layer shares.
+            let now = self.buffer.recurrent_state()?.now();
+            self.buffer = self.buffer.with_recurrent(now, width, None);
+            self.left_padding = lens.iter().map(|&l| width - l).collect();
+            self.holes.iter_mut().for_each(Vec::clear);
+            return Ok(());
+        }
+        let Some((k, v)) = self.buffer.held()? else { return Ok(()) };
         // A sliding layer whose oldest positions are gone holds fewer columns than positions:
         // each row's held ones end the new buffer, which starts `held` columns before its end.
         // A row holding fewer than the widest gets, before its own, copies of its first

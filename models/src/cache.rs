@@ -346,6 +346,12 @@ impl KvCache {
         r.checkpoints.iter().rev().map(|&(at, _)| at).find(|&at| at <= n)
     }
 
+    /// A recurrent cache's snapshots: the states before each of its last positions, oldest
+    /// first (empty for an attention layer's).
+    pub(crate) fn snapshots(&self) -> Vec<&Snapshot> {
+        self.recurrent.as_ref().map_or_else(Vec::new, |r| r.snapshots.iter().collect())
+    }
+
     /// The state at the offset before the last one of a recurrent cache (its snapshot), as
     /// a cache; `None` when it keeps none.
     pub(crate) fn last_snapshot(&self) -> Option<&Snapshot> {

@@ -506,14 +506,13 @@ impl StepInputs {
     /// A batch forward's RoPE offsets (each row's length, the same in every layer) and padding
     /// mask, from the layer's cache that holds the most columns (a full-attention one, where
     /// sliding layers drop their oldest; a recurrent layer's only if there is no other);
-    /// `tokens` `[B, T]`: T new positions per row, more than one only where every layer may
-    /// leave holes (`BatchKvCache::ragged`: a speculative step's). Where a sliding layer's row
-    /// may not hold its positions in one run (holes, or several new ones), the distances too.
+    /// `tokens` `[B, T]`: T new positions per row (several in a speculative step, whose rows
+    /// then roll back by their own amounts, `BatchKvCache::trim_rows`). Where a sliding layer's
+    /// row may not hold its positions in one run (holes, or several new ones), the distances too.
     pub(crate) fn batch(tokens: &Array, cache: &[BatchKvCache]) -> Result<StepInputs> {
-        let several = tokens.ndim() == 2 && tokens.dim(1) > 1;
-        if tokens.ndim() != 2 || tokens.dim(1) == 0 || (several && !cache.iter().all(BatchKvCache::ragged)) {
+        if tokens.ndim() != 2 || tokens.dim(1) == 0 {
             return Err(crate::Error::Invalid(format!(
-                "a batch forward takes one token per row, [B, 1] (several only where no layer is recurrent); got shape {:?}",
+                "a batch forward takes [B, T] tokens (T new positions per row); got shape {:?}",
                 tokens.shape()
             )));
         }

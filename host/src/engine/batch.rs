@@ -28,7 +28,7 @@ use models::{BatchKvCache, CausalLm, KvCache};
 use std::time::Instant;
 
 mod speculate;
-pub use speculate::{speculates_in_batch, DraftCost, SpecCounts};
+pub use speculate::{DraftCost, SpecCounts};
 
 /// One sequence of the batch.
 pub struct Row<'m> {
@@ -168,8 +168,6 @@ pub struct Batch<'m> {
     /// Speculative steps so far (`speculate.rs`), and the draft tokens they verified.
     verifications: usize,
     verified_drafts: usize,
-    /// Whether speculative rows may verify here (`speculates_in_batch`).
-    speculates: bool,
     /// The step's cost the draft length is chosen by.
     draft_cost: DraftCost,
 }
@@ -233,7 +231,6 @@ impl<'m> Batch<'m> {
             split: StepSplit::default(),
             verifications: 0,
             verified_drafts: 0,
-            speculates: speculate::speculates_in_batch(model),
             draft_cost: DraftCost::from_env(),
         }
     }
@@ -1093,15 +1090,14 @@ mod tests {
     /// (greedy, penalized): every row gets exactly its solo plain tokens while rows join,
     /// park and rejoin, and leave; verifications ran, drafts were accepted and rejected (rows
     /// rolled back by their own amounts) — on models with sliding-window layers too (window
-    /// 8: a row's window spans its holes); a recurrent model keeps them out.
+    /// 8: a row's window spans its holes) and with recurrent ones (Qwen3.5's DeltaNet).
     #[test]
     fn speculative_rows_get_their_solo_plain_tokens_beside_plain_rows() {
         use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
-        for arch in ["llama", "qwen3", "gemma3_text", "gpt_oss"] {
+        for arch in ["llama", "qwen3", "gemma3_text", "gpt_oss", "qwen3_5"] {
             let model = models::testing::model(arch, 4).unwrap();
             let model = model.as_ref();
             let draft = models::testing::model(arch, 9).unwrap();
-            assert!(speculates_in_batch(model));
             let vocab = model.vocab_size() as u32;
             // Repetitive prompts, so prompt lookup finds matches in them and in the output.
             let prompts: Vec<Vec<u32>> = [5usize, 3, 7, 4, 6]
@@ -1174,7 +1170,6 @@ mod tests {
             assert!(spec[0].steps < n, "{arch}: speculation saved no step: {spec:?}");
             assert_eq!(counts[&4].drafted, 0);
         }
-        assert!(!speculates_in_batch(models::testing::model("qwen3_5", 1).unwrap().as_ref()));
     }
 
     /// Lossless verification in batch rows keeps each row's output distribution: over many

@@ -358,7 +358,7 @@ impl Worker {
                         continue;
                     }
                     let alone = running.is_empty();
-                    match self.start(m, *job, alone, batch.speculates()) {
+                    match self.start(m, *job, alone) {
                         Ok(active) => running.push(active),
                         Err((job, e)) => {
                             let _ = job.events.send(failure(e));
@@ -546,14 +546,13 @@ impl Worker {
     #[allow(clippy::result_large_err)]
     /// A request that is `alone` (nothing else running) and whose constraint may force runs of
     /// tokens decodes as a generation of its own, which takes them (`rebalance` moves it into
-    /// the batch when another request joins). A speculative request is a batch row where the
-    /// batch `verifies` drafts (`Batch::speculates`), else a generation of its own.
+    /// the batch when another request joins). A speculative request is a batch row (every
+    /// model that batches verifies rows' drafts together), unless `HOST_SPEC_ROWS=0`.
     fn start<'m>(
         &mut self,
         m: Models<'m>,
         job: Job,
         alone: bool,
-        verifies: bool,
     ) -> std::result::Result<Active<'m>, (Job, anyhow::Error)> {
         let request = &job.request;
         let prompt = &request.prompt;
@@ -592,9 +591,8 @@ impl Worker {
             let runs = alone
                 && speculation.is_none()
                 && takes_forced_runs(constraint.is_some(), external.is_some(), sampler.params());
-            // A speculative request is a batch row where the batch's rows can roll back alone;
-            // else it decodes alone.
-            let batched = speculation.is_none() || (speculative_rows() && verifies);
+            // A speculative request is a batch row (`HOST_SPEC_ROWS=0`: it decodes alone).
+            let batched = speculation.is_none() || speculative_rows();
             let then = if batched && m.model.batches() && !runs {
                 let row = Row::new(job.seq, prompt, sampler, options)?.with_external(external);
                 Then::Batch(Box::new(row.with_constraint(constraint).with_speculation(speculation)))

@@ -33,7 +33,6 @@ use crate::engine::speculative::{Drafts, Speculation, Verify};
 use crate::engine::step::Token;
 use anyhow::Result;
 use mlx::{Array, Dtype};
-use models::CausalLm;
 use std::time::Instant;
 
 /// How a row's drafts fare, position by position: for the i-th drafted token, (verifications
@@ -135,12 +134,6 @@ impl<'m> Row<'m> {
             }
         }
     }
-}
-
-/// Whether `model`'s batch rows can roll back by their own amounts (it batches, and no layer
-/// carries a recurrent state, which cannot go back), so speculative rows can join its batch.
-pub fn speculates_in_batch(model: &dyn CausalLm) -> bool {
-    model.batches() && model.make_cache().iter().all(|c| !c.is_recurrent())
 }
 
 /// How many positions a verification feeds per row, chosen each step by the batch's measured
@@ -277,17 +270,12 @@ impl DraftCost {
 }
 
 impl<'m> Batch<'m> {
-    /// Whether speculative rows can join this batch (`speculates_in_batch`).
-    pub fn speculates(&self) -> bool {
-        self.speculates
-    }
-
     /// Whether the next step should verify drafts: a row expects one, no row makes the batch
     /// serial (a sampler plugin), and by the rows' usual draft lengths (`AdaptiveK`) the cost rule
     /// would verify (or a verification is due to keep it measured).
     pub(super) fn wants_speculation(&mut self, policy_chooses: bool) -> bool {
         // Asked every step: a batch without a speculative row allocates nothing here.
-        if !self.speculates() || self.rows.iter().all(|r| r.speculation.is_none()) {
+        if self.rows.iter().all(|r| r.speculation.is_none()) {
             return false;
         }
         if policy_chooses {
@@ -375,6 +363,8 @@ impl<'m> Batch<'m> {
             ids.extend(std::iter::repeat_n(row.last as i32, t - 1 - d.len()));
         }
         let input = Array::from_i32(&ids, &[b, t])?;
+        // A recurrent layer keeps its states before each position, for the rows' rollbacks.
+        self.cache.iter_mut().for_each(|c| c.keep_snapshots(t));
         let logits = self.model.forward_batch(&input, &mut self.cache)?;
         let vocab = logits.dim(2) as i32;
         let logits = logits.reshape(&[(b * t) as i32, vocab])?;
@@ -555,6 +545,7 @@ impl<'m> Batch<'m> {
         }
         for c in &mut self.cache {
             c.trim_rows(t, &kept)?;
+            c.keep_snapshots(1);
         }
         self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
         self.verifications += 1;
