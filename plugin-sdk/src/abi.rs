@@ -253,10 +253,26 @@ macro_rules! export_reasoning_parser {
     };
 }
 
-/// Exports a [`Scheduler`](crate::Scheduler) type with its manifest JSON.
+/// Exports a [`Scheduler`](crate::Scheduler) type with its manifest JSON; with `drafts` after
+/// them, its [`DraftScheduler`](crate::DraftScheduler) answer too (the optional
+/// `schedule_drafts` export).
 #[macro_export]
 macro_rules! export_scheduler {
     ($ty:ty, $manifest:expr) => {
+        $crate::export_scheduler!(@with $ty, $manifest, {});
+    };
+    ($ty:ty, $manifest:expr, drafts) => {
+        $crate::export_scheduler!(@with $ty, $manifest, {
+            static mut DRAFTS: Vec<u8> = Vec::new();
+            #[no_mangle]
+            extern "C" fn schedule_drafts(ptr: i32, len: i32) -> i64 {
+                let budgets = $crate::DraftScheduler::schedule_drafts(state(), text(ptr, len));
+                // SAFETY: single-threaded instance; the host copies the result before the next call.
+                $crate::abi::packed(unsafe { &mut *core::ptr::addr_of_mut!(DRAFTS) }, budgets.into_bytes())
+            }
+        });
+    };
+    (@with $ty:ty, $manifest:expr, { $($extra:tt)* }) => {
         const _: () = {
             $crate::__export_common!($ty, $crate::Scheduler, $manifest);
             static mut OUT: Vec<u8> = Vec::new();
@@ -266,6 +282,7 @@ macro_rules! export_scheduler {
                 // SAFETY: single-threaded instance; the host copies the result before the next call.
                 $crate::abi::packed(unsafe { &mut *core::ptr::addr_of_mut!(OUT) }, decision.into_bytes())
             }
+            $($extra)*
         };
     };
 }

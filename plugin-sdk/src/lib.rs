@@ -197,6 +197,15 @@ pub trait Scheduler: Default {
     fn schedule(&mut self, queue: &str) -> String;
 }
 
+/// A scheduling policy that also sets the speculative rows' draft budgets (ABI.md §5.4, "Draft
+/// budgets"); exported with `export_scheduler!(Type, MANIFEST, drafts)`.
+pub trait DraftScheduler: Scheduler {
+    /// Given the step's view as JSON (`{"rows": [{"id", "drafted", "survival", "rule"}],
+    /// "batch_rows", "step_ms"}`), returns `{"drafts": {id: budget}, "default": budget}` as JSON
+    /// (`{}` leaves every row to the host's rule).
+    fn schedule_drafts(&mut self, view: &str) -> String;
+}
+
 /// What a [`Constraint`] allows next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Allowed {

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, build_wasm_plugin
 
 EDIT = open(os.path.join(ROOT, "bench", "edit_prompt.txt")).read()
 Q = [{"role": "user", "content": EDIT}]
@@ -232,5 +232,36 @@ def test_a_draft_policy_plugin_sets_the_budgets_and_swaps_under_streaming_client
         assert spec["drafted_tokens"] == 0, spec
         status = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
         assert status["drafts"]["faults"] == 0
+    finally:
+        s.stop()
+
+
+def test_a_draft_policy_written_with_the_rust_sdk_caps_the_budgets(tmp_path):
+    # tests/plugins/draft-budget: `DraftScheduler` exported by `export_scheduler!(.., drafts)`,
+    # one draft a step for each row likely to accept it, whatever the host's cost rule would
+    # verify; the answers stay the plain ones.
+    import concurrent.futures
+    import httpx
+    import openai
+
+    plugins = build_wasm_plugin("draft-budget", "one-draft", tmp_path)
+    s = Server("--plugins", str(plugins), "--scheduler", "one-draft", "--prompt-cache-bytes", "0")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        texts = [EDIT.replace("merge_configs", f"merge_{i}") for i in range(2)]
+
+        def run(text, speculative):
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                          max_tokens=32, temperature=0, extra_body={"speculative": speculative})
+            return r.choices[0].message.content, getattr(r.usage, "speculative", None)
+
+        plain = [run(t, "off")[0] for t in texts]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            capped = list(pool.map(lambda t: run(t, "prompt-lookup"), texts))
+        assert [t for t, _ in capped] == plain
+        for _, spec in capped:
+            assert 0 < spec["drafted_tokens"] <= spec["target_steps"], spec
+        status = {p["name"]: p for p in httpx.get(s.url + "/v1/plugins").json()["data"]}
+        assert status["one-draft"]["faults"] == 0 and status["one-draft"]["state"] == "ready", status
     finally:
         s.stop()
