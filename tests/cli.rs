@@ -410,6 +410,10 @@ fn bench_measures_speculative_batches_against_plain_ones() {
         assert!(row["vs_plain"].as_f64().unwrap() > 0.0 && row["plain_decode_tps"].as_f64().unwrap() > 0.0, "{row}");
         assert!(row["verifications"].as_u64().unwrap() > 0 && row["draft_tokens"].as_u64().unwrap() > 0, "{row}");
         assert!(row["verifications"].as_u64().unwrap() <= row["steps"].as_u64().unwrap(), "{row}");
+        // Every verification fed each row its last token, its drafts and any padding.
+        let n = |k: &str| row[k].as_u64().unwrap();
+        let rows_fed = n("verify_positions") - n("verify_padding") - n("draft_tokens");
+        assert!((n("verifications")..=n("verifications") * n("batch")).contains(&rows_fed), "{row}");
     }
     let refused = bench(&[]);
     assert!(String::from_utf8_lossy(&refused.stderr)

@@ -206,10 +206,14 @@ pub struct BatchRow {
     pub plain_step_ms: Option<f64>,
     /// With --speculative (every row speculates; paired with a plain batch as a constraint
     /// is): the method, and in the first run the steps that verified drafts and the draft
-    /// tokens they verified (summed over rows).
+    /// tokens they verified (summed over rows); the positions those steps fed (rows ×
+    /// positions per row) and of those the padding after rows that drafted less than the
+    /// longest (what a flattened layout, one sequence of every row's positions, would not feed).
     pub speculative: Option<&'static str>,
     pub verifications: Option<usize>,
     pub draft_tokens: Option<usize>,
+    pub verify_positions: Option<usize>,
+    pub verify_padding: Option<usize>,
 }
 
 /// One batched generation's measurements.
@@ -233,6 +237,8 @@ struct BatchRun {
     /// Speculative rows: the steps that verified drafts, and the draft tokens they verified.
     verifications: usize,
     draft_tokens: usize,
+    verify_positions: usize,
+    verify_padding: usize,
 }
 
 impl BatchRun {
@@ -284,6 +290,8 @@ fn run_batch(
         split: Default::default(),
         verifications: 0,
         draft_tokens: 0,
+        verify_positions: 0,
+        verify_padding: 0,
     };
     let mut first = None;
     while !batch.is_empty() {
@@ -308,6 +316,7 @@ fn run_batch(
     let end = Instant::now();
     let first = first.unwrap_or(end);
     (run.verifications, run.draft_tokens) = batch.verified();
+    (run.verify_positions, run.verify_padding) = batch.verify_positions();
     run.merged_steps = batch.merged_steps();
     (run.masks_applied, run.masks_sent) = batch.mask_counts();
     run.split = batch.split();
@@ -429,6 +438,8 @@ fn run_batches(args: &Args) -> Result<()> {
                 speculative: speculative.map(|_| spec.method.as_str()),
                 verifications: speculated(first.verifications),
                 draft_tokens: speculated(first.draft_tokens),
+                verify_positions: speculated(first.verify_positions),
+                verify_padding: speculated(first.verify_padding),
                 mask_ms: held(per_step(first.mask_secs, first.masks)),
                 mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
                 merged_steps: structure.as_ref().map(|_| first.merged_steps),
@@ -465,7 +476,7 @@ fn run_batches(args: &Args) -> Result<()> {
         let split = |s: &[f64; 5]| s.map(|v| format!("{v:.3}")).join("/");
         for r in rows.iter().filter(|r| r.speculative.is_some() && r.constraint.is_none()) {
             println!(
-                "batch {}, every row speculating ({}): {:.2}x a plain batch of the same rows in this process (median of {} pairs; plain {:.1} tok/s); {} of {} steps verified drafts, {} draft tokens",
+                "batch {}, every row speculating ({}): {:.2}x a plain batch of the same rows in this process (median of {} pairs; plain {:.1} tok/s); {} of {} steps verified drafts, {} draft tokens; of the {} positions they fed, {} padding",
                 r.batch,
                 r.speculative.unwrap_or_default(),
                 r.vs_plain.unwrap_or_default(),
@@ -474,6 +485,8 @@ fn run_batches(args: &Args) -> Result<()> {
                 r.verifications.unwrap_or_default(),
                 r.steps.unwrap_or_default(),
                 r.draft_tokens.unwrap_or_default(),
+                r.verify_positions.unwrap_or_default(),
+                r.verify_padding.unwrap_or_default(),
             );
         }
         for r in rows.iter().filter(|r| r.constraint.is_some()) {

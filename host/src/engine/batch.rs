@@ -168,6 +168,10 @@ pub struct Batch<'m> {
     /// Speculative steps so far (`speculate.rs`), and the draft tokens they verified.
     verifications: usize,
     verified_drafts: usize,
+    /// Positions the verifications fed (rows × positions per row), and of those the padding
+    /// of rows that drafted less than the longest (what a flattened layout would not feed).
+    verify_fed: usize,
+    verify_padding: usize,
     /// The step's cost the draft length is chosen by.
     draft_cost: DraftCost,
 }
@@ -231,6 +235,8 @@ impl<'m> Batch<'m> {
             split: StepSplit::default(),
             verifications: 0,
             verified_drafts: 0,
+            verify_fed: 0,
+            verify_padding: 0,
             draft_cost: DraftCost::from_env(),
         }
     }

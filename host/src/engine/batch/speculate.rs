@@ -549,7 +549,10 @@ impl<'m> Batch<'m> {
         }
         self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
         self.verifications += 1;
-        self.verified_drafts += drafts.iter().map(Vec::len).sum::<usize>();
+        let drafted = drafts.iter().map(Vec::len).sum::<usize>();
+        self.verified_drafts += drafted;
+        self.verify_fed += b * t;
+        self.verify_padding += b * t - b - drafted;
         self.steps += 1;
         Ok(Some(out))
     }
@@ -600,6 +603,11 @@ impl<'m> Batch<'m> {
     /// Verifications so far and the draft tokens they verified (summed over rows).
     pub fn verified(&self) -> (usize, usize) {
         (self.verifications, self.verified_drafts)
+    }
+
+    /// Positions the verifications fed, and of those the padding after shorter rows' drafts.
+    pub fn verify_positions(&self) -> (usize, usize) {
+        (self.verify_fed, self.verify_padding)
     }
 }
 
