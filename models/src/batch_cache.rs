@@ -61,9 +61,14 @@ pub struct BatchKvCache {
 const COMPACT_HOLES: usize = 32;
 
 /// The most hole columns a row keeps after a trim. A sliding layer's row must find its last
-/// `window` positions among the columns its cache keeps (`window - 1 +` [`SLACK`] of them), so
+/// `window` positions among the columns its cache keeps (`window - 1 + cache::SLACK`), so
 /// its holes stay well inside the slack. The same for every layer, so all compact together.
 const MAX_HOLES: usize = 64;
+
+// A sliding row's window must stay inside what its layer keeps (the window less one, plus
+// SLACK) after its holes and a verification's new positions (speculation drafts at most 64):
+// what a compaction puts before a row's held columns is then older than any window reaches.
+const _: () = assert!(MAX_HOLES + 2 * 65 < crate::cache::SLACK);
 
 impl Default for BatchKvCache {
     fn default() -> Self {
