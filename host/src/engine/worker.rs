@@ -1,8 +1,10 @@
 //! The engine thread: loads the model on its own thread (MLX arrays never leave it) and
 //! serves generation jobs from a bounded queue, up to `max_batch` at once, streaming events
 //! back. Requests decode together as rows of one batch (`engine/batch.rs`), their prompts
-//! prefilled in chunks between the batch's steps; those with speculation (and every request
-//! of a model that does not batch) decode alone, a token per turn beside the batch.
+//! prefilled in chunks between the batch's steps, speculative ones included (their drafts
+//! verified in the batch's steps); a lone constrained request taking forced runs, speculation
+//! under `HOST_SPEC_ROWS=0` and every request of a model that does not batch decode alone,
+//! beside the batch.
 //! The async server never blocks on MLX: it submits a job and reads a channel.
 //!
 //! A job ends early when its event receiver is dropped (the client went away): the loop
@@ -115,8 +117,8 @@ impl Waiting<'_> {
 
 /// Where a running request's tokens come from.
 enum Source<'m> {
-    /// Decoded alone: speculation the batch cannot verify (sliding-window or recurrent layers),
-    /// a constrained request running alone (forced runs), or a model that does not batch.
+    /// Decoded alone: speculation under `HOST_SPEC_ROWS=0`, a constrained request running
+    /// alone (forced runs), or a model that does not batch.
     Solo(Box<Generation<'m>>),
     /// Its prompt being prefilled into `cache` in chunks between the batch's steps (`todo`
     /// is what is left of it, but the last token; a request that leaves stops it between
