@@ -84,7 +84,7 @@ impl Default for BatchKvCache {
 
 impl Drop for BatchKvCache {
     fn drop(&mut self) {
-        record(CacheOp::Drop(self.id));
+        record(|| CacheOp::Drop(self.id));
     }
 }
 
@@ -268,7 +268,7 @@ impl BatchKvCache {
         }
         let most = kept.iter().copied().max().unwrap_or(0);
         let uniform = kept.iter().all(|&k| k == most);
-        record(CacheOp::BatchTrim { batch: self.id, added, kept: kept.to_vec() });
+        record(|| CacheOp::BatchTrim { batch: self.id, added, kept: kept.to_vec() });
         if uniform {
             self.buffer.trim(added - most);
             return Ok(());
@@ -340,29 +340,22 @@ impl BatchKvCache {
     pub fn key_distance(&self, len: usize) -> Result<Array> {
         let (b, from, width) = (self.rows(), self.start(), self.width());
         let n = width + len - from;
+        let lens: Vec<usize> = (0..b).map(|r| self.len(r)).collect();
         let mut at = vec![0i32; b * n];
         for (r, row) in at.chunks_mut(n.max(1)).enumerate().take(b) {
-            // Walking back from the newest held column: the positions count down from len - 1.
-            let mut next = self.len(r) as i32;
-            let mut holes = self.holes[r].iter().rev().peekable();
-            for c in (from..width).rev() {
-                while holes.peek().is_some_and(|&&(a, _)| a > c) {
-                    holes.next();
-                }
-                let in_hole = holes.peek().is_some_and(|&&(a, z)| a <= c && c < z);
-                if !in_hole && c >= self.left_padding[r] {
-                    next -= 1;
-                }
-                row[c - from] = next;
+            // The held columns are the row's last positions, in order; the new ones follow.
+            let cols = self.row_columns(r);
+            let first = lens[r] - cols.len();
+            for (i, &c) in cols.iter().enumerate() {
+                row[c as usize] = (first + i) as i32;
             }
             for (j, slot) in row[width - from..].iter_mut().enumerate() {
-                *slot = self.len(r) as i32 + j as i32;
+                *slot = (lens[r] + j) as i32;
             }
         }
         let keys = Array::from_i32(&at, &[b, 1, 1, n])?;
-        let lens: Vec<i32> = (0..b).flat_map(|r| (0..len).map(move |i| (self.len(r) + i) as i32)).collect();
-        let queries = Array::from_i32(&lens, &[b, 1, len, 1])?;
-        Ok(queries.subtract(&keys)?)
+        let queries: Vec<i32> = lens.iter().flat_map(|&l| (0..len).map(move |i| (l + i) as i32)).collect();
+        Ok(Array::from_i32(&queries, &[b, 1, len, 1])?.subtract(&keys)?)
     }
 
     /// Each row's held columns, in order: past its padding, outside its holes.
@@ -431,7 +424,7 @@ impl BatchKvCache {
     /// two first columns held (what it cuts of the other is outside every window).
     pub fn push(&mut self, cache: &KvCache) -> Result<()> {
         let n = cache.offset();
-        record(CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
+        record(|| CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: n });
         let (width, target) = (self.width(), self.width().max(n));
         if cache.is_recurrent() {
             self.push_recurrent(cache, target)?;
@@ -517,7 +510,7 @@ impl BatchKvCache {
         let keep = Array::from_i32(&[row as i32], &[1])?;
         let mut cache = self.buffer.with_recurrent(rows_of(before, &keep)?, self.len(row) - 1, None);
         cache.set_checkpoints(self.checkpoints[row].clone());
-        record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+        record(|| CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
         Ok(cache)
     }
 
@@ -529,7 +522,7 @@ impl BatchKvCache {
             let keep = Array::from_i32(&[row as i32], &[1])?;
             let mut cache = self.buffer.with_recurrent(rows_of(&now, &keep)?, self.len(row), None);
             cache.set_checkpoints(self.checkpoints[row].clone());
-            record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+            record(|| CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
             return Ok(cache);
         }
         let cache = match self.buffer.held()? {
@@ -555,14 +548,14 @@ impl BatchKvCache {
                 self.buffer.with_buffer(take(&k)?, take(&v)?, first - pad, self.width() - pad)
             }
         };
-        record(CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
+        record(|| CacheOp::BatchExtract { batch: self.id, row, to: cache.id() });
         Ok(cache)
     }
 
     /// Drops row `row`; the rows after it move up by one.
     pub fn remove(&mut self, row: usize) -> Result<()> {
         self.check_row(row)?;
-        record(CacheOp::BatchRemove { batch: self.id, row });
+        record(|| CacheOp::BatchRemove { batch: self.id, row });
         self.left_padding.remove(row);
         self.holes.remove(row);
         if self.buffer.is_recurrent() {

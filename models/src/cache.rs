@@ -139,9 +139,11 @@ pub(crate) fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-pub(crate) fn record(op: CacheOp) {
+/// Logs the operation `op` builds, only while mirroring (a batch rollback's op carries a `Vec`,
+/// built once per layer and verification otherwise for nothing).
+pub(crate) fn record(op: impl FnOnce() -> CacheOp) {
     if MIRRORING.load(Ordering::Relaxed) {
-        LOG.lock().unwrap_or_else(|e| e.into_inner()).push(op);
+        LOG.lock().unwrap_or_else(|e| e.into_inner()).push(op());
     }
 }
 
@@ -197,14 +199,14 @@ impl Clone for KvCache {
         (copy.keys, copy.values, copy.start, copy.offset) =
             (self.keys.clone(), self.values.clone(), self.start, self.offset);
         copy.recurrent = self.recurrent.clone();
-        record(CacheOp::Clone { from: self.id, to: copy.id });
+        record(|| CacheOp::Clone { from: self.id, to: copy.id });
         copy
     }
 }
 
 impl Drop for KvCache {
     fn drop(&mut self) {
-        record(CacheOp::Drop(self.id));
+        record(|| CacheOp::Drop(self.id));
     }
 }
 

@@ -234,11 +234,8 @@ struct BatchRun {
     masks_applied: usize,
     masks_sent: usize,
     split: crate::engine::batch::StepSplit,
-    /// Speculative rows: the steps that verified drafts, and the draft tokens they verified.
-    verifications: usize,
-    draft_tokens: usize,
-    verify_positions: usize,
-    verify_padding: usize,
+    /// Speculative rows: what their verifications verified.
+    verified: crate::engine::batch::Verified,
 }
 
 impl BatchRun {
@@ -288,10 +285,7 @@ fn run_batch(
         masks_applied: 0,
         masks_sent: 0,
         split: Default::default(),
-        verifications: 0,
-        draft_tokens: 0,
-        verify_positions: 0,
-        verify_padding: 0,
+        verified: Default::default(),
     };
     let mut first = None;
     while !batch.is_empty() {
@@ -315,8 +309,7 @@ fn run_batch(
     }
     let end = Instant::now();
     let first = first.unwrap_or(end);
-    (run.verifications, run.draft_tokens) = batch.verified();
-    (run.verify_positions, run.verify_padding) = batch.verify_positions();
+    run.verified = batch.verified();
     run.merged_steps = batch.merged_steps();
     (run.masks_applied, run.masks_sent) = batch.mask_counts();
     run.split = batch.split();
@@ -436,10 +429,10 @@ fn run_batches(args: &Args) -> Result<()> {
                 plain_decode_tps: paired.then(|| median(plain_decode)),
                 vs_plain: paired.then(|| median(ratios)),
                 speculative: speculative.map(|_| spec.method.as_str()),
-                verifications: speculated(first.verifications),
-                draft_tokens: speculated(first.draft_tokens),
-                verify_positions: speculated(first.verify_positions),
-                verify_padding: speculated(first.verify_padding),
+                verifications: speculated(first.verified.steps),
+                draft_tokens: speculated(first.verified.drafts),
+                verify_positions: speculated(first.verified.positions),
+                verify_padding: speculated(first.verified.padding),
                 mask_ms: held(per_step(first.mask_secs, first.masks)),
                 mask_ms_per_step: held(per_step(first.mask_secs, first.steps)),
                 merged_steps: structure.as_ref().map(|_| first.merged_steps),

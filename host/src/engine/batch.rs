@@ -28,7 +28,7 @@ use models::{BatchKvCache, CausalLm, KvCache};
 use std::time::Instant;
 
 mod speculate;
-pub use speculate::{DraftCost, SpecCounts};
+pub use speculate::{DraftCost, SpecCounts, Verified};
 
 /// One sequence of the batch.
 pub struct Row<'m> {
@@ -165,13 +165,8 @@ pub struct Batch<'m> {
     merged_steps: usize,
     /// Where the steps spent the engine thread's time.
     split: StepSplit,
-    /// Speculative steps so far (`speculate.rs`), and the draft tokens they verified.
-    verifications: usize,
-    verified_drafts: usize,
-    /// Positions the verifications fed (rows × positions per row), and of those the padding
-    /// of rows that drafted less than the longest (what a flattened layout would not feed).
-    verify_fed: usize,
-    verify_padding: usize,
+    /// What the speculative steps so far verified (`speculate.rs`).
+    verified: Verified,
     /// The step's cost the draft length is chosen by.
     draft_cost: DraftCost,
 }
@@ -233,10 +228,7 @@ impl<'m> Batch<'m> {
             overlap: Overlap::from_env(),
             merged_steps: 0,
             split: StepSplit::default(),
-            verifications: 0,
-            verified_drafts: 0,
-            verify_fed: 0,
-            verify_padding: 0,
+            verified: Verified::default(),
             draft_cost: DraftCost::from_env(),
         }
     }
@@ -1168,7 +1160,7 @@ mod tests {
             for (i, want) in expected.iter().enumerate() {
                 assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i} ({:?})", methods[i]);
             }
-            assert!(batch.verifications() > 0, "{arch}: no step verified drafts");
+            assert!(batch.verified().steps > 0, "{arch}: no step verified drafts");
             let spec: Vec<SpecCounts> = (0..4).map(|i| counts[&i]).collect();
             assert!(spec.iter().all(|c| c.verifications > 0), "{arch}: {spec:?}");
             assert!(spec.iter().any(|c| c.accepted > 0), "{arch}: no draft accepted: {spec:?}");
@@ -1215,7 +1207,7 @@ mod tests {
             assert!(failed.is_empty(), "{failed:?}");
             assert_eq!(got[&1], beside);
             rows[got[&0][1] as usize] += 1.0;
-            verified += batch.verifications();
+            verified += batch.verified().steps;
         }
         assert!(verified >= n as usize, "the lossless rows verified drafts");
         // Total variation between the two empirical second-token distributions (0.3: as

@@ -307,7 +307,7 @@ impl Worker {
             self.stats.running.store(running.len(), Ordering::Relaxed);
             self.stats.batch_rows.store(batch.len(), Ordering::Relaxed);
             self.stats.batch_kv_bytes.store(batch.kv_bytes(), Ordering::Relaxed);
-            let (verifications, drafted) = batch.verified();
+            let crate::engine::batch::Verified { steps: verifications, drafts: drafted, .. } = batch.verified();
             self.stats.batch_verifications.store(verifications, Ordering::Relaxed);
             self.stats.batch_draft_tokens.store(drafted, Ordering::Relaxed);
         }

@@ -81,6 +81,17 @@ impl Acceptance {
     }
 }
 
+/// A batch's speculative steps so far: how many, the draft tokens they verified (summed over
+/// rows), the positions they fed (rows × positions per row) and of those the padding after rows
+/// that drafted less than the longest (what a flattened layout would not feed).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Verified {
+    pub steps: usize,
+    pub drafts: usize,
+    pub positions: usize,
+    pub padding: usize,
+}
+
 /// A speculative row's counts, for its usage.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SpecCounts {
@@ -548,11 +559,10 @@ impl<'m> Batch<'m> {
             c.keep_snapshots(1);
         }
         self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
-        self.verifications += 1;
         let drafted = drafts.iter().map(Vec::len).sum::<usize>();
-        self.verified_drafts += drafted;
-        self.verify_fed += b * t;
-        self.verify_padding += b * t - b - drafted;
+        let v = &mut self.verified;
+        (v.steps, v.drafts, v.positions) = (v.steps + 1, v.drafts + drafted, v.positions + b * t);
+        v.padding += b * t - b - drafted;
         self.steps += 1;
         Ok(Some(out))
     }
@@ -595,19 +605,9 @@ impl<'m> Batch<'m> {
         }
     }
 
-    /// Verifications (speculative steps) so far.
-    pub fn verifications(&self) -> usize {
-        self.verifications
-    }
-
-    /// Verifications so far and the draft tokens they verified (summed over rows).
-    pub fn verified(&self) -> (usize, usize) {
-        (self.verifications, self.verified_drafts)
-    }
-
-    /// Positions the verifications fed, and of those the padding after shorter rows' drafts.
-    pub fn verify_positions(&self) -> (usize, usize) {
-        (self.verify_fed, self.verify_padding)
+    /// What the speculative steps so far verified.
+    pub fn verified(&self) -> Verified {
+        self.verified
     }
 }
 
