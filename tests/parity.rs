@@ -1,7 +1,7 @@
 //! Parity with the reference: `host generate --json` gives the same greedy token ids as
 //! mlx-lm 0.32.2 (run in the same test, from the virtualenv `scripts/test-fixtures.sh` makes),
-//! and the last-position logits agree within 1e-4, on SmolLM2-135M-Instruct (float32), its
-//! GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
+//! and the last-position logits agree within 1e-4 (or 1e-5 of the largest logit), on
+//! SmolLM2-135M-Instruct (float32), its GGUF file, a tiny random Llama stored as K-quants (Q2_K to Q6_K, Q5_0, Q8_0) in a GGUF, and
 //! tiny random Llama, Llama-3-RoPE, Mistral with sliding layers, Qwen2, Qwen3, Qwen3-MoE, Gemma 3,
 //! GPT-OSS and Phi-3 models (float32, and MLX-quantized
 //! 4-bit and 8-bit as `mlx_lm.convert -q` writes them); and the second real model, Gemma 3 270M
@@ -135,7 +135,7 @@ fn check_ids(f: &Fixtures, model_path: PathBuf, oracle_model: &str, max_tokens: 
     }
 }
 
-/// The last-position logits of one full forward agree with mlx-lm's within 1e-4.
+/// The last-position logits of one full forward agree with mlx-lm's within `logits_bound`.
 fn check_logits(f: &Fixtures, model: &str, max_tokens: usize) {
     check_logits_of(&models::load(&f.models.join(model)).unwrap(), f, model, max_tokens);
 }
@@ -151,8 +151,18 @@ fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_token
         let last = logits.slice_axis(1, n - 1, n).unwrap().to_vec_f32().unwrap();
         assert_eq!(last.len(), want.last_logits.len());
         let diff = last.iter().zip(&want.last_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(diff <= 1e-4, "{model}: last-position logits differ by {diff}");
+        let bound = logits_bound(&want.last_logits);
+        assert!(diff <= bound, "{model}: last-position logits differ by {diff} (bound {bound})");
     }
+}
+
+/// How far float32 logits may differ from the oracle's: 1e-4, or 1e-5 of the largest logit
+/// where that is more. Two engines that sum in different orders differ by rounding relative
+/// to the values summed (the host's CPU product of quantized weights sums per group, then
+/// over groups; MLX's kernel otherwise), and some models' logits are tens.
+fn logits_bound(want: &[f32]) -> f32 {
+    let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    (1e-5 * largest).max(1e-4)
 }
 
 /// As `check_logits`, with the prompt fed in chunks of `chunk` tokens (each a forward over the

@@ -20,6 +20,8 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_matmul.h");
     println!("cargo:rerun-if-changed=cpp/cpu_matmul.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_qmatmul.h");
+    println!("cargo:rerun-if-changed=cpp/cpu_qmatmul.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_blas.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
@@ -31,6 +33,7 @@ fn main() {
         .file("cpp/shim.cc")
         .file("cpp/cpu_attention.cc")
         .file("cpp/cpu_matmul.cc")
+        .file("cpp/cpu_qmatmul.cc")
         .std("c++20")
         .flag("-isystem")
         .flag(include.to_str().expect("MLX include path is UTF-8"))

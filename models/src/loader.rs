@@ -49,11 +49,13 @@ pub struct Loaded {
     pub info: ModelInfo,
 }
 
-/// How to load. The default keeps weights as stored on GPUs and dequantizes GGUF weights
-/// to float32 on the CPU, where quantized matmul is 20-30x slower.
+/// How to load. The default keeps weights as stored on GPUs; on the CPU a GGUF file's dense
+/// tensors become float32 and its Q4_0/Q4_1/Q8_0 blocks stay packed (the shim's CPU product
+/// reads them), unless `HOST_CPU_QMATMUL=0` turns that product off (then they are
+/// dequantized to float32: MLX's own CPU quantized matmul is about a tenth of its speed).
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
-    /// Dequantize GGUF weights to float32; `None` decides by the default device.
+    /// Dequantize GGUF weights; `None` decides by the default device as above.
     pub dequantize_gguf: Option<bool>,
     /// Load this rank's tensor-parallel shard (the group must be initialized).
     pub tensor_parallel: Option<mlx::distributed::Group>,
@@ -78,8 +80,10 @@ pub fn load(path: &Path) -> Result<Loaded> {
 
 pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        let dequantize = options.dequantize_gguf.unwrap_or(Device::default_device() == Device::Cpu);
-        let g = gguf::load(path, dequantize)?;
+        let cpu = Device::default_device() == Device::Cpu;
+        let packed_on_cpu = !std::env::var("HOST_CPU_QMATMUL").is_ok_and(|v| v == "0");
+        let dequantize = options.dequantize_gguf.unwrap_or(cpu && !packed_on_cpu);
+        let g = gguf::load(path, cpu, dequantize)?;
         let arch = Arch::parse(&g.config, path)?;
         return build(path, arch, &g.config, Value::Null, g.weights, g.tokenizer, options);
     }

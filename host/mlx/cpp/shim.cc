@@ -4,6 +4,7 @@
 #include "mlx/cpp/shim.h"
 #include "mlx/cpp/cpu_attention.h"
 #include "mlx/cpp/cpu_matmul.h"
+#include "mlx/cpp/cpu_qmatmul.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -848,6 +849,9 @@ Ptr quantized_matmul(const array& x, const array& w, const array& scales, const 
   if (mode != "affine") {
     return wrap(mx::quantized_matmul(x, w, scales, std::nullopt, transpose, group_size, bits, mode));
   }
+  if (host_kernels && transpose) {
+    if (auto y = cpu_quantized_matmul(x, w, scales, biases, group_size, bits)) return wrap(std::move(*y));
+  }
   if (host_kernels && dequant_applies(x, w, transpose, bits)) {
     const auto wd = mx::dequantize(w, scales, biases, group_size, bits, "affine", std::nullopt, x.dtype());
     return wrap(mx::matmul(x, mx::swapaxes(wd, 0, 1)));
@@ -999,6 +1003,8 @@ void exit_without_teardown(int32_t code) {
   std::fflush(nullptr);
   std::_Exit(code);
 }
+
+void cap_cpu_qmatmul_isa(int32_t level) { cpu_qmatmul_isa_cap.store(level); }
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
   auto [arrays, meta] = mx::load_safetensors(std::string(path));

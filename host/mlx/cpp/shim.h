@@ -184,6 +184,9 @@ size_t set_cache_limit(size_t limit);
 void clear_cache();
 rust::String version();
 void exit_without_teardown(int32_t code);
+// The widest instruction set the CPU quantized product may use: 3 AVX-512, 2 AVX2, 1 portable
+// C++ (tests run the narrower kernels with it).
+void cap_cpu_qmatmul_isa(int32_t level);
 
 // Files.
 std::unique_ptr<Loaded> load_safetensors(rust::Str path);

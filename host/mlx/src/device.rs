@@ -108,6 +108,13 @@ pub fn graph_dot(arrays: &[&Array]) -> String {
     ffi::graph_dot(&list(arrays))
 }
 
+/// The widest instructions the CPU quantized product may use (3 AVX-512, 2 AVX2, 1 portable
+/// C++; it never goes wider than the CPU has): for tests of the narrower kernels.
+#[doc(hidden)]
+pub fn cap_cpu_qmatmul_isa(level: i32) {
+    ffi::cap_cpu_qmatmul_isa(level);
+}
+
 /// Waits for all work queued on the default stream.
 pub fn synchronize() -> Result<()> {
     Ok(ffi::synchronize()?)

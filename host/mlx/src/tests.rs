@@ -304,8 +304,9 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 /// float32, so the difference is summation order plus the final rounding to 16 bits (bf16
 /// keeps 8 significant bits: 1e-2; f16 11: 2e-3). Cases the kernels do not serve (more rows,
 /// float32, 8 bits) must fall back to MLX's kernel and give its result exactly; on the CPU
-/// every case does. Which one ran shows in the product's graph: MLX's
-/// is a `QuantizedMatmul`, the host's a custom kernel.
+/// every float32 case takes the host's CPU product (cpu_qmatmul.cc, float32 sums: 1e-5), the
+/// rest MLX's. Which one ran shows in the product's graph: MLX's is a `QuantizedMatmul`, the
+/// host's a custom kernel.
 #[test]
 fn quantized_matvec_kernel_matches_mlx() {
     let cuda = Device::default_device() == Device::Gpu && !cfg!(target_os = "macos");
@@ -328,10 +329,12 @@ fn quantized_matvec_kernel_matches_mlx() {
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
             let x = arr(&noise(xrows * input, 100 + i as u64), &[1, xrows, input]).astype(dtype).unwrap();
             let serves = xrows <= 32 && bits == 4 && dtype != Dtype::Float32;
+            // On the CPU, float32 products of 4- and 8-bit weights are the host's (cpu_qmatmul.cc).
+            let cpu_serves = !cuda && Device::default_device() == Device::Cpu && dtype == Dtype::Float32;
             let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
             let got = ops::quantized_matmul(&x, &q, &scales, quant, true).unwrap();
             let applies = !graph_dot(&[&got]).contains("QuantizedMatmul");
-            assert_eq!(applies, cuda && serves, "{dtype:?} case {i}: kernel applies");
+            assert_eq!(applies, (cuda && serves) || cpu_serves, "{dtype:?} case {i}: kernel applies");
             // MLX's own kernel, always: the reference.
             let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
                 &x.0, &q.0, &scales.0, &biases.0, true, group, bits, "affine", false,
@@ -344,6 +347,7 @@ fn quantized_matvec_kernel_matches_mlx() {
             let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             let bound = match (applies, dtype) {
                 (false, _) => 0.0,
+                (true, Dtype::Float32) => 1e-5,
                 (true, Dtype::Bfloat16) => 1e-2,
                 (true, _) => 2e-3,
             };
@@ -477,4 +481,67 @@ fn a_few_rows_times_a_weight_matrix_on_the_cpu_are_row_products_as_the_definitio
     let few = ops::matmul(&x8.slice_axis(0, 0, 2).unwrap(), &w_t).unwrap();
     let (many, few) = (many.to_vec_f32().unwrap(), few.to_vec_f32().unwrap());
     assert!(few.iter().zip(&many[..2 * n]).all(|(a, b)| (a - b).abs() < 1e-4));
+}
+
+/// The host's CPU product against 4- and 8-bit weights (cpu_qmatmul.cc), with each kernel the
+/// CPU has (AVX-512, AVX2, portable C++), against MLX's own quantized matmul: group sizes 32,
+/// 64, 128; a few activation rows (packed weights, 1 to 16 rows in passes of 8 with AVX-512,
+/// 4 with AVX2) and more
+/// (dequantized blocks through sgemm); a product large enough to be split over threads. A row's
+/// result has the same bits whether it came alone or with up to 15 others (batch and solo decode
+/// agree), and a strided activation gives the contiguous one's result.
+#[test]
+fn the_cpu_quantized_product_equals_mlx_s_with_every_kernel() {
+    if Device::default_device() == Device::Gpu {
+        return;
+    }
+    // (weight rows, input width, group, bits, activation rows)
+    let cases = [
+        (37, 96, 32, 4, 1),
+        (64, 256, 64, 4, 3),
+        (40, 384, 128, 4, 4),
+        (33, 160, 32, 8, 5),
+        (45, 224, 32, 4, 7),
+        (50, 256, 64, 8, 8),
+        (29, 192, 32, 4, 9),
+        (31, 256, 64, 4, 16),
+        (70, 128, 128, 8, 17),
+        (26, 128, 32, 4, 33),
+        (2048, 576, 32, 4, 2),
+    ];
+    for isa in [3, 2, 1] {
+        crate::device::cap_cpu_qmatmul_isa(isa);
+        for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
+            let w = arr(&noise(rows * input, i as u64), &[rows, input]);
+            let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+            let x = arr(&noise(xrows * input, 100 + i as u64), &[xrows, 1, input]);
+            let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
+            let got = ops::quantized_matmul(&x, &q, &scales, quant, true).unwrap();
+            assert!(graph_dot(&[&got]).contains("HostCpuQmatmul"), "case {i}: not the host's product");
+            let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
+                &x.0, &q.0, &scales.0, &biases.0, true, group, bits, "affine", false,
+            ))
+            .unwrap();
+            assert_eq!(got.shape(), vec![xrows, 1, rows]);
+            let (got_v, want_v) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+            let scale = want_v.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got_v.iter().zip(&want_v).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(err <= 1e-5, "isa {isa} case {i} {:?}: max relative error {err:e}", cases[i]);
+            if xrows > 1 && xrows <= 16 {
+                let last = x.slice_axis(0, xrows as i32 - 1, xrows as i32).unwrap();
+                let alone = ops::quantized_matmul(&last, &q, &scales, quant, true).unwrap().to_vec_f32().unwrap();
+                assert_eq!(alone, got_v[(xrows - 1) * rows..].to_vec(), "isa {isa} case {i}: alone != in a batch");
+            }
+        }
+        // A strided activation (a transposed view) is read as its values.
+        let (rows, input) = (48, 64);
+        let w = arr(&noise(rows * input, 9), &[rows, input]);
+        let (q, scales, biases) = ops::quantize(&w, 32, 4).unwrap();
+        let quant = ops::Quant { mode: "affine", group_size: 32, bits: 4, biases: Some(&biases) };
+        let xt = arr(&noise(2 * input, 10), &[input, 2]).transpose(&[1, 0]).unwrap();
+        let strided = ops::quantized_matmul(&xt, &q, &scales, quant, true).unwrap().to_vec_f32().unwrap();
+        let dense = ops::quantized_matmul(&xt.contiguous().unwrap(), &q, &scales, quant, true).unwrap();
+        assert_eq!(strided, dense.to_vec_f32().unwrap(), "isa {isa}: strided activation");
+    }
+    crate::device::cap_cpu_qmatmul_isa(3);
 }

@@ -2,9 +2,11 @@
 //! hold: a `config.json` value, weights under HF names, and the tokenizer (built from the
 //! GGUF's vocabulary, merges and chat template).
 //!
-//! MLX maps Q4_0/Q4_1/Q8_0 blocks to its affine format (group 32); F16/F32 stay as they are.
-//! A file with any other type (the K-quants of most hub files, Q5_0, BF16, ...) is read by
-//! `gguf_reader.rs` instead and dequantized (to float32 on the CPU, else bfloat16).
+//! MLX maps Q4_0/Q4_1/Q8_0 blocks to its affine format (group 32), and they stay so (on the
+//! CPU with float32 scales and biases, for the shim's CPU product); F16/F32 stay as they are on
+//! GPUs and become float32 on the CPU. A file with any other type (the K-quants of most hub
+//! files, Q5_0, BF16, ...) is read by `gguf_reader.rs` instead and dequantized (to float32 on
+//! the CPU, else bfloat16).
 //! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
 //! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
 
@@ -135,8 +137,8 @@ fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
 }
 
 /// The file's tensors and metadata: MLX's reader where it reads every tensor type (it keeps
-/// quantized blocks quantized), else ours, dequantized.
-fn read(path: &Path, header: &super::gguf_reader::Header, dequantize: bool) -> Result<mlx::io::Tensors> {
+/// quantized blocks quantized), else ours, dequantized (to float32 for the CPU).
+fn read(path: &Path, header: &super::gguf_reader::Header, cpu: bool) -> Result<mlx::io::Tensors> {
     if header.mlx_reads_all() {
         return mlx::io::load_gguf(path).map_err(|e| Error::Gguf {
             path: path.to_path_buf(),
@@ -147,12 +149,14 @@ fn read(path: &Path, header: &super::gguf_reader::Header, dequantize: bool) -> R
     let mut arrays = HashMap::new();
     for t in &file.header.tensors {
         let a = Array::from_f32(&file.dequantize(t), &t.shape)?;
-        arrays.insert(t.name.clone(), if dequantize { a } else { a.astype(Dtype::Bfloat16)? });
+        arrays.insert(t.name.clone(), if cpu { a } else { a.astype(Dtype::Bfloat16)? });
     }
     Ok(mlx::io::Tensors { arrays, metadata: HashMap::new(), gguf: file.header.metadata })
 }
 
-pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
+/// Loads `path` for the CPU (`cpu`: dense tensors, scales and biases in float32) or a GPU (as
+/// stored); `dequantize` expands quantized blocks to dense weights too.
+pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
     // The architecture is checked from the header, before any weight is read.
     let header = super::gguf_reader::header(path)?;
     let head = Meta { map: &header.metadata, path };
@@ -163,7 +167,7 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         let known: Vec<&str> = ARCHS.iter().map(|a| a.0).collect();
         head.err(format!("GGUF architecture {arch:?} is not supported; supported: {}", known.join(", ")))
     })?;
-    let file = read(path, &header, dequantize)?;
+    let file = read(path, &header, cpu)?;
     let meta = Meta { map: &file.gguf, path };
     let key = |k: &str| format!("{arch}.{k}");
     let n_head = meta.required(&key("attention.head_count"))? as usize;
@@ -189,7 +193,7 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
         // A DeltaNet layer's `ssm_a` is a tensor without a suffix.
         for (name, a) in file.arrays.iter().filter(|(k, _)| k.ends_with(".ssm_a")) {
             let hf = hf_name(arch, name).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
-            tensors.insert(hf, if dequantize { a.astype(Dtype::Float32)? } else { a.clone() });
+            tensors.insert(hf, if cpu { a.astype(Dtype::Float32)? } else { a.clone() });
         }
     }
     for name in stems {
@@ -223,15 +227,15 @@ pub fn load(path: &Path, dequantize: bool) -> Result<Gguf> {
                     )?;
                     tensors.insert(format!("{hf}.weight"), permute(&dense)?);
                 } else {
+                    let widen = |a: &Array| if cpu { a.astype(Dtype::Float32) } else { Ok(a.clone()) };
                     tensors.insert(format!("{hf}.weight"), permute(w)?);
-                    tensors.insert(format!("{hf}.scales"), permute(s)?);
-                    tensors.insert(format!("{hf}.biases"), permute(b)?);
+                    tensors.insert(format!("{hf}.scales"), permute(&widen(s)?)?);
+                    tensors.insert(format!("{hf}.biases"), permute(&widen(b)?)?);
                     overrides.insert(hf.clone(), Some(Quantization::affine(group_size, bits)));
                 }
             }
             _ => {
-                let mut w =
-                    if dequantize && w.dtype() != Dtype::Float32 { w.astype(Dtype::Float32)? } else { w.clone() };
+                let mut w = if cpu && w.dtype() != Dtype::Float32 { w.astype(Dtype::Float32)? } else { w.clone() };
                 if arch == "gemma3" && stem.ends_with("norm") {
                     // llama.cpp stores Gemma's norms as 1 + weight; the model adds the 1.
                     w = w.subtract(&Array::scalar(1.0, w.dtype())?)?;

@@ -1,0 +1,558 @@
+// Quantized weights kept quantized on the CPU (issue 47). MLX's CPU quantized_matmul runs at
+// about a tenth of float32's speed, so GGUF files were dequantized to float32 at load, and a
+// decode step of the 4-bit SmolLM2 read 0.54 GB of weights instead of ~0.1. This is the
+// product on the packed weights, float32 arithmetic throughout (no int8 activations, so the
+// parity suites against mlx-lm's float products hold):
+//
+//   y[r] = sum_g scales[r, g] * dot(q[r, g], x[g]) + biases[r, g] * sum(x[g])
+//
+// For a few activation rows (decode), each 32-weight chunk's codes are widened to float once
+// and multiplied with every row's activations (up to 8 rows a pass with AVX-512, 4 with AVX2),
+// which were reordered beforehand so a chunk's low nibbles meet the even positions and its
+// high nibbles the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run
+// time), else portable C++. Large products are split by weight rows over a small pool of
+// threads. For more rows (prefill chunks, wide batches), blocks of weight rows are dequantized
+// into a scratch buffer that stays in L3 and multiplied with the process's sgemm, the BLAS
+// MLX's float32 matmul uses.
+//
+// bench/RESULTS.md (session 37) has the decode and batch steps it gives, paired with float32.
+#include "mlx/cpp/cpu_qmatmul.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsics initialise their "undefined" operands from themselves.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/cpp/cpu_blas.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_shim {
+
+// Set by tests to run the narrower kernels on a machine that has the wider ones.
+std::atomic<int> cpu_qmatmul_isa_cap{3};
+
+namespace {
+
+// Up to this many activation rows read the packed weights; more take dequantize + sgemm.
+// Measured with `host bench --batch` on the 2-core EPYC (bench/RESULTS.md, session 37), as
+// aggregate tok/s against float32 weights: 1 row 2.4x, 4 rows 1.5x, 8 inside the spread, 12
+// and 16 rows 0.65-0.95x with the packed product (two passes) and 0.5x with dequantize +
+// sgemm (the dequantization is the step's largest cost), 32 rows 0.8-0.97x with dequantize.
+constexpr int kPackedRows = 16;
+// Floats of weights dequantized for one sgemm call (16 MB, inside this CPU's 32 MB L3): 1 MB
+// blocks cost 2x at 16 rows and slowed prefill (OpenBLAS's per-call overhead at small N).
+constexpr int kDequantizedBlock = 1 << 22;
+// Rows of activations a kernel call carries at once (two accumulators a row live in
+// registers: AVX-512 has 32 of them, AVX2 16).
+constexpr int kRowsPerPassAvx512 = 8, kRowsPerPass = 4;
+
+enum Isa { kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+Isa detected_isa() {
+#if defined(__x86_64__)
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+    return kPortable;
+  }();
+  return isa;
+#else
+  return kPortable;
+#endif
+}
+
+Isa isa() {
+  const int cap = cpu_qmatmul_isa_cap.load(std::memory_order_relaxed);
+  const Isa found = detected_isa();
+  return static_cast<Isa>(found < cap ? found : (cap < kPortable ? kPortable : cap));
+}
+
+// One product's operands, with R activation rows already reordered (`xp`, [R, K]) and summed
+// per group (`xsum`, [R, groups]).
+struct Job {
+  const uint8_t* w;
+  size_t w_stride;  // bytes per weight row
+  const float* scales;
+  const float* biases;
+  const float* xp;
+  const float* xsum;
+  int k, group, groups, bits, rows;
+  float* y;
+  int n;  // y is [rows, n]
+};
+
+// ---- Portable ------------------------------------------------------------------------------
+void rows_portable(const Job& j, int n0, int n1) {
+  const int chunks = j.group / 32;
+  for (int c = n0; c < n1; c++) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    for (int r = 0; r < j.rows; r++) {
+      const float* xp = j.xp + static_cast<size_t>(r) * j.k;
+      const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
+      float acc = 0.f, bias = 0.f;
+      for (int g = 0; g < j.groups; g++) {
+        float t = 0.f;
+        for (int ch = 0; ch < chunks; ch++) {
+          const int at = (g * chunks + ch) * 32;
+          if (j.bits == 4) {
+            const uint8_t* b = wr + at / 2;
+            for (int i = 0; i < 16; i++) t += static_cast<float>(b[i] & 0x0F) * xp[at + i];
+            for (int i = 0; i < 16; i++) t += static_cast<float>(b[i] >> 4) * xp[at + 16 + i];
+          } else {
+            const uint8_t* b = wr + at;
+            for (int i = 0; i < 32; i++) t += static_cast<float>(b[i]) * xp[at + i];
+          }
+        }
+        acc += sr[g] * t;
+        bias += br[g] * xs[g];
+      }
+      j.y[static_cast<size_t>(r) * j.n + c] = acc + bias;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// ---- AVX2 ----------------------------------------------------------------------------------
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1) {
+  const int chunks = j.group / 32;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int c = n0; c < n1; c++) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < j.groups; g++) {
+      __m256 t[R];
+      for (int r = 0; r < R; r++) t[r] = _mm256_setzero_ps();
+      for (int ch = 0; ch < chunks; ch++) {
+        const int at = (g * chunks + ch) * 32;
+        __m256 q[4];
+        if (j.bits == 4) {
+          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
+          const __m128i lo = _mm_and_si128(by, low), hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
+          q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+          q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+          q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+          q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        } else {
+          for (int i = 0; i < 4; i++) {
+            const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + at + 8 * i));
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(by));
+          }
+        }
+        for (int r = 0; r < R; r++) {
+          const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
+          for (int i = 0; i < 4; i++) t[r] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xp + 8 * i), t[r]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(sr[g]);
+      for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+      const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
+      __m256 bv = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= j.groups; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(br + g), _mm256_loadu_ps(xs + g), bv);
+      float bias = hsum256(bv);
+      for (; g < j.groups; g++) bias += br[g] * xs[g];
+      j.y[static_cast<size_t>(r) * j.n + c] = hsum256(acc[r]) + bias;
+    }
+  }
+}
+
+// ---- AVX-512 -------------------------------------------------------------------------------
+// The sum of v's lanes (GCC 12's _mm512_reduce_add_ps warns of an uninitialized temporary).
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  __m128 s = _mm512_castps512_ps128(v);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const Job& j, int n0, int n1) {
+  const int chunks = j.group / 32;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int c = n0; c < n1; c++) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < j.groups; g++) {
+      __m512 t[R];
+      for (int r = 0; r < R; r++) t[r] = _mm512_setzero_ps();
+      for (int ch = 0; ch < chunks; ch++) {
+        const int at = (g * chunks + ch) * 32;
+        __m512 q0, q1;
+        if (j.bits == 4) {
+          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
+          q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(by, low)));
+          q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(by, 4), low)));
+        } else {
+          q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at))));
+          q1 = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16))));
+        }
+        for (int r = 0; r < R; r++) {
+          const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
+          t[r] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), t[r]);
+          t[r] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), t[r]);
+        }
+      }
+      const __m512 s = _mm512_set1_ps(sr[g]);
+      for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(t[r], s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+      const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
+      __m512 bv = _mm512_setzero_ps();
+      for (int g = 0; g < j.groups; g += 16) {
+        const __mmask16 m = j.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j.groups - g)) - 1);
+        bv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, br + g), _mm512_maskz_loadu_ps(m, xs + g), bv);
+      }
+      j.y[static_cast<size_t>(r) * j.n + c] = hsum512(acc[r]) + hsum512(bv);
+    }
+  }
+}
+#endif
+
+// Weight rows [n0, n1) dequantized (scale * q + bias) into `out` ([n1 - n0, K]), each
+// 32-weight chunk in the order the activations were reordered in (low nibbles, then high).
+void dequantize_portable(const Job& j, int n0, int n1, float* out) {
+  for (int c = n0; c < n1; c++, out += j.k) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    for (int at = 0; at < j.k; at += 32) {
+      const float s = sr[at / j.group], b = br[at / j.group];
+      for (int i = 0; i < 16; i++) {
+        const int lo = j.bits == 4 ? wr[at / 2 + i] & 0x0F : wr[at + i];
+        const int hi = j.bits == 4 ? wr[at / 2 + i] >> 4 : wr[at + 16 + i];
+        out[at + i] = s * static_cast<float>(lo) + b;
+        out[at + 16 + i] = s * static_cast<float>(hi) + b;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void dequantize_avx512(const Job& j, int n0, int n1,
+                                                                                 float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int c = n0; c < n1; c++, out += j.k) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    for (int at = 0; at < j.k; at += 32) {
+      const __m512 s = _mm512_set1_ps(sr[at / j.group]), b = _mm512_set1_ps(br[at / j.group]);
+      __m128i lo, hi;
+      if (j.bits == 4) {
+        const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
+        lo = _mm_and_si128(by, low);
+        hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
+      } else {
+        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at));
+        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16));
+      }
+      _mm512_storeu_ps(out + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, b));
+      _mm512_storeu_ps(out + at + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, b));
+    }
+  }
+}
+#endif
+
+void dequantize_rows(const Job& j, int n0, int n1, float* out) {
+#if defined(__x86_64__)
+  if (isa() == kAvx512) return dequantize_avx512(j, n0, n1, out);
+#endif
+  dequantize_portable(j, n0, n1, out);
+}
+
+void run_rows(const Job& j, int n0, int n1) {
+#if defined(__x86_64__)
+  const Isa level = isa();
+  if (level >= kAvx2) {
+    const bool wide = level == kAvx512;
+    switch (j.rows) {
+      case 1: return wide ? rows_avx512<1>(j, n0, n1) : rows_avx2<1>(j, n0, n1);
+      case 2: return wide ? rows_avx512<2>(j, n0, n1) : rows_avx2<2>(j, n0, n1);
+      case 3: return wide ? rows_avx512<3>(j, n0, n1) : rows_avx2<3>(j, n0, n1);
+      case 4: return wide ? rows_avx512<4>(j, n0, n1) : rows_avx2<4>(j, n0, n1);
+      case 5: return rows_avx512<5>(j, n0, n1);
+      case 6: return rows_avx512<6>(j, n0, n1);
+      case 7: return rows_avx512<7>(j, n0, n1);
+      default: return rows_avx512<8>(j, n0, n1);
+    }
+  }
+#endif
+  rows_portable(j, n0, n1);
+}
+
+// ---- Threads -------------------------------------------------------------------------------
+// The CPUs this process may run on, or OPENBLAS_NUM_THREADS where set (the e2e suite runs
+// servers side by side with it at 1): the shim's products share the cores the BLAS would.
+int thread_count() {
+  static const int n = [] {
+    if (const char* v = std::getenv("OPENBLAS_NUM_THREADS")) {
+      const int t = std::atoi(v);
+      if (t >= 1) return t < 64 ? t : 64;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+      const int c = CPU_COUNT(&set);
+      return c < 1 ? 1 : (c < 64 ? c : 64);
+    }
+    const unsigned h = std::thread::hardware_concurrency();
+    return h == 0 ? 1 : static_cast<int>(h < 64 ? h : 64);
+  }();
+  return n;
+}
+
+// Workers that sleep until a product is split over them; the calling thread takes part. A
+// second caller while one product runs (two CPU streams) runs its own product alone.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool(thread_count() - 1);  // never destroyed: workers outlive exit
+    return *pool;
+  }
+
+  // Calls fn(i) for every i in [0, tasks).
+  void run(int tasks, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || workers_ == 0 || tasks <= 1) {
+      for (int i = 0; i < tasks; i++) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fn_ = &fn;
+      tasks_ = tasks;
+      next_.store(0);
+      open_ = true;
+      generation_++;
+    }
+    wake_.notify_all();
+    take(fn, tasks);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_ = false;
+    }
+    while (active_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+
+ private:
+  explicit Pool(int workers) : workers_(workers < 0 ? 0 : workers) {
+    for (int i = 0; i < workers_; i++) std::thread([this] { work(); }).detach();
+  }
+
+  void take(const std::function<void(int)>& fn, int tasks) {
+    for (int i = next_.fetch_add(1); i < tasks; i = next_.fetch_add(1)) fn(i);
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      int tasks;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (!open_) continue;
+        active_.fetch_add(1);
+        fn = fn_;
+        tasks = tasks_;
+      }
+      take(*fn, tasks);
+      active_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  const int workers_;
+  std::mutex busy_, mutex_;
+  std::condition_variable wake_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int tasks_ = 0;
+  bool open_ = false;
+  uint64_t generation_ = 0;
+  std::atomic<int> next_{0}, active_{0};
+};
+
+// Splits weight rows [0, n) into tasks of whole rows for the pool: products under ~1M
+// multiply-adds (tens of microseconds) stay on the calling thread, where waking a worker would
+// cost as much.
+void for_row_ranges(int n, size_t weights, const std::function<void(int, int)>& body) {
+  const int threads = thread_count();
+  if (threads <= 1 || weights < (size_t{1} << 20)) return body(0, n);
+  const int tasks = threads * 4;
+  const int per = (n + tasks - 1) / tasks;
+  Pool::get().run(tasks, [&](int t) {
+    const int a = t * per, b = a + per < n ? a + per : n;
+    if (a < b) body(a, b);
+  });
+}
+
+// ---- The primitive -------------------------------------------------------------------------
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    // Row-contiguous: cpu_quantized_matmul passes every input through mx::contiguous.
+    encoder.dispatch([in = inputs, y = out.data<float>(), group = group_, bits = bits_]() {
+      const auto &x = in[0], &w = in[1], &s = in[2], &b = in[3];
+      const int n = w.shape(0), k = x.shape(-1);
+      const int rows = static_cast<int>(x.size() / k);
+      Job j{w.data<uint8_t>(), static_cast<size_t>(k) * bits / 8, s.data<float>(), b.data<float>(), nullptr,
+            nullptr, k, group, k / group, bits, 0, nullptr, n};
+      if (rows <= kPackedRows) {
+        packed(j, x.data<float>(), rows, y);
+      } else {
+        dequantized(j, x.data<float>(), rows, y);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's CPU quantized matmul has no GPU version");
+  }
+
+  const char* name() const override { return "HostCpuQmatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const QuantizedMatmul*>(&other);
+    return o != nullptr && o->group_ == group_ && o->bits_ == bits_;
+  }
+
+ private:
+  // `rows` rows of x reordered as the kernels read them: per 32-value chunk, for 4 bits the
+  // even positions then the odd (a byte's low nibble, then its high), for 8 bits as they are.
+  static void reorder(const float* x, int rows, int k, int bits, float* out) {
+    if (bits != 4) {
+      std::memcpy(out, x, sizeof(float) * static_cast<size_t>(rows) * k);
+      return;
+    }
+    for (size_t at = 0; at < static_cast<size_t>(rows) * k; at += 32) {
+      for (int i = 0; i < 16; i++) {
+        out[at + i] = x[at + 2 * i];
+        out[at + 16 + i] = x[at + 2 * i + 1];
+      }
+    }
+  }
+
+  // A few rows: kRowsPerPass at a time, each pass over the packed weights.
+  static void packed(Job j, const float* x, int rows, float* y) {
+    thread_local std::vector<float> xp, xsum;
+    xp.resize(static_cast<size_t>(rows) * j.k);
+    xsum.resize(static_cast<size_t>(rows) * j.groups);
+    reorder(x, rows, j.k, j.bits, xp.data());
+    for (int g = 0; g < rows * j.groups; g++) {
+      const float* v = x + static_cast<size_t>(g) * j.group;
+      float sum = 0.f;
+      for (int i = 0; i < j.group; i++) sum += v[i];
+      xsum[g] = sum;
+    }
+    const int per_pass = isa() == kAvx512 ? kRowsPerPassAvx512 : kRowsPerPass;
+    for (int r0 = 0; r0 < rows; r0 += per_pass) {
+      j.xp = xp.data() + static_cast<size_t>(r0) * j.k;
+      j.xsum = xsum.data() + static_cast<size_t>(r0) * j.groups;
+      j.rows = rows - r0 < per_pass ? rows - r0 : per_pass;
+      j.y = y + static_cast<size_t>(r0) * j.n;
+      for_row_ranges(j.n, static_cast<size_t>(j.n) * j.k * j.rows, [&](int a, int b) { run_rows(j, a, b); });
+    }
+  }
+
+  // Many rows: blocks of weight rows dequantized (as MLX's dequantize: scale * q + bias) and
+  // multiplied by sgemm into the block's columns of y. Weights and activations share the
+  // kernels' reordering of each chunk, so the dequantized rows are written as they lie.
+  static void dequantized(const Job& j, const float* x, int rows, float* y) {
+    const int block = std::max(16, kDequantizedBlock / j.k);
+    thread_local std::vector<float> scratch, xp;
+    scratch.resize(static_cast<size_t>(block) * j.k);
+    xp.resize(static_cast<size_t>(rows) * j.k);
+    reorder(x, rows, j.k, j.bits, xp.data());
+    for (int n0 = 0; n0 < j.n; n0 += block) {
+      const int nb = j.n - n0 < block ? j.n - n0 : block;
+      dequantize_rows(j, n0, n0 + nb, scratch.data());
+      blas::sgemm()(blas::kRowMajor, blas::kNoTrans, blas::kTrans, rows, nb, j.k, 1.f, xp.data(), j.k,
+                    scratch.data(), j.k, 0.f, y + n0, j.n);
+    }
+  }
+
+  int group_, bits_;
+};
+
+bool enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HOST_CPU_QMATMUL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+}  // namespace
+
+std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                              const mx::array& biases, int group_size, int bits) {
+  if (!enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
+  if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+      biases.dtype() != mx::float32) {
+    return std::nullopt;
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape()) return std::nullopt;
+  const int n = w.shape(0), k = w.shape(1) * 32 / bits;
+  if (n == 0 || k == 0 || x.shape(-1) != k || scales.shape(0) != n || scales.shape(1) != k / group_size) {
+    return std::nullopt;
+  }
+  const size_t rows = x.size() / k;
+  if (rows == 0 || (rows > static_cast<size_t>(64) && blas::sgemm() == nullptr)) return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = n;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+                   {mx::contiguous(x), mx::contiguous(w), mx::contiguous(scales), mx::contiguous(biases)});
+}
+
+}  // namespace mlx_shim

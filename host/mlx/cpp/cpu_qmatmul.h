@@ -1,0 +1,24 @@
+// The host's CPU product against MLX-quantized weights (cpu_qmatmul.cc).
+#pragma once
+
+#include <atomic>
+#include <optional>
+
+#include "mlx/mlx.h"
+
+namespace mlx_shim {
+
+// x @ dequantize(w).T for float32 x [..., K] and MLX affine weights (bits 4 or 8, group a
+// multiple of 32; w uint32 [N, K * bits / 32], scales and biases float32 [N, K / group]) on
+// the CPU, by the host's own primitive: a few rows read the packed weights once (no float
+// copy of them), more rows multiply dequantized blocks of them with the process's sgemm.
+// nullopt where that does not apply (another device, dtype, mode or shape, or
+// HOST_CPU_QMATMUL=0): the caller then takes MLX's quantized_matmul.
+std::optional<mlx::core::array> cpu_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                                     const mlx::core::array& scales, const mlx::core::array& biases,
+                                                     int group_size, int bits);
+
+// The widest kernel cpu_quantized_matmul may pick (3 AVX-512, 2 AVX2, 1 portable C++).
+extern std::atomic<int> cpu_qmatmul_isa_cap;
+
+}  // namespace mlx_shim
