@@ -4,7 +4,7 @@
 // product on the packed weights, float32 arithmetic throughout (no int8 activations, so the
 // parity suites against mlx-lm's float products hold):
 //
-//   y[r] = sum_g scales[r, g] * dot(q[r, g], x[g]) + biases[r, g] * sum(x[g])
+//   y[r] = sum_g dot(scales[r, g] * q[r, g], x[g]) + biases[r, g] * sum(x[g])
 //
 // For a few activation rows (decode), each 32-weight chunk's codes are widened to float once
 // and multiplied with every row's activations (up to 8 rows a pass with AVX-512, 4 with AVX2),
@@ -56,9 +56,8 @@ namespace {
 
 // Up to this many activation rows read the packed weights; more take dequantize + sgemm.
 // Measured with `host bench --batch` on the 2-core EPYC (bench/RESULTS.md, session 37), as
-// aggregate tok/s against float32 weights: 1 row 2.4x, 4 rows 1.5x, 8 inside the spread, 12
-// and 16 rows 0.65-0.95x with the packed product (two passes) and 0.5x with dequantize +
-// sgemm (the dequantization is the step's largest cost), 32 rows 0.8-0.97x with dequantize.
+// aggregate tok/s against float32 weights: 4 rows 2.3x, 8 rows 1.55x, 16 rows (two passes)
+// 1.0x; at 32, dequantize + sgemm runs 0.6-1.0x (the dequantization is its largest cost).
 constexpr int kPackedRows = 16;
 // Floats of weights dequantized for one sgemm call (16 MB, inside this CPU's 32 MB L3): 1 MB
 // blocks cost 2x at 16 rows and slowed prefill (OpenBLAS's per-call overhead at small N).
@@ -137,6 +136,8 @@ void rows_portable(const Job& j, int n0, int n1) {
 
 #if defined(__x86_64__)
 // ---- AVX2 ----------------------------------------------------------------------------------
+// The loops over a pass's rows are unrolled by pragma: at -O2 GCC leaves them rolled, and the
+// accumulators then live on the stack (a pass of 8 rows ran no faster per row than 1).
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -152,11 +153,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1)
     const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
     const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
     const float* br = j.biases + static_cast<size_t>(c) * j.groups;
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < j.groups; g++) {
-      __m256 t[R];
-      for (int r = 0; r < R; r++) t[r] = _mm256_setzero_ps();
+      const __m256 s = _mm256_set1_ps(sr[g]);
       for (int ch = 0; ch < chunks; ch++) {
         const int at = (g * chunks + ch) * 32;
         __m256 q[4];
@@ -168,19 +169,23 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1)
           q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
           q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
         } else {
+#pragma GCC unroll 4
           for (int i = 0; i < 4; i++) {
             const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + at + 8 * i));
             q[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(by));
           }
         }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) q[i] = _mm256_mul_ps(q[i], s);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
-          for (int i = 0; i < 4; i++) t[r] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xp + 8 * i), t[r]);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; i++) acc[r][i & 1] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xp + 8 * i), acc[r][i & 1]);
         }
       }
-      const __m256 s = _mm256_set1_ps(sr[g]);
-      for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
       __m256 bv = _mm256_setzero_ps();
@@ -188,7 +193,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1)
       for (; g + 8 <= j.groups; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(br + g), _mm256_loadu_ps(xs + g), bv);
       float bias = hsum256(bv);
       for (; g < j.groups; g++) bias += br[g] * xs[g];
-      j.y[static_cast<size_t>(r) * j.n + c] = hsum256(acc[r]) + bias;
+      j.y[static_cast<size_t>(r) * j.n + c] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + bias;
     }
   }
 }
@@ -212,11 +217,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
     const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
     const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
     const float* br = j.biases + static_cast<size_t>(c) * j.groups;
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < j.groups; g++) {
-      __m512 t[R];
-      for (int r = 0; r < R; r++) t[r] = _mm512_setzero_ps();
+      const __m512 s = _mm512_set1_ps(sr[g]);
       for (int ch = 0; ch < chunks; ch++) {
         const int at = (g * chunks + ch) * 32;
         __m512 q0, q1;
@@ -229,15 +234,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
           q1 = _mm512_cvtepi32_ps(
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16))));
         }
+        q0 = _mm512_mul_ps(q0, s);
+        q1 = _mm512_mul_ps(q1, s);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
-          t[r] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), t[r]);
-          t[r] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), t[r]);
+          acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), acc[r][1]);
         }
       }
-      const __m512 s = _mm512_set1_ps(sr[g]);
-      for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(t[r], s, acc[r]);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
       __m512 bv = _mm512_setzero_ps();
@@ -245,7 +252,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
         const __mmask16 m = j.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j.groups - g)) - 1);
         bv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, br + g), _mm512_maskz_loadu_ps(m, xs + g), bv);
       }
-      j.y[static_cast<size_t>(r) * j.n + c] = hsum512(acc[r]) + hsum512(bv);
+      j.y[static_cast<size_t>(r) * j.n + c] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum512(bv);
     }
   }
 }
