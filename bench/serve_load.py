@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""`host serve` against `mlx_lm.server` under N concurrent streaming clients, in one run.
+"""`host serve` against `mlx_lm.server` (or llama.cpp's `llama-server`) under N concurrent
+streaming clients, in one run.
 
     bench/serve_load.py --model DIR [--host target/release/host] [--oracle-python PY]
         [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--api chat|completions] [--join 31 [--join-samples 5]]
+        [--llama-server BIN [--only host,llama.cpp]]
+
+`--llama-server BIN` adds llama.cpp's server on the same --model (a GGUF file), with as many
+parallel slots as the most clients and the threads this machine has.
 
 Starts each server on a free loopback port (mlx-lm with Debian's OpenBLAS preloaded when
 the host binary links it, so both run the same BLAS), warms it up, then for each client
@@ -168,7 +173,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--join", type=int, default=0)
     ap.add_argument("--join-samples", type=int, default=5, help="joining requests (and as many alone)")
-    ap.add_argument("--only", choices=["host", "mlx-lm"], help="run one server only")
+    ap.add_argument("--only", help="comma-separated servers to run (host, mlx-lm, llama.cpp)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: serve --model with it too")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat",
                     help="completions for a model without a chat template (the device kit's random ones)")
     args = ap.parse_args()
@@ -183,9 +189,15 @@ def main():
                                               "--port", str(p)], p,
                                    {"LD_PRELOAD": blas} if blas else {}, model=args.model),
     }
+    if args.llama_server:
+        slots = max(counts + [args.join + 1])
+        servers["llama.cpp"] = lambda p: Server(
+            "llama.cpp", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(p), "-np",
+                          str(slots), "-c", str(2048 * slots), "-t", str(os.cpu_count())], p)
+    only = set(args.only.split(",")) if args.only else None
     results = {}
     for name, make in servers.items():
-        if args.only and name != args.only:
+        if only and name not in only:
             continue
         server = make(free_port())
         try:
@@ -200,17 +212,21 @@ def main():
             server.stop()
     print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
           f"median of {args.rounds} rounds, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}\n")
-    print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | host/mlx-lm aggregate |")
-    print("|---|---|---|---|---|---|---|")
+    others = [o for o in servers if o != "host" and any((o, n) in results for n in counts)]
+    print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | "
+          + "".join(f"host/{o} aggregate | " for o in others))
+    print("|---|---|---|---|---|---|" + "---|" * len(others))
     for n in counts:
         for name in servers:
             r = results.get((name, n))
             if not r:
                 continue
-            other = results.get(("mlx-lm", n))
-            ratio = f"{r['aggregate'] / other['aggregate']:.2f}x" if name == "host" and other else ""
+            ratios = ""
+            for o in others:
+                other = results.get((o, n))
+                ratios += (f"{r['aggregate'] / other['aggregate']:.2f}x" if name == "host" and other else "") + " | "
             print(f"| {n} | {name} | {r['aggregate']:.1f} | {r['per_stream']:.1f} | {r['ttft_p50']:.2f} | "
-                  f"{r['ttft_p95']:.2f} | {ratio} |")
+                  f"{r['ttft_p95']:.2f} | {ratios}")
     single = results.get(("host", 1))
     for n in counts:
         if single and n > 1 and ("host", n) in results:

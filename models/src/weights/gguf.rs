@@ -6,7 +6,8 @@
 //! CPU with float32 scales and biases, for the shim's CPU product); F16/F32 stay as they are on
 //! GPUs and become float32 on the CPU. A file with any other type (the K-quants of most hub
 //! files, Q5_0, BF16, ...) is read by `gguf_reader.rs` instead and dequantized (to float32 on
-//! the CPU, else bfloat16).
+//! the CPU, else bfloat16), except that on the CPU its Q4_0/Q4_1/Q8_0/Q4_K matrices are
+//! repacked exactly into the same affine layout.
 //! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
 //! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
 
@@ -137,8 +138,11 @@ fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
 }
 
 /// The file's tensors and metadata: MLX's reader where it reads every tensor type (it keeps
-/// quantized blocks quantized), else ours, dequantized (to float32 for the CPU).
-fn read(path: &Path, header: &super::gguf_reader::Header, cpu: bool) -> Result<mlx::io::Tensors> {
+/// quantized blocks quantized), else ours: dequantized (to float32 for the CPU), except on
+/// the CPU with `pack` the matrices whose blocks are affine per 32 values (Q4_0, Q4_1, Q8_0,
+/// Q4_K: most of a Q4_K_M file), repacked exactly into MLX's layout as MLX's reader names it
+/// (`X.weight`, `X.scales`, `X.biases`).
+fn read(path: &Path, header: &super::gguf_reader::Header, cpu: bool, pack: bool) -> Result<mlx::io::Tensors> {
     if header.mlx_reads_all() {
         return mlx::io::load_gguf(path).map_err(|e| Error::Gguf {
             path: path.to_path_buf(),
@@ -148,6 +152,14 @@ fn read(path: &Path, header: &super::gguf_reader::Header, cpu: bool) -> Result<m
     let file = super::gguf_reader::GgufFile::read(path)?;
     let mut arrays = HashMap::new();
     for t in &file.header.tensors {
+        let packed = if cpu && pack { t.name.strip_suffix(".weight").zip(file.affine(t)) } else { None };
+        if let Some((stem, a)) = packed {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            arrays.insert(format!("{stem}.weight"), Array::from_u32(&a.codes, &[rows, cols * a.bits / 32])?);
+            arrays.insert(format!("{stem}.scales"), Array::from_f32(&a.scales, &[rows, cols / 32])?);
+            arrays.insert(format!("{stem}.biases"), Array::from_f32(&a.biases, &[rows, cols / 32])?);
+            continue;
+        }
         let a = Array::from_f32(&file.dequantize(t), &t.shape)?;
         arrays.insert(t.name.clone(), if cpu { a } else { a.astype(Dtype::Bfloat16)? });
     }
@@ -167,7 +179,7 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         let known: Vec<&str> = ARCHS.iter().map(|a| a.0).collect();
         head.err(format!("GGUF architecture {arch:?} is not supported; supported: {}", known.join(", ")))
     })?;
-    let file = read(path, &header, cpu)?;
+    let file = read(path, &header, cpu, !dequantize)?;
     let meta = Meta { map: &file.gguf, path };
     let key = |k: &str| format!("{arch}.{k}");
     let n_head = meta.required(&key("attention.head_count"))? as usize;

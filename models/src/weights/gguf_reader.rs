@@ -306,6 +306,71 @@ impl GgufFile {
     }
 }
 
+/// A tensor's values in MLX's affine layout, group 32: packed codes (`bits` 4 or 8, the
+/// lowest bits first, as `mlx.quantize` packs), and a float32 scale and bias per 32 values.
+pub struct Affine {
+    pub codes: Vec<u32>,
+    pub scales: Vec<f32>,
+    pub biases: Vec<f32>,
+    pub bits: usize,
+}
+
+impl GgufFile {
+    /// `info` in MLX's affine layout where its blocks are affine per 32 values already, so
+    /// that `scale * code + bias` gives exactly `dequantize`'s values: Q4_0 (bias -8d),
+    /// Q4_1, Q8_0 (codes + 128, bias -128d) and Q4_K (each 32-value sub-block's 6-bit scale
+    /// and min times the block's d and dmin). None for other types and for tensors that are
+    /// not matrices.
+    pub fn affine(&self, info: &TensorInfo) -> Option<Affine> {
+        let bits = match info.kind {
+            2 | 3 | 12 => 4,
+            8 => 8,
+            _ => return None,
+        };
+        if info.shape.len() != 2 || info.shape[1] % 32 != 0 {
+            return None;
+        }
+        let (_, _, block, block_bytes) = *TYPES.iter().find(|t| t.0 == info.kind).expect("checked at read");
+        let n = info.elements();
+        let data = &self.bytes[info.start..info.start + n / block * block_bytes];
+        let (mut codes, mut scales, mut biases) = (Vec::with_capacity(n * bits / 32), Vec::new(), Vec::new());
+        let mut group = |values: &mut dyn Iterator<Item = u32>, scale: f32, bias: f32| {
+            let values: Vec<u32> = values.collect();
+            for word in values.chunks_exact(32 / bits) {
+                codes.push(word.iter().enumerate().fold(0u32, |w, (i, &c)| w | c << (bits * i)));
+            }
+            scales.push(scale);
+            biases.push(bias);
+        };
+        for b in data.chunks_exact(block_bytes) {
+            match info.kind {
+                2 | 3 => {
+                    let (d, qs) = (f16(b), &b[if info.kind == 2 { 2 } else { 4 }..][..16]);
+                    let bias = if info.kind == 2 { -8.0 * d } else { f16(&b[2..]) };
+                    let nibbles = |high: bool| qs.iter().map(move |&q| if high { q >> 4 } else { q & 0xf } as u32);
+                    group(&mut nibbles(false).chain(nibbles(true)), d, bias);
+                }
+                8 => {
+                    let d = f16(b);
+                    group(&mut b[2..34].iter().map(|&q| (q as i8 as i32 + 128) as u32), d, -128.0 * d);
+                }
+                _ => {
+                    let (d, min, sc) = (f16(b), f16(&b[2..]), &b[4..16]);
+                    for chunk in 0..4 {
+                        let q = &b[16 + chunk * 32..16 + chunk * 32 + 32];
+                        for (sub, high) in [(chunk * 2, false), (chunk * 2 + 1, true)] {
+                            let (s, m) = scale_min_k4(sub, sc);
+                            let mut values = q.iter().map(|&v| if high { v >> 4 } else { v & 0xf } as u32);
+                            group(&mut values, d * s, -(min * m));
+                        }
+                    }
+                }
+            }
+        }
+        Some(Affine { codes, scales, biases, bits })
+    }
+}
+
 fn f16(b: &[u8]) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
 }
@@ -500,6 +565,34 @@ mod tests {
         let header = header(&dir.join("kquants.gguf")).unwrap();
         assert_eq!(header.tensors.len(), 14);
         assert_eq!(header.tensors[13].start, raw.header.tensors[13].start);
+    }
+
+    /// Q4_0, Q4_1, Q8_0 and Q4_K repacked into MLX's affine layout give, as `scale * code +
+    /// bias` (MLX's dequantization), exactly the values `dequantize` gives; other types are not
+    /// repacked.
+    #[test]
+    fn affine_blocks_repack_exactly() {
+        let Some(dir) = fixture() else { return };
+        let raw = GgufFile::read(&dir.join("kquants.gguf")).unwrap();
+        let mut packed = Vec::new();
+        for t in &raw.header.tensors {
+            let Some(a) = raw.affine(t) else { continue };
+            let want = raw.dequantize(t);
+            let per_word = 32 / a.bits;
+            let mask = (1u32 << a.bits) - 1;
+            let got: Vec<f32> = (0..want.len())
+                .map(|i| {
+                    let code = (a.codes[i / per_word] >> (a.bits * (i % per_word))) & mask;
+                    a.scales[i / 32] * code as f32 + a.biases[i / 32]
+                })
+                .collect();
+            assert_eq!(a.codes.len(), want.len() * a.bits / 32, "{}", t.name);
+            // Equal as numbers: Q4_0's code 8 gives +0 where ggml's (8 - 8) * d gives -0 for d < 0.
+            let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            assert_eq!(differ, 0, "{} ({}): {differ} values differ", t.name, t.kind_name());
+            packed.push(t.kind_name());
+        }
+        assert_eq!(packed, ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]);
     }
 
     #[test]
