@@ -1316,3 +1316,41 @@ fn a_trimmed_recurrent_cache_goes_stale_and_is_not_continued() {
     let tail = full.slice_axis(1, 10, 12).unwrap();
     assert!(max_abs_diff(&tail, &next) < 1e-4);
 }
+
+/// On the CPU a GGUF's affine blocks stay packed for the shim's product: SmolLM2's Q4_1 file
+/// (MLX's reader) reads about its own size a token, not float32's five times that, and the
+/// K-quant Llama (the host's reader: its Q4_0/Q4_1/Q8_0/Q4_K matrices repacked) less than
+/// dequantized; both give the dequantized load's logits within float32 summation error.
+/// Needs the fixtures (`scripts/test-fixtures.sh`: HOST_TEST_GGUF, HOST_TEST_MODELS).
+#[test]
+fn gguf_blocks_stay_packed_on_the_cpu() {
+    if mlx::Device::default_device() != mlx::Device::Cpu {
+        return;
+    }
+    let (Some(gguf), Some(models)) = (std::env::var_os("HOST_TEST_GGUF"), std::env::var_os("HOST_TEST_MODELS")) else {
+        eprintln!("skipped: no GGUF fixtures (eval \"$(scripts/test-fixtures.sh)\")");
+        return;
+    };
+    let kquant = Path::new(&models).join("kquant-llama.gguf");
+    for (path, near_file) in [(Path::new(&gguf), true), (kquant.as_path(), false)] {
+        let packed = crate::load(path).unwrap();
+        let dense =
+            crate::load_with(path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
+        let (p, d) = (packed.info.weight_bytes_per_token, dense.info.weight_bytes_per_token);
+        let file = std::fs::metadata(path).unwrap().len() as usize;
+        if near_file {
+            assert!(
+                p < file * 3 / 2 && d > 4 * p,
+                "{}: {p} bytes a token packed, {d} dense, file {file}",
+                path.display()
+            );
+        } else {
+            assert!(p < d * 9 / 10, "{}: {p} bytes a token packed, {d} dense", path.display());
+        }
+        let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 200 + 2).collect();
+        let (a, b) = (last_logits(&packed, &ids), last_logits(&dense, &ids));
+        let largest = b.to_vec_f32().unwrap().iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = max_abs_diff(&a, &b);
+        assert!(diff <= 1e-5 * largest.max(10.0), "{}: packed logits differ by {diff}", path.display());
+    }
+}
