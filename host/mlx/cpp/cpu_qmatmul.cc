@@ -6,8 +6,10 @@
 //
 //   y[r] = sum_g dot(scales[r, g] * q[r, g], x[g]) + biases[r, g] * sum(x[g])
 //
-// For a few activation rows (decode), each 32-weight chunk's codes are widened to float once
-// and multiplied with every row's activations (up to 8 rows a pass with AVX-512, 4 with AVX2),
+// For a few activation rows (decode), each 32-weight chunk's codes become float weights once
+// (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias;
+// otherwise converted and scaled, the bias term added from x's group sums) and are multiplied
+// with every row's activations (up to 8 rows a pass with AVX-512, 4 with AVX2),
 // which were reordered beforehand so a chunk's low nibbles meet the even positions and its
 // high nibbles the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run
 // time), else portable C++. Large products are split by weight rows over a small pool of
@@ -212,7 +214,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const Job& j, int n0, int n1) {
   const int chunks = j.group / 32;
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int c = n0; c < n1; c++) {
     const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
     const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
@@ -220,22 +222,40 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
     __m512 acc[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    if (j.bits == 4) {
+      // A group's 16 possible weights, scale * code + bias, looked up by code (vpermps reads
+      // an index's low 4 bits): no conversion, no scaling, no bias term afterwards.
+      for (int g = 0; g < j.groups; g++) {
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(sr[g]), _mm512_set1_ps(br[g]));
+        for (int ch = 0; ch < chunks; ch++) {
+          const int at = (g * chunks + ch) * 32;
+          const __m512i codes =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2)));
+          const __m512 q0 = _mm512_permutexvar_ps(codes, table);
+          const __m512 q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; r++) {
+            const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
+            acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), acc[r][1]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) {
+        j.y[static_cast<size_t>(r) * j.n + c] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1]));
+      }
+      continue;
+    }
     for (int g = 0; g < j.groups; g++) {
       const __m512 s = _mm512_set1_ps(sr[g]);
       for (int ch = 0; ch < chunks; ch++) {
         const int at = (g * chunks + ch) * 32;
-        __m512 q0, q1;
-        if (j.bits == 4) {
-          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
-          q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(by, low)));
-          q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(by, 4), low)));
-        } else {
-          q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at))));
-          q1 = _mm512_cvtepi32_ps(
-              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16))));
-        }
-        q0 = _mm512_mul_ps(q0, s);
-        q1 = _mm512_mul_ps(q1, s);
+        const __m512 q0 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at)))), s);
+        const __m512 q1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16)))),
+            s);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
