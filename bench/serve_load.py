@@ -7,7 +7,8 @@ streaming clients, in one run.
         [--llama-server BIN [--only host,llama.cpp]]
 
 `--llama-server BIN` adds llama.cpp's server on the same --model (a GGUF file), with as many
-parallel slots as the most clients and the threads this machine has.
+parallel slots as the most clients and the threads this machine has
+(`bash bench/build-llama-cpp.sh` builds it and prints its folder).
 
 Starts each server on a free loopback port (mlx-lm with Debian's OpenBLAS preloaded when
 the host binary links it, so both run the same BLAS), warms it up, then for each client
