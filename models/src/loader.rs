@@ -81,8 +81,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
 pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Loaded> {
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         let cpu = Device::default_device() == Device::Cpu;
-        let packed_on_cpu = !std::env::var("HOST_CPU_QMATMUL").is_ok_and(|v| v == "0");
-        let dequantize = options.dequantize_gguf.unwrap_or(cpu && !packed_on_cpu);
+        let dequantize = options.dequantize_gguf.unwrap_or(cpu && !mlx::cpu_quantized_products());
         let g = gguf::load(path, cpu, dequantize)?;
         let arch = Arch::parse(&g.config, path)?;
         return build(path, arch, &g.config, Value::Null, g.weights, g.tokenizer, options);

@@ -211,6 +211,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__
   return _mm_cvtss_f32(s);
 }
 
+// For each of a pass's R rows: acc[r] += one chunk's weights (q0: its first 16 in the
+// reordered layout, q1: the rest) times the row's activations at `x` (rows `k` apart).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void fma_rows(
+    __m512 (&acc)[R][2], __m512 q0, __m512 q1, const float* x, int k) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    const float* xr = x + static_cast<size_t>(r) * k;
+    acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xr), acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+  }
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const Job& j, int n0, int n1) {
   const int chunks = j.group / 32;
@@ -233,12 +246,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2)));
           const __m512 q0 = _mm512_permutexvar_ps(codes, table);
           const __m512 q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; r++) {
-            const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
-            acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), acc[r][1]);
-          }
+          fma_rows<R>(acc, q0, q1, j.xp + at, j.k);
         }
       }
 #pragma GCC unroll 8
@@ -256,12 +264,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
         const __m512 q1 = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16)))),
             s);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-          const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
-          acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), acc[r][1]);
-        }
+        fma_rows<R>(acc, q0, q1, j.xp + at, j.k);
       }
     }
 #pragma GCC unroll 8
@@ -553,7 +556,9 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   int group_, bits_;
 };
 
-bool enabled() {
+}  // namespace
+
+bool cpu_qmatmul_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("HOST_CPU_QMATMUL");
     return !(v && std::strcmp(v, "0") == 0);
@@ -561,11 +566,9 @@ bool enabled() {
   return on;
 }
 
-}  // namespace
-
 std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                               const mx::array& biases, int group_size, int bits) {
-  if (!enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
+  if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
   if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
       biases.dtype() != mx::float32) {
@@ -577,7 +580,7 @@ std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::arra
     return std::nullopt;
   }
   const size_t rows = x.size() / k;
-  if (rows == 0 || (rows > static_cast<size_t>(64) && blas::sgemm() == nullptr)) return std::nullopt;
+  if (rows == 0 || (rows > static_cast<size_t>(kPackedRows) && blas::sgemm() == nullptr)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = n;
   const auto stream = mx::default_stream(mx::Device::cpu);

@@ -18,6 +18,9 @@ std::optional<mlx::core::array> cpu_quantized_matmul(const mlx::core::array& x, 
                                                      const mlx::core::array& scales, const mlx::core::array& biases,
                                                      int group_size, int bits);
 
+// Whether cpu_quantized_matmul serves anything: false under HOST_CPU_QMATMUL=0 (read once).
+bool cpu_qmatmul_enabled();
+
 // The widest kernel cpu_quantized_matmul may pick (3 AVX-512, 2 AVX2, 1 portable C++).
 extern std::atomic<int> cpu_qmatmul_isa_cap;
 

@@ -1005,6 +1005,7 @@ void exit_without_teardown(int32_t code) {
 }
 
 void cap_cpu_qmatmul_isa(int32_t level) { cpu_qmatmul_isa_cap.store(level); }
+bool cpu_quantized_products() { return cpu_qmatmul_enabled(); }
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
   auto [arrays, meta] = mx::load_safetensors(std::string(path));

@@ -115,6 +115,12 @@ pub fn cap_cpu_qmatmul_isa(level: i32) {
     ffi::cap_cpu_qmatmul_isa(level);
 }
 
+/// Whether quantized products on the CPU are the shim's own (`HOST_CPU_QMATMUL` unset or not
+/// `0`): loaders keep quantized weights packed for them, else expand them to float32.
+pub fn cpu_quantized_products() -> bool {
+    ffi::cpu_quantized_products()
+}
+
 /// Waits for all work queued on the default stream.
 pub fn synchronize() -> Result<()> {
     Ok(ffi::synchronize()?)

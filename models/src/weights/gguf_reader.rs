@@ -295,14 +295,18 @@ impl GgufFile {
 
     /// A tensor's values as float32, in row-major order.
     pub fn dequantize(&self, info: &TensorInfo) -> Vec<f32> {
-        let (_, _, block, block_bytes) = *TYPES.iter().find(|t| t.0 == info.kind).expect("checked at read");
-        let n = info.elements();
-        let data = &self.bytes[info.start..info.start + n / block * block_bytes];
-        let mut out = Vec::with_capacity(n);
-        for b in data.chunks_exact(block_bytes) {
+        let mut out = Vec::with_capacity(info.elements());
+        for b in self.blocks(info) {
             dequantize_block(info.kind, b, &mut out);
         }
         out
+    }
+
+    /// A tensor's data, block by block.
+    fn blocks(&self, info: &TensorInfo) -> std::slice::ChunksExact<'_, u8> {
+        let (_, _, block, block_bytes) = *TYPES.iter().find(|t| t.0 == info.kind).expect("checked at read");
+        let end = info.start + info.elements() / block * block_bytes;
+        self.bytes[info.start..end].chunks_exact(block_bytes)
     }
 }
 
@@ -330,29 +334,30 @@ impl GgufFile {
         if info.shape.len() != 2 || info.shape[1] % 32 != 0 {
             return None;
         }
-        let (_, _, block, block_bytes) = *TYPES.iter().find(|t| t.0 == info.kind).expect("checked at read");
         let n = info.elements();
-        let data = &self.bytes[info.start..info.start + n / block * block_bytes];
         let (mut codes, mut scales, mut biases) = (Vec::with_capacity(n * bits / 32), Vec::new(), Vec::new());
-        let mut group = |values: &mut dyn Iterator<Item = u32>, scale: f32, bias: f32| {
-            let values: Vec<u32> = values.collect();
+        // One group of 32 codes, packed lowest bits first, with its scale and bias.
+        let mut group = |values: [u8; 32], scale: f32, bias: f32| {
             for word in values.chunks_exact(32 / bits) {
-                codes.push(word.iter().enumerate().fold(0u32, |w, (i, &c)| w | c << (bits * i)));
+                codes.push(word.iter().enumerate().fold(0u32, |w, (i, &c)| w | (c as u32) << (bits * i)));
             }
             scales.push(scale);
             biases.push(bias);
         };
-        for b in data.chunks_exact(block_bytes) {
+        let nibbles =
+            |q: &[u8], high: bool| -> [u8; 16] { std::array::from_fn(|i| if high { q[i] >> 4 } else { q[i] & 0xf }) };
+        let concat =
+            |a: [u8; 16], b: [u8; 16]| -> [u8; 32] { std::array::from_fn(|i| if i < 16 { a[i] } else { b[i - 16] }) };
+        for b in self.blocks(info) {
             match info.kind {
                 2 | 3 => {
                     let (d, qs) = (f16(b), &b[if info.kind == 2 { 2 } else { 4 }..][..16]);
                     let bias = if info.kind == 2 { -8.0 * d } else { f16(&b[2..]) };
-                    let nibbles = |high: bool| qs.iter().map(move |&q| if high { q >> 4 } else { q & 0xf } as u32);
-                    group(&mut nibbles(false).chain(nibbles(true)), d, bias);
+                    group(concat(nibbles(qs, false), nibbles(qs, true)), d, bias);
                 }
                 8 => {
                     let d = f16(b);
-                    group(&mut b[2..34].iter().map(|&q| (q as i8 as i32 + 128) as u32), d, -128.0 * d);
+                    group(std::array::from_fn(|i| (b[2 + i] as i8 as i16 + 128) as u8), d, -128.0 * d);
                 }
                 _ => {
                     let (d, min, sc) = (f16(b), f16(&b[2..]), &b[4..16]);
@@ -360,8 +365,7 @@ impl GgufFile {
                         let q = &b[16 + chunk * 32..16 + chunk * 32 + 32];
                         for (sub, high) in [(chunk * 2, false), (chunk * 2 + 1, true)] {
                             let (s, m) = scale_min_k4(sub, sc);
-                            let mut values = q.iter().map(|&v| if high { v >> 4 } else { v & 0xf } as u32);
-                            group(&mut values, d * s, -(min * m));
+                            group(concat(nibbles(&q[..16], high), nibbles(&q[16..], high)), d * s, -(min * m));
                         }
                     }
                 }
