@@ -211,9 +211,10 @@ def main():
                 results[(name, "join")] = join(server, args.join, args.max_tokens, args.join_samples)
         finally:
             server.stop()
-    print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
-          f"median of {args.rounds} rounds, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}\n")
     others = [o for o in servers if o != "host" and any((o, n) in results for n in counts)]
+    print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
+          f"median of {args.rounds} rounds, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}"
+          f"{'; llama.cpp: its own CPU kernels' if 'llama.cpp' in others else ''}\n")
     print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | "
           + "".join(f"host/{o} aggregate | " for o in others))
     print("|---|---|---|---|---|---|" + "---|" * len(others))
