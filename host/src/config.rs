@@ -2,7 +2,7 @@
 //! flags on top. Defaults live in one place, `Default for ServeConfig`.
 
 use crate::engine::speculative::{SpecConfig, SpecMethod, Verify};
-use crate::load::DeviceChoice;
+use crate::load::{DeviceChoice, Split};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::net::IpAddr;
@@ -100,6 +100,11 @@ pub struct ServeConfig {
     /// Split the model over this many processes (tensor parallel over MLX distributed: the
     /// ring backend on CPUs, NCCL on GPUs). Default: 1 (off).
     pub tensor_parallel: usize,
+    /// MLX's hostfile: the model split over the hosts it lists, one rank each (this one is
+    /// rank 0; the others run `host tp-worker --hostfile`). Default: none (this machine).
+    pub hostfile: Option<PathBuf>,
+    /// The port the ranks of a hostfile listen on from. Default: 32323.
+    pub starting_port: Option<u16>,
     /// Generate a few tokens before serving so kernels compile at start, not in the first
     /// requests. Default: on for GPUs, off on the CPU.
     pub warm_up: Option<bool>,
@@ -153,6 +158,8 @@ impl Default for ServeConfig {
             scheduler: "fcfs".into(),
             scheduler_config: None,
             tensor_parallel: 1,
+            hostfile: None,
+            starting_port: None,
             warm_up: None,
             models: Default::default(),
         }
@@ -272,11 +279,54 @@ pub struct ServeArgs {
     /// Split the model over this many processes (tensor parallel; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
+    /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this
+    /// host is the first; start `host tp-worker --hostfile FILE --rank R` on the others.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// With --hostfile: the port the ranks listen on from (default 32323).
+    #[arg(long)]
+    pub starting_port: Option<u16>,
     /// Compile kernels before serving with a short generation (default: true on GPUs).
     #[arg(long)]
     pub warm_up: Option<bool>,
     #[command(flatten)]
     pub spec: SpecArgs,
+}
+
+/// How `host generate` and `host bench` split the model (`host serve` has the same flags,
+/// which host.toml may set too).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct SplitArgs {
+    /// Split the model over this many processes (tensor parallel; 1: off).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
+    /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this
+    /// host is the first; start `host tp-worker --hostfile FILE --rank R` on the others.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// With --hostfile: the port the ranks listen on from (default 32323).
+    #[arg(long)]
+    pub starting_port: Option<u16>,
+}
+
+impl SplitArgs {
+    pub fn split(&self) -> Split {
+        Split {
+            tensor_parallel: self.tensor_parallel,
+            hostfile: self.hostfile.clone(),
+            starting_port: self.starting_port,
+        }
+    }
+}
+
+impl ServeConfig {
+    pub fn split(&self) -> Split {
+        Split {
+            tensor_parallel: self.tensor_parallel,
+            hostfile: self.hostfile.clone(),
+            starting_port: self.starting_port,
+        }
+    }
 }
 
 /// Speculative decoding flags (`host generate` and `host serve`).
@@ -353,6 +403,12 @@ impl ServeConfig {
         }
         if args.warm_up.is_some() {
             config.warm_up = args.warm_up;
+        }
+        if args.hostfile.is_some() {
+            config.hostfile = args.hostfile.clone();
+        }
+        if args.starting_port.is_some() {
+            config.starting_port = args.starting_port;
         }
         if let Some(s) = &args.scheduler {
             config.scheduler = s.clone();

@@ -28,8 +28,8 @@ enum Command {
     /// Validate or list Wasm plugins.
     #[command(subcommand)]
     Plugins(host::cli::plugins::PluginsCommand),
-    /// One rank of a tensor-parallel group (launched by `--tensor-parallel`).
-    #[command(hide = true)]
+    /// One rank of a model split over hosts: `host tp-worker --hostfile FILE --rank R` on
+    /// each host but the first, which runs `host serve --hostfile FILE`.
     TpWorker(host::load::tp::WorkerArgs),
 }
 

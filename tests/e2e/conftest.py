@@ -18,13 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class Server:
-    def __init__(self, *args, model=None, cwd=None, env=None):
+    def __init__(self, *args, model=None, cwd=None, env=None, prefix=()):
         binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
         models = os.environ.get("HOST_TEST_MODELS")
         if not models:
             pytest.fail('HOST_TEST_MODELS is not set: run eval "$(scripts/test-fixtures.sh)" first')
         self.model = str(model or os.path.join(models, "smollm2-f32"))
-        cmd = [binary, "serve", "--model", self.model, "--port", "0", "--device", "cpu", *args]
+        cmd = [*prefix, binary, "serve", "--model", self.model, "--port", "0", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=cwd,
                                      env={**os.environ, **(env or {})})
         self.log = []

@@ -45,9 +45,8 @@ pub struct Args {
     pub prompt_file: Option<PathBuf>,
     #[command(flatten)]
     pub spec: crate::config::SpecArgs,
-    /// Split the model over this many processes (tensor parallel; 1: off).
-    #[arg(long, default_value_t = 1)]
-    pub tensor_parallel: usize,
+    #[command(flatten)]
+    pub split: crate::config::SplitArgs,
     /// With speculation: pair every measured run with a plain generation on the same loaded
     /// model (alternating which goes first) and report `plain_decode_tps` and `vs_plain`, the
     /// median of the pairs' ratios. Both sides then share one process, whose speed on the
@@ -339,7 +338,7 @@ fn run_batches(args: &Args) -> Result<()> {
         None => None,
     };
     let device = select_device(args.device)?;
-    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
+    let loaded = load_model_split(args.model.as_deref(), &args.split.split(), args.device)?;
     if !loaded.model.batches() {
         bail!("this model does not decode in batches (tensor-parallel models do not yet)");
     }
@@ -682,7 +681,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
     };
-    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
+    let loaded = load_model_split(args.model.as_deref(), &args.split.split(), args.device)?;
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let model = loaded.model.as_ref();
     let vocab = loaded.info.vocab_size;

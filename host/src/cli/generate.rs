@@ -65,9 +65,8 @@ pub struct Args {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub spec: crate::config::SpecArgs,
-    /// Split the model over this many processes (tensor parallel; 1: off).
-    #[arg(long, default_value_t = 1)]
-    pub tensor_parallel: usize,
+    #[command(flatten)]
+    pub split: crate::config::SplitArgs,
     /// Hold the output to the JSON schema in FILE, as `response_format`'s `json_schema` does.
     #[arg(long, value_name = "FILE", group = "structure")]
     pub json_schema: Option<PathBuf>,
@@ -186,7 +185,7 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("host: mlx {} on {device}", mlx::version());
     }
     let spec = args.spec.config()?;
-    let loaded = load_model_split(args.model.as_deref(), args.tensor_parallel, args.device)?;
+    let loaded = load_model_split(args.model.as_deref(), &args.split.split(), args.device)?;
     let draft = args.spec.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
     let prompt_ids = prompt_tokens(&loaded, &prompt, args.system.as_deref(), args.raw)?;
     if args.max_tokens == 0 {

@@ -8,7 +8,7 @@ use super::scheduler::MakePolicy;
 use super::stats::EngineStats;
 use super::warm_up::warm_up;
 use super::worker::{Models, Worker};
-use crate::load::{load_draft, load_model_split, select_device, DeviceChoice};
+use crate::load::{load_draft, load_model_split, select_device, DeviceChoice, Split};
 use anyhow::{Context, Result};
 use mlx::{memory, Device};
 use models::{ModelInfo, Tokenizer};
@@ -38,8 +38,8 @@ pub struct EngineConfig {
     /// The scheduling policy (the server's: its scheduler plugin); `None`: first come,
     /// first served.
     pub policy: Option<MakePolicy>,
-    /// Ranks to split the model over (1: no tensor parallelism).
-    pub tensor_parallel: usize,
+    /// How the model is split over ranks (default: not at all).
+    pub split: Split,
     /// Run short generations before serving so the device compiles its kernels then, not in
     /// the first requests (`None`: on GPUs only).
     pub warm_up: Option<bool>,
@@ -59,7 +59,7 @@ impl EngineConfig {
             step_token_budget: 512,
             draft_model: None,
             policy: None,
-            tensor_parallel: 1,
+            split: Split::default(),
             warm_up: Some(false),
         }
     }
@@ -113,7 +113,7 @@ impl Engine {
             .spawn(move || {
                 let loaded = (|| -> Result<_> {
                     let device = select_device(config.device)?;
-                    let loaded = load_model_split(config.model.as_deref(), config.tensor_parallel, config.device)?;
+                    let loaded = load_model_split(config.model.as_deref(), &config.split, config.device)?;
                     let draft = config.draft_model.as_deref().map(|p| load_draft(p, &loaded)).transpose()?;
                     let mut warmed = None;
                     let mut working = 0;

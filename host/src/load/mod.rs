@@ -3,7 +3,8 @@
 //! engine, the server or the CLI.
 //!
 //! - `device.rs`: `--device` and MLX's default device;
-//! - `tp.rs`: a model split over tensor-parallel ranks (this process is rank 0);
+//! - `tp/`: a model split over tensor-parallel ranks, on this machine or the hosts of a
+//!   hostfile (this process is rank 0; `host tp-worker` the others);
 //! - `default_model.rs`: the built-in default model, fetched on first use;
 //! - `hub.rs`: `org/name[@revision]` found in the Hugging Face cache;
 //! - `pull.rs`: such a model downloaded into that cache (`host pull`, or `--model` when missing).
@@ -15,6 +16,7 @@ pub mod pull;
 pub mod tp;
 
 pub use device::{select_device, DeviceChoice};
+pub use tp::Split;
 
 use anyhow::{bail, Context, Result};
 use models::Loaded;
@@ -30,18 +32,18 @@ pub fn load_draft(path: &Path, target: &Loaded) -> Result<Loaded> {
 
 /// Loads `path`, or the built-in default model (fetched on first use) when `None`.
 pub fn load_model(path: Option<&Path>) -> Result<Loaded> {
-    load_model_split(path, 1, DeviceChoice::Auto)
+    load_model_split(path, &Split::default(), DeviceChoice::Auto)
 }
 
-/// As `load_model`, split over `tensor_parallel` ranks on `device` when more than 1 (this
-/// process becomes rank 0 and launches the others; see `tp.rs`).
-pub fn load_model_split(path: Option<&Path>, tensor_parallel: usize, device: DeviceChoice) -> Result<Loaded> {
-    let path = match path {
+/// As `load_model`, split over ranks on `device` as `split` says (this process becomes rank
+/// 0; see `tp/`).
+pub fn load_model_split(model: Option<&Path>, split: &Split, device: DeviceChoice) -> Result<Loaded> {
+    let path = match model {
         Some(p) => pull::resolve_model_arg(p)?,
         None => default_model::ensure()?,
     };
-    if tensor_parallel > 1 {
-        return tp::load(&path, tensor_parallel, device);
+    if split.is_split() {
+        return tp::load(model, &path, split, device);
     }
     models::load(&path).with_context(|| format!("loading model from {}", path.display()))
 }

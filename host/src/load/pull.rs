@@ -211,7 +211,12 @@ fn verified(pointer: &Path) -> Result<bool> {
     if etag.len() != 64 || !etag.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Ok(true);
     }
-    let mut file = std::fs::File::open(pointer).with_context(|| format!("reading {}", pointer.display()))?;
+    Ok(sha256_file(pointer)?.eq_ignore_ascii_case(&etag))
+}
+
+/// The sha256 of a file's bytes, in lowercase hex.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -221,8 +226,7 @@ fn verified(pointer: &Path) -> Result<bool> {
         }
         hasher.update(&buf[..n]);
     }
-    let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    Ok(hex.eq_ignore_ascii_case(&etag))
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Download progress on stderr: a line redrawn in place on a terminal, else a line at the

@@ -211,7 +211,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             config.scheduler.clone(),
             config.scheduler_config.clone().unwrap_or_else(|| serde_json::json!({})),
         )),
-        tensor_parallel: config.tensor_parallel,
+        split: config.split(),
         warm_up: config.warm_up,
     })?);
     let state = state(&config, engine.clone(), Some(registry));

@@ -331,7 +331,7 @@ impl GgufFile {
             8 => 8,
             _ => return None,
         };
-        if info.shape.len() != 2 || info.shape[1] % 32 != 0 {
+        if info.shape.len() != 2 || !info.shape[1].is_multiple_of(32) {
             return None;
         }
         let n = info.elements();

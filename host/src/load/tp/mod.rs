@@ -1,0 +1,502 @@
+//! Tensor parallelism over MLX's distributed API (`mlx::distributed`): one process per rank.
+//! This process is rank 0. With `--tensor-parallel N` alone it launches ranks 1..N on this
+//! machine as `host tp-worker` children; with a hostfile (`hosts.rs`, MLX's format) the ranks
+//! run on the hosts it lists, each started there as `host tp-worker --hostfile FILE --rank R`.
+//! Each worker connects to rank 0's control port and is admitted after a handshake
+//! (`link.rs`: the same binary, the same model files, else a refusal naming the difference);
+//! then all join the group (the `ring` backend over TCP, `nccl` on NVIDIA GPUs), load their
+//! shards, and rank 0 drives the others: before each forward it sends every worker the step
+//! (its shape, the caches it continues and where each stands, and the cache copies and frees
+//! since the last step), so each rank runs the same forward on its shard and the all-reduces
+//! inside pair up. The input tokens travel on the device, not the socket: every forward
+//! starts with an all-reduce of them (rank 0's ids, zeros elsewhere), so rank 0 never reads a
+//! sampled token back before the next step is sent and decoding stays pipelined on every rank.
+//!
+//! Every rank evaluates the final hidden states of every forward (with `async_eval`): that is
+//! what makes the collectives match whatever else rank 0 evaluates later. Heartbeats run both
+//! ways on the control connections: a worker that dies, stalls or loses its link brings rank 0
+//! down with a message naming its rank and host, and a worker exits when rank 0 does.
+
+mod hosts;
+mod link;
+mod worker;
+
+pub use hosts::Hostfile;
+pub use worker::{worker, WorkerArgs};
+
+use super::{select_device, DeviceChoice};
+use anyhow::{bail, Context, Result};
+use hosts::{Fingerprint, STARTING_PORT};
+use link::{Hello, Link, Ready, Welcome};
+use mlx::{Array, Device, Dtype};
+use models::cache::CacheOp;
+use models::{BatchKvCache, CausalLm, KvCache, Loaded};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How a model is split over processes, and where they run.
+#[derive(Debug, Clone, Default)]
+pub struct Split {
+    /// Ranks (0 or 1: one process). With a hostfile, its host count (or equal to it).
+    pub tensor_parallel: usize,
+    /// MLX's hostfile naming each rank's host: rank 0 is this process, the others are
+    /// `host tp-worker --hostfile FILE --rank R`, started on their hosts. Without one, the
+    /// ranks run on this machine and this process launches them.
+    pub hostfile: Option<PathBuf>,
+    /// The first port the ranks listen on with a hostfile (default 32323, as `mlx.launch`).
+    pub starting_port: Option<u16>,
+}
+
+impl Split {
+    pub fn ranks(n: usize) -> Split {
+        Split { tensor_parallel: n, ..Default::default() }
+    }
+
+    /// Whether the model is split at all.
+    pub fn is_split(&self) -> bool {
+        self.tensor_parallel > 1 || self.hostfile.is_some()
+    }
+}
+
+/// How long rank 0 waits for every worker to join.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Set when rank 0 lets its workers go (its model is dropped): from then on a worker exiting
+/// is the expected end, not a failure.
+static CLOSING: AtomicBool = AtomicBool::new(false);
+
+/// One forward step, as rank 0 sends it to the workers.
+#[derive(Debug, Serialize, Deserialize)]
+struct Step {
+    /// Caches rank 0 made since the last step (`make_cache`), each with its layer: a cache
+    /// may join a batch before any forward ran over it (a one-token prompt's).
+    #[serde(default)]
+    made: Vec<(u64, usize)>,
+    /// Cache operations since the last step, in order: copies, frees, batch rows joining,
+    /// leaving and copied out, and batch rollbacks.
+    ops: Vec<CacheOp>,
+    /// A batch forward (one token per row): each layer's batch cache id; `caches` is empty.
+    #[serde(default)]
+    batch: Vec<u64>,
+    /// Per layer: the cache id and the positions it holds before this step (a smaller offset
+    /// than the worker's means rank 0 trimmed it).
+    caches: Vec<(u64, usize)>,
+    /// The input tokens' shape (the ids themselves come by [`share_tokens`]).
+    shape: Vec<i32>,
+}
+
+/// What rank 0 sends a worker after admitting it: the go-ahead to join the group once every
+/// rank is admitted, then the steps.
+#[derive(Debug, Serialize, Deserialize)]
+enum ToWorker {
+    Go,
+    Step(Step),
+}
+
+/// The MLX backend: the hostfile's if it names one, else NCCL for NVIDIA GPUs and the ring
+/// (TCP) for everything else (CPUs, and Apple GPUs, whose memory the CPU shares).
+fn backend(device: Device, hosts: Option<&Hostfile>) -> &'static str {
+    match hosts.and_then(|h| h.backend.as_deref()) {
+        Some("nccl") => "nccl",
+        Some(_) => "ring",
+        None if device == Device::Gpu && !cfg!(target_os = "macos") => "nccl",
+        None => "ring",
+    }
+}
+
+/// Free loopback ports, one per rank (bound, then released for MLX to listen on), below the
+/// kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
+/// taken, between its release and MLX's bind, as the source port of one of the connections
+/// the ranks are opening to each other; rank 0 then failed to join with `Couldn't bind
+/// socket (error: 98)` (seen once in CI). Where the range leaves no room below it, port 0.
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let ephemeral_low = ephemeral_low().unwrap_or(32768);
+    let mut listeners = Vec::with_capacity(n);
+    if ephemeral_low > LOWEST + 1000 {
+        // Start somewhere different per process, so concurrent launches rarely meet.
+        let span = u32::from(ephemeral_low - LOWEST);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let start = std::process::id().wrapping_mul(7919) ^ nanos;
+        let ports = (0..span).map(|i| LOWEST + ((start % span + i) % span) as u16);
+        listeners.extend(ports.filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()).take(n));
+    }
+    while listeners.len() < n {
+        listeners.push(TcpListener::bind("127.0.0.1:0")?);
+    }
+    Ok(listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<std::io::Result<_>>()?)
+}
+
+/// The lowest port the kernel hands out for outgoing connections (Linux).
+fn ephemeral_low() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
+}
+
+/// The lowest port `free_ports` picks.
+const LOWEST: u16 = 10000;
+
+/// Sets the environment MLX's backends read for this rank: the ring backend's `MLX_RANK` and
+/// `MLX_HOSTFILE`, and NCCL's rank, world size and rendezvous address.
+fn rank_env(command: Option<&mut Command>, rank: usize, size: usize, hostfile: &Path, nccl: &str) {
+    let vars = [
+        ("MLX_RANK", rank.to_string()),
+        ("MLX_HOSTFILE", hostfile.display().to_string()),
+        ("MLX_WORLD_SIZE", size.to_string()),
+        ("NCCL_HOST_IP", nccl.split(':').next().unwrap_or("127.0.0.1").to_string()),
+        ("NCCL_PORT", nccl.split(':').nth(1).unwrap_or("0").to_string()),
+    ];
+    match command {
+        Some(c) => {
+            c.envs(vars);
+            // NCCL: one GPU per rank (the rank-th of those visible to rank 0), and NVLink
+            // multicast off as the shared machines require. HOST_TP_PIN_GPUS=off leaves every
+            // GPU visible to every rank (for a libmlx that picks the device by rank itself).
+            c.env("NCCL_NVLS_ENABLE", "0");
+            if std::env::var("HOST_TP_PIN_GPUS").as_deref() != Ok("off") {
+                let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok().filter(|v| !v.is_empty());
+                let gpu = match visible {
+                    Some(list) => list.split(',').nth(rank).unwrap_or("").to_string(),
+                    None => rank.to_string(),
+                };
+                c.env("CUDA_VISIBLE_DEVICES", gpu);
+            }
+        }
+        None => vars.into_iter().for_each(|(k, v)| std::env::set_var(k, v)),
+    }
+}
+
+/// What every rank must share with rank 0, and what a worker is told to load.
+struct Identity {
+    binary: String,
+    fingerprint: Fingerprint,
+    /// The model as given (`None`: the default model).
+    model: Option<String>,
+    device: DeviceChoice,
+}
+
+/// Loads `path` (named `model` on the command line, `None` for the default model) split as
+/// `split` says: admits the workers, joins the group and returns rank 0's model, which
+/// drives them.
+pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoice) -> Result<Loaded> {
+    let hosts = split.hostfile.as_deref().map(Hostfile::read).transpose()?;
+    let n = match &hosts {
+        Some(h) if split.tensor_parallel > 1 && split.tensor_parallel != h.hosts.len() => bail!(
+            "--tensor-parallel {} but the hostfile {} lists {} hosts (one rank each); drop the flag or make them agree",
+            split.tensor_parallel,
+            h.path.display(),
+            h.hosts.len()
+        ),
+        Some(h) => h.hosts.len(),
+        None => split.tensor_parallel,
+    };
+    if n < 2 {
+        bail!("--tensor-parallel needs at least 2 ranks (1 is plain serving)");
+    }
+    models::check_tensor_parallel(path, n).with_context(|| format!("splitting {}", path.display()))?;
+    let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    let ring_file = run.join("hostfile.json");
+    let me = Identity {
+        binary: hosts::binary_hash()?,
+        fingerprint: Fingerprint::of(path)?,
+        model: model.map(|m| m.to_string_lossy().into_owned()),
+        device,
+    };
+    let (control, nccl) = match &hosts {
+        Some(h) => {
+            for (k, v) in &h.envs {
+                std::env::set_var(k, v);
+            }
+            let port = split.starting_port.unwrap_or(STARTING_PORT);
+            std::fs::write(&ring_file, serde_json::to_string(&h.ring(port))?)?;
+            let at = h.control(port);
+            let control = TcpListener::bind(at).map_err(|e| {
+                anyhow::anyhow!(
+                    "rank 0 takes its workers' connections at {at} (the hostfile's first host, {}), and binding it failed: {e}. \
+                     Run `host serve --hostfile` on that host (the hostfile's first host is rank 0), or free the port \
+                     (--starting-port moves every rank's ports)",
+                    h.hosts[0].describe()
+                )
+            })?;
+            (control, h.nccl(port).to_string())
+        }
+        None => {
+            let ports = free_ports(n + 1)?;
+            let ring: Vec<Vec<String>> = ports[..n].iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
+            std::fs::write(&ring_file, serde_json::to_string(&ring)?)?;
+            let control = TcpListener::bind("127.0.0.1:0").context("binding the tensor-parallel control port")?;
+            let nccl = format!("127.0.0.1:{}", ports[n]);
+            let exe = std::env::current_exe().context("finding the host binary to launch workers")?;
+            let mut children = Vec::new();
+            for rank in 1..n {
+                let mut command = Command::new(&exe);
+                command
+                    .args(["tp-worker", "--rank", &rank.to_string(), "--size", &n.to_string()])
+                    .arg("--model")
+                    .arg(path)
+                    .args(["--device", device.as_str(), "--control", &control.local_addr()?.to_string()])
+                    .args(["--parent", &std::process::id().to_string()])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null());
+                rank_env(Some(&mut command), rank, n, &ring_file, &nccl);
+                children
+                    .push((rank, command.spawn().with_context(|| format!("launching tensor-parallel rank {rank}"))?));
+            }
+            watch(children);
+            (control, nccl)
+        }
+    };
+    let links = admit(&control, n, &me, hosts.as_ref())?;
+    for link in &links {
+        link.send_bytes(&serde_json::to_vec(&ToWorker::Go)?)
+            .with_context(|| format!("tensor-parallel rank {} on {} went away", link.rank, link.host))?;
+    }
+    rank_env(None, 0, n, &ring_file, &nccl);
+    let device = select_device(device)?;
+    let backend = backend(device, hosts.as_ref());
+    let group = mlx::distributed::init(backend)
+        .with_context(|| format!("joining the {n}-rank tensor-parallel group ({backend})"))?;
+    if group.size != n || group.rank != 0 {
+        bail!("the tensor-parallel group has rank {} of {}, expected 0 of {n}", group.rank, group.size);
+    }
+    let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
+    let loaded = models::load_with(path, &options).with_context(|| format!("loading model from {}", path.display()))?;
+    models::cache::mirror();
+    if loaded.info.vocab_size > 1 << 24 {
+        bail!(
+            "tensor parallelism shares token ids as float32, exact below 2^24; this model's vocabulary has {} tokens",
+            loaded.info.vocab_size
+        );
+    }
+    let model = TpModel { inner: loaded.model, workers: links, made: RefCell::default() };
+    match &hosts {
+        Some(h) => tracing::info!(ranks = n, backend, hostfile = %h.path.display(), "tensor parallel over hosts"),
+        None => tracing::info!(ranks = n, backend, "tensor parallel"),
+    }
+    Ok(Loaded { model: Box::new(model), ..loaded })
+}
+
+/// Stops this process with a clear message if a worker exits.
+fn watch(mut children: Vec<(usize, Child)>) {
+    std::thread::Builder::new()
+        .name("tp-monitor".into())
+        .spawn(move || loop {
+            if CLOSING.load(Ordering::SeqCst) {
+                return;
+            }
+            for (rank, child) in children.iter_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    if CLOSING.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    eprintln!(
+                        "host: tensor-parallel rank {rank} exited ({status}); the model is split across all ranks, so this server stops. Its error is above; restart to recover."
+                    );
+                    std::process::exit(1);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        })
+        .expect("spawning the tensor-parallel monitor");
+}
+
+/// How long rank 0 waits for one worker's handshake messages.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Admits the workers of an `n`-rank group as they connect to `listener`, each after its
+/// handshake; refuses (and fails) on a worker of another group size, rank, binary or model.
+fn admit(listener: &TcpListener, n: usize, me: &Identity, hosts: Option<&Hostfile>) -> Result<Vec<Link>> {
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + JOIN_TIMEOUT;
+    let mut links: Vec<Link> = Vec::new();
+    let host_of = |rank: usize| match hosts {
+        Some(h) => h.hosts.get(rank).map_or_else(|| "an unknown host".into(), |h| h.describe()),
+        None => "this machine".to_string(),
+    };
+    while links.len() < n - 1 {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    let missing: Vec<String> = (1..n)
+                        .filter(|r| !links.iter().any(|l| l.rank == *r))
+                        .map(|r| format!("rank {r} ({})", host_of(r)))
+                        .collect();
+                    let how = match hosts {
+                        Some(h) => format!(
+                            "start `host tp-worker --hostfile {} --rank R` on each (this host, the hostfile's first, is rank 0)",
+                            h.path.display()
+                        ),
+                        None => "their errors are above".to_string(),
+                    };
+                    bail!("{} did not join within {JOIN_TIMEOUT:?}: {how}", missing.join(", "));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        stream.set_nonblocking(false)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        let mut s = &stream;
+        let Some(hello) = link::receive::<Hello>(&mut s).context("reading a worker's hello")? else {
+            continue; // Not a worker, or one that gave up: wait for the others.
+        };
+        let (rank, host) = (hello.rank, host_of(hello.rank));
+        let refused = if hello.size != n {
+            Some(format!("rank {rank} on {host} was started for {} ranks, but the group has {n}", hello.size))
+        } else if rank == 0 || rank >= n {
+            Some(format!("a worker on {host} says it is rank {rank}; workers are ranks 1 to {}", n - 1))
+        } else if links.iter().any(|l| l.rank == rank) {
+            Some(format!("two workers say they are rank {rank}"))
+        } else if hello.binary != me.binary {
+            Some(format!(
+                "rank {rank} on {host} runs another build of host ({} {}, sha256 {}…; this one {} {}…): every rank must run the same binary",
+                hello.version,
+                "there",
+                &hello.binary[..hello.binary.len().min(12)],
+                env!("CARGO_PKG_VERSION"),
+                &me.binary[..12],
+            ))
+        } else {
+            None
+        };
+        let welcome = Welcome {
+            refused: refused.clone(),
+            model: me.model.clone(),
+            device: me.device.as_str().to_string(),
+            fingerprint: Some(me.fingerprint.clone()),
+        };
+        link::send(&mut s, &welcome).with_context(|| format!("answering rank {rank} on {host}"))?;
+        if let Some(why) = refused {
+            bail!("{why}");
+        }
+        let ready = link::receive::<Ready>(&mut s)
+            .with_context(|| format!("waiting for rank {rank} on {host} to check its model"))?
+            .with_context(|| {
+                format!(
+                    "rank {rank} on {host} closed its connection while checking its model (its error is in its log)"
+                )
+            })?;
+        if let Some(why) = ready.refused {
+            bail!("tensor-parallel rank {rank} on {host}: {why}");
+        }
+        stream.set_read_timeout(None)?;
+        links.push(Link::start(rank, host, stream, &CLOSING)?);
+    }
+    links.sort_by_key(|l| l.rank);
+    Ok(links)
+}
+
+/// The step's input ids on every rank, lazily: the sum over ranks of `local`, which is the ids
+/// on rank 0 and zeros on the others. In float32 (exact for ids below 2^24), which every
+/// backend reduces.
+fn share_tokens(local: &Array) -> models::Result<Array> {
+    Ok(mlx::distributed::all_sum(&local.astype(Dtype::Float32)?)?.astype(Dtype::Int32)?)
+}
+
+/// Rank 0's model: its shard, plus the workers it sends each step to.
+struct TpModel {
+    inner: Box<dyn CausalLm>,
+    workers: Vec<Link>,
+    /// Caches made since the last step.
+    made: RefCell<Vec<(u64, usize)>>,
+}
+
+impl Drop for TpModel {
+    fn drop(&mut self) {
+        // Before the control connections close (fields drop after this), so the monitor
+        // does not take the workers' orderly exit for a failure.
+        CLOSING.store(true, Ordering::SeqCst);
+    }
+}
+
+impl TpModel {
+    /// Sends the workers the next forward: the cache operations logged since the last one,
+    /// and the caches (or batch caches) it runs over.
+    fn send_step(&self, tokens: &Array, caches: Vec<(u64, usize)>, batch: Vec<u64>) -> models::Result<()> {
+        let ops = models::cache::take_ops();
+        let made = std::mem::take(&mut *self.made.borrow_mut());
+        let step = Step { made, ops, batch, caches, shape: tokens.shape().iter().map(|&d| d as i32).collect() };
+        let body = serde_json::to_vec(&ToWorker::Step(step)).expect("a step serializes");
+        for link in &self.workers {
+            link.send_bytes(&body).map_err(|e| {
+                models::Error::Invalid(format!(
+                    "tensor-parallel rank {} on {} is unreachable: {e}",
+                    link.rank, link.host
+                ))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl CausalLm for TpModel {
+    fn forward(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+        let h = self.forward_hidden(tokens, cache)?;
+        self.inner.head(&h)
+    }
+
+    fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
+        self.send_step(tokens, cache.iter().map(|c| (c.id(), c.offset())).collect(), Vec::new())?;
+        let h = self.inner.forward_hidden(&share_tokens(tokens)?, cache)?;
+        mlx::async_eval(&[&h])?;
+        Ok(h)
+    }
+
+    fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> models::Result<Array> {
+        self.send_step(tokens, Vec::new(), cache.iter().map(BatchKvCache::id).collect())?;
+        let h = self.inner.forward_hidden_batch(&share_tokens(tokens)?, cache)?;
+        mlx::async_eval(&[&h])?;
+        Ok(h)
+    }
+
+    fn batches(&self) -> bool {
+        self.inner.batches()
+    }
+
+    fn head(&self, hidden: &Array) -> models::Result<Array> {
+        self.inner.head(hidden)
+    }
+
+    fn make_cache(&self) -> Vec<KvCache> {
+        let caches = self.inner.make_cache();
+        self.made.borrow_mut().extend(caches.iter().enumerate().map(|(layer, c)| (c.id(), layer)));
+        caches
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn takes_cache_forks(&self) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_ports_are_free_distinct_and_below_the_ephemeral_range() {
+        let ports = free_ports(4).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4, "{ports:?}");
+        if let Some(low) = ephemeral_low().filter(|&low| low > LOWEST + 1000) {
+            assert!(ports.iter().all(|&p| (LOWEST..low).contains(&p)), "{ports:?} (ephemeral from {low})");
+        }
+        // Released, so a rank can bind them.
+        for p in ports {
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+    }
+}

@@ -1,0 +1,172 @@
+"""A model split over two hosts: each rank in a network namespace of its own (made here with
+`ip netns` and a veth pair, addresses only inside them), rank 0 `host serve --hostfile`, rank
+1 `host tp-worker --hostfile --rank 1` started by hand before it, talking TCP over MLX's ring
+backend. Concurrent requests (one batch) answer what one rank answers; a worker with other
+model files is refused with the difference named; a killed worker and a dropped link each
+stop the server within seconds, naming the rank and its host."""
+import concurrent.futures
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+
+from conftest import Server
+
+BINARY = os.environ.get("HOST_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "target", "debug", "host"))
+CLONE_NEWNET = 0x40000000
+ADDRESSES = ("10.249.0.1", "10.249.0.2")
+PROMPTS = ["The capital of France", "one two three four one two three", "Hello", "A long time ago, in a"]
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Two hosts, `a` and `b`, on one link; yields (namespace of a, namespace of b, hostfile)."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"h{tag}a", f"h{tag}b"
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    try:
+        ip("link", "add", f"{a}0", "type", "veth", "peer", "name", f"{b}0")
+        for ns, addr in zip((a, b), ADDRESSES):
+            ip("link", "set", f"{ns}0", "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{ns}0")
+            ip("-n", ns, "link", "set", f"{ns}0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([{"ssh": "a", "ips": [ADDRESSES[0]]}, {"ssh": "b", "ips": [ADDRESSES[1]]}]))
+        yield a, b, str(hostfile)
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def enter(ns):
+    """Moves the calling thread into namespace `ns` (the sockets it opens then live there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+    finally:
+        os.close(fd)
+
+
+def answers(url, ns=None):
+    """Each prompt alone, then all at once (rows of one batch): (alone, together)."""
+    def one(prompt):
+        r = httpx.post(url + "/v1/completions", timeout=300,
+                       json={"prompt": prompt, "max_tokens": 12 + len(prompt) % 5, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    init = (lambda: enter(ns)) if ns else None
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=init) as pool:
+        alone = list(pool.map(one, PROMPTS))
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS), initializer=init) as pool:
+        together = list(pool.map(one, PROMPTS))
+    return alone, together
+
+
+def start_worker(ns, hostfile, *extra, binary=BINARY):
+    return subprocess.Popen(["ip", "netns", "exec", ns, binary, "tp-worker", "--hostfile", hostfile, "--rank", "1",
+                             "--device", "cpu", *extra], stderr=subprocess.PIPE, text=True)
+
+
+def wait_exit(server, seconds):
+    start = time.time()
+    code = server.proc.wait(timeout=seconds)
+    time.sleep(0.2)  # its last line
+    return code, time.time() - start
+
+
+def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts):
+    a, b, hostfile = hosts
+    tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
+    one = Server("--prompt-cache-bytes", "0", model=tiny)
+    try:
+        want, _ = answers(one.url)
+    finally:
+        one.stop()
+    # The worker starts first and waits for rank 0.
+    worker = start_worker(b, hostfile)
+    server = Server("--hostfile", hostfile, "--prompt-cache-bytes", "0", model=tiny,
+                    prefix=["ip", "netns", "exec", a])
+    try:
+        alone, together = answers(server.url, ns=a)
+        assert alone == want
+        assert together == want
+        assert any("tensor parallel over hosts" in line for line in server.log), server.log[-5:]
+        server.proc.terminate()
+        assert server.proc.wait(timeout=30) == 0
+        assert worker.wait(timeout=10) == 0
+    finally:
+        server.stop()
+        worker.kill()
+
+
+def test_a_worker_with_another_binary_or_other_model_files_is_refused(hosts, tmp_path):
+    a, b, hostfile = hosts
+    models = os.environ["HOST_TEST_MODELS"]
+    other = tmp_path / "host"
+    shutil.copyfile(BINARY, other)
+    with open(other, "ab") as f:
+        f.write(b"another build")
+    other.chmod(0o755)
+    worker = start_worker(b, hostfile, binary=str(other))
+    with pytest.raises(RuntimeError) as refused:
+        Server("--hostfile", hostfile, model=os.path.join(models, "tiny-qwen2"), prefix=["ip", "netns", "exec", a])
+    assert "rank 1 on b (10.249.0.2) runs another build of host" in str(refused.value), refused.value
+    assert worker.wait(timeout=20) == 1
+    assert "rank 0 refused this worker" in worker.stderr.read()
+
+    worker = start_worker(b, hostfile, "--model", os.path.join(models, "tiny-llama"))
+    with pytest.raises(RuntimeError) as refused:
+        Server("--hostfile", hostfile, model=os.path.join(models, "tiny-qwen2"), prefix=["ip", "netns", "exec", a])
+    message = str(refused.value)
+    assert "tensor-parallel rank 1 on b (10.249.0.2)" in message and "config.json is" in message, message
+    assert worker.wait(timeout=20) == 1
+    assert "are not rank 0's" in worker.stderr.read()
+
+
+def test_a_killed_rank_and_a_dropped_link_stop_the_server_naming_the_rank(hosts):
+    a, b, hostfile = hosts
+    tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
+    worker = start_worker(b, hostfile)
+    server = Server("--hostfile", hostfile, model=tiny, prefix=["ip", "netns", "exec", a])
+    try:
+        worker.kill()
+        code, took = wait_exit(server, 20)
+        assert code == 1 and took < 5, (code, took)
+        assert any("tensor-parallel rank 1 on b (10.249.0.2) exited" in line for line in server.log), server.log[-3:]
+    finally:
+        server.stop()
+        worker.kill()
+
+    worker = start_worker(b, hostfile)
+    server = Server("--hostfile", hostfile, model=tiny, prefix=["ip", "netns", "exec", a])
+    try:
+        alone, _ = answers(server.url, ns=a)  # the link works first
+        assert len(alone) == len(PROMPTS)
+        ip("-n", b, "link", "set", f"{b}0", "down")
+        code, took = wait_exit(server, 30)
+        assert code == 1 and took < 15, (code, took)
+        assert any("rank 1 on b (10.249.0.2) sent nothing" in line for line in server.log), server.log[-3:]
+        assert worker.wait(timeout=20) == 1
+        assert "nothing from rank 0 at 10.249.0.1" in worker.stderr.read()
+    finally:
+        server.stop()
+        worker.kill()
