@@ -1,8 +1,9 @@
-//! Tensor parallelism through `host generate --tensor-parallel N` on the CPU (MLX's ring
-//! backend over loopback, one process per rank): the greedy tokens equal one rank's on the
-//! tiny random models (2 ranks) and SmolLM2 (3 ranks: its 3 KV heads do not divide by 2);
+//! Tensor and pipeline parallelism through `host generate --tensor-parallel N` and
+//! `--pipeline-parallel N` on the CPU (MLX's ring backend over loopback, one process per
+//! rank): the greedy tokens equal one rank's on the tiny random models (2 ranks) and SmolLM2
+//! (3 tensor-parallel ranks: its 3 KV heads do not divide by 2; 4 uneven pipeline stages);
 //! speculative decoding, whose rollbacks trim every rank's cache, stays identical too; a
-//! split the model's heads do not allow is refused with the rank counts that would work.
+//! split the model does not allow is refused, saying what would work.
 //!
 //! Gated like `parity.rs` by the environment `eval "$(scripts/test-fixtures.sh)"` sets.
 
@@ -49,6 +50,42 @@ fn speculative_rollbacks_stay_identical_across_ranks() {
     assert_eq!(split["token_ids"], one);
     // Drafts were rejected, so every rank trimmed its cache.
     assert!(split["drafted_tokens"].as_u64().unwrap() > split["accepted_tokens"].as_u64().unwrap(), "{split}");
+}
+
+#[test]
+fn pipeline_stages_give_one_ranks_greedy_tokens_and_roll_back_together() {
+    let Some(dir) = models() else { return };
+    for name in ["tiny-llama3", "tiny-qwen3"] {
+        let model = dir.join(name);
+        let one = ids(&model, "The quick brown fox", 24, &[]);
+        assert_eq!(ids(&model, "The quick brown fox", 24, &["--pipeline-parallel", "2"]), one, "{name}");
+    }
+    // SmolLM2's 30 layers in stages of 8, 8, 7 and 7; prompt lookup's rejected drafts trim
+    // every stage's caches.
+    let model = dir.join("smollm2-f32");
+    let prompt = "one two three four one two three four one two three four one two";
+    let one = ids(&model, prompt, 24, &["--raw"]);
+    let out = run(&model, prompt, 24, &["--raw", "--pipeline-parallel", "4", "--speculative", "prompt-lookup"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let split: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(split["token_ids"], one);
+    assert!(split["drafted_tokens"].as_u64().unwrap() > split["accepted_tokens"].as_u64().unwrap(), "{split}");
+}
+
+#[test]
+fn a_pipeline_the_model_cannot_take_is_refused_before_launching() {
+    let Some(dir) = models() else { return };
+    let refusal = |model: &str, extra: &[&str]| {
+        let out = run(&dir.join(model), "hi", 2, extra);
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refusal("tiny-llama", &["--pipeline-parallel", "3"]);
+    assert!(err.contains("a pipeline of 3 ranks needs at least 3 layers; this model has 2"), "{err}");
+    let err = refusal("tiny-gemma3", &["--pipeline-parallel", "2"]);
+    assert!(err.contains("pipeline parallelism over gemma3_text is not supported yet"), "{err}");
+    let err = refusal("tiny-llama", &["--pipeline-parallel", "2", "--tensor-parallel", "2"]);
+    assert!(err.contains("together are not supported yet"), "{err}");
 }
 
 #[test]

@@ -100,6 +100,9 @@ pub struct ServeConfig {
     /// Split the model over this many processes (tensor parallel over MLX distributed: the
     /// ring backend on CPUs, NCCL on GPUs). Default: 1 (off).
     pub tensor_parallel: usize,
+    /// Split the model's layers into this many pipeline stages, one process each (not
+    /// together with tensor_parallel). Default: 1 (off).
+    pub pipeline_parallel: usize,
     /// MLX's hostfile: the model split over the hosts it lists, one rank each (this one is
     /// rank 0; the others run `host tp-worker --hostfile`). Default: none (this machine).
     pub hostfile: Option<PathBuf>,
@@ -158,6 +161,7 @@ impl Default for ServeConfig {
             scheduler: "fcfs".into(),
             scheduler_config: None,
             tensor_parallel: 1,
+            pipeline_parallel: 1,
             hostfile: None,
             starting_port: None,
             warm_up: None,
@@ -279,6 +283,10 @@ pub struct ServeArgs {
     /// Split the model over this many processes (tensor parallel; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
+    /// Split the model's layers into this many stages, one process each (pipeline parallel;
+    /// one activation a step between neighbours: for slow links; default 1: off).
+    #[arg(long)]
+    pub pipeline_parallel: Option<usize>,
     /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this
     /// host is the first; start `host tp-worker --hostfile FILE --rank R` on the others.
     #[arg(long, value_name = "FILE")]
@@ -300,6 +308,10 @@ pub struct SplitArgs {
     /// Split the model over this many processes (tensor parallel; 1: off).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// Split the model's layers into this many stages, one process each (pipeline parallel;
+    /// 1: off).
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_parallel: usize,
     /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this
     /// host is the first; start `host tp-worker --hostfile FILE --rank R` on the others.
     #[arg(long, value_name = "FILE")]
@@ -313,6 +325,7 @@ impl SplitArgs {
     pub fn split(&self) -> Split {
         Split {
             tensor_parallel: self.tensor_parallel,
+            pipeline_parallel: self.pipeline_parallel,
             hostfile: self.hostfile.clone(),
             starting_port: self.starting_port,
         }
@@ -323,6 +336,7 @@ impl ServeConfig {
     pub fn split(&self) -> Split {
         Split {
             tensor_parallel: self.tensor_parallel,
+            pipeline_parallel: self.pipeline_parallel,
             hostfile: self.hostfile.clone(),
             starting_port: self.starting_port,
         }
@@ -393,7 +407,8 @@ impl ServeConfig {
             prompt_cache_bytes,
             max_body_bytes,
             default_max_tokens,
-            tensor_parallel
+            tensor_parallel,
+            pipeline_parallel
         );
         if args.model.is_some() {
             config.model = args.model.clone();

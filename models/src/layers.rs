@@ -89,6 +89,21 @@ impl Embedding {
         }
     }
 
+    /// The dtype `forward` gives: the weights', or a quantized table's scales' (bfloat16 for
+    /// the microscaling modes, which have no biases).
+    pub fn output_dtype(&self) -> Dtype {
+        match self {
+            Embedding::Dense { weight } => weight.dtype(),
+            Embedding::Quantized { scales, biases, .. } => {
+                if biases.is_some() {
+                    scales.dtype()
+                } else {
+                    Dtype::Bfloat16
+                }
+            }
+        }
+    }
+
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         Ok(match self {
             Embedding::Dense { weight } => weight.take(ids, 0)?,

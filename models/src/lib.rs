@@ -31,7 +31,9 @@ pub mod weights;
 pub use batch_cache::BatchKvCache;
 pub use cache::{reach, roll_back, KvCache, LayerCache, Recurrent, Snapshot, MAX_CHECKPOINTS, SLACK};
 pub use error::{Error, Result};
-pub use loader::{check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES};
+pub use loader::{
+    check_pipeline, check_tensor_parallel, load, load_with, Arch, LoadOptions, Loaded, ModelInfo, SUPPORTED_MODEL_TYPES,
+};
 pub use tokenizer::{Detokenizer, Tokenizer};
 
 use mlx::Array;

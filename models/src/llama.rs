@@ -664,6 +664,36 @@ pub struct Model {
     /// The final hidden state divided by this before an untied head (MiniCPM's
     /// `hidden_size / dim_model_base`).
     head_divisor: Option<f32>,
+    /// This rank's pipeline stage (`layers` holds only its layers); `None`: every layer.
+    stage: Option<Stage>,
+    hidden: usize,
+}
+
+/// A pipeline rank's stage: the decoder layers `first..end`. Stages run from the highest rank
+/// (the first layers, after the embeddings) down to rank 0 (the last layers, the norm and the
+/// head: the server's rank), each receiving the hidden state from the rank above and sending
+/// its own to the rank below — one activation a step between neighbours. Ranks below
+/// `layers % size` take one layer more, so rank 0 holds the most.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stage {
+    rank: usize,
+    size: usize,
+    first: usize,
+    end: usize,
+}
+
+impl Stage {
+    pub(crate) fn of(options: &LoadOptions, layers: usize) -> Option<Stage> {
+        let g = options.pipeline.filter(|g| g.size > 1)?;
+        let count = |r: usize| layers / g.size + usize::from(r < layers % g.size);
+        let first: usize = (g.rank + 1..g.size).map(count).sum();
+        Some(Stage { rank: g.rank, size: g.size, first, end: first + count(g.rank) })
+    }
+
+    /// Whether this stage starts the pipeline (it embeds the tokens).
+    fn starts(&self) -> bool {
+        self.rank + 1 == self.size
+    }
 }
 
 impl Model {
@@ -708,13 +738,35 @@ impl Model {
     /// `options` says so.
     pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, options: &LoadOptions) -> Result<Self> {
         let tp = Tp::of(options);
+        let stage = Stage::of(options, d.layers);
+        if tp.size > 1 && stage.is_some() {
+            return Err(crate::Error::Invalid(
+                "tensor and pipeline parallelism together are not supported yet; use one of them".into(),
+            ));
+        }
+        let own = stage.map_or(0..d.layers, |s| s.first..s.end);
+        if stage.is_some() {
+            // Other stages' layers are never read here (nor materialized by the loader).
+            let others: Vec<String> = w
+                .names()
+                .filter(|n| {
+                    n.strip_prefix("model.layers.")
+                        .and_then(|rest| rest.split('.').next()?.parse::<usize>().ok())
+                        .is_some_and(|i| !own.contains(&i))
+                })
+                .cloned()
+                .collect();
+            for n in others {
+                w.remove(&n);
+            }
+        }
         if tp.size > 1 && d.moe.is_some() {
             return Err(crate::Error::Invalid(
                 "tensor parallelism over a mixture-of-experts model is not supported yet; run it on one rank".into(),
             ));
         }
         if let Some(m) = &d.moe {
-            for (i, _) in m.sparse.iter().enumerate().filter(|(_, &s)| s) {
+            for (i, _) in m.sparse.iter().enumerate().filter(|(i, &s)| s && own.contains(i)) {
                 crate::moe::stack_experts(w, &format!("model.layers.{i}.mlp"), m.experts)?;
             }
         }
@@ -723,7 +775,7 @@ impl Model {
             fuse(d, w)?;
         }
         let w = &*w;
-        let layers = (0..d.layers)
+        let layers = own
             .map(|i| {
                 let p = format!("model.layers.{i}");
                 let sinks = format!("{p}.self_attn.sinks");
@@ -766,6 +818,8 @@ impl Model {
             position_scale: None,
             embed_scale: None,
             head_divisor: None,
+            stage,
+            hidden: d.hidden,
         })
     }
 }
@@ -773,12 +827,28 @@ impl Model {
 impl Model {
     /// The final hidden states (after the last norm), before the output head. Under tensor
     /// parallelism every rank evaluates these: they depend on every all-reduce of the step.
+    /// In a pipeline, a stage other than rank 0's returns what sends its hidden states on
+    /// (evaluating it sends them).
     pub fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> Result<Array> {
         let s = StepInputs::sequence(tokens, cache)?;
-        self.decoder(self.embed(tokens)?, &s.mask(), cache, &s.positions())
+        self.decoder(self.stage_input(tokens)?, &s.mask(), cache, &s.positions())
     }
 
-    /// The decoder layers and the final norm over embeddings `h`.
+    /// The embeddings of `tokens`, or in a pipeline stage after the first, the hidden states
+    /// the stage above sends.
+    fn stage_input(&self, tokens: &Array) -> Result<Array> {
+        match self.stage {
+            Some(st) if !st.starts() => {
+                let mut shape = tokens.shape();
+                shape.push(self.hidden);
+                Ok(mlx::distributed::recv(&shape, self.embed_tokens.output_dtype(), st.rank + 1)?)
+            }
+            _ => self.embed(tokens),
+        }
+    }
+
+    /// The decoder layers and the final norm over embeddings `h` (in a pipeline stage other
+    /// than rank 0's, the layers, then the send to the stage below).
     fn decoder(&self, mut h: Array, mask: &Mask<'_>, cache: &mut [impl LayerCache], at: &Positions) -> Result<Array> {
         let scale =
             self.position_scale.map(|(beta, original)| query_scale(beta, original, h.dim(1) as i32, at, h.dtype()));
@@ -786,14 +856,17 @@ impl Model {
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
             h = layer.forward(&h, mask, c, &self.rope, at, scale.as_ref())?;
         }
-        self.norm.forward(&h)
+        match self.stage {
+            Some(st) if st.rank > 0 => Ok(mlx::distributed::send(&h, st.rank - 1)?),
+            _ => self.norm.forward(&h),
+        }
     }
 
     /// As `forward_hidden`, for one new token per row of a batch (`tokens` `[B, 1]`): each
     /// row rotated from its own length and masked off its left padding.
     pub fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> Result<Array> {
         let s = StepInputs::batch(tokens, cache)?;
-        self.decoder(self.embed(tokens)?, &s.mask(), cache, &s.positions())
+        self.decoder(self.stage_input(tokens)?, &s.mask(), cache, &s.positions())
     }
 
     /// Logits of final hidden states.

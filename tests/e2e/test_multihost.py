@@ -1,7 +1,8 @@
 """A model split over two hosts: each rank in a network namespace of its own (made here with
 `ip netns` and a veth pair, addresses only inside them), rank 0 `host serve --hostfile`, rank
 1 `host tp-worker --hostfile --rank 1` started by hand before it, talking TCP over MLX's ring
-backend. Concurrent requests (one batch) answer what one rank answers; a worker with other
+backend. Tensor-parallel shards and pipeline stages alike: concurrent requests (one batch)
+answer what one rank answers; a worker with other
 model files is refused with the difference named; a killed worker and a dropped link each
 stop the server within seconds, naming the rank and its host."""
 import concurrent.futures
@@ -93,7 +94,8 @@ def wait_exit(server, seconds):
     return code, time.time() - start
 
 
-def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts):
+@pytest.mark.parametrize("split", [[], ["--pipeline-parallel", "2"]], ids=["tensor", "pipeline"])
+def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts, split):
     a, b, hostfile = hosts
     tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
     one = Server("--prompt-cache-bytes", "0", model=tiny)
@@ -103,13 +105,14 @@ def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts):
         one.stop()
     # The worker starts first and waits for rank 0.
     worker = start_worker(b, hostfile)
-    server = Server("--hostfile", hostfile, "--prompt-cache-bytes", "0", model=tiny,
+    server = Server("--hostfile", hostfile, "--prompt-cache-bytes", "0", *split, model=tiny,
                     prefix=["ip", "netns", "exec", a])
     try:
         alone, together = answers(server.url, ns=a)
         assert alone == want
         assert together == want
-        assert any("tensor parallel over hosts" in line for line in server.log), server.log[-5:]
+        how = "pipeline parallel over hosts" if split else "tensor parallel over hosts"
+        assert any(how in line for line in server.log), server.log[-5:]
         server.proc.terminate()
         assert server.proc.wait(timeout=30) == 0
         assert worker.wait(timeout=10) == 0

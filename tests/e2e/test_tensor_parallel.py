@@ -13,6 +13,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from conftest import Server
 
@@ -59,18 +60,26 @@ def workers_of(pid):
     return kids
 
 
-def test_three_ranks_serve_like_one_and_a_dead_rank_stops_the_server():
+@pytest.fixture(scope="module")
+def one_rank():
     plain = Server("--prompt-cache-bytes", "256M")
     try:
         want = conversation(plain)
     finally:
         plain.stop()
     assert want[2] is True, "the follow-up turn should reuse the cached prefix"
-    tp = Server("--tensor-parallel", "3", "--prompt-cache-bytes", "256M")
+    return want
+
+
+# Pipeline stages of 8, 8, 7 and 7 of SmolLM2's 30 layers: the shorter stages skip the
+# operations on rank 0's eighth layer's caches.
+@pytest.mark.parametrize("split", [["--tensor-parallel", "3"], ["--pipeline-parallel", "4"]], ids=["tp3", "pp4"])
+def test_split_ranks_serve_like_one_and_a_dead_rank_stops_the_server(one_rank, split):
+    tp = Server(*split, "--prompt-cache-bytes", "256M")
     try:
-        assert conversation(tp) == want
+        assert conversation(tp) == one_rank
         workers = workers_of(tp.proc.pid)
-        assert len(workers) == 2, workers
+        assert len(workers) == int(split[1]) - 1, workers
         os.kill(workers[0], signal.SIGKILL)
         assert tp.proc.wait(timeout=30) == 1
         time.sleep(0.2)

@@ -978,6 +978,15 @@ Ptr all_sum(const array& a) {
   if (!group) throw std::runtime_error("distributed_init was not called");
   return std::make_unique<array>(mx::distributed::all_sum(a, *group));
 }
+Ptr send_to(const array& a, int32_t dst) {
+  if (!group) throw std::runtime_error("distributed_init was not called");
+  return std::make_unique<array>(mx::distributed::send(a, dst, *group));
+}
+Ptr recv_from(rust::Slice<const int32_t> shape, uint8_t dt, int32_t src) {
+  if (!group) throw std::runtime_error("distributed_init was not called");
+  checked_elements(shape);
+  return std::make_unique<array>(mx::distributed::recv(to_shape(shape), to_dtype(dt), src, *group));
+}
 int32_t new_stream(bool gpu) {
   return mx::new_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)).index;
 }

@@ -6,7 +6,7 @@
 
 use crate::array::wrap;
 use crate::ffi::ffi;
-use crate::{Array, Result};
+use crate::{Array, Dtype, Result};
 
 /// This process's place in the group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,4 +26,16 @@ pub fn init(backend: &str) -> Result<Group> {
 /// The element-wise sum of `a` over all ranks (lazy, like every op).
 pub fn all_sum(a: &Array) -> Result<Array> {
     wrap(ffi::all_sum(&a.0))
+}
+
+/// Sends `a` to rank `dst` (lazy: evaluating the returned array sends it). The ring backend
+/// sends only to a neighbour in the ring (rank ± 1).
+pub fn send(a: &Array, dst: usize) -> Result<Array> {
+    wrap(ffi::send_to(&a.0, dst as i32))
+}
+
+/// An array of `shape` and `dtype` received from rank `src` (lazy, like `send`).
+pub fn recv(shape: &[usize], dtype: Dtype, src: usize) -> Result<Array> {
+    let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    wrap(ffi::recv_from(&dims, dtype as u8, src as i32))
 }

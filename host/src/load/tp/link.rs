@@ -39,6 +39,9 @@ pub struct Welcome {
     /// Rank 0's `--device`, for a worker not told one.
     pub device: String,
     pub fingerprint: Option<Fingerprint>,
+    /// Load a pipeline stage rather than a tensor-parallel shard.
+    #[serde(default)]
+    pub pipeline: bool,
 }
 
 /// The worker's answer: its model files match rank 0's, or how they differ.

@@ -42,8 +42,10 @@ use std::time::{Duration, Instant};
 /// How a model is split over processes, and where they run.
 #[derive(Debug, Clone, Default)]
 pub struct Split {
-    /// Ranks (0 or 1: one process). With a hostfile, its host count (or equal to it).
+    /// Tensor-parallel ranks (0 or 1: none). With a hostfile, its host count (or equal to it).
     pub tensor_parallel: usize,
+    /// Pipeline stages, one rank each (0 or 1: none); not together with tensor parallelism.
+    pub pipeline_parallel: usize,
     /// MLX's hostfile naming each rank's host: rank 0 is this process, the others are
     /// `host tp-worker --hostfile FILE --rank R`, started on their hosts. Without one, the
     /// ranks run on this machine and this process launches them.
@@ -59,7 +61,20 @@ impl Split {
 
     /// Whether the model is split at all.
     pub fn is_split(&self) -> bool {
-        self.tensor_parallel > 1 || self.hostfile.is_some()
+        self.tensor_parallel > 1 || self.pipeline_parallel > 1 || self.hostfile.is_some()
+    }
+
+    /// What the flags ask for: (pipeline, ranks), `ranks` as the flags say (0 when they name
+    /// none, for a hostfile to say).
+    fn mode(&self) -> Result<(bool, usize)> {
+        match (self.tensor_parallel > 1, self.pipeline_parallel > 1) {
+            (true, true) => bail!(
+                "--tensor-parallel and --pipeline-parallel together are not supported yet; choose one (pipeline suits a slow link)"
+            ),
+            (false, true) => Ok((true, self.pipeline_parallel)),
+            (true, false) => Ok((false, self.tensor_parallel)),
+            (false, false) => Ok((false, 0)),
+        }
     }
 }
 
@@ -177,6 +192,8 @@ struct Identity {
     /// The model as given (`None`: the default model).
     model: Option<String>,
     device: DeviceChoice,
+    /// Pipeline stages rather than tensor-parallel shards.
+    pipeline: bool,
 }
 
 /// Loads `path` (named `model` on the command line, `None` for the default model) split as
@@ -184,20 +201,22 @@ struct Identity {
 /// drives them.
 pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoice) -> Result<Loaded> {
     let hosts = split.hostfile.as_deref().map(Hostfile::read).transpose()?;
+    let (pipeline, asked) = split.mode()?;
+    let flag = if pipeline { "--pipeline-parallel" } else { "--tensor-parallel" };
     let n = match &hosts {
-        Some(h) if split.tensor_parallel > 1 && split.tensor_parallel != h.hosts.len() => bail!(
-            "--tensor-parallel {} but the hostfile {} lists {} hosts (one rank each); drop the flag or make them agree",
-            split.tensor_parallel,
+        Some(h) if asked > 1 && asked != h.hosts.len() => bail!(
+            "{flag} {asked} but the hostfile {} lists {} hosts (one rank each); make them agree",
             h.path.display(),
             h.hosts.len()
         ),
         Some(h) => h.hosts.len(),
-        None => split.tensor_parallel,
+        None => asked,
     };
     if n < 2 {
-        bail!("--tensor-parallel needs at least 2 ranks (1 is plain serving)");
+        bail!("{flag} needs at least 2 ranks (1 is plain serving)");
     }
-    models::check_tensor_parallel(path, n).with_context(|| format!("splitting {}", path.display()))?;
+    if pipeline { models::check_pipeline(path, n) } else { models::check_tensor_parallel(path, n) }
+        .with_context(|| format!("splitting {}", path.display()))?;
     let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
     std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
     let ring_file = run.join("hostfile.json");
@@ -206,6 +225,7 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
         fingerprint: Fingerprint::of(path)?,
         model: model.map(|m| m.to_string_lossy().into_owned()),
         device,
+        pipeline,
     };
     let (control, nccl) = match &hosts {
         Some(h) => {
@@ -264,19 +284,21 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
     if group.size != n || group.rank != 0 {
         bail!("the tensor-parallel group has rank {} of {}, expected 0 of {n}", group.rank, group.size);
     }
-    let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
-    let loaded = models::load_with(path, &options).with_context(|| format!("loading model from {}", path.display()))?;
+    let loaded = models::load_with(path, &load_options(group, pipeline))
+        .with_context(|| format!("loading model from {}", path.display()))?;
     models::cache::mirror();
-    if loaded.info.vocab_size > 1 << 24 {
+    if !pipeline && loaded.info.vocab_size > 1 << 24 {
         bail!(
             "tensor parallelism shares token ids as float32, exact below 2^24; this model's vocabulary has {} tokens",
             loaded.info.vocab_size
         );
     }
-    let model = TpModel { inner: loaded.model, workers: links, made: RefCell::default() };
+    let pipeline = pipeline.then_some(n);
+    let model = TpModel { inner: loaded.model, workers: links, made: RefCell::default(), pipeline };
+    let split = if pipeline.is_some() { "pipeline parallel" } else { "tensor parallel" };
     match &hosts {
-        Some(h) => tracing::info!(ranks = n, backend, hostfile = %h.path.display(), "tensor parallel over hosts"),
-        None => tracing::info!(ranks = n, backend, "tensor parallel"),
+        Some(h) => tracing::info!(ranks = n, backend, hostfile = %h.path.display(), "{split} over hosts"),
+        None => tracing::info!(ranks = n, backend, "{split}"),
     }
     Ok(Loaded { model: Box::new(model), ..loaded })
 }
@@ -372,6 +394,7 @@ fn admit(listener: &TcpListener, n: usize, me: &Identity, hosts: Option<&Hostfil
             model: me.model.clone(),
             device: me.device.as_str().to_string(),
             fingerprint: Some(me.fingerprint.clone()),
+            pipeline: me.pipeline,
         };
         link::send(&mut s, &welcome).with_context(|| format!("answering rank {rank} on {host}"))?;
         if let Some(why) = refused {
@@ -401,12 +424,22 @@ fn share_tokens(local: &Array) -> models::Result<Array> {
     Ok(mlx::distributed::all_sum(&local.astype(Dtype::Float32)?)?.astype(Dtype::Int32)?)
 }
 
-/// Rank 0's model: its shard, plus the workers it sends each step to.
+/// Options loading a rank's part: its tensor-parallel shard, or its pipeline stage.
+fn load_options(group: mlx::distributed::Group, pipeline: bool) -> models::LoadOptions {
+    match pipeline {
+        true => models::LoadOptions { pipeline: Some(group), ..Default::default() },
+        false => models::LoadOptions { tensor_parallel: Some(group), ..Default::default() },
+    }
+}
+
+/// Rank 0's model: its shard or stage, plus the workers it sends each step to.
 struct TpModel {
     inner: Box<dyn CausalLm>,
     workers: Vec<Link>,
     /// Caches made since the last step.
     made: RefCell<Vec<(u64, usize)>>,
+    /// A pipeline's ranks; `None` under tensor parallelism.
+    pipeline: Option<usize>,
 }
 
 impl Drop for TpModel {
@@ -418,6 +451,20 @@ impl Drop for TpModel {
 }
 
 impl TpModel {
+    /// The step's ids to the ranks that embed them: all of them under tensor parallelism
+    /// (`share_tokens`), the first stage of a pipeline (the highest rank, rank 0's neighbour
+    /// in the ring) otherwise, sent before the forward that waits on the stage above.
+    fn tokens_out(&self, tokens: &Array) -> models::Result<Array> {
+        match self.pipeline {
+            None => share_tokens(tokens),
+            Some(n) => {
+                let sent = mlx::distributed::send(&tokens.astype(Dtype::Int32)?, n - 1)?;
+                mlx::async_eval(&[&sent])?;
+                Ok(tokens.clone())
+            }
+        }
+    }
+
     /// Sends the workers the next forward: the cache operations logged since the last one,
     /// and the caches (or batch caches) it runs over.
     fn send_step(&self, tokens: &Array, caches: Vec<(u64, usize)>, batch: Vec<u64>) -> models::Result<()> {
@@ -445,14 +492,14 @@ impl CausalLm for TpModel {
 
     fn forward_hidden(&self, tokens: &Array, cache: &mut [KvCache]) -> models::Result<Array> {
         self.send_step(tokens, cache.iter().map(|c| (c.id(), c.offset())).collect(), Vec::new())?;
-        let h = self.inner.forward_hidden(&share_tokens(tokens)?, cache)?;
+        let h = self.inner.forward_hidden(&self.tokens_out(tokens)?, cache)?;
         mlx::async_eval(&[&h])?;
         Ok(h)
     }
 
     fn forward_hidden_batch(&self, tokens: &Array, cache: &mut [BatchKvCache]) -> models::Result<Array> {
         self.send_step(tokens, Vec::new(), cache.iter().map(BatchKvCache::id).collect())?;
-        let h = self.inner.forward_hidden_batch(&share_tokens(tokens)?, cache)?;
+        let h = self.inner.forward_hidden_batch(&self.tokens_out(tokens)?, cache)?;
         mlx::async_eval(&[&h])?;
         Ok(h)
     }

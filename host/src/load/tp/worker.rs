@@ -6,14 +6,15 @@
 
 use super::hosts::{self, Fingerprint, Hostfile, STARTING_PORT};
 use super::link::{self, Hello, Ready, Welcome, HEARTBEAT_TIMEOUT};
-use super::{backend, rank_env, share_tokens, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
+use super::{backend, load_options, rank_env, share_tokens, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
 use crate::load::{default_model, pull, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
 use mlx::{Array, Dtype};
 use models::cache::CacheOp;
 use models::{BatchKvCache, KvCache};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::io::ErrorKind;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -145,10 +146,14 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     if group.rank != rank || group.size != size {
         bail!("joined as rank {} of {}, expected {rank} of {size}", group.rank, group.size);
     }
-    let options = models::LoadOptions { tensor_parallel: Some(group), ..Default::default() };
-    let loaded =
-        models::load_with(&model, &options).with_context(|| format!("rank {rank} loading {}", model.display()))?;
-    run(rank, loaded.model.as_ref(), orders)?;
+    let loaded = models::load_with(&model, &load_options(group, welcome.pipeline))
+        .with_context(|| format!("rank {rank} loading {}", model.display()))?;
+    let inputs = match welcome.pipeline {
+        false => Inputs::Shared,
+        true if rank + 1 == size => Inputs::FromRank0,
+        true => Inputs::ShapeOnly,
+    };
+    run(rank, loaded.model.as_ref(), inputs, orders)?;
     // The last forward may still be running: exiting under it races the BLAS library's exit
     // handler (see `Generation`'s `Drop`).
     mlx::synchronize()?;
@@ -187,7 +192,12 @@ fn read_orders(rank: usize, stream: TcpStream, control: String) -> Result<Receiv
     std::thread::Builder::new().name("tp-orders".into()).spawn(move || {
         let mut s = &stream;
         let why = loop {
-            match link::receive::<ToWorker>(&mut s) {
+            let order = link::receive::<ToWorker>(&mut s);
+            let order = match order {
+                Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted) => Ok(None),
+                other => other,
+            };
+            match order {
                 Ok(Some(order)) => {
                     if tx.send(order).is_err() {
                         return;
@@ -213,18 +223,46 @@ fn read_orders(rank: usize, stream: TcpStream, control: String) -> Result<Receiv
     Ok(rx)
 }
 
-/// Runs rank 0's steps on this rank's shard until rank 0 closes the connection.
-fn run(rank: usize, model: &dyn models::CausalLm, orders: Receiver<ToWorker>) -> Result<()> {
+/// Where a worker's step gets its input ids.
+#[derive(Clone, Copy)]
+enum Inputs {
+    /// Tensor parallel: every rank embeds them; rank 0 all-reduces them (`share_tokens`).
+    Shared,
+    /// The first stage of a pipeline: rank 0 sends them.
+    FromRank0,
+    /// A later stage of a pipeline: only their shape matters (it receives hidden states).
+    ShapeOnly,
+}
+
+/// Runs rank 0's steps on this rank's shard or stage until rank 0 closes the connection.
+///
+/// Rank 0 names its caches per layer (`made`, the steps' cache lists). A tensor-parallel
+/// shard has as many layers as rank 0; a pipeline stage has at most as many (rank 0's stage
+/// is the longest), so this rank's layer i mirrors rank 0's layer-i caches, and the caches of
+/// rank 0's layers past this rank's count — and every copy, batch and row made of them — are
+/// `beyond`: their operations are skipped.
+fn run(rank: usize, model: &dyn models::CausalLm, inputs: Inputs, orders: Receiver<ToWorker>) -> Result<()> {
     let mut caches: HashMap<u64, KvCache> = HashMap::new();
     let fresh = model.make_cache();
     let mut batches: HashMap<u64, BatchKvCache> = HashMap::new();
+    let mut beyond: HashSet<u64> = HashSet::new();
     let missing = |what: &str, id: u64| anyhow::anyhow!("rank {rank}: {what} {id} is unknown here");
     while let Ok(order) = orders.recv() {
         let ToWorker::Step(step) = order else { bail!("rank {rank}: a second go-ahead from rank 0") };
         for (id, layer) in step.made {
-            caches.insert(id, fresh.get(layer).map_or_else(KvCache::default, KvCache::empty_like));
+            match fresh.get(layer) {
+                Some(like) => {
+                    caches.insert(id, like.empty_like());
+                }
+                None => {
+                    beyond.insert(id);
+                }
+            }
         }
         for op in step.ops {
+            if beyond_stage(&op, &mut beyond) {
+                continue;
+            }
             match op {
                 // A copy of a cache this rank never saw (a draft model's, which runs on rank 0
                 // only) has nothing to copy.
@@ -255,19 +293,24 @@ fn run(rank: usize, model: &dyn models::CausalLm, orders: Receiver<ToWorker>) ->
             }
         }
         let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
-        let tokens = share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?;
+        let tokens = match inputs {
+            Inputs::Shared => share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?,
+            Inputs::FromRank0 => mlx::distributed::recv(&shape, Dtype::Int32, 0)?,
+            Inputs::ShapeOnly => Array::zeros(&shape, Dtype::Int32)?,
+        };
+        let own = fresh.len();
         if !step.batch.is_empty() {
-            let mut layers: Vec<BatchKvCache> =
-                step.batch.iter().map(|id| batches.remove(id).unwrap_or_default()).collect();
+            let ids = &step.batch[..own.min(step.batch.len())];
+            let mut layers: Vec<BatchKvCache> = ids.iter().map(|id| batches.remove(id).unwrap_or_default()).collect();
             let h = model.forward_hidden_batch(&tokens, &mut layers)?;
             mlx::async_eval(&[&h])?;
-            for (&id, b) in step.batch.iter().zip(layers) {
+            for (&id, b) in ids.iter().zip(layers) {
                 batches.insert(id, b);
             }
             continue;
         }
-        let mut layers = Vec::with_capacity(step.caches.len());
-        for (i, &(id, offset)) in step.caches.iter().enumerate() {
+        let mut layers = Vec::with_capacity(own);
+        for (i, &(id, offset)) in step.caches.iter().take(own).enumerate() {
             // A new cache is the layer's own (bounded where the layer slides), as on rank 0.
             let mut c =
                 caches.remove(&id).unwrap_or_else(|| fresh.get(i).map_or_else(KvCache::default, KvCache::empty_like));
@@ -279,11 +322,29 @@ fn run(rank: usize, model: &dyn models::CausalLm, orders: Receiver<ToWorker>) ->
         }
         let h = model.forward_hidden(&tokens, &mut layers)?;
         mlx::async_eval(&[&h])?;
-        for (&(id, _), c) in step.caches.iter().zip(layers) {
+        for (&(id, _), c) in step.caches.iter().take(own).zip(layers) {
             caches.insert(id, c);
         }
     }
     Ok(())
+}
+
+/// Whether `op` is on caches beyond this stage's layers (`beyond`), marking what it makes of
+/// them beyond too; a dropped cache leaves `beyond`.
+fn beyond_stage(op: &CacheOp, beyond: &mut HashSet<u64>) -> bool {
+    match op {
+        CacheOp::Clone { from, to } | CacheOp::BatchExtract { batch: from, to, .. } if beyond.contains(from) => {
+            beyond.insert(*to);
+            true
+        }
+        CacheOp::BatchPush { batch, cache, .. } if beyond.contains(cache) => {
+            beyond.insert(*batch);
+            true
+        }
+        CacheOp::BatchRemove { batch, .. } | CacheOp::BatchTrim { batch, .. } => beyond.contains(batch),
+        CacheOp::Drop(id) => beyond.remove(id),
+        _ => false,
+    }
 }
 
 /// Ends this worker if rank 0 (`parent`, given by rank 0 itself: it may be gone before this
