@@ -6,9 +6,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 # System packages: g++ (the MLX shim), OpenBLAS (linked by the host binary), clang and lld
-# (the C example plugin), Chromium (the web page's tests, tests/e2e/test_ui.py), iproute2 (the
-# network namespaces of tests/e2e/test_multihost.py). Installed with apt-get when running as
-# root, else named.
+# (the C example plugin), Chromium (the web page's tests, tests/e2e/test_ui.py), iproute2 and
+# openssh-server (the network namespaces and the ssh-started rank of
+# tests/e2e/test_multihost.py). Installed with apt-get when running as root, else named.
 missing=()
 command -v g++ >/dev/null || missing+=(g++)
 command -v clang >/dev/null || missing+=(clang)
@@ -16,6 +16,7 @@ command -v wasm-ld >/dev/null || missing+=(lld)
 [ -e /usr/lib/x86_64-linux-gnu/libopenblas.so.0 ] || [ "$(uname -s)" != Linux ] || missing+=(libopenblas0-pthread)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v ip >/dev/null || missing+=(iproute2)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "test.sh: installing ${missing[*]} with apt-get" >&2

@@ -108,6 +108,9 @@ pub struct ServeConfig {
     pub hostfile: Option<PathBuf>,
     /// The port the ranks of a hostfile listen on from. Default: 32323.
     pub starting_port: Option<u16>,
+    /// Start the hostfile's other ranks over ssh (`ssh NAME BINARY tp-worker ...`, as
+    /// mlx.launch does) instead of waiting for them to be started by hand. Default: false.
+    pub ssh_launch: bool,
     /// Generate a few tokens before serving so kernels compile at start, not in the first
     /// requests. Default: on for GPUs, off on the CPU.
     pub warm_up: Option<bool>,
@@ -164,6 +167,7 @@ impl Default for ServeConfig {
             pipeline_parallel: 1,
             hostfile: None,
             starting_port: None,
+            ssh_launch: false,
             warm_up: None,
             models: Default::default(),
         }
@@ -294,6 +298,10 @@ pub struct ServeArgs {
     /// With --hostfile: the port the ranks listen on from (default 32323).
     #[arg(long)]
     pub starting_port: Option<u16>,
+    /// With --hostfile: start the other ranks over ssh, each by the host's "ssh" name (the
+    /// same binary path on every host; HOST_SSH overrides the ssh command and its options).
+    #[arg(long)]
+    pub ssh_launch: bool,
     /// Compile kernels before serving with a short generation (default: true on GPUs).
     #[arg(long)]
     pub warm_up: Option<bool>,
@@ -319,6 +327,10 @@ pub struct SplitArgs {
     /// With --hostfile: the port the ranks listen on from (default 32323).
     #[arg(long)]
     pub starting_port: Option<u16>,
+    /// With --hostfile: start the other ranks over ssh, each by the host's "ssh" name (the
+    /// same binary path on every host; HOST_SSH overrides the ssh command and its options).
+    #[arg(long)]
+    pub ssh_launch: bool,
 }
 
 impl SplitArgs {
@@ -328,6 +340,7 @@ impl SplitArgs {
             pipeline_parallel: self.pipeline_parallel,
             hostfile: self.hostfile.clone(),
             starting_port: self.starting_port,
+            ssh_launch: self.ssh_launch,
         }
     }
 }
@@ -339,6 +352,7 @@ impl ServeConfig {
             pipeline_parallel: self.pipeline_parallel,
             hostfile: self.hostfile.clone(),
             starting_port: self.starting_port,
+            ssh_launch: self.ssh_launch,
         }
     }
 }
@@ -425,6 +439,7 @@ impl ServeConfig {
         if args.starting_port.is_some() {
             config.starting_port = args.starting_port;
         }
+        config.ssh_launch |= args.ssh_launch;
         if let Some(s) = &args.scheduler {
             config.scheduler = s.clone();
         }

@@ -173,3 +173,41 @@ def test_a_killed_rank_and_a_dropped_link_stop_the_server_naming_the_rank(hosts)
     finally:
         server.stop()
         worker.kill()
+
+
+def test_ssh_launch_starts_the_other_rank_on_its_host(hosts, tmp_path):
+    """`--ssh-launch`: rank 0 starts rank 1 through a real sshd running in the other host's
+    namespace (a key made here; HOST_SSH carries ssh's options)."""
+    a, b, _ = hosts
+    if not os.path.exists("/usr/sbin/sshd"):
+        pytest.skip("no sshd (Debian: openssh-server)")
+    for key in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / key)], check=True)
+    shutil.copyfile(tmp_path / "id.pub", tmp_path / "authorized_keys")
+    config = tmp_path / "sshd_config"
+    config.write_text("\n".join([
+        f"ListenAddress {ADDRESSES[1]}", "Port 22", f"HostKey {tmp_path}/host_key",
+        f"AuthorizedKeysFile {tmp_path}/authorized_keys", "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no", "StrictModes no", "UsePAM no", f"PidFile {tmp_path}/sshd.pid", ""]))
+    os.makedirs("/run/sshd", exist_ok=True)
+    sshd = subprocess.Popen(["ip", "netns", "exec", b, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                            stderr=subprocess.PIPE, text=True)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": [ADDRESSES[0]]},
+                                    {"ssh": f"root@{ADDRESSES[1]}", "ips": [ADDRESSES[1]]}]))
+    ssh = (f"ssh -i {tmp_path}/id -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+           "-o LogLevel=ERROR -o ConnectTimeout=5")
+    tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
+    server = None
+    try:
+        server = Server("--hostfile", str(hostfile), "--ssh-launch", "--pipeline-parallel", "2", model=tiny,
+                        prefix=["ip", "netns", "exec", a], env={"HOST_SSH": ssh})
+        alone, together = answers(server.url, ns=a)
+        assert together == alone
+        server.proc.terminate()
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        if server:
+            server.stop()
+        sshd.terminate()
+        sshd.wait(timeout=10)

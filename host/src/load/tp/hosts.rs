@@ -117,6 +117,18 @@ impl Hostfile {
         Ok(Hostfile { path: path.to_path_buf(), hosts, backend: backend.filter(|b| !b.is_empty()), envs })
     }
 
+    /// The file in MLX's object form, for a rank started elsewhere (`tp-worker --hosts`).
+    pub fn to_json(&self) -> String {
+        let hosts: Vec<serde_json::Value> = self
+            .hosts
+            .iter()
+            .map(|h| serde_json::json!({"ssh": h.ssh, "ips": h.ips.iter().map(IpAddr::to_string).collect::<Vec<_>>()}))
+            .collect();
+        let envs: Vec<String> = self.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        serde_json::json!({"backend": self.backend.clone().unwrap_or_default(), "envs": envs, "hosts": hosts})
+            .to_string()
+    }
+
     /// The ring backend's own hostfile: each rank's listening addresses, `ip:port`, ports from
     /// `starting_port` up by one per rank and address (what `mlx.launch` writes).
     pub fn ring(&self, starting_port: u16) -> Vec<Vec<String>> {
@@ -260,6 +272,8 @@ mod tests {
         assert_eq!(file.backend.as_deref(), Some("ring"));
         assert_eq!(file.envs, vec![("MLX_RING_VERBOSE".to_string(), "1".to_string())]);
         assert_eq!(file.ring(40000)[0], vec!["[::1]:40000"]);
+        let again = Hostfile::parse(&file.to_json(), Path::new("again")).unwrap();
+        assert_eq!((again.hosts, again.backend, again.envs), (file.hosts, file.backend, file.envs));
     }
 
     #[test]

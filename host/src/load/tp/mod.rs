@@ -19,6 +19,7 @@
 
 mod hosts;
 mod link;
+mod ssh;
 mod worker;
 
 pub use hosts::Hostfile;
@@ -52,6 +53,8 @@ pub struct Split {
     pub hostfile: Option<PathBuf>,
     /// The first port the ranks listen on with a hostfile (default 32323, as `mlx.launch`).
     pub starting_port: Option<u16>,
+    /// Start the hostfile's other ranks over ssh (`ssh.rs`) rather than wait for them.
+    pub ssh_launch: bool,
 }
 
 impl Split {
@@ -61,7 +64,7 @@ impl Split {
 
     /// Whether the model is split at all.
     pub fn is_split(&self) -> bool {
-        self.tensor_parallel > 1 || self.pipeline_parallel > 1 || self.hostfile.is_some()
+        self.tensor_parallel > 1 || self.pipeline_parallel > 1 || self.hostfile.is_some() || self.ssh_launch
     }
 
     /// What the flags ask for: (pipeline, ranks), `ranks` as the flags say (0 when they name
@@ -187,6 +190,7 @@ fn rank_env(command: Option<&mut Command>, rank: usize, size: usize, hostfile: &
 
 /// What every rank must share with rank 0, and what a worker is told to load.
 struct Identity {
+    /// The binary's sha256 (empty for local ranks, which rank 0 launches from its own).
     binary: String,
     fingerprint: Fingerprint,
     /// The model as given (`None`: the default model).
@@ -210,6 +214,7 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
             h.hosts.len()
         ),
         Some(h) => h.hosts.len(),
+        None if split.ssh_launch => bail!("--ssh-launch needs --hostfile FILE (the hosts to start the ranks on)"),
         None => asked,
     };
     if n < 2 {
@@ -221,7 +226,8 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
     std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
     let ring_file = run.join("hostfile.json");
     let me = Identity {
-        binary: hosts::binary_hash()?,
+        // Local ranks run the binary this process launches them from.
+        binary: if hosts.is_some() { hosts::binary_hash()? } else { String::new() },
         fingerprint: Fingerprint::of(path)?,
         model: model.map(|m| m.to_string_lossy().into_owned()),
         device,
@@ -243,6 +249,9 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
                     h.hosts[0].describe()
                 )
             })?;
+            if split.ssh_launch {
+                watch(ssh::launch(h, port)?);
+            }
             (control, h.nccl(port).to_string())
         }
         None => {
@@ -377,7 +386,7 @@ fn admit(listener: &TcpListener, n: usize, me: &Identity, hosts: Option<&Hostfil
             Some(format!("a worker on {host} says it is rank {rank}; workers are ranks 1 to {}", n - 1))
         } else if links.iter().any(|l| l.rank == rank) {
             Some(format!("two workers say they are rank {rank}"))
-        } else if hello.binary != me.binary {
+        } else if hosts.is_some() && hello.binary != me.binary {
             Some(format!(
                 "rank {rank} on {host} runs another build of host ({} {}, sha256 {}…; this one {} {}…): every rank must run the same binary",
                 hello.version,

@@ -34,8 +34,11 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub rank: usize,
     /// MLX's hostfile, the same file rank 0 reads.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["size", "control"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["size", "control", "hosts"])]
     pub hostfile: Option<PathBuf>,
+    /// The hostfile's text itself (how rank 0's `--ssh-launch` passes it).
+    #[arg(long, value_name = "JSON", conflicts_with_all = ["size", "control"])]
+    pub hosts: Option<String>,
     /// The port the ranks listen on from: the same as rank 0's (default 32323).
     #[arg(long)]
     pub starting_port: Option<u16>,
@@ -60,9 +63,13 @@ pub struct WorkerArgs {
 /// Runs a worker rank until rank 0 goes away.
 pub fn worker(args: WorkerArgs) -> Result<()> {
     let rank = args.rank;
-    let (size, control, hosts) = match &args.hostfile {
-        Some(path) => {
-            let h = Hostfile::read(path)?;
+    let hostfile = match (&args.hostfile, &args.hosts) {
+        (Some(path), _) => Some(Hostfile::read(path)?),
+        (None, Some(text)) => Some(Hostfile::parse(text, Path::new("--hosts")).context("--hosts")?),
+        (None, None) => None,
+    };
+    let (size, control, hosts) = match hostfile {
+        Some(h) => {
             let n = h.hosts.len();
             if rank == 0 || rank >= n {
                 bail!(
@@ -90,7 +97,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     // Launched by rank 0: until admitted, rank 0's end is seen by its process going away.
     let admitted =
         hosts.is_none().then(|| exit_with_parent(rank, args.parent.unwrap_or_else(std::os::unix::process::parent_id)));
-    let binary = hosts::binary_hash()?;
+    let binary = if hosts.is_some() { hosts::binary_hash()? } else { String::new() };
     let stream = connect(rank, &control)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
