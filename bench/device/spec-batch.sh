@@ -19,11 +19,6 @@ for m in "${models[@]}"; do
     env $([ $cost = off ] && echo HOST_DRAFT_COST=off) timeout 240 "$HOST" bench --device gpu --model /tmp/"$m" \
       --prompt-file bench/edit_prompt.txt --speculative prompt-lookup --gen 128 --runs 3 --batch 1,8,32 --json \
       > "$OUTDIR/spec-$m-$cost.jsonl" 2> "$OUTDIR/spec-$m-$cost.log" || tail -5 "$OUTDIR/spec-$m-$cost.log"
-    python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"| {r[\"model\"]} | {sys.argv[2]} | {r[\"batch\"]} | {r[\"plain_decode_tps\"]:.1f} | {r[\"decode_tps\"]:.1f} | {r[\"vs_plain\"]:.2f}x | {r[\"verifications\"]}/{r[\"steps\"]} | {r[\"draft_tokens\"]} |")
-' "$OUTDIR/spec-$m-$cost.jsonl" "$cost" | tee -a "$OUTDIR/spec-batch.md"
+    python3 bench/device/spec_rows.py "$OUTDIR/spec-$m-$cost.jsonl" "$cost" | tee -a "$OUTDIR/spec-batch.md"
   done
 done
