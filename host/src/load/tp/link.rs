@@ -14,8 +14,9 @@ use std::time::Duration;
 
 /// How often each side says it is alive.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
-/// Silence after which the other side counts as gone (a dropped link sends no FIN).
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(6);
+/// Silence after which the other side counts as gone (a dropped link sends no FIN): well
+/// past any scheduling delay of a busy machine, within seconds for a user.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The largest frame either side accepts (a step's JSON is a few KB).
 const MAX_FRAME: usize = 64 << 20;
@@ -89,14 +90,16 @@ pub fn timed_out(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
-/// Sends heartbeats on `stream` (shared with whoever else writes frames on it) until a write
-/// fails or `stop` is set.
-pub fn send_heartbeats(stream: Arc<Mutex<TcpStream>>, stop: &'static AtomicBool) {
+/// Sends heartbeats on `stream` (shared with whoever else writes frames on it) while its
+/// owner holds it and writes succeed: dropping the owner's `Arc` closes the connection.
+pub fn send_heartbeats(stream: &Arc<Mutex<TcpStream>>) {
+    let stream = Arc::downgrade(stream);
     let _ = std::thread::Builder::new().name("tp-heartbeat".into()).spawn(move || {
-        while !stop.load(Ordering::SeqCst) {
+        while let Some(stream) = stream.upgrade() {
             if stream.lock().map_or(true, |mut s| s.write_all(&0u32.to_le_bytes()).is_err()) {
                 return;
             }
+            drop(stream);
             std::thread::sleep(HEARTBEAT_EVERY);
         }
     });
@@ -118,7 +121,7 @@ impl Link {
         let mut reader = stream.try_clone()?;
         reader.set_read_timeout(Some(HEARTBEAT_TIMEOUT))?;
         let writer = Arc::new(Mutex::new(stream));
-        send_heartbeats(writer.clone(), closing);
+        send_heartbeats(&writer);
         let who = format!("tensor-parallel rank {rank} on {host}");
         std::thread::Builder::new().name(format!("tp-watch-{rank}")).spawn(move || {
             let why = loop {
@@ -147,6 +150,16 @@ impl Link {
     pub fn send_bytes(&self, body: &[u8]) -> io::Result<()> {
         let mut stream = self.writer.lock().map_err(|_| io::Error::other("a poisoned control connection"))?;
         send_bytes(&mut *stream, body)
+    }
+}
+
+impl Drop for Link {
+    /// Closes the connection (the watch thread's copy too): the worker's end, once rank 0
+    /// has let it go.
+    fn drop(&mut self) {
+        if let Ok(s) = self.writer.lock() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 

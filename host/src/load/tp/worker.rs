@@ -140,8 +140,8 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     if let Some(flag) = &admitted {
         flag.store(true, Ordering::SeqCst);
     }
-    static NEVER: AtomicBool = AtomicBool::new(false);
-    link::send_heartbeats(Arc::new(Mutex::new(stream.try_clone()?)), &NEVER);
+    let heartbeats = Arc::new(Mutex::new(stream.try_clone()?));
+    link::send_heartbeats(&heartbeats);
     let orders = read_orders(rank, stream, control.clone())?;
     match orders.recv() {
         Ok(ToWorker::Go) => {}
