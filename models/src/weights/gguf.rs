@@ -7,7 +7,8 @@
 //! GPUs and become float32 on the CPU. A file with any other type (the K-quants of most hub
 //! files, Q5_0, BF16, ...) is read by `gguf_reader.rs` instead and dequantized (to float32 on
 //! the CPU, else bfloat16), except that on the CPU its Q4_0/Q4_1/Q8_0/Q4_K matrices are
-//! repacked exactly into the same affine layout.
+//! repacked exactly into the same affine layout, and its Q5_0/Q5_1/Q5_K ones into its 8-bit
+//! form (five-bit codes as eight-bit ones, the same values).
 //! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
 //! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
 
@@ -140,7 +141,7 @@ fn unpermute(w: &Array, n_head: usize) -> Result<Array> {
 /// The file's tensors and metadata: MLX's reader where it reads every tensor type (it keeps
 /// quantized blocks quantized), else ours: dequantized (to float32 for the CPU), except on
 /// the CPU with `pack` the matrices whose blocks are affine per 32 values (Q4_0, Q4_1, Q8_0,
-/// Q4_K: most of a Q4_K_M file), repacked exactly into MLX's layout as MLX's reader names it
+/// Q4_K, and as 8-bit codes Q5_0, Q5_1, Q5_K: most of a Q4_K_M or Q5_K_M file), repacked exactly into MLX's layout as MLX's reader names it
 /// (`X.weight`, `X.scales`, `X.biases`).
 fn read(path: &Path, header: &super::gguf_reader::Header, cpu: bool, pack: bool) -> Result<mlx::io::Tensors> {
     if header.mlx_reads_all() {

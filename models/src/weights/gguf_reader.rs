@@ -328,7 +328,8 @@ impl GgufFile {
     pub fn affine(&self, info: &TensorInfo) -> Option<Affine> {
         let bits = match info.kind {
             2 | 3 | 12 => 4,
-            8 => 8,
+            // Five-bit codes (Q5_0, Q5_1, Q5_K) as eight-bit ones: the same values exactly.
+            6 | 7 | 8 | 13 => 8,
             _ => return None,
         };
         if info.shape.len() != 2 || !info.shape[1].is_multiple_of(32) {
@@ -355,17 +356,38 @@ impl GgufFile {
                     let bias = if info.kind == 2 { -8.0 * d } else { f16(&b[2..]) };
                     group(concat(nibbles(qs, false), nibbles(qs, true)), d, bias);
                 }
+                6 | 7 => {
+                    // d, (m,) qh (the codes' fifth bits), qs: code j's low nibble in qs[j % 16].
+                    let (d, rest) = if info.kind == 6 { (f16(b), &b[2..]) } else { (f16(b), &b[4..]) };
+                    let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                    let qs = &rest[4..20];
+                    let code = |j: usize| {
+                        let low = if j < 16 { qs[j] & 0xf } else { qs[j - 16] >> 4 };
+                        low | (((qh >> j) & 1) << 4) as u8
+                    };
+                    let bias = if info.kind == 6 { -16.0 * d } else { f16(&b[2..]) };
+                    group(std::array::from_fn(code), d, bias);
+                }
                 8 => {
                     let d = f16(b);
                     group(std::array::from_fn(|i| (b[2 + i] as i8 as i16 + 128) as u8), d, -128.0 * d);
                 }
                 _ => {
+                    // Q4_K: d, dmin, scales[12], qs[128]; Q5_K: qh[32] (the fifth bits) before qs.
                     let (d, min, sc) = (f16(b), f16(&b[2..]), &b[4..16]);
+                    let (qh, ql) = if info.kind == 12 { (None, &b[16..144]) } else { (Some(&b[16..48]), &b[48..176]) };
                     for chunk in 0..4 {
-                        let q = &b[16 + chunk * 32..16 + chunk * 32 + 32];
+                        let q = &ql[chunk * 32..chunk * 32 + 32];
                         for (sub, high) in [(chunk * 2, false), (chunk * 2 + 1, true)] {
                             let (s, m) = scale_min_k4(sub, sc);
-                            group(concat(nibbles(&q[..16], high), nibbles(&q[16..], high)), d * s, -(min * m));
+                            let codes = match qh {
+                                None => concat(nibbles(&q[..16], high), nibbles(&q[16..], high)),
+                                Some(h) => std::array::from_fn(|l| {
+                                    let low = if high { q[l] >> 4 } else { q[l] & 0xf };
+                                    low | if h[l] & (1 << sub) != 0 { 16 } else { 0 }
+                                }),
+                            };
+                            group(codes, d * s, -(min * m));
                         }
                     }
                 }
@@ -596,7 +618,7 @@ mod tests {
             assert_eq!(differ, 0, "{} ({}): {differ} values differ", t.name, t.kind_name());
             packed.push(t.kind_name());
         }
-        assert_eq!(packed, ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]);
+        assert_eq!(packed, ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]);
     }
 
     #[test]
