@@ -234,51 +234,8 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
         pipeline,
     };
     let (control, nccl) = match &hosts {
-        Some(h) => {
-            for (k, v) in &h.envs {
-                std::env::set_var(k, v);
-            }
-            let port = split.starting_port.unwrap_or(STARTING_PORT);
-            std::fs::write(&ring_file, serde_json::to_string(&h.ring(port))?)?;
-            let at = h.control(port);
-            let control = TcpListener::bind(at).map_err(|e| {
-                anyhow::anyhow!(
-                    "rank 0 takes its workers' connections at {at} (the hostfile's first host, {}), and binding it failed: {e}. \
-                     Run `host serve --hostfile` on that host (the hostfile's first host is rank 0), or free the port \
-                     (--starting-port moves every rank's ports)",
-                    h.hosts[0].describe()
-                )
-            })?;
-            if split.ssh_launch {
-                watch(ssh::launch(h, port)?);
-            }
-            (control, h.nccl(port).to_string())
-        }
-        None => {
-            let ports = free_ports(n + 1)?;
-            let ring: Vec<Vec<String>> = ports[..n].iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
-            std::fs::write(&ring_file, serde_json::to_string(&ring)?)?;
-            let control = TcpListener::bind("127.0.0.1:0").context("binding the tensor-parallel control port")?;
-            let nccl = format!("127.0.0.1:{}", ports[n]);
-            let exe = std::env::current_exe().context("finding the host binary to launch workers")?;
-            let mut children = Vec::new();
-            for rank in 1..n {
-                let mut command = Command::new(&exe);
-                command
-                    .args(["tp-worker", "--rank", &rank.to_string(), "--size", &n.to_string()])
-                    .arg("--model")
-                    .arg(path)
-                    .args(["--device", device.as_str(), "--control", &control.local_addr()?.to_string()])
-                    .args(["--parent", &std::process::id().to_string()])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null());
-                rank_env(Some(&mut command), rank, n, &ring_file, &nccl);
-                children
-                    .push((rank, command.spawn().with_context(|| format!("launching tensor-parallel rank {rank}"))?));
-            }
-            watch(children);
-            (control, nccl)
-        }
+        Some(h) => listen_for_hosts(h, split, &ring_file)?,
+        None => launch_local(n, path, device, &ring_file)?,
     };
     let links = admit(&control, n, &me, hosts.as_ref())?;
     for link in &links {
@@ -310,6 +267,57 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
         None => tracing::info!(ranks = n, backend, "{split}"),
     }
     Ok(Loaded { model: Box::new(model), ..loaded })
+}
+
+/// Rank 0 of a hostfile's group: the ring's file written from the hostfile, rank 0's control
+/// port bound on its first address (the other ranks started over ssh if asked); returns the
+/// control listener and NCCL's rendezvous address.
+fn listen_for_hosts(h: &Hostfile, split: &Split, ring_file: &Path) -> Result<(TcpListener, String)> {
+    for (k, v) in &h.envs {
+        std::env::set_var(k, v);
+    }
+    let port = split.starting_port.unwrap_or(STARTING_PORT);
+    std::fs::write(ring_file, serde_json::to_string(&h.ring(port))?)?;
+    let at = h.control(port);
+    let control = TcpListener::bind(at).map_err(|e| {
+        anyhow::anyhow!(
+            "rank 0 takes its workers' connections at {at} (the hostfile's first host, {}), and binding it failed: {e}. \
+             Run `host serve --hostfile` on that host (the hostfile's first host is rank 0), or free the port \
+             (--starting-port moves every rank's ports)",
+            h.hosts[0].describe()
+        )
+    })?;
+    if split.ssh_launch {
+        watch(ssh::launch(h, port)?);
+    }
+    Ok((control, h.nccl(port).to_string()))
+}
+
+/// Rank 0 of a group on this machine: loopback ports for the ring, and ranks 1..n launched as
+/// `host tp-worker` children (watched); returns the control listener and NCCL's rendezvous.
+fn launch_local(n: usize, path: &Path, device: DeviceChoice, ring_file: &Path) -> Result<(TcpListener, String)> {
+    let ports = free_ports(n + 1)?;
+    let ring: Vec<Vec<String>> = ports[..n].iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
+    std::fs::write(ring_file, serde_json::to_string(&ring)?)?;
+    let control = TcpListener::bind("127.0.0.1:0").context("binding the tensor-parallel control port")?;
+    let nccl = format!("127.0.0.1:{}", ports[n]);
+    let exe = std::env::current_exe().context("finding the host binary to launch workers")?;
+    let mut children = Vec::new();
+    for rank in 1..n {
+        let mut command = Command::new(&exe);
+        command
+            .args(["tp-worker", "--rank", &rank.to_string(), "--size", &n.to_string()])
+            .arg("--model")
+            .arg(path)
+            .args(["--device", device.as_str(), "--control", &control.local_addr()?.to_string()])
+            .args(["--parent", &std::process::id().to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        rank_env(Some(&mut command), rank, n, ring_file, &nccl);
+        children.push((rank, command.spawn().with_context(|| format!("launching tensor-parallel rank {rank}"))?));
+    }
+    watch(children);
+    Ok((control, nccl))
 }
 
 /// Stops this process with a clear message if a worker exits.
