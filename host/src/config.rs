@@ -284,6 +284,19 @@ pub struct ServeArgs {
     /// "none" leaves the model's thinking in the text).
     #[arg(long)]
     pub reasoning_parser: Option<String>,
+    #[command(flatten)]
+    pub split: SplitArgs,
+    /// Compile kernels before serving with a short generation (default: true on GPUs).
+    #[arg(long)]
+    pub warm_up: Option<bool>,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// How the model is split over processes and hosts (`serve`, `generate`, `bench`; for
+/// `serve` host.toml may set each too, and a flag given overrides it).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct SplitArgs {
     /// Split the model over this many processes (tensor parallel; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
@@ -302,42 +315,13 @@ pub struct ServeArgs {
     /// same binary path on every host; HOST_SSH overrides the ssh command and its options).
     #[arg(long)]
     pub ssh_launch: bool,
-    /// Compile kernels before serving with a short generation (default: true on GPUs).
-    #[arg(long)]
-    pub warm_up: Option<bool>,
-    #[command(flatten)]
-    pub spec: SpecArgs,
-}
-
-/// How `host generate` and `host bench` split the model (`host serve` has the same flags,
-/// which host.toml may set too).
-#[derive(Debug, Default, Clone, clap::Args)]
-pub struct SplitArgs {
-    /// Split the model over this many processes (tensor parallel; 1: off).
-    #[arg(long, default_value_t = 1)]
-    pub tensor_parallel: usize,
-    /// Split the model's layers into this many stages, one process each (pipeline parallel;
-    /// 1: off).
-    #[arg(long, default_value_t = 1)]
-    pub pipeline_parallel: usize,
-    /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this
-    /// host is the first; start `host tp-worker --hostfile FILE --rank R` on the others.
-    #[arg(long, value_name = "FILE")]
-    pub hostfile: Option<PathBuf>,
-    /// With --hostfile: the port the ranks listen on from (default 32323).
-    #[arg(long)]
-    pub starting_port: Option<u16>,
-    /// With --hostfile: start the other ranks over ssh, each by the host's "ssh" name (the
-    /// same binary path on every host; HOST_SSH overrides the ssh command and its options).
-    #[arg(long)]
-    pub ssh_launch: bool,
 }
 
 impl SplitArgs {
     pub fn split(&self) -> Split {
         Split {
-            tensor_parallel: self.tensor_parallel,
-            pipeline_parallel: self.pipeline_parallel,
+            tensor_parallel: self.tensor_parallel.unwrap_or(1),
+            pipeline_parallel: self.pipeline_parallel.unwrap_or(1),
             hostfile: self.hostfile.clone(),
             starting_port: self.starting_port,
             ssh_launch: self.ssh_launch,
@@ -420,9 +404,7 @@ impl ServeConfig {
             step_token_budget,
             prompt_cache_bytes,
             max_body_bytes,
-            default_max_tokens,
-            tensor_parallel,
-            pipeline_parallel
+            default_max_tokens
         );
         if args.model.is_some() {
             config.model = args.model.clone();
@@ -433,13 +415,14 @@ impl ServeConfig {
         if args.warm_up.is_some() {
             config.warm_up = args.warm_up;
         }
-        if args.hostfile.is_some() {
-            config.hostfile = args.hostfile.clone();
+        let split = &args.split;
+        config.tensor_parallel = split.tensor_parallel.unwrap_or(config.tensor_parallel);
+        config.pipeline_parallel = split.pipeline_parallel.unwrap_or(config.pipeline_parallel);
+        if split.hostfile.is_some() {
+            config.hostfile = split.hostfile.clone();
         }
-        if args.starting_port.is_some() {
-            config.starting_port = args.starting_port;
-        }
-        config.ssh_launch |= args.ssh_launch;
+        config.starting_port = split.starting_port.or(config.starting_port);
+        config.ssh_launch |= split.ssh_launch;
         if let Some(s) = &args.scheduler {
             config.scheduler = s.clone();
         }

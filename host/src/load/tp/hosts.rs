@@ -129,33 +129,51 @@ impl Hostfile {
             .to_string()
     }
 
-    /// The ring backend's own hostfile: each rank's listening addresses, `ip:port`, ports from
-    /// `starting_port` up by one per rank and address (what `mlx.launch` writes).
-    pub fn ring(&self, starting_port: u16) -> Vec<Vec<String>> {
+    /// Where the ranks listen from `starting_port` (what every rank derives alike from the
+    /// same file and port); refused when the ports would run past 65535.
+    pub fn ports(&self, starting_port: u16) -> Result<Ports> {
+        let addresses: usize = self.hosts.iter().map(|h| h.ips.len()).sum();
+        // The ring's ports, then rank 0's control port and NCCL's.
+        if starting_port as usize + addresses + 2 > 1 << 16 {
+            bail!(
+                "--starting-port {starting_port}: the {} ranks need {} ports from it, past 65535; choose a lower one",
+                self.hosts.len(),
+                addresses + 2
+            );
+        }
         let mut port = starting_port;
         let mut ring = Vec::new();
         for host in &self.hosts {
             let mut node = Vec::new();
             for ip in &host.ips {
                 node.push(SocketAddr::new(*ip, port).to_string());
-                port = port.wrapping_add(1);
+                port += 1;
             }
             ring.push(node);
         }
-        ring
+        let rank0 = self.hosts[0].ips[0];
+        Ok(Ports { ring, control: SocketAddr::new(rank0, port), nccl: SocketAddr::new(rank0, port + 1) })
     }
 
+    /// Sets the file's `envs` in this process's environment (every rank's, before MLX starts).
+    pub fn apply_envs(&self) {
+        for (k, v) in &self.envs {
+            std::env::set_var(k, v);
+        }
+    }
+}
+
+/// The addresses a hostfile's ranks use.
+#[derive(Debug, PartialEq)]
+pub struct Ports {
+    /// The ring backend's own hostfile: each rank's listening `ip:port`s, ports from the
+    /// starting port up by one per rank and address (what `mlx.launch` writes).
+    pub ring: Vec<Vec<String>>,
     /// Where rank 0 takes the workers' control connections: its first address, on the port
-    /// after the ring's; NCCL's rendezvous is the port after that.
-    pub fn control(&self, starting_port: u16) -> SocketAddr {
-        let used: usize = self.hosts.iter().map(|h| h.ips.len()).sum();
-        SocketAddr::new(self.hosts[0].ips[0], starting_port.wrapping_add(used as u16))
-    }
-
-    pub fn nccl(&self, starting_port: u16) -> SocketAddr {
-        let control = self.control(starting_port);
-        SocketAddr::new(control.ip(), control.port().wrapping_add(1))
-    }
+    /// after the ring's.
+    pub control: SocketAddr,
+    /// NCCL's rendezvous: the port after that.
+    pub nccl: SocketAddr,
 }
 
 /// The sha256 of the running binary: every rank must run the same build, since the ranks'
@@ -264,14 +282,18 @@ mod tests {
         let file = Hostfile::parse(list, Path::new("h.json")).unwrap();
         assert_eq!(file.hosts.len(), 2);
         assert_eq!(file.hosts[1].describe(), "mac2 (10.0.0.2)");
-        assert_eq!(file.ring(32323), vec![vec!["10.0.0.1:32323"], vec!["10.0.0.2:32324", "10.0.1.2:32325"]]);
-        assert_eq!(file.control(32323).to_string(), "10.0.0.1:32326");
-        assert_eq!(file.nccl(32323).to_string(), "10.0.0.1:32327");
+        let ports = file.ports(32323).unwrap();
+        assert_eq!(ports.ring, vec![vec!["10.0.0.1:32323"], vec!["10.0.0.2:32324", "10.0.1.2:32325"]]);
+        assert_eq!(ports.control.to_string(), "10.0.0.1:32326");
+        assert_eq!(ports.nccl.to_string(), "10.0.0.1:32327");
+        assert_eq!(file.ports(65531).unwrap().nccl.port(), 65535);
+        let err = file.ports(65532).unwrap_err().to_string();
+        assert!(err.contains("need 5 ports from it, past 65535"), "{err}");
         let object = r#"{"backend": "ring", "envs": ["MLX_RING_VERBOSE=1"], "hosts": [{"ssh": "a", "ips": ["::1"]}, {"ips": ["10.0.0.2"], "rdma": [null]}]}"#;
         let file = Hostfile::parse(object, Path::new("h.json")).unwrap();
         assert_eq!(file.backend.as_deref(), Some("ring"));
         assert_eq!(file.envs, vec![("MLX_RING_VERBOSE".to_string(), "1".to_string())]);
-        assert_eq!(file.ring(40000)[0], vec!["[::1]:40000"]);
+        assert_eq!(file.ports(40000).unwrap().ring[0], vec!["[::1]:40000"]);
         let again = Hostfile::parse(&file.to_json(), Path::new("again")).unwrap();
         assert_eq!((again.hosts, again.backend, again.envs), (file.hosts, file.backend, file.envs));
     }

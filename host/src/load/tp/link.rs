@@ -181,4 +181,20 @@ mod tests {
         let err = receive::<Ready>(&mut &huge[..]).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
     }
+
+    /// The heartbeat and watch threads hold the connection too: dropping the link must still
+    /// close it, so the worker ends with the model that drove it.
+    #[test]
+    fn dropping_a_link_closes_the_connection_its_threads_share() {
+        static LET_GO: AtomicBool = AtomicBool::new(true);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut worker = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        worker.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let link = Link::start(1, "test".into(), listener.accept().unwrap().0, &LET_GO).unwrap();
+        link.send_bytes(br#"{"step": 1}"#).unwrap();
+        drop(link);
+        let first: serde_json::Value = receive(&mut worker).unwrap().unwrap();
+        assert_eq!(first["step"], 1);
+        assert!(receive::<serde_json::Value>(&mut worker).unwrap().is_none(), "the connection ends");
+    }
 }

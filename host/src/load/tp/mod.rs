@@ -58,26 +58,35 @@ pub struct Split {
 }
 
 impl Split {
-    pub fn ranks(n: usize) -> Split {
-        Split { tensor_parallel: n, ..Default::default() }
-    }
-
     /// Whether the model is split at all.
     pub fn is_split(&self) -> bool {
         self.tensor_parallel > 1 || self.pipeline_parallel > 1 || self.hostfile.is_some() || self.ssh_launch
     }
 
-    /// What the flags ask for: (pipeline, ranks), `ranks` as the flags say (0 when they name
-    /// none, for a hostfile to say).
-    fn mode(&self) -> Result<(bool, usize)> {
-        match (self.tensor_parallel > 1, self.pipeline_parallel > 1) {
+    /// The split this asks for over `hosts` (a hostfile's, if any): whether it is a pipeline,
+    /// and how many ranks (a hostfile's host count, which a rank flag must then equal).
+    fn shape(&self, hosts: Option<&Hostfile>) -> Result<(bool, usize)> {
+        let (pipeline, asked) = match (self.tensor_parallel > 1, self.pipeline_parallel > 1) {
             (true, true) => bail!(
                 "--tensor-parallel and --pipeline-parallel together are not supported yet; choose one (pipeline suits a slow link)"
             ),
-            (false, true) => Ok((true, self.pipeline_parallel)),
-            (true, false) => Ok((false, self.tensor_parallel)),
-            (false, false) => Ok((false, 0)),
-        }
+            (false, true) => (true, self.pipeline_parallel),
+            (true, false) => (false, self.tensor_parallel),
+            (false, false) => (false, 0),
+        };
+        let flag = if pipeline { "--pipeline-parallel" } else { "--tensor-parallel" };
+        let n = match hosts {
+            Some(h) if asked > 1 && asked != h.hosts.len() => bail!(
+                "{flag} {asked} but the hostfile {} lists {} hosts (one rank each); make them agree",
+                h.path.display(),
+                h.hosts.len()
+            ),
+            Some(h) => h.hosts.len(),
+            None if self.ssh_launch => bail!("--ssh-launch needs --hostfile FILE (the hosts to start the ranks on)"),
+            None if asked < 2 => bail!("{flag} needs at least 2 ranks (1 is plain serving)"),
+            None => asked,
+        };
+        Ok((pipeline, n))
     }
 }
 
@@ -205,26 +214,9 @@ struct Identity {
 /// drives them.
 pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoice) -> Result<Loaded> {
     let hosts = split.hostfile.as_deref().map(Hostfile::read).transpose()?;
-    let (pipeline, asked) = split.mode()?;
-    let flag = if pipeline { "--pipeline-parallel" } else { "--tensor-parallel" };
-    let n = match &hosts {
-        Some(h) if asked > 1 && asked != h.hosts.len() => bail!(
-            "{flag} {asked} but the hostfile {} lists {} hosts (one rank each); make them agree",
-            h.path.display(),
-            h.hosts.len()
-        ),
-        Some(h) => h.hosts.len(),
-        None if split.ssh_launch => bail!("--ssh-launch needs --hostfile FILE (the hosts to start the ranks on)"),
-        None => asked,
-    };
-    if n < 2 {
-        bail!("{flag} needs at least 2 ranks (1 is plain serving)");
-    }
+    let (pipeline, n) = split.shape(hosts.as_ref())?;
     if pipeline { models::check_pipeline(path, n) } else { models::check_tensor_parallel(path, n) }
         .with_context(|| format!("splitting {}", path.display()))?;
-    let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
-    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
-    let ring_file = run.join("hostfile.json");
     let me = Identity {
         // Local ranks run the binary this process launches them from.
         binary: if hosts.is_some() { hosts::binary_hash()? } else { String::new() },
@@ -233,9 +225,9 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
         device,
         pipeline,
     };
-    let (control, nccl) = match &hosts {
-        Some(h) => listen_for_hosts(h, split, &ring_file)?,
-        None => launch_local(n, path, device, &ring_file)?,
+    let (control, nccl, ring_file) = match &hosts {
+        Some(h) => listen_for_hosts(h, split)?,
+        None => launch_local(n, path, device)?,
     };
     let links = admit(&control, n, &me, hosts.as_ref())?;
     for link in &links {
@@ -271,34 +263,44 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
 
 /// Rank 0 of a hostfile's group: the ring's file written from the hostfile, rank 0's control
 /// port bound on its first address (the other ranks started over ssh if asked); returns the
-/// control listener and NCCL's rendezvous address.
-fn listen_for_hosts(h: &Hostfile, split: &Split, ring_file: &Path) -> Result<(TcpListener, String)> {
-    for (k, v) in &h.envs {
-        std::env::set_var(k, v);
-    }
+/// control listener, NCCL's rendezvous address and the ring's file.
+fn listen_for_hosts(h: &Hostfile, split: &Split) -> Result<(TcpListener, String, PathBuf)> {
+    h.apply_envs();
     let port = split.starting_port.unwrap_or(STARTING_PORT);
-    std::fs::write(ring_file, serde_json::to_string(&h.ring(port))?)?;
-    let at = h.control(port);
-    let control = TcpListener::bind(at).map_err(|e| {
+    let ports = h.ports(port)?;
+    let ring_file = write_ring(&ports.ring)?;
+    let control = TcpListener::bind(ports.control).map_err(|e| {
         anyhow::anyhow!(
-            "rank 0 takes its workers' connections at {at} (the hostfile's first host, {}), and binding it failed: {e}. \
+            "rank 0 takes its workers' connections at {} (the hostfile's first host, {}), and binding it failed: {e}. \
              Run `host serve --hostfile` on that host (the hostfile's first host is rank 0), or free the port \
              (--starting-port moves every rank's ports)",
+            ports.control,
             h.hosts[0].describe()
         )
     })?;
     if split.ssh_launch {
         watch(ssh::launch(h, port)?);
     }
-    Ok((control, h.nccl(port).to_string()))
+    Ok((control, ports.nccl.to_string(), ring_file))
+}
+
+/// Writes the ring backend's hostfile (each rank's `ip:port`s) into this process's run folder
+/// and returns its path, for `MLX_HOSTFILE`.
+fn write_ring(ring: &[Vec<String>]) -> Result<PathBuf> {
+    let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    let file = run.join("hostfile.json");
+    std::fs::write(&file, serde_json::to_string(ring)?).with_context(|| format!("writing {}", file.display()))?;
+    Ok(file)
 }
 
 /// Rank 0 of a group on this machine: loopback ports for the ring, and ranks 1..n launched as
-/// `host tp-worker` children (watched); returns the control listener and NCCL's rendezvous.
-fn launch_local(n: usize, path: &Path, device: DeviceChoice, ring_file: &Path) -> Result<(TcpListener, String)> {
+/// `host tp-worker` children (watched); returns the control listener, NCCL's rendezvous and
+/// the ring's file.
+fn launch_local(n: usize, path: &Path, device: DeviceChoice) -> Result<(TcpListener, String, PathBuf)> {
     let ports = free_ports(n + 1)?;
     let ring: Vec<Vec<String>> = ports[..n].iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
-    std::fs::write(ring_file, serde_json::to_string(&ring)?)?;
+    let ring_file = write_ring(&ring)?;
     let control = TcpListener::bind("127.0.0.1:0").context("binding the tensor-parallel control port")?;
     let nccl = format!("127.0.0.1:{}", ports[n]);
     let exe = std::env::current_exe().context("finding the host binary to launch workers")?;
@@ -313,11 +315,11 @@ fn launch_local(n: usize, path: &Path, device: DeviceChoice, ring_file: &Path) -
             .args(["--parent", &std::process::id().to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null());
-        rank_env(Some(&mut command), rank, n, ring_file, &nccl);
+        rank_env(Some(&mut command), rank, n, &ring_file, &nccl);
         children.push((rank, command.spawn().with_context(|| format!("launching tensor-parallel rank {rank}"))?));
     }
     watch(children);
-    Ok((control, nccl))
+    Ok((control, nccl, ring_file))
 }
 
 /// Stops this process with a clear message if a worker exits.
@@ -547,6 +549,28 @@ impl CausalLm for TpModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_takes_its_rank_count_from_the_flags_or_the_hostfile_and_refuses_what_disagrees() {
+        let two = Hostfile::parse(r#"[{"ips": ["10.0.0.1"]}, {"ips": ["10.0.0.2"]}]"#, Path::new("h.json")).unwrap();
+        let split = |tp: usize, pp: usize, ssh: bool| Split {
+            tensor_parallel: tp,
+            pipeline_parallel: pp,
+            ssh_launch: ssh,
+            ..Default::default()
+        };
+        assert_eq!(split(3, 1, false).shape(None).unwrap(), (false, 3));
+        assert_eq!(split(1, 4, false).shape(None).unwrap(), (true, 4));
+        assert_eq!(split(1, 1, false).shape(Some(&two)).unwrap(), (false, 2));
+        assert_eq!(split(1, 2, false).shape(Some(&two)).unwrap(), (true, 2));
+        let err = |s: Split, hosts: Option<&Hostfile>| s.shape(hosts).unwrap_err().to_string();
+        assert!(
+            err(split(3, 1, false), Some(&two)).contains("--tensor-parallel 3 but the hostfile h.json lists 2 hosts")
+        );
+        assert!(err(split(2, 2, false), None).contains("together are not supported yet"));
+        assert!(err(split(1, 1, true), None).contains("--ssh-launch needs --hostfile"));
+        assert!(err(split(1, 1, false), None).contains("needs at least 2 ranks"));
+    }
 
     #[test]
     fn rank_ports_are_free_distinct_and_below_the_ephemeral_range() {

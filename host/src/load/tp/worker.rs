@@ -6,7 +6,7 @@
 
 use super::hosts::{self, Fingerprint, Hostfile, STARTING_PORT};
 use super::link::{self, Hello, Ready, Welcome, HEARTBEAT_TIMEOUT};
-use super::{backend, load_options, rank_env, share_tokens, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
+use super::{backend, load_options, rank_env, share_tokens, write_ring, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
 use crate::load::{default_model, pull, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
@@ -78,16 +78,10 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
                     h.hosts[0].describe()
                 );
             }
-            for (k, v) in &h.envs {
-                std::env::set_var(k, v);
-            }
-            let port = args.starting_port.unwrap_or(STARTING_PORT);
-            let run = std::env::temp_dir().join(format!("host-tp-{}", std::process::id()));
-            std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
-            let ring_file = run.join("hostfile.json");
-            std::fs::write(&ring_file, serde_json::to_string(&h.ring(port))?)?;
-            rank_env(None, rank, n, &ring_file, &h.nccl(port).to_string());
-            (n, h.control(port).to_string(), Some(h))
+            h.apply_envs();
+            let ports = h.ports(args.starting_port.unwrap_or(STARTING_PORT))?;
+            rank_env(None, rank, n, &write_ring(&ports.ring)?, &ports.nccl.to_string());
+            (n, ports.control.to_string(), Some(h))
         }
         None => {
             let size = args.size.context("tp-worker needs --hostfile FILE (the ranks' hosts, as rank 0's)")?;
