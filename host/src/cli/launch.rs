@@ -95,12 +95,16 @@ pub fn output_tokens(context: usize) -> usize {
 }
 
 /// The room a launched harness keeps free of conversation in a served window of `context`
-/// tokens: a turn's output and a sixteenth of the window for the next tool result. It
-/// compacts (summarises the conversation) once the prompt would grow past `context` less
-/// this, before the server would refuse it.
+/// tokens: a turn's output and an eighth of the window for the tool results that come
+/// before the harness looks again (pi looks when its run ends, opencode after each step,
+/// both at the last reply's token count). It compacts (summarises the conversation) once
+/// the prompt would grow past `context` less this, before the server would refuse it.
 pub fn reserve_tokens(context: usize) -> usize {
-    output_tokens(context) + context / 16
+    output_tokens(context) + context / 8
 }
+
+/// The smallest `CLAUDE_CODE_AUTO_COMPACT_WINDOW` Claude Code takes as given.
+const CLAUDE_COMPACT_FLOOR: usize = 100_000;
 
 /// The configuration for `harness` against the server at `url` serving `model` with
 /// `context` tokens of prompt + output (`None`: unknown, the harness's defaults stand).
@@ -134,10 +138,16 @@ pub fn configure(
             ])
             .into_iter()
             .chain(output.map(|n| ("CLAUDE_CODE_MAX_OUTPUT_TOKENS".to_string(), n.to_string())))
-            // The served window, which Claude Code otherwise takes for 1M on a model it does
-            // not know: it compacts against it (its auto-compact window is clamped to it;
-            // CLAUDE_CODE_AUTO_COMPACT_WINDOW itself is refused below 100K).
+            // The served window, for the versions that read it (2.1.328 and 2.1.332 read it
+            // only with compaction disabled).
             .chain(context.map(|n| ("CLAUDE_CODE_MAX_CONTEXT_TOKENS".to_string(), n.to_string())))
+            // Where it compacts by count, from its floor of 100,000 tokens up (it takes a
+            // smaller value for 100,000, and no model's window below that).
+            .chain(
+                context
+                    .filter(|&n| n >= CLAUDE_COMPACT_FLOOR)
+                    .map(|n| ("CLAUDE_CODE_AUTO_COMPACT_WINDOW".to_string(), n.to_string())),
+            )
             .collect(),
             ..Launch::default()
         },
@@ -177,9 +187,13 @@ pub fn configure(
                 "model": format!("host/{model}"),
                 "small_model": format!("host/{model}"),
             });
-            if let Some(reserve) = reserve {
-                // It compacts once a turn leaves less than `reserved` of the model's limit.
-                config["compaction"] = json!({"auto": true, "reserved": reserve});
+            if let (Some(context), Some(reserve)) = (context, reserve) {
+                // It compacts once a turn leaves less than `reserved` of the model's `input`,
+                // keeping the newest messages up to `preserve_recent_tokens` (by default a
+                // quarter of what it may use: past the point it compacts at again when its
+                // own prompt is large, as opencode's ~7,500 tokens are in a 16,384 window).
+                config["compaction"] =
+                    json!({"auto": true, "reserved": reserve, "preserve_recent_tokens": context / 16});
             }
             Launch {
                 env: env(&[("OPENCODE_CONFIG", &path.to_string_lossy())]),
@@ -213,11 +227,15 @@ pub fn configure(
     }
 }
 
-/// opencode's entry for the served model, with its limits when known.
+/// opencode's entry for the served model, with its limits when known. `input` is the whole
+/// window: opencode (1.18) compacts once a turn's tokens reach `input` less its
+/// `compaction.reserved`, and without `input` ignores `reserved` (it then compacts at
+/// `context` less `output`, leaving no room for the next tool result: the next request
+/// overflows and opencode ends on the server's refusal).
 fn opencode_model(model: &str, context: Option<usize>, output: Option<usize>) -> Value {
     let mut m = json!({"name": model, "tool_call": true});
     if let (Some(context), Some(output)) = (context, output) {
-        m["limit"] = json!({"context": context, "output": output});
+        m["limit"] = json!({"context": context, "input": context, "output": output});
     }
     m
 }
@@ -459,23 +477,30 @@ mod tests {
         assert_eq!(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"], "2048");
         assert!(codex.args.contains(&"model_context_window=8192".to_string()), "{:?}", codex.args);
         assert!(codex.args.contains(&"model_max_output_tokens=2048".to_string()));
-        assert_eq!(config["provider"]["host"]["models"]["m"]["limit"], json!({"context": 8192, "output": 2048}));
+        assert_eq!(
+            config["provider"]["host"]["models"]["m"]["limit"],
+            json!({"context": 8192, "input": 8192, "output": 2048})
+        );
         let models: Value = serde_json::from_str(&pi.files[0].1).unwrap();
         assert_eq!(
             models["providers"]["host"]["models"][0],
             json!({"id": "m", "contextWindow": 8192, "maxTokens": 2048})
         );
         assert!(configure(Harness::Pi, "http://h:1", "m", None, "k", dir).files[0].1.contains("\"id\": \"m\"\n"));
-        // Where each compacts: the window less a turn's output and a sixteenth of it
-        // (8,192 - 2,048 - 512 = 5,632 tokens of conversation).
-        assert_eq!(reserve_tokens(8192), 2560);
+        // Where each compacts: the window less a turn's output and an eighth of it
+        // (8,192 - 2,048 - 1,024 = 5,120 tokens of conversation).
+        assert_eq!(reserve_tokens(8192), 3072);
         assert_eq!(env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], "8192");
-        assert!(codex.args.contains(&"model_auto_compact_token_limit=5632".to_string()), "{:?}", codex.args);
-        assert_eq!(config["compaction"], json!({"auto": true, "reserved": 2560}));
+        assert!(codex.args.contains(&"model_auto_compact_token_limit=5120".to_string()), "{:?}", codex.args);
+        assert_eq!(config["compaction"], json!({"auto": true, "reserved": 3072, "preserve_recent_tokens": 512}));
         let (path, settings) = &pi.files[1];
         assert!(path.ends_with("pi-agent/settings.json"));
         let settings: Value = serde_json::from_str(settings).unwrap();
-        assert_eq!(settings["compaction"], json!({"enabled": true, "reserveTokens": 2560, "keepRecentTokens": 2048}));
+        assert_eq!(settings["compaction"], json!({"enabled": true, "reserveTokens": 3072, "keepRecentTokens": 2048}));
+        // Claude Code compacts by count only from 100,000 tokens up.
+        assert!(!env.contains_key("CLAUDE_CODE_AUTO_COMPACT_WINDOW"));
+        let large = configure(Harness::Claude, "http://h:1", "m", Some(131072), "k", dir);
+        assert!(large.env.contains(&("CLAUDE_CODE_AUTO_COMPACT_WINDOW".into(), "131072".into())));
         // An unknown window leaves each harness its own defaults.
         let unknown = configure(Harness::Claude, "http://h:1", "m", None, "k", dir);
         assert!(!unknown.env.iter().any(|(k, _)| k == "CLAUDE_CODE_MAX_CONTEXT_TOKENS"));

@@ -1,9 +1,15 @@
-//! Test fixture for the agent-harness tests: scripts one agent round trip on a real model.
+//! Test fixture for the agent-harness tests: scripts an agent session on a real model.
 //! At the first generated position it looks at the prompt and replays one of its scripts:
-//! `answer` when the prompt holds a tool result (`tool_marker`, the tokens of
-//! `<|im_start|>tool`), else `call` (a tool call in the adapter's format); when the prompt
-//! holds any of `plain_markers` it samples nothing itself (the model's own output) and ends
-//! the turn with `eos` after `plain_limit` tokens.
+//!
+//! - when the prompt holds any of `plain_markers`: nothing of its own (the model's output),
+//!   ending the turn with `eos` after `plain_limit` tokens;
+//! - when it holds any of `compact_markers` (the harness's own compaction request, a second
+//!   one holding the first's summary too): `summary`;
+//! - when it holds `summary_marker` (a compacted session, its summary in the prompt): `answer`;
+//! - else, with `n` tool results in the prompt (occurrences of `tool_marker`, the tokens of
+//!   `<|im_start|>tool`): `calls[n]`, a tool call in the adapter's format, while there is one;
+//!   `answer` after the last; with `per_turn`, at most that many calls a user turn (the tool
+//!   results after the last `user_marker`), then `answer`.
 
 use plugin_sdk::{Candidate, Choice, Sampler};
 use serde::Deserialize;
@@ -12,20 +18,31 @@ use std::cell::Cell;
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct Params {
-    call: Vec<u32>,
+    calls: Vec<Vec<u32>>,
     answer: Vec<u32>,
     tool_marker: Vec<u32>,
     #[serde(default)]
     plain_markers: Vec<Vec<u32>>,
     #[serde(default)]
     plain_limit: usize,
+    #[serde(default)]
+    compact_markers: Vec<Vec<u32>>,
+    #[serde(default)]
+    summary: Vec<u32>,
+    #[serde(default)]
+    summary_marker: Vec<u32>,
+    #[serde(default)]
+    per_turn: usize,
+    #[serde(default)]
+    user_marker: Vec<u32>,
     eos: u32,
 }
 
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
-    Call,
+    Call(usize),
     Answer,
+    Summary,
     Plain,
 }
 
@@ -37,13 +54,48 @@ pub struct Script {
     first: Cell<Option<(usize, Mode)>>,
 }
 
-fn contains(haystack: &[u32], needle: &[u32]) -> bool {
-    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+/// Where `needle` last starts in `haystack`.
+fn last(haystack: &[u32], needle: &[u32]) -> Option<usize> {
+    if needle.is_empty() {
+        return None;
+    }
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
+fn count(haystack: &[u32], needle: &[u32]) -> usize {
+    if needle.is_empty() {
+        return 0;
+    }
+    haystack.windows(needle.len()).filter(|w| *w == needle).count()
+}
+
+impl Script {
+    fn mode(&self, prompt: &[u32]) -> Mode {
+        let p = &self.params;
+        let holds = |m: &[u32]| count(prompt, m) > 0;
+        if p.plain_markers.iter().any(|m| holds(m)) {
+            Mode::Plain
+        } else if p.compact_markers.iter().any(|m| holds(m)) {
+            Mode::Summary
+        } else if holds(&p.summary_marker) {
+            Mode::Answer
+        } else {
+            let turn = &prompt[last(prompt, &p.user_marker).unwrap_or(0)..];
+            match count(prompt, &p.tool_marker) {
+                _ if p.per_turn > 0 && count(turn, &p.tool_marker) >= p.per_turn => Mode::Answer,
+                n if n < p.calls.len() => Mode::Call(n),
+                _ => Mode::Answer,
+            }
+        }
+    }
 }
 
 impl Sampler for Script {
     fn begin(&mut self, params: &str, _seed: u64) -> Result<(), String> {
         self.params = plugin_util::parse::<Params>("harness-script", "params", params)?;
+        if self.params.calls.is_empty() {
+            return Err("harness-script: params.calls is empty (give at least one tool call)".into());
+        }
         Ok(())
     }
 
@@ -59,13 +111,14 @@ impl Sampler for Script {
     fn sample(&self, position: usize, _candidates: &mut [Candidate]) -> Choice {
         let (first, mode) = *self.first.get().get_or_insert_with(|| {
             let prompt = &self.history[..position.min(self.history.len())];
-            let mode = if self.params.plain_markers.iter().any(|m| contains(prompt, m)) {
-                Mode::Plain
-            } else if contains(prompt, &self.params.tool_marker) {
-                Mode::Answer
-            } else {
-                Mode::Call
+            let mode = self.mode(prompt);
+            let what = match mode {
+                Mode::Call(n) => format!("tool call {n}"),
+                Mode::Answer => "answer".into(),
+                Mode::Summary => "summary (the harness's compaction request)".into(),
+                Mode::Plain => "the model's own words".into(),
             };
+            plugin_sdk::log(2, &format!("scripted turn: {what}; prompt of {} tokens", prompt.len()));
             (position, mode)
         });
         self.first.set(Some((first, mode)));
@@ -73,8 +126,9 @@ impl Sampler for Script {
         let script = match mode {
             Mode::Plain if i >= self.params.plain_limit => return Choice::Token(self.params.eos),
             Mode::Plain => return Choice::Defer,
-            Mode::Call => &self.params.call,
+            Mode::Call(n) => &self.params.calls[n],
             Mode::Answer => &self.params.answer,
+            Mode::Summary => &self.params.summary,
         };
         match script.get(i) {
             Some(&t) => Choice::Token(t),
@@ -85,5 +139,5 @@ impl Sampler for Script {
 
 plugin_sdk::export_sampler!(
     Script,
-    r#"{"abi": 1, "name": "harness-script", "version": "0.1.0", "kinds": ["sampler"], "sampler": {"k": 1}, "description": "test fixture: scripts a tool call, then the answer after the tool result"}"#
+    r#"{"abi": 1, "name": "harness-script", "version": "0.2.0", "kinds": ["sampler"], "sampler": {"k": 1}, "description": "test fixture: scripts an agent session (tool calls, the harness's compaction, the answer)"}"#
 );
