@@ -9,8 +9,7 @@ the newest published one too. Each harness runs non-interactively twice:
   session outgrows the served window (`SESSION`); the harness must run each tool, send its
   result back, compact the conversation by itself before the server would refuse it (its
   own summariser's request reaches the server, and the script answers it with a summary),
-  and print the answer the script gives once the summary is in the prompt (Claude Code: one
-  call and the answer, see `SESSION`);
+  and print the answer the script gives once the summary is in the prompt;
 - unscripted: SmolLM2's own reply (the script stands aside when the prompt says
   "unscripted"; the reply is printed, it is whatever the model says).
 
@@ -45,25 +44,25 @@ HARNESSES = {
 NEWER = ["codex", "claude"]
 CASES = [(name, "pinned") for name in HARNESSES] + [(name, "newest") for name in NEWER]
 
-# The words of each harness's own compaction request (its summariser's instructions).
+# The words of each harness's own compaction requests (its summariser's instructions; Claude
+# Code's for a model it does not know come from a forked agent on the session's own prompt).
 COMPACTION = {
-    "pi": "context summarization assistant",
-    "opencode": "anchored summary",
-    "codex": "CHECKPOINT COMPACTION",
-    "claude": "tasked with summarizing conversations",
+    "pi": ["context summarization assistant"],
+    "opencode": ["anchored summary"],
+    "codex": ["CHECKPOINT COMPACTION"],
+    "claude": ["create a detailed summary", "tasked with summarizing conversations"],
 }
 
 
 # Each harness's served window, and the logs its session reads (count, lines of ~24 tokens):
 # more than the window holds beside the harness's first prompt (pi ~1,450 tokens, Codex
-# ~6,100, opencode ~7,500; opencode gets more than SmolLM2's own 8,192). pi and opencode
-# compact by the last reply's token count, within the room `host launch` keeps for the tool
-# results that follow (an eighth of the window); Codex counts them itself. Claude Code (its
-# first prompt ~12,000 tokens) takes no window below 100,000 tokens, so it does not compact
-# in one that holds SmolLM2 on this CPU, nor recover from the server's "prompt is too long"
-# (its summariser's request, with the tools, is as long as the refused prompt): its session
-# is one call and the answer, in a window that holds them.
-SESSION = {"pi": (8192, 8, 36), "codex": (8192, 3, 36), "opencode": (16384, 12, 36), "claude": (32768, 1, 36)}
+# ~6,100, opencode ~7,500, Claude Code with its shell tool alone ~3,100; opencode and Claude
+# Code get more than SmolLM2's own 8,192). pi and opencode compact by the last reply's token
+# count, within the room `host launch` keeps for the tool results that follow (an eighth of
+# the window); Codex counts them itself; Claude Code compacts once its count passes the window
+# less its output less 13,000 tokens (5,432 of 24,576), and only where its fixed prompt is
+# under that.
+SESSION = {"pi": (8192, 8, 36), "codex": (8192, 3, 36), "opencode": (16384, 12, 36), "claude": (24576, 12, 90)}
 
 
 def harness_bin(release="pinned"):
@@ -85,13 +84,13 @@ def tokens(server, text):
     return r.json()["tokens"]
 
 
-def launch(name, url, home, prompt, release="pinned"):
+def launch(name, url, home, prompt, release="pinned", extra=()):
     # PWD too: opencode's tools run where it says, not in the process's directory.
     env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), PWD=str(home / "work"),
                PATH=harness_bin(release) + os.pathsep + os.environ["PATH"], NO_COLOR="1", CI="1")
     binary = os.environ.get("HOST_BIN", os.path.join(ROOT, "target", "debug", "host"))
     prompts = [prompt] if isinstance(prompt, str) else prompt
-    cmd = [binary, "launch", name, "--url", url, "--", *HARNESSES[name][2], *prompts]
+    cmd = [binary, "launch", name, "--url", url, "--", *extra, *HARNESSES[name][2], *prompts]
     return subprocess.run(cmd, env=env, cwd=home / "work", capture_output=True, text=True, timeout=1200,
                           stdin=subprocess.DEVNULL)
 
@@ -99,7 +98,7 @@ def launch(name, url, home, prompt, release="pinned"):
 def script_config(server, calls, path, compact=None, per_turn=0):
     """A host.toml whose default sampler is the harness script: the tool `calls` one after
     another, ANSWER after the last one's result, SmolLM2's own words when the prompt says
-    "unscripted"; with `compact` (the words of the harness's compaction request), SUMMARY
+    "unscripted"; with `compact` (the words of the harness's compaction requests), SUMMARY
     for that request and ANSWER once the prompt holds it."""
     [eos] = tokens(server, "<|im_end|>")
     params = {
@@ -114,7 +113,7 @@ def script_config(server, calls, path, compact=None, per_turn=0):
     }
     if compact:
         params |= {
-            "compact_markers": [tokens(server, compact), tokens(server, " " + compact)],
+            "compact_markers": [tokens(server, p) for words in compact for p in (words, " " + words)],
             "summary": tokens(server, SUMMARY),
             "summary_marker": tokens(server, SUMMARY_MARKER),
         }
@@ -156,7 +155,10 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
     try:
         task = ([f"Read log-{n}.txt with your shell tool." for n in range(logs)] if per_turn else
                 f"Read the logs log-0.txt to log-{logs - 1}.txt with your shell tool, one by one.")
-        scripted = launch(name, s.url, home, task, release)
+        # Claude Code's session with its shell tool alone: with all of them its fixed prompt
+        # (~12,000 tokens) is past the point it compacts at in any window SmolLM2 serves in
+        # CI's time (see `SESSION`).
+        scripted = launch(name, s.url, home, task, release, ["--tools", "Bash"] if name == "claude" else [])
         script = [line.split("scripted turn: ")[1].strip() for line in s.log if "scripted turn: " in line]
         turns = [line for line in s.log if "chat turn" in line]
         prompts = [int(re.search(r"prompt=(\d+)", t).group(1)) for t in turns]
@@ -164,28 +166,27 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
         print("".join(line for line in s.log if "chat turn" in line or "status=4" in line or "generation" in line))
         assert scripted.returncode == 0, f"{name} exit {scripted.returncode}\n{scripted.stdout}\n{scripted.stderr[-4000:]}"
         assert ANSWER in scripted.stdout, f"{name}:\n{scripted.stdout}\n{scripted.stderr[-4000:]}\n{script}"
-        assert len(turns) >= (2 if name == "claude" else 3), "".join(s.log[-40:])
+        assert len(turns) >= 3, "".join(s.log[-40:])
         assert all(f'api="{api}"' in t for t in turns), "".join(s.log[-40:])
-        if name != "claude":
-            # The session outgrew the window: its first prompt (with the tools; opencode's
-            # title request comes first) and the logs do not fit in it.
-            logs_tokens = sum(len(tokens(s, (work / f"log-{n}.txt").read_text())) for n in range(logs))
-            first = next(p for t, p in zip(turns, prompts) if "tools=0" not in t)
-            assert first + logs_tokens > window, (first, logs_tokens)
-            # The harness compacted: its summariser's request came, then a turn on the summary.
-            compacted = [i for i, m in enumerate(script) if m.startswith("summary")]
-            assert compacted, script
-            after = [m for m in script[compacted[0] + 1:] if m.startswith("answer")]
-            assert after, script
-            # The turn on the summary reuses the cached start it shares with the session's
-            # (the harness's instructions and tools).
-            resumed = int(re.search(r"prompt of (\d+)", after[0]).group(1))
-            generation = next(line for line in s.log if "generation (streamed)" in line and f"prompt={resumed} " in line)
-            cached = int(re.search(r"cached=(\d+)", generation).group(1))
-            print(f"{name}: the turn after compaction: {resumed} prompt tokens, {cached} cached")
-            assert cached >= first // 2, generation
-        # A retried turn would repeat its prompt (the summariser's requests aside: pi may send
-        # its pair, the history's and the cut turn's, more than once).
+        # The session outgrew the window: its first prompt (with the tools; opencode's
+        # title request comes first) and the logs do not fit in it.
+        logs_tokens = sum(len(tokens(s, (work / f"log-{n}.txt").read_text())) for n in range(logs))
+        first = next(p for t, p in zip(turns, prompts) if "tools=0" not in t)
+        assert first + logs_tokens > window, (first, logs_tokens)
+        # The harness compacted: its summariser's request came, then a turn on the summary.
+        compacted = [i for i, m in enumerate(script) if m.startswith("summary")]
+        assert compacted, script
+        after = [m for m in script[compacted[0] + 1:] if m.startswith("answer")]
+        assert after, script
+        # The turn on the summary reuses the cached start it shares with the session's
+        # (the harness's instructions and tools).
+        resumed = int(re.search(r"prompt of (\d+)", after[0]).group(1))
+        generation = next(line for line in s.log if "generation (streamed)" in line and f"prompt={resumed} " in line)
+        cached = int(re.search(r"cached=(\d+)", generation).group(1))
+        print(f"{name}: the turn after compaction: {resumed} prompt tokens, {cached} cached")
+        assert cached >= first // 2, generation
+        # A retried turn would repeat its prompt (the summariser's requests aside: pi sends a
+        # pair, the history's and the cut turn's, Claude Code two, sometimes more than once).
         turn_prompts = [m for m in script if not m.startswith("summary")]
         assert len(set(turn_prompts)) == len(turn_prompts), f"{name} retried a turn: {script}"
 
@@ -195,7 +196,11 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
         print(f"{name}: unscripted SmolLM2 reply: {reply[-400:]!r}")
         assert reply, plain.stderr[-4000:]
         if name == "claude":
-            # A new session's first prompt: all but its per-session parts come from the cache.
+            # A new session's first prompt (Claude Code's whole ~12,000 tokens, the scripted
+            # session having had its shell tool only): all but its per-session parts come
+            # from the cache.
+            again = launch(name, s.url, home, "unscripted: say hello to the user in one short sentence.", release)
+            assert again.returncode == 0, f"{name} exit {again.returncode}\n{again.stdout}\n{again.stderr[-4000:]}"
             last = [line for line in s.log if "generation (streamed)" in line][-1]
             prompt, cached = (int(re.search(rf"{k}=(\d+)", last).group(1)) for k in ("prompt", "cached"))
             print(f"claude: a new session's prompt {prompt} tokens, {cached} from the prompt cache")

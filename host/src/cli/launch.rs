@@ -103,9 +103,6 @@ pub fn reserve_tokens(context: usize) -> usize {
     output_tokens(context) + context / 8
 }
 
-/// The smallest `CLAUDE_CODE_AUTO_COMPACT_WINDOW` Claude Code takes as given.
-const CLAUDE_COMPACT_FLOOR: usize = 100_000;
-
 /// The configuration for `harness` against the server at `url` serving `model` with
 /// `context` tokens of prompt + output (`None`: unknown, the harness's defaults stand).
 pub fn configure(
@@ -138,16 +135,11 @@ pub fn configure(
             ])
             .into_iter()
             .chain(output.map(|n| ("CLAUDE_CODE_MAX_OUTPUT_TOKENS".to_string(), n.to_string())))
-            // The served window, for the versions that read it (2.1.328 and 2.1.332 read it
-            // only with compaction disabled).
+            // The served window, which Claude Code otherwise takes for 1M on a model it does
+            // not know. It compacts once its count passes the window less its output (at most
+            // 20,000) less 13,000 tokens, and only while its fixed prompt (instructions and
+            // tools) is under that; else it waits for the server's "prompt is too long".
             .chain(context.map(|n| ("CLAUDE_CODE_MAX_CONTEXT_TOKENS".to_string(), n.to_string())))
-            // Where it compacts by count, from its floor of 100,000 tokens up (it takes a
-            // smaller value for 100,000, and no model's window below that).
-            .chain(
-                context
-                    .filter(|&n| n >= CLAUDE_COMPACT_FLOOR)
-                    .map(|n| ("CLAUDE_CODE_AUTO_COMPACT_WINDOW".to_string(), n.to_string())),
-            )
             .collect(),
             ..Launch::default()
         },
@@ -497,10 +489,6 @@ mod tests {
         assert!(path.ends_with("pi-agent/settings.json"));
         let settings: Value = serde_json::from_str(settings).unwrap();
         assert_eq!(settings["compaction"], json!({"enabled": true, "reserveTokens": 3072, "keepRecentTokens": 2048}));
-        // Claude Code compacts by count only from 100,000 tokens up.
-        assert!(!env.contains_key("CLAUDE_CODE_AUTO_COMPACT_WINDOW"));
-        let large = configure(Harness::Claude, "http://h:1", "m", Some(131072), "k", dir);
-        assert!(large.env.contains(&("CLAUDE_CODE_AUTO_COMPACT_WINDOW".into(), "131072".into())));
         // An unknown window leaves each harness its own defaults.
         let unknown = configure(Harness::Claude, "http://h:1", "m", None, "k", dir);
         assert!(!unknown.env.iter().any(|(k, _)| k == "CLAUDE_CODE_MAX_CONTEXT_TOKENS"));
