@@ -27,6 +27,7 @@ from conftest import ROOT, Server, build_wasm_plugin
 ANSWER = "All done: the check passed."
 SUMMARY = "Checkpoint: the logs were read in full and nothing failed."
 SUMMARY_MARKER = " logs were read in full"
+HELLO = "unscripted: say hello to the user in one short sentence."
 # (API in the log, the shell tool's call, the non-interactive command line before the prompt)
 HARNESSES = {
     "pi": ("chat", {"name": "bash", "arguments": {"command": "echo harness-check"}}, ["-p", "--no-session"]),
@@ -190,7 +191,7 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
         turn_prompts = [m for m in script if not m.startswith("summary")]
         assert len(set(turn_prompts)) == len(turn_prompts), f"{name} retried a turn: {script}"
 
-        plain = launch(name, s.url, home, "unscripted: say hello to the user in one short sentence.", release)
+        plain = launch(name, s.url, home, HELLO, release)
         assert plain.returncode == 0, f"{name} exit {plain.returncode}\n{plain.stdout}\n{plain.stderr[-4000:]}"
         reply = plain.stdout.strip()
         print(f"{name}: unscripted SmolLM2 reply: {reply[-400:]!r}")
@@ -199,7 +200,7 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
             # A new session's first prompt (Claude Code's whole ~12,000 tokens, the scripted
             # session having had its shell tool only): all but its per-session parts come
             # from the cache.
-            again = launch(name, s.url, home, "unscripted: say hello to the user in one short sentence.", release)
+            again = launch(name, s.url, home, HELLO, release)
             assert again.returncode == 0, f"{name} exit {again.returncode}\n{again.stdout}\n{again.stderr[-4000:]}"
             last = [line for line in s.log if "generation (streamed)" in line][-1]
             prompt, cached = (int(re.search(rf"{k}=(\d+)", last).group(1)) for k in ("prompt", "cached"))

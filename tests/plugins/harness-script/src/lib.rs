@@ -54,7 +54,7 @@ pub struct Script {
     first: Cell<Option<(usize, Mode)>>,
 }
 
-/// Where `needle` last starts in `haystack`.
+/// Where `needle` last starts in `haystack` (never, for an empty one).
 fn last(haystack: &[u32], needle: &[u32]) -> Option<usize> {
     if needle.is_empty() {
         return None;
@@ -72,31 +72,41 @@ fn count(haystack: &[u32], needle: &[u32]) -> usize {
 impl Script {
     fn mode(&self, prompt: &[u32]) -> Mode {
         let p = &self.params;
-        let holds = |m: &[u32]| count(prompt, m) > 0;
+        let holds = |m: &[u32]| last(prompt, m).is_some();
         if p.plain_markers.iter().any(|m| holds(m)) {
-            Mode::Plain
-        } else if p.compact_markers.iter().any(|m| holds(m)) {
-            Mode::Summary
-        } else if holds(&p.summary_marker) {
+            return Mode::Plain;
+        }
+        if p.compact_markers.iter().any(|m| holds(m)) {
+            return Mode::Summary;
+        }
+        let n = count(prompt, &p.tool_marker);
+        let this_turn = || count(&prompt[last(prompt, &p.user_marker).unwrap_or(0)..], &p.tool_marker);
+        if holds(&p.summary_marker) || n >= p.calls.len() || (p.per_turn > 0 && this_turn() >= p.per_turn) {
             Mode::Answer
         } else {
-            let turn = &prompt[last(prompt, &p.user_marker).unwrap_or(0)..];
-            match count(prompt, &p.tool_marker) {
-                _ if p.per_turn > 0 && count(turn, &p.tool_marker) >= p.per_turn => Mode::Answer,
-                n if n < p.calls.len() => Mode::Call(n),
-                _ => Mode::Answer,
-            }
+            Mode::Call(n)
         }
+    }
+
+    /// What the params leave unplayable, said before the first turn.
+    fn check(p: &Params) -> Result<(), String> {
+        if p.calls.is_empty() {
+            return Err("harness-script: params.calls is empty (give at least one tool call)".into());
+        }
+        if !p.compact_markers.is_empty() && (p.summary.is_empty() || p.summary_marker.is_empty()) {
+            return Err("harness-script: compact_markers needs a summary and a summary_marker".into());
+        }
+        if p.per_turn > 0 && p.user_marker.is_empty() {
+            return Err("harness-script: per_turn needs a user_marker (the tokens that start a user turn)".into());
+        }
+        Ok(())
     }
 }
 
 impl Sampler for Script {
     fn begin(&mut self, params: &str, _seed: u64) -> Result<(), String> {
         self.params = plugin_util::parse::<Params>("harness-script", "params", params)?;
-        if self.params.calls.is_empty() {
-            return Err("harness-script: params.calls is empty (give at least one tool call)".into());
-        }
-        Ok(())
+        Script::check(&self.params)
     }
 
     fn accept(&mut self, tokens: &[u32]) {
