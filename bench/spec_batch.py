@@ -15,7 +15,8 @@ count: plain requests to "rows", `"speculative": "prompt-lookup"` requests to "r
 --rounds (tokens streamed by all clients over the wall time from the first request to the
 last token). Prints a markdown table with each mode's ratio to plain in the same run, the
 rows/beside ratio, tokens per target step (`usage.speculative`), and whether every reply's
-text equals the plain reply's (greedy speculation is exact).
+text equals the plain reply's (greedy speculation is exact). The modes take turns within
+each round, so the machine's drift falls on all of them alike.
 
 Run it with the e2e virtualenv's Python (it needs httpx).
 """
@@ -93,23 +94,27 @@ def main():
     rows = Server("rows", cmd(port_rows), port_rows)
     beside = Server("beside", cmd(port_beside), port_beside, env={"HOST_SPEC_ROWS": "0"})
     modes = [("plain", rows, None), ("lookup rows", rows, "prompt-lookup"), ("lookup beside", beside, "prompt-lookup")]
+    servers = [rows, beside]
     if a.draft_model:
         modes += [("draft rows", rows, "draft"), ("draft beside", beside, "draft")]
     try:
-        for server in (rows, beside):  # warm-up: every shape once
+        for server in servers:  # warm-up: every shape once
             load(server, texts, 2, 16, "prompt-lookup")
             load(server, texts, 2, 16, None)
         results = {}
         for clients in [int(c) for c in a.clients.split(",")]:
-            for name, server, spec in modes:
-                got = [load(server, texts, clients, a.max_tokens, spec) for _ in range(a.rounds)]
+            got = {name: [] for name, _, _ in modes}
+            for _ in range(a.rounds):
+                for name, server, spec in modes:
+                    got[name].append(load(server, texts, clients, a.max_tokens, spec))
+            for name, runs in got.items():
                 results[(clients, name)] = {
-                    "aggregate": statistics.median(g["aggregate"] for g in got),
-                    "spread": (min(g["aggregate"] for g in got), max(g["aggregate"] for g in got)),
-                    "texts": got[0]["texts"], "per_step": got[0]["per_step"]}
+                    "aggregate": statistics.median(g["aggregate"] for g in runs),
+                    "spread": (min(g["aggregate"] for g in runs), max(g["aggregate"] for g in runs)),
+                    "texts": runs[0]["texts"], "per_step": runs[0]["per_step"]}
     finally:
-        rows.stop()
-        beside.stop()
+        for server in servers:
+            server.stop()
     print(f"\nmodel {a.model}, {a.device}, {a.max_tokens} tokens per client, greedy, median of {a.rounds} rounds\n")
     print("| clients | mode | aggregate tok/s (min-max) | vs plain | rows / beside | tokens per step | text = plain |")
     print("|---|---|---|---|---|---|---|")
