@@ -144,6 +144,8 @@ def test_concurrent_clients_with_their_own_sampling_settings_decode_together_and
     differ = [(i, alone[i], together[i]) for i in range(16) if together[i] != alone[i]]
     assert len(differ) <= 1, f"sampled rows that differ from their solo run: {differ}"
     assert max(rows_seen) >= 4, f"the requests did not decode together: batch rows seen {sorted(set(rows_seen))}"
+    # Prompts that arrived together were prefilled in one forward (their rows still answer as alone).
+    assert gauge(s, "host_prefill_together_total") >= 2
     m = dict(l.rsplit(" ", 1) for l in httpx.get(s.url + "/metrics").text.splitlines() if l.startswith("host_batch_size"))
     assert float(m['host_batch_size_bucket{le="1"}']) < float(m["host_batch_size_count"])
     assert float(m['host_batch_size_bucket{le="+Inf"}']) == float(m["host_batch_size_count"]) > 0

@@ -39,6 +39,8 @@ pub struct EngineStats {
     /// Tokens an output constraint forced and a request decoding alone committed in runs
     /// (`Generation::forced_run`: without sampling, many in one forward).
     pub forced_tokens: AtomicUsize,
+    /// Prompt chunks prefilled in one forward with others (`step::prefill_together`).
+    pub prefilled_together: AtomicUsize,
 }
 
 /// The drafters `EngineStats::spec_by_drafter` counts, by their names in requests.

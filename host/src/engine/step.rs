@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use mlx::Array;
-use models::{CausalLm, KvCache};
+use models::{BatchKvCache, CausalLm, KvCache};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +110,56 @@ pub fn prefill_until(
     done.map(|()| !stopped)
 }
 
+/// Whether `prefill_together` may take a model's prompts: it batches, its caches live in this
+/// process (not mirrored on other ranks), and every layer keeps all its positions in order —
+/// a sliding window's or a recurrent layer's rows cannot be padded after their chunk and
+/// trimmed back over a prompt-sized chunk.
+pub fn prefills_together(model: &dyn CausalLm) -> bool {
+    model.batches()
+        && model.takes_cache_forks()
+        && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
+}
+
+/// Several sequences' next prompt tokens in one forward: `chunks[i]` (not empty) runs into
+/// `caches[i]` (a sequence's cache, one entry per layer) as `prefill` would run it alone. The
+/// caches become the rows of a batch (`BatchKvCache::push`: the shorter padded on the left),
+/// the chunks its `[B, T]` input (the shorter repeating their last token after their end:
+/// causally masked from the real positions), the padding is trimmed off row by row
+/// (`trim_rows`) and each row's positions are taken back as its cache (`extract`). The
+/// same keys and values as alone, up to float rounding; one forward's dispatch and one pass
+/// over the weights instead of one a sequence, which is what short prompts arriving together
+/// cost most (a CPU's packed weights are unpacked once a forward). Only for models that
+/// `prefills_together`. Waits for the caches.
+pub fn prefill_together(model: &dyn CausalLm, caches: &mut [&mut Vec<KvCache>], chunks: &[Vec<u32>]) -> Result<()> {
+    let t = chunks.iter().map(Vec::len).max().unwrap_or(0);
+    if caches.len() != chunks.len() || chunks.iter().any(Vec::is_empty) {
+        anyhow::bail!("prefill_together takes one chunk (not empty) per cache");
+    }
+    let mut batch: Vec<BatchKvCache> = model.make_cache().iter().map(|_| BatchKvCache::default()).collect();
+    for cache in caches.iter() {
+        for (b, c) in batch.iter_mut().zip(cache.iter()) {
+            b.push(c)?;
+        }
+    }
+    let mut ids = Vec::with_capacity(chunks.len() * t);
+    for chunk in chunks {
+        ids.extend(chunk.iter().map(|&x| x as i32));
+        ids.extend(std::iter::repeat_n(chunk[chunk.len() - 1] as i32, t - chunk.len()));
+    }
+    // The hidden states only: nothing reads the logits of a prompt's positions.
+    model.forward_hidden_batch(&Array::from_i32(&ids, &[chunks.len(), t])?, &mut batch)?;
+    let kept: Vec<usize> = chunks.iter().map(Vec::len).collect();
+    for b in &mut batch {
+        b.trim_rows(t, &kept)?;
+    }
+    for (row, cache) in caches.iter_mut().enumerate() {
+        **cache = batch.iter().map(|b| b.extract(row)).collect::<models::Result<Vec<_>>>()?;
+    }
+    let state: Vec<&Array> = caches.iter().flat_map(|c| c.iter().flat_map(KvCache::state)).collect();
+    mlx::eval(&state)?;
+    Ok(())
+}
+
 pub fn tokens_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_i32(&ids, &[ids.len()])?)
@@ -117,6 +167,52 @@ pub fn tokens_array(ids: &[u32]) -> Result<Array> {
 
 #[cfg(test)]
 mod tests {
+    use models::{CausalLm, KvCache};
+
+    /// The last position's logits after `cache` took `token`.
+    fn next(model: &dyn CausalLm, cache: &mut [KvCache], token: u32) -> Vec<f32> {
+        let logits = model.forward(&super::tokens_array(&[token]).unwrap().expand_dims(&[0]).unwrap(), cache).unwrap();
+        logits.to_vec_f32().unwrap()
+    }
+
+    /// Prompts of different lengths prefilled in one forward — one resuming a prefix already
+    /// in its cache — hold what each holds prefilled alone: as many positions, and the same
+    /// next logits (up to float rounding). Models with sliding-window or recurrent layers are
+    /// prefilled alone.
+    #[test]
+    fn prompts_prefilled_together_hold_what_each_holds_alone() {
+        for arch in ["llama", "qwen3"] {
+            let model = models::testing::model(arch, 3).unwrap();
+            let model = model.as_ref();
+            assert!(super::prefills_together(model), "{arch}");
+            let vocab = model.vocab_size() as u32;
+            let prompt = |n: u32, seed: u32| -> Vec<u32> { (0..n).map(|i| (i * 37 + seed * 11) % vocab).collect() };
+            let prompts = [prompt(20, 1), prompt(13, 2), prompt(17, 3)];
+            let mut alone: Vec<Vec<KvCache>> = Vec::new();
+            for p in &prompts {
+                let mut cache = model.make_cache();
+                super::prefill(model, &mut cache, p, 64).unwrap();
+                alone.push(cache);
+            }
+            // The third resumes 6 positions held already (a prompt-cache hit).
+            let mut held: Vec<Vec<KvCache>> = (0..3).map(|_| model.make_cache()).collect();
+            super::prefill(model, &mut held[2], &prompts[2][..6], 64).unwrap();
+            let chunks = vec![prompts[0].clone(), prompts[1].clone(), prompts[2][6..].to_vec()];
+            let mut caches: Vec<&mut Vec<KvCache>> = held.iter_mut().collect();
+            super::prefill_together(model, &mut caches, &chunks).unwrap();
+            for (i, (together, alone)) in held.iter_mut().zip(&mut alone).enumerate() {
+                assert_eq!(together[0].offset(), prompts[i].len(), "{arch} row {i}");
+                let (a, b) = (next(model, together, 5), next(model, alone, 5));
+                let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(diff <= 1e-4 * largest.max(1.0), "{arch} row {i}: logits differ by {diff}");
+            }
+        }
+        for arch in ["gemma3_text", "qwen3_5"] {
+            assert!(!super::prefills_together(models::testing::model(arch, 2).unwrap().as_ref()), "{arch}");
+        }
+    }
+
     /// The server's shutdown stops a prefill between its steps: asked to stop after two
     /// steps, the cache holds those two steps' positions, and no more.
     #[test]

@@ -72,6 +72,13 @@ fn kv_reserved(job: &Job, state: usize) -> usize {
     job.request.prompt.len() + job.request.max_tokens + state
 }
 
+/// Whether prompts arriving together are prefilled in one forward (`HOST_JOINT_PREFILL=0`
+/// prefills each alone, for measuring).
+fn joint_prefill() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HOST_JOINT_PREFILL").map_or(true, |v| v != "0"))
+}
+
 /// Whether speculative requests may be batch rows (`HOST_SPEC_ROWS=0` decodes them alone,
 /// beside the batch, as before: for measuring).
 fn speculative_rows() -> bool {
@@ -373,7 +380,9 @@ impl Worker {
 
     /// Prefills the prompts of joining requests, oldest first, up to the step's token budget
     /// (less a token per batch row, at least `MIN_PREFILL_PER_STEP`); a prompt done joins the
-    /// batch.
+    /// batch. Chunks of similar length (at least half the longest) go through one forward
+    /// together where the model allows it (`step::prefill_together`: requests arriving at
+    /// once are prefilled as one batch); the rest one by one.
     fn prefill_some<'m>(
         &mut self,
         m: Models<'m>,
@@ -382,19 +391,52 @@ impl Worker {
         ended: &mut Vec<(usize, Option<anyhow::Error>)>,
     ) {
         let mut budget = self.step_token_budget.saturating_sub(batch.len()).max(MIN_PREFILL_PER_STEP);
+        // This turn's chunks by request (empty for a resumed request whose KV the prompt cache
+        // held whole: it only joins).
+        let mut turn: Vec<(usize, Vec<u32>)> = Vec::new();
         for (i, a) in running.iter_mut().enumerate() {
             if budget == 0 {
                 break;
             }
-            let Source::Prefill { cache, todo, .. } = &mut a.source else { continue };
+            let Source::Prefill { todo, .. } = &mut a.source else { continue };
             if a.job.events.is_closed() {
                 continue;
             }
             let n = todo.len().min(budget);
-            let chunk: Vec<u32> = todo.drain(..n).collect();
+            turn.push((i, todo.drain(..n).collect()));
             budget -= n;
+        }
+        let longest = turn.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
+        let mut together: Vec<usize> = match joint_prefill() && super::step::prefills_together(m.model) {
+            true => turn.iter().filter(|(_, c)| !c.is_empty() && c.len() * 2 >= longest).map(|&(i, _)| i).collect(),
+            false => Vec::new(),
+        };
+        if together.len() < 2 {
+            together.clear(); // one chunk goes alone, pipelined as a long prompt's chunks are
+        } else {
+            if self.abort.load(Ordering::SeqCst) {
+                return; // shutting down: the loop's next turn ends every request
+            }
+            let chunks: Vec<Vec<u32>> =
+                turn.iter().filter(|(i, _)| together.contains(i)).map(|(_, c)| c.clone()).collect();
+            let mut caches: Vec<&mut Vec<KvCache>> = (running.iter_mut().enumerate())
+                .filter(|(i, _)| together.contains(i))
+                .filter_map(|(_, a)| match &mut a.source {
+                    Source::Prefill { cache, .. } => Some(cache),
+                    _ => None,
+                })
+                .collect();
+            self.stats.prefilled_together.fetch_add(chunks.len(), Ordering::Relaxed);
+            if let Err(e) = super::step::prefill_together(m.model, &mut caches, &chunks) {
+                let message = format!("{:#}", e.context("prefill"));
+                ended.extend(together.iter().map(|&i| (i, Some(anyhow::anyhow!("{message}")))));
+            }
+        }
+        for (i, chunk) in turn {
+            let a = &mut running[i];
+            let Source::Prefill { cache, todo, .. } = &mut a.source else { continue };
             // (A resumed request whose KV the prompt cache held whole has nothing to prefill.)
-            if !chunk.is_empty() {
+            if !chunk.is_empty() && !together.contains(&i) {
                 let abort = &self.abort;
                 let stop = || abort.load(Ordering::SeqCst);
                 match super::step::prefill_until(m.model, cache, &chunk, self.prefill_step_size, &stop)
@@ -415,7 +457,7 @@ impl Worker {
                     }
                 }
             }
-            if todo.is_empty() {
+            if todo.is_empty() && !ended.iter().any(|(j, _)| *j == i) {
                 let Source::Prefill { cache, then, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
                     unreachable!("matched above")
                 };

@@ -170,6 +170,12 @@ impl Metrics {
                 "Tokens an output constraint forced, committed in runs by requests decoding alone (no sampling, one forward for a run).",
                 load(&engine.forced_tokens),
             ),
+            (
+                "host_prefill_together_total",
+                "counter",
+                "Prompt chunks prefilled in one forward with other requests' (requests that arrived together).",
+                load(&engine.prefilled_together),
+            ),
         ];
         for (name, kind, help, value) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
