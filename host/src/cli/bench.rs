@@ -244,9 +244,9 @@ impl BatchRun {
     }
 }
 
-/// One batched generation: `prompts` prefilled one after another and joined, then stepped
-/// until every row has finished: at `gen[i]` tokens for row i, or, held to `constraint`, at
-/// its end of sequence.
+/// One batched generation: `prompts` prefilled (together, as the server prefills prompts that arrive
+/// together, where the model allows it) and joined, then stepped until every row has finished: at
+/// `gen[i]` tokens for row i, or, held to `constraint`, at its end of sequence.
 fn run_batch(
     model: &dyn models::CausalLm,
     prompts: &[Vec<u32>],
@@ -257,9 +257,27 @@ fn run_batch(
     use crate::engine::batch::{Batch, Row as BatchRowState};
     let started = Instant::now();
     let mut batch = Batch::new(model);
-    for (key, (ids, &gen)) in prompts.iter().zip(gen).enumerate() {
-        let mut cache = model.make_cache();
-        crate::engine::step::prefill(model, &mut cache, &ids[..ids.len() - 1], 2048)?;
+    // The prompts prefilled as the server prefills prompts that arrive together.
+    let mut caches: Vec<Vec<models::KvCache>> = prompts.iter().map(|_| model.make_cache()).collect();
+    if prompts.len() > 1 && crate::engine::step::prefills_together(model) {
+        let longest = prompts.iter().map(|p| p.len() - 1).max().unwrap_or(0);
+        for from in (0..longest).step_by(512) {
+            let (mut rows, mut chunks) = (Vec::new(), Vec::new());
+            for (cache, ids) in caches.iter_mut().zip(prompts) {
+                let body = &ids[..ids.len() - 1];
+                if from < body.len() {
+                    chunks.push(body[from..body.len().min(from + 512)].to_vec());
+                    rows.push(cache);
+                }
+            }
+            crate::engine::step::prefill_together(model, &mut rows, &chunks)?;
+        }
+    } else {
+        for (cache, ids) in caches.iter_mut().zip(prompts) {
+            crate::engine::step::prefill(model, cache, &ids[..ids.len() - 1], 2048)?;
+        }
+    }
+    for (key, ((ids, &gen), cache)) in prompts.iter().zip(gen).zip(caches).enumerate() {
         let sampler = Sampler::new(SamplingParams::default(), model.vocab_size())?;
         let eos = constraint.map_or(Vec::new(), |(_, eos)| eos.to_vec());
         let guard = constraint
