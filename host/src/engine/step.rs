@@ -114,8 +114,11 @@ pub fn prefill_until(
 /// process (not mirrored on other ranks), and every layer keeps all its positions in order —
 /// a sliding window's or a recurrent layer's rows cannot be padded after their chunk and
 /// trimmed back over a prompt-sized chunk.
+/// `HOST_JOINT_PREFILL=0` prefills every prompt alone (for measuring).
 pub fn prefills_together(model: &dyn CausalLm) -> bool {
-    model.batches()
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HOST_JOINT_PREFILL").map_or(true, |v| v != "0"))
+        && model.batches()
         && model.takes_cache_forks()
         && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
 }

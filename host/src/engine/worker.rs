@@ -72,13 +72,6 @@ fn kv_reserved(job: &Job, state: usize) -> usize {
     job.request.prompt.len() + job.request.max_tokens + state
 }
 
-/// Whether prompts arriving together are prefilled in one forward (`HOST_JOINT_PREFILL=0`
-/// prefills each alone, for measuring).
-fn joint_prefill() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HOST_JOINT_PREFILL").map_or(true, |v| v != "0"))
-}
-
 /// Whether speculative requests may be batch rows (`HOST_SPEC_ROWS=0` decodes them alone,
 /// beside the batch, as before: for measuring).
 fn speculative_rows() -> bool {
@@ -407,7 +400,7 @@ impl Worker {
             budget -= n;
         }
         let longest = turn.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
-        let mut together: Vec<usize> = match joint_prefill() && super::step::prefills_together(m.model) {
+        let mut together: Vec<usize> = match super::step::prefills_together(m.model) {
             true => turn.iter().filter(|(_, c)| !c.is_empty() && c.len() * 2 >= longest).map(|&(i, _)| i).collect(),
             false => Vec::new(),
         };
