@@ -257,24 +257,16 @@ fn run_batch(
     use crate::engine::batch::{Batch, Row as BatchRowState};
     let started = Instant::now();
     let mut batch = Batch::new(model);
-    // The prompts prefilled as the server prefills prompts that arrive together.
+    // The prompts prefilled as the server prefills prompts that arrive together (512 positions
+    // a row per forward: the server's default step token budget).
     let mut caches: Vec<Vec<models::KvCache>> = prompts.iter().map(|_| model.make_cache()).collect();
-    if prompts.len() > 1 && crate::engine::step::prefills_together(model) {
-        let longest = prompts.iter().map(|p| p.len() - 1).max().unwrap_or(0);
-        for from in (0..longest).step_by(512) {
-            let (mut rows, mut chunks) = (Vec::new(), Vec::new());
-            for (cache, ids) in caches.iter_mut().zip(prompts) {
-                let body = &ids[..ids.len() - 1];
-                if from < body.len() {
-                    chunks.push(body[from..body.len().min(from + 512)].to_vec());
-                    rows.push(cache);
-                }
-            }
-            crate::engine::step::prefill_together(model, &mut rows, &chunks)?;
-        }
+    let bodies: Vec<&[u32]> = prompts.iter().map(|ids| &ids[..ids.len() - 1]).collect();
+    if prompts.len() > 1 && bodies.iter().all(|b| !b.is_empty()) && crate::engine::step::prefills_together(model) {
+        let mut rows: Vec<&mut Vec<models::KvCache>> = caches.iter_mut().collect();
+        crate::engine::step::prefill_together(model, &mut rows, &bodies, 512)?;
     } else {
-        for (cache, ids) in caches.iter_mut().zip(prompts) {
-            crate::engine::step::prefill(model, cache, &ids[..ids.len() - 1], 2048)?;
+        for (cache, body) in caches.iter_mut().zip(&bodies) {
+            crate::engine::step::prefill(model, cache, body, 2048)?;
         }
     }
     for (key, ((ids, &gen), cache)) in prompts.iter().zip(gen).zip(caches).enumerate() {

@@ -123,40 +123,51 @@ pub fn prefills_together(model: &dyn CausalLm) -> bool {
         && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
 }
 
-/// Several sequences' next prompt tokens in one forward: `chunks[i]` (not empty) runs into
-/// `caches[i]` (a sequence's cache, one entry per layer) as `prefill` would run it alone. The
-/// caches become the rows of a batch (`BatchKvCache::push`: the shorter padded on the left),
-/// the chunks its `[B, T]` input (the shorter repeating their last token after their end:
+/// Several sequences' next prompt tokens together: `chunks[i]` (not empty) runs into
+/// `caches[i]` (a sequence's cache, one entry per layer) as `prefill` would run it alone, at
+/// most `step` positions a row per forward. In each forward the caches become the rows of a
+/// batch (`BatchKvCache::push`: the shorter padded on the left), the chunks' next `step`
+/// tokens its `[B, T]` input (the shorter repeating their last token after their end:
 /// causally masked from the real positions), the padding is trimmed off row by row
-/// (`trim_rows`) and each row's positions are taken back as its cache (`extract`). The
-/// same keys and values as alone, up to float rounding; one forward's dispatch and one pass
-/// over the weights instead of one a sequence, which is what short prompts arriving together
-/// cost most (a CPU's packed weights are unpacked once a forward). Only for models that
-/// `prefills_together`. Waits for the caches.
-pub fn prefill_together(model: &dyn CausalLm, caches: &mut [&mut Vec<KvCache>], chunks: &[Vec<u32>]) -> Result<()> {
-    let t = chunks.iter().map(Vec::len).max().unwrap_or(0);
-    if caches.len() != chunks.len() || chunks.iter().any(Vec::is_empty) {
-        anyhow::bail!("prefill_together takes one chunk (not empty) per cache");
+/// (`trim_rows`) and each row's positions are taken back as its cache (`extract`); rows
+/// whose chunk ended take no part in later forwards. The same keys and values as alone, up
+/// to float rounding; one forward's dispatch and one pass over the weights instead of one a
+/// sequence, which is what short prompts arriving together cost most (a CPU's packed weights
+/// are unpacked once a forward). Only for models that `prefills_together`. Waits for the
+/// caches.
+pub fn prefill_together(
+    model: &dyn CausalLm,
+    caches: &mut [&mut Vec<KvCache>],
+    chunks: &[&[u32]],
+    step: usize,
+) -> Result<()> {
+    if caches.len() != chunks.len() || chunks.iter().any(|c| c.is_empty()) || step == 0 {
+        anyhow::bail!("prefill_together takes one chunk (not empty) per cache, and a step of at least 1");
     }
-    let mut batch: Vec<BatchKvCache> = model.make_cache().iter().map(|_| BatchKvCache::default()).collect();
-    for cache in caches.iter() {
-        for (b, c) in batch.iter_mut().zip(cache.iter()) {
-            b.push(c)?;
+    let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+    for from in (0..longest).step_by(step) {
+        let rows: Vec<usize> = (0..chunks.len()).filter(|&r| chunks[r].len() > from).collect();
+        let part = |r: usize| &chunks[r][from..chunks[r].len().min(from + step)];
+        let t = rows.iter().map(|&r| part(r).len()).max().unwrap_or(0);
+        let mut batch: Vec<BatchKvCache> = caches[rows[0]].iter().map(|_| BatchKvCache::default()).collect();
+        let mut ids = Vec::with_capacity(rows.len() * t);
+        for &r in &rows {
+            for (b, c) in batch.iter_mut().zip(caches[r].iter()) {
+                b.push(c)?;
+            }
+            let part = part(r);
+            ids.extend(part.iter().map(|&x| x as i32));
+            ids.extend(std::iter::repeat_n(part[part.len() - 1] as i32, t - part.len()));
         }
-    }
-    let mut ids = Vec::with_capacity(chunks.len() * t);
-    for chunk in chunks {
-        ids.extend(chunk.iter().map(|&x| x as i32));
-        ids.extend(std::iter::repeat_n(chunk[chunk.len() - 1] as i32, t - chunk.len()));
-    }
-    // The hidden states only: nothing reads the logits of a prompt's positions.
-    model.forward_hidden_batch(&Array::from_i32(&ids, &[chunks.len(), t])?, &mut batch)?;
-    let kept: Vec<usize> = chunks.iter().map(Vec::len).collect();
-    for b in &mut batch {
-        b.trim_rows(t, &kept)?;
-    }
-    for (row, cache) in caches.iter_mut().enumerate() {
-        **cache = batch.iter().map(|b| b.extract(row)).collect::<models::Result<Vec<_>>>()?;
+        // The hidden states only: nothing reads the logits of a prompt's positions.
+        model.forward_hidden_batch(&Array::from_i32(&ids, &[rows.len(), t])?, &mut batch)?;
+        let kept: Vec<usize> = rows.iter().map(|&r| part(r).len()).collect();
+        for b in &mut batch {
+            b.trim_rows(t, &kept)?;
+        }
+        for (i, &r) in rows.iter().enumerate() {
+            *caches[r] = batch.iter().map(|b| b.extract(i)).collect::<models::Result<Vec<_>>>()?;
+        }
     }
     let state: Vec<&Array> = caches.iter().flat_map(|c| c.iter().flat_map(KvCache::state)).collect();
     mlx::eval(&state)?;
@@ -178,8 +189,8 @@ mod tests {
         logits.to_vec_f32().unwrap()
     }
 
-    /// Prompts of different lengths prefilled in one forward — one resuming a prefix already
-    /// in its cache — hold what each holds prefilled alone: as many positions, and the same
+    /// Prompts of different lengths prefilled together, a few positions a forward — one
+    /// resuming a prefix already in its cache — hold what each holds prefilled alone: as many positions, and the same
     /// next logits (up to float rounding). Models with sliding-window or recurrent layers are
     /// prefilled alone.
     #[test]
@@ -200,9 +211,10 @@ mod tests {
             // The third resumes 6 positions held already (a prompt-cache hit).
             let mut held: Vec<Vec<KvCache>> = (0..3).map(|_| model.make_cache()).collect();
             super::prefill(model, &mut held[2], &prompts[2][..6], 64).unwrap();
-            let chunks = vec![prompts[0].clone(), prompts[1].clone(), prompts[2][6..].to_vec()];
+            let chunks = [&prompts[0][..], &prompts[1][..], &prompts[2][6..]];
             let mut caches: Vec<&mut Vec<KvCache>> = held.iter_mut().collect();
-            super::prefill_together(model, &mut caches, &chunks).unwrap();
+            // Eight positions a forward: the shorter rows drop out of the last ones.
+            super::prefill_together(model, &mut caches, &chunks, 8).unwrap();
             for (i, (together, alone)) in held.iter_mut().zip(&mut alone).enumerate() {
                 assert_eq!(together[0].offset(), prompts[i].len(), "{arch} row {i}");
                 let (a, b) = (next(model, together, 5), next(model, alone, 5));

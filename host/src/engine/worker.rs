@@ -373,9 +373,9 @@ impl Worker {
 
     /// Prefills the prompts of joining requests, oldest first, up to the step's token budget
     /// (less a token per batch row, at least `MIN_PREFILL_PER_STEP`); a prompt done joins the
-    /// batch. Chunks of similar length (at least half the longest) go through one forward
-    /// together where the model allows it (`step::prefill_together`: requests arriving at
-    /// once are prefilled as one batch); the rest one by one.
+    /// batch. Chunks of similar length go through one forward together where the model allows
+    /// it (`step::prefill_together`: requests arriving at once are prefilled as one batch);
+    /// the rest one by one.
     fn prefill_some<'m>(
         &mut self,
         m: Models<'m>,
@@ -399,19 +399,17 @@ impl Worker {
             turn.push((i, todo.drain(..n).collect()));
             budget -= n;
         }
+        // Chunks of at least half the longest's length go through one forward, if two or more
+        // do and the model allows it (asked only then: it makes a cache to look at the layers).
         let longest = turn.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
-        let mut together: Vec<usize> = match super::step::prefills_together(m.model) {
-            true => turn.iter().filter(|(_, c)| !c.is_empty() && c.len() * 2 >= longest).map(|&(i, _)| i).collect(),
-            false => Vec::new(),
-        };
-        if together.len() < 2 {
-            together.clear(); // one chunk goes alone, pipelined as a long prompt's chunks are
+        let mut together: Vec<usize> =
+            turn.iter().filter(|(_, c)| !c.is_empty() && c.len() * 2 >= longest).map(|&(i, _)| i).collect();
+        if together.len() < 2 || !super::step::prefills_together(m.model) {
+            together.clear();
+        } else if self.abort.load(Ordering::SeqCst) {
+            return; // shutting down: the loop's next turn ends every request
         } else {
-            if self.abort.load(Ordering::SeqCst) {
-                return; // shutting down: the loop's next turn ends every request
-            }
-            let chunks: Vec<Vec<u32>> =
-                turn.iter().filter(|(i, _)| together.contains(i)).map(|(_, c)| c.clone()).collect();
+            let chunks: Vec<&[u32]> = turn.iter().filter(|(i, _)| together.contains(i)).map(|(_, c)| &c[..]).collect();
             let mut caches: Vec<&mut Vec<KvCache>> = (running.iter_mut().enumerate())
                 .filter(|(i, _)| together.contains(i))
                 .filter_map(|(_, a)| match &mut a.source {
@@ -419,10 +417,14 @@ impl Worker {
                     _ => None,
                 })
                 .collect();
-            self.stats.prefilled_together.fetch_add(chunks.len(), Ordering::Relaxed);
-            if let Err(e) = super::step::prefill_together(m.model, &mut caches, &chunks) {
-                let message = format!("{:#}", e.context("prefill"));
-                ended.extend(together.iter().map(|&i| (i, Some(anyhow::anyhow!("{message}")))));
+            match super::step::prefill_together(m.model, &mut caches, &chunks, self.prefill_step_size) {
+                Ok(()) => {
+                    self.stats.prefilled_together.fetch_add(chunks.len(), Ordering::Relaxed);
+                }
+                Err(e) => {
+                    let message = format!("{:#}", e.context("prefill"));
+                    ended.extend(together.iter().map(|&i| (i, Some(anyhow::anyhow!("{message}")))));
+                }
             }
         }
         for (i, chunk) in turn {
