@@ -199,6 +199,22 @@ impl Config {
     }
 }
 
+/// How many positions the recurrence solves together when a forward runs `s` of them (a
+/// prefill): 64, or the power of two that covers a shorter run; `None` runs them one by one as
+/// mlx-lm does off Metal (`HOST_DELTANET_CHUNK=0`, for A/B measurements; another power of two
+/// there sets the size). Chunks and single steps agree to float32 rounding (the parity suites
+/// and `chunked_gated_delta_equals_the_step_by_step_rule`).
+fn chunk_size(s: i32) -> Option<i32> {
+    static CHUNK: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    let most =
+        *CHUNK.get_or_init(|| match std::env::var("HOST_DELTANET_CHUNK").ok().and_then(|v| v.parse::<i32>().ok()) {
+            Some(n) if n <= 0 => 0,
+            Some(n) => (n as u32).next_power_of_two() as i32,
+            None => 64,
+        });
+    (most > 0 && s > 1).then(|| most.min((s as u32).next_power_of_two() as i32))
+}
+
 /// A Gated DeltaNet layer (mlx-lm's `GatedDeltaNet`).
 struct DeltaNet {
     in_proj_qkv: Linear,
@@ -283,7 +299,6 @@ impl DeltaNet {
             fast::rms_norm_plain(&q, rms_eps)?.multiply(&Array::scalar((inv_scale * inv_scale) as f32, q.dtype())?)?;
         let k = fast::rms_norm_plain(&k, rms_eps)?.multiply(&Array::scalar(inv_scale as f32, k.dtype())?)?;
         let beta = beta_in.sigmoid()?;
-        let g = ops::gated_delta_g(&self.a_log, &a, &self.dt_bias)?;
         let mut state = match &held.state {
             Some(state) => state.clone(),
             None => Array::zeros(&[b as usize, hv as usize, dv as usize, dk as usize], Dtype::Float32)?,
@@ -292,29 +307,47 @@ impl DeltaNet {
             1 => (q, k),
             r => (ops::repeat(&q, r, -2)?, ops::repeat(&k, r, -2)?),
         };
-        let at = |a: &Array, t: i32| -> Result<Array> { Ok(a.slice_axis(1, t, t + 1)?.squeeze(&[1])?) };
         // The states before each position, while the cache keeps that many (a decode step's
-        // one, a verified draft's window): a rollback restores them.
+        // one, a verified draft's window): a rollback restores them. Those windows run
+        // position by position; longer ones (prefill) in chunks.
         let snapshots = s as usize <= held.keeps();
         let mut before = Vec::with_capacity(if snapshots { s as usize } else { 0 });
-        let mut ys = Vec::with_capacity(s as usize);
-        for t in 0..s {
-            if snapshots {
-                let conv = match t {
-                    0 => held.conv.clone(),
-                    _ => Some(conv_input.slice_axis(1, t, t + keep)?),
-                };
-                let state = if t == 0 { held.state.clone() } else { Some(state.clone()) };
-                before.push(Snapshot { conv, state });
+        let y = match chunk_size(s) {
+            Some(chunk) if !snapshots => {
+                let log_g = ops::gated_delta_log_g(&self.a_log, &a, &self.dt_bias)?;
+                let (y, next) = ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state, chunk)?;
+                state = next;
+                y
             }
-            let (y, next) =
-                ops::gated_delta_step(&at(&q, t)?, &at(&k, t)?, &at(&v, t)?, &at(&g, t)?, &at(&beta, t)?, &state)?;
-            ys.push(y.expand_dims(&[1])?);
-            state = next;
-        }
-        let y = match ys.len() {
-            1 => ys.pop().expect("one step"),
-            _ => ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1)?,
+            _ => {
+                let g = ops::gated_delta_g(&self.a_log, &a, &self.dt_bias)?;
+                let at = |a: &Array, t: i32| -> Result<Array> { Ok(a.slice_axis(1, t, t + 1)?.squeeze(&[1])?) };
+                let mut ys = Vec::with_capacity(s as usize);
+                for t in 0..s {
+                    if snapshots {
+                        let conv = match t {
+                            0 => held.conv.clone(),
+                            _ => Some(conv_input.slice_axis(1, t, t + keep)?),
+                        };
+                        let state = if t == 0 { held.state.clone() } else { Some(state.clone()) };
+                        before.push(Snapshot { conv, state });
+                    }
+                    let (y, next) = ops::gated_delta_step(
+                        &at(&q, t)?,
+                        &at(&k, t)?,
+                        &at(&v, t)?,
+                        &at(&g, t)?,
+                        &at(&beta, t)?,
+                        &state,
+                    )?;
+                    ys.push(y.expand_dims(&[1])?);
+                    state = next;
+                }
+                match ys.len() {
+                    1 => ys.pop().expect("one step"),
+                    _ => ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1)?,
+                }
+            }
         };
         cache.set_recurrent(next_conv, state, s as usize, before)?;
         // `RMSNormGated`: rms_norm(y) * silu(z), in float32.

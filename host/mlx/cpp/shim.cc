@@ -761,6 +761,136 @@ std::unique_ptr<ArrayList> gated_delta_step(const array& q, const array& k, cons
   return list;
 }
 
+// The Gated DeltaNet's decay in log space, -exp(A_log) * softplus(a + dt_bias): what
+// `gated_delta_g` exponentiates, for the chunked recurrence (which sums it along a chunk).
+Ptr gated_delta_log_g(const array& a_log, const array& a, const array& dt_bias) {
+  static auto fn = mx::compile(
+      [](const std::vector<array>& in) -> std::vector<array> {
+        auto x = mx::add(in[1], in[2]);
+        auto softplus = mx::logaddexp(x, array(0.0f, x.dtype()));
+        return {mx::multiply(mx::negative(mx::exp(mx::astype(in[0], mx::float32))), softplus)};
+      },
+      /* shapeless = */ true);
+  return wrap(fn({a_log, a, dt_bias})[0]);
+}
+
+namespace {
+
+// The inverse of unit lower-triangular matrices x [..., C, C] (C a power of two), by
+// doubling: the inverses of the diagonal blocks of size s give those of size 2s through
+// [[A, 0], [L, D]]^-1 = [[A^-1, 0], [-D^-1 L A^-1, D^-1]]. log2(C) levels of batched matmuls,
+// as stable as forward substitution, whose C sequential steps it replaces.
+array unit_lower_inverse(const array& x) {
+  const int c = x.shape(-1);
+  mx::Shape lead(x.shape().begin(), x.shape().end() - 2);
+  auto with = [&](std::initializer_list<int> tail) {
+    mx::Shape s = lead;
+    for (int d : tail) s.push_back(d);
+    return s;
+  };
+  // Diagonal blocks of size s of the inverse, [..., C/s, s, s]; the 1x1 ones are 1.
+  array inv = mx::ones(with({c, 1, 1}), x.dtype());
+  for (int s = 1; s < c; s *= 2) {
+    const int m = c / (2 * s);
+    // The diagonal blocks of size 2s of x: [..., m, 2s, m, 2s] -> [..., 2s, 2s, m] -> [..., m, 2s, 2s].
+    auto blocks = mx::reshape(x, with({m, 2 * s, m, 2 * s}));
+    const int nd = blocks.ndim();
+    blocks = mx::moveaxis(mx::diagonal(blocks, 0, nd - 4, nd - 2), -1, -3);
+    // Its lower-left s x s block (rows s.., columns ..s).
+    mx::Shape start(nd - 1, 0), stop = blocks.shape();
+    start[nd - 3] = s;
+    stop[nd - 2] = s;
+    auto low = mx::slice(blocks, start, stop);
+    auto pairs = mx::reshape(inv, with({m, 2, s, s}));
+    const int pd = pairs.ndim();
+    auto take = [&](int i) {
+      mx::Shape start(pd, 0), stop = pairs.shape();
+      start[pd - 3] = i;
+      stop[pd - 3] = i + 1;
+      return mx::squeeze(mx::slice(pairs, start, stop), pd - 3);
+    };
+    auto a = take(0), d = take(1);
+    auto off = mx::negative(mx::matmul(mx::matmul(d, low), a));
+    auto top = mx::concatenate({a, mx::zeros_like(a)}, -1);
+    auto bottom = mx::concatenate({off, d}, -1);
+    inv = mx::concatenate({top, bottom}, -2);
+  }
+  return mx::reshape(inv, with({c, c}));
+}
+
+}  // namespace
+
+// The gated delta rule over a whole sequence in chunks (the WY form of flash-linear-attention's
+// `chunk_gated_delta_rule`), the same recurrence as `gated_delta_step` applied position by
+// position: q, k [B, T, H, Dk] (normalized and scaled), v [B, T, H, Dv], log_g and beta
+// [B, T, H], state [B, H, Dv, Dk] (float32). Within a chunk the positions' writes are solved
+// together (a unit lower-triangular system); the state passes from chunk to chunk. T / chunk
+// sequential steps instead of T, the rest as matmuls. Returns (y [B, T, H, Dv] in q's dtype,
+// the state after the last position). Padding past T has k = 0, beta = 0 and no decay, so it
+// leaves the state as it is.
+std::unique_ptr<ArrayList> gated_delta_chunked(const array& q_in, const array& k_in, const array& v_in,
+                                               const array& log_g, const array& beta_in, const array& state,
+                                               int32_t chunk) {
+  const int b = q_in.shape(0), t = q_in.shape(1), h = q_in.shape(2), dv = v_in.shape(3);
+  if (chunk < 1 || (chunk & (chunk - 1)) != 0) throw std::invalid_argument("gated_delta_chunked: chunk must be a power of two");
+  const int c = chunk, n = (t + c - 1) / c, pad = n * c - t;
+  const auto f32 = mx::float32;
+  // [B, T, H, D] -> [B, H, N, C, D], float32, zero-padded to N * C positions.
+  auto chunks = [&](const array& x, bool vec) {
+    auto y = mx::astype(x, f32);
+    y = vec ? mx::transpose(y, {0, 2, 1, 3}) : mx::transpose(y, {0, 2, 1});
+    if (pad > 0) {
+      std::vector<std::pair<int, int>> widths(y.ndim(), {0, 0});
+      widths[2] = {0, pad};
+      y = mx::pad(y, widths);
+    }
+    mx::Shape shape{b, h, n, c};
+    if (vec) shape.push_back(y.shape(3));
+    return mx::reshape(y, shape);
+  };
+  auto q = chunks(q_in, true), k = chunks(k_in, true), v = chunks(v_in, true);
+  auto beta = chunks(beta_in, false), lg = chunks(log_g, false);
+  auto g = mx::cumsum(lg, -1);  // [B, H, N, C]: the log decay from the chunk's start
+  auto rows = mx::expand_dims(g, -1), cols = mx::expand_dims(g, -2);
+  auto lower = mx::tril(mx::ones({c, c}, f32));
+  auto strict = mx::tril(mx::ones({c, c}, f32), -1);
+  // decay[i, j] = prod of the decays after j up to i (i >= j), 0 above the diagonal.
+  auto decay = mx::multiply(mx::exp(mx::minimum(mx::subtract(rows, cols), array(0.0f))), lower);
+  auto bcol = mx::expand_dims(beta, -1);
+  auto kb = mx::multiply(k, bcol), vb = mx::multiply(v, bcol);
+  auto kt = mx::swapaxes(k, -1, -2);
+  auto within = mx::multiply(mx::multiply(mx::matmul(kb, kt), decay), strict);
+  auto solve = unit_lower_inverse(mx::add(within, mx::eye(c, f32)));
+  auto u = mx::matmul(solve, vb);                                                  // [B, H, N, C, Dv]
+  auto w = mx::matmul(solve, mx::multiply(kb, mx::exp(rows)));                     // [B, H, N, C, Dk]
+  auto qk = mx::multiply(mx::matmul(q, kt), decay);                                // [B, H, N, C, C]
+  auto qg = mx::multiply(q, mx::exp(rows));                                        // [B, H, N, C, Dk]
+  auto last = mx::slice(g, {0, 0, 0, c - 1}, {b, h, n, c});                        // [B, H, N, 1]
+  auto kd = mx::multiply(k, mx::exp(mx::expand_dims(mx::subtract(last, g), -1)));  // [B, H, N, C, Dk]
+  auto at = [&](const array& x, int i) {
+    mx::Shape start(x.ndim(), 0), stop = x.shape();
+    start[2] = i;
+    stop[2] = i + 1;
+    return mx::squeeze(mx::slice(x, start, stop), 2);
+  };
+  auto s = mx::swapaxes(mx::astype(state, f32), -1, -2);  // [B, H, Dk, Dv]
+  std::vector<array> outs;
+  outs.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    auto fresh = mx::subtract(at(u, i), mx::matmul(at(w, i), s));  // each position's write, [B, H, C, Dv]
+    outs.push_back(mx::add(mx::matmul(at(qg, i), s), mx::matmul(at(qk, i), fresh)));
+    auto fade = mx::exp(mx::expand_dims(at(last, i), -1));  // [B, H, 1, 1]
+    s = mx::add(mx::multiply(s, fade), mx::matmul(mx::swapaxes(at(kd, i), -1, -2), fresh));
+  }
+  auto y = n == 1 ? outs[0] : mx::concatenate(outs, 2);  // [B, H, N * C, Dv]
+  if (pad > 0) y = mx::slice(y, {0, 0, 0, 0}, {b, h, t, dv});
+  y = mx::astype(mx::transpose(y, {0, 2, 1, 3}), q_in.dtype());
+  auto list = std::make_unique<ArrayList>();
+  list->items.push_back(y);
+  list->items.push_back(mx::swapaxes(s, -1, -2));
+  return list;
+}
+
 // A depthwise or grouped 1D convolution, stride 1, no padding: x [B, L, C_in], w [C_out, K,
 // C_in / groups] (`nn.Conv1d`'s layout).
 Ptr conv1d(const array& x, const array& w, int32_t groups) {

@@ -85,6 +85,9 @@ Ptr softcap(const array& x, float cap);
 Ptr gated_delta_g(const array& a_log, const array& a, const array& dt_bias);
 std::unique_ptr<ArrayList> gated_delta_step(const array& q, const array& k, const array& v, const array& g,
                                              const array& beta, const array& state);
+Ptr gated_delta_log_g(const array& a_log, const array& a, const array& dt_bias);
+std::unique_ptr<ArrayList> gated_delta_chunked(const array& q, const array& k, const array& v, const array& log_g,
+                                               const array& beta, const array& state, int32_t chunk);
 Ptr conv1d(const array& x, const array& w, int32_t groups);
 Ptr repeat_axis(const array& a, int32_t repeats, int32_t axis);
 Ptr rms_norm_plain(const array& x, float eps);

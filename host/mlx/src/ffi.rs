@@ -73,6 +73,16 @@ pub(crate) mod ffi {
             beta: &array,
             state: &array,
         ) -> Result<UniquePtr<ArrayList>>;
+        fn gated_delta_log_g(a_log: &array, a: &array, dt_bias: &array) -> Result<UniquePtr<array>>;
+        fn gated_delta_chunked(
+            q: &array,
+            k: &array,
+            v: &array,
+            log_g: &array,
+            beta: &array,
+            state: &array,
+            chunk: i32,
+        ) -> Result<UniquePtr<ArrayList>>;
         fn conv1d(x: &array, w: &array, groups: i32) -> Result<UniquePtr<array>>;
         fn repeat_axis(a: &array, repeats: i32, axis: i32) -> Result<UniquePtr<array>>;
         fn rms_norm_plain(x: &array, eps: f32) -> Result<UniquePtr<array>>;

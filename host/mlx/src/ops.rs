@@ -155,6 +155,29 @@ pub fn gated_delta_step(
     Ok((wrap(ffi::list_get(&out, 0))?, wrap(ffi::list_get(&out, 1))?))
 }
 
+/// The decay of [`gated_delta_g`] in log space: `-exp(a_log) * softplus(a + dt_bias)`.
+pub fn gated_delta_log_g(a_log: &Array, a: &Array, dt_bias: &Array) -> Result<Array> {
+    wrap(ffi::gated_delta_log_g(&a_log.0, &a.0, &dt_bias.0))
+}
+
+/// The gated delta rule over a whole sequence, `chunk` positions (a power of two) solved
+/// together at a time: the recurrence of [`gated_delta_step`] run over every position, with
+/// `T / chunk` sequential steps instead of `T`. q, k `[B, T, H, Dk]`, v `[B, T, H, Dv]`, log_g
+/// (from [`gated_delta_log_g`]) and beta `[B, T, H]`, state `[B, H, Dv, Dk]`; returns the
+/// output `[B, T, H, Dv]` (in q's dtype) and the state after the last position.
+pub fn gated_delta_chunked(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    log_g: &Array,
+    beta: &Array,
+    state: &Array,
+    chunk: i32,
+) -> Result<(Array, Array)> {
+    let out = ffi::gated_delta_chunked(&q.0, &k.0, &v.0, &log_g.0, &beta.0, &state.0, chunk)?;
+    Ok((wrap(ffi::list_get(&out, 0))?, wrap(ffi::list_get(&out, 1))?))
+}
+
 /// A 1D convolution with stride 1 and no padding: `x` `[B, L, C_in]`, `w` `[C_out, K, C_in /
 /// groups]`.
 pub fn conv1d(x: &Array, w: &Array, groups: i32) -> Result<Array> {

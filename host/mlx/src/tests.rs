@@ -545,3 +545,71 @@ fn the_cpu_quantized_product_equals_mlx_s_with_every_kernel() {
     }
     crate::device::cap_cpu_qmatmul_isa(3);
 }
+
+/// The chunked gated delta rule is the step-by-step one: over 150 positions (chunks of 64
+/// and 16, the last one padded) from a held state, with keys that point nearly the same way
+/// (the chunk's triangular system far from the identity), writes near full strength and
+/// decays from none to strong, the outputs and the final state agree to float32 rounding.
+#[test]
+fn chunked_gated_delta_equals_the_step_by_step_rule() {
+    let (b, t, h, dk, dv) = (2usize, 150usize, 3usize, 16usize, 8usize);
+    let mut seed = 0x2545f4914f6cdd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0
+    };
+    // Unit keys around one direction per head; queries of norm Dk^-0.5, as the model scales them.
+    let base: Vec<f32> = (0..h * dk).map(|_| next()).collect();
+    let mut unit = |scale: f32, spread: f32| -> Vec<f32> {
+        let mut out = Vec::with_capacity(b * t * h * dk);
+        for _ in 0..b * t {
+            for head in 0..h {
+                let row: Vec<f32> = (0..dk).map(|i| base[head * dk + i] + spread * next()).collect();
+                let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+                out.extend(row.iter().map(|x| x / norm * scale));
+            }
+        }
+        out
+    };
+    let k = unit(1.0, 0.3);
+    let q = unit((dk as f32).powf(-0.5), 1.0);
+    let mut next_vec = |n: usize, f: &dyn Fn(f32) -> f32| -> Vec<f32> { (0..n).map(|_| f(next())).collect() };
+    let v = next_vec(b * t * h * dv, &|x| x);
+    let beta = next_vec(b * t * h, &|x| 0.6 + 0.4 * x.abs());
+    let log_g = next_vec(b * t * h, &|x| -2.0 * x * x);
+    let state0 = next_vec(b * h * dv * dk, &|x| x);
+    let q = arr(&q, &[b, t, h, dk]);
+    let k = arr(&k, &[b, t, h, dk]);
+    let v = arr(&v, &[b, t, h, dv]);
+    let beta = arr(&beta, &[b, t, h]);
+    let log_g = arr(&log_g, &[b, t, h]);
+    let state0 = arr(&state0, &[b, h, dv, dk]);
+
+    let g = log_g.exp().unwrap();
+    let at = |a: &Array, i: i32| a.slice_axis(1, i, i + 1).unwrap().squeeze(&[1]).unwrap();
+    let mut state = state0.clone();
+    let mut ys = Vec::new();
+    for i in 0..t as i32 {
+        let (y, s) =
+            ops::gated_delta_step(&at(&q, i), &at(&k, i), &at(&v, i), &at(&g, i), &at(&beta, i), &state).unwrap();
+        ys.push(y.expand_dims(&[1]).unwrap());
+        state = s;
+    }
+    let want_y = ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap().to_vec_f32().unwrap();
+    let want_s = state.to_vec_f32().unwrap();
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        let diff = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= 1e-5 * scale.max(10.0), "{what}: max diff {diff} (largest value {scale})");
+    };
+    for chunk in [64, 16] {
+        let (y, s) = ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state0, chunk).unwrap();
+        assert_eq!(y.shape(), vec![b, t, h, dv]);
+        close(&y.to_vec_f32().unwrap(), &want_y, &format!("outputs, chunks of {chunk}"));
+        close(&s.to_vec_f32().unwrap(), &want_s, &format!("final state, chunks of {chunk}"));
+    }
+    assert!(ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state0, 48).is_err(), "48 is not a power of two");
+}
