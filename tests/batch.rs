@@ -11,7 +11,7 @@
 use super::common;
 
 use host::engine::batch::{Batch, Row};
-use host::engine::step::prefill;
+use host::engine::step::{prefill, prefill_together, prefills_together};
 use host::engine::{DecodeOptions, Generation, Sampler, SamplingParams};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -158,7 +158,8 @@ fn a_batch_of_gemma4_gives_mlx_lm_batch_generate_ids_and_solo_ids() {
 }
 
 /// The eight prompts decoded together by `model` (half joining after the others' third
-/// step) give each prompt its solo ids and mlx-lm `batch_generate`'s, up to near-ties.
+/// step, prefilled together where the model allows) give each prompt its solo ids and mlx-lm
+/// `batch_generate`'s, up to near-ties.
 fn check_batch(f: &Fixtures, name: &str) {
     let dir = f.models.join(name);
     let reference = oracle(f, &dir);
@@ -199,11 +200,23 @@ fn check_batch(f: &Fixtures, name: &str) {
         join(&mut batch, i);
     }
     let mut peak_rows = 0;
+    // The second half arrive together: prefilled in one forward where the model allows it
+    // (prompts of different lengths, 16 positions a row per forward), as the server does.
+    let join_together = |batch: &mut Batch| {
+        if !prefills_together(model) {
+            return (4..8).for_each(|i| join(batch, i));
+        }
+        let mut caches: Vec<_> = (4..8).map(|_| model.make_cache()).collect();
+        let chunks: Vec<&[u32]> = (4..8).map(|i| &reference[i].0[..reference[i].0.len() - 1]).collect();
+        prefill_together(model, &mut caches.iter_mut().collect::<Vec<_>>(), &chunks, 16).unwrap();
+        for (i, cache) in (4..8).zip(&caches) {
+            let sampler = Sampler::new(SamplingParams::default(), vocab).unwrap();
+            batch.join(Row::new(i as u64, &reference[i].0, sampler, options()).unwrap(), cache).unwrap();
+        }
+    };
     for step in 0.. {
         if step == 3 {
-            for i in 4..8 {
-                join(&mut batch, i);
-            }
+            join_together(&mut batch);
         }
         peak_rows = peak_rows.max(batch.len());
         for (key, token) in batch.step().unwrap() {

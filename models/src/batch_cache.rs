@@ -53,6 +53,22 @@ pub struct BatchKvCache {
     /// Row r's holes: column ranges `[from, to)` past its padding that hold no position of
     /// its own (drafts it rejected while another row accepted more), in column order.
     holes: Vec<Vec<(usize, usize)>>,
+    /// A recurrent layer's rows' ends in the next forward ([`end_rows_at`](Self::end_rows_at)),
+    /// until the forward takes them; then the ends it ran to, until `trim_rows` drops the
+    /// padding after them.
+    ends: Ends,
+}
+
+/// Where a recurrent layer's rows end in a forward whose shorter rows are padded after their
+/// last position (prompts prefilled together).
+#[derive(Default, Clone, PartialEq, Debug)]
+enum Ends {
+    #[default]
+    Full,
+    /// Set for the next forward.
+    Next(Vec<usize>),
+    /// The last forward left each row's state at its end.
+    Ran(Vec<usize>),
 }
 
 /// Holes past which a batch is compacted: this many columns in one row (or an eighth of the
@@ -78,6 +94,7 @@ impl Default for BatchKvCache {
             id: next_id(),
             checkpoints: Vec::new(),
             holes: Vec::new(),
+            ends: Ends::Full,
         }
     }
 }
@@ -171,6 +188,29 @@ impl BatchKvCache {
     /// attention layer's.
     pub fn keep_snapshots(&mut self, n: usize) {
         self.buffer.keep_snapshots(n);
+    }
+
+    /// In the next forward of `added` positions per row, row r's real positions are its first
+    /// `ends[r]`; the rest are padding that a `trim_rows(added, ends)` will drop. A recurrent
+    /// layer's forward ([`take_row_ends`](Self::take_row_ends)) then leaves each row's state as
+    /// it was at its end (the padding neither writes nor decays it), so the trim needs no
+    /// snapshots. No effect on an attention layer's batch, whose trim drops the columns.
+    pub fn end_rows_at(&mut self, ends: &[usize]) {
+        if self.buffer.is_recurrent() {
+            self.ends = Ends::Next(ends.to_vec());
+        }
+    }
+
+    /// The rows' ends set for this forward by [`end_rows_at`](Self::end_rows_at), for a
+    /// recurrent layer's forward to honour (it must, if it takes them).
+    pub fn take_row_ends(&mut self) -> Option<Vec<usize>> {
+        match std::mem::take(&mut self.ends) {
+            Ends::Next(ends) => {
+                self.ends = Ends::Ran(ends.clone());
+                Some(ends)
+            }
+            _ => None,
+        }
     }
 
     /// Whether this is a sliding-window layer's batch.
@@ -268,13 +308,22 @@ impl BatchKvCache {
         }
         let most = kept.iter().copied().max().unwrap_or(0);
         let uniform = kept.iter().all(|&k| k == most);
+        let ends = std::mem::take(&mut self.ends);
         record(|| CacheOp::BatchTrim { batch: self.id, added, kept: kept.to_vec() });
         if uniform {
             self.buffer.trim(added - most);
             return Ok(());
         }
         if self.buffer.is_recurrent() {
-            self.pick_states(added, kept, self.width() - (added - most))?;
+            let width = self.width() - (added - most);
+            match ends {
+                // The forward left every row's state at its end already.
+                Ends::Ran(ends) if ends == kept => {
+                    let now = self.buffer.recurrent_state()?.now();
+                    self.buffer = self.buffer.with_recurrent(now, width, None);
+                }
+                _ => self.pick_states(added, kept, width)?,
+            }
         } else {
             self.buffer.trim(added - most);
         }

@@ -76,6 +76,13 @@ pub trait CausalLm {
     fn takes_cache_forks(&self) -> bool {
         true
     }
+    /// Whether several sequences' prompts may run as the rows of one
+    /// [`forward_hidden_batch`](Self::forward_hidden_batch), the shorter padded after their end
+    /// and trimmed off (`BatchKvCache::end_rows_at`, `trim_rows`): models that batch, on one
+    /// rank. A sliding-window layer's caller must still check its caches (`is_windowed`).
+    fn prefills_in_batches(&self) -> bool {
+        self.batches() && self.takes_cache_forks()
+    }
 }
 
 #[cfg(test)]

@@ -266,8 +266,14 @@ impl DeltaNet {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+    /// `ends`: row r's real positions are its first `ends[r]` (the rest padding, which leaves
+    /// its state as it was: no write, no decay); `None` when all `s` are.
+    fn forward(&self, x: &Array, cache: &mut KvCache, ends: Option<&[usize]>) -> Result<Array> {
         let (b, s) = (x.dim(0) as i32, x.dim(1) as i32);
+        let ends = ends.filter(|e| e.iter().any(|&n| n != s as usize));
+        if ends.is_some_and(|e| e.len() != b as usize || e.iter().any(|&n| n == 0 || n > s as usize)) {
+            return Err(Error::Invalid(format!("row ends {ends:?} for a forward of {b} rows of {s} positions")));
+        }
         let (hk, hv, dk, dv) = (self.k_heads, self.v_heads, self.k_dim, self.v_dim);
         let (key_dim, value_dim) = (hk * dk, hv * dv);
         let conv_dim = 2 * key_dim + value_dim;
@@ -283,7 +289,28 @@ impl DeltaNet {
         };
         let conv_input = ops::concatenate(&[&conv_state, &qkv], 1)?;
         let total = conv_input.dim(1) as i32;
-        let next_conv = conv_input.slice_axis(1, total - keep, total)?.contiguous()?;
+        // The convolution's next inputs: the last `keep` before each row's end.
+        let next_conv = match ends {
+            None => conv_input.slice_axis(1, total - keep, total)?.contiguous()?,
+            Some(ends) => {
+                let rows = (0..b)
+                    .map(|r| {
+                        let e = ends[r as usize] as i32;
+                        conv_input.slice_axis(0, r, r + 1)?.slice_axis(1, e, e + keep)
+                    })
+                    .collect::<mlx::Result<Vec<_>>>()?;
+                ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?.contiguous()?
+            }
+        };
+        // 1 at each row's real positions, 0 on its padding: `[B, S, 1]`.
+        let real = match ends {
+            None => None,
+            Some(ends) => {
+                let flags: Vec<f32> =
+                    ends.iter().flat_map(|&e| (0..s as usize).map(move |t| if t < e { 1.0 } else { 0.0 })).collect();
+                Some(Array::from_f32(&flags, &[b as usize, s as usize, 1])?)
+            }
+        };
         let conv_out = ops::silu(&ops::conv1d(&conv_input, &self.conv, conv_dim)?)?;
         let part = |from: i32, to: i32, heads: i32, dim: i32| -> Result<Array> {
             Ok(conv_out.slice_axis(2, from, to)?.reshape(&[b, s, heads, dim])?)
@@ -298,7 +325,11 @@ impl DeltaNet {
         let q =
             fast::rms_norm_plain(&q, rms_eps)?.multiply(&Array::scalar((inv_scale * inv_scale) as f32, q.dtype())?)?;
         let k = fast::rms_norm_plain(&k, rms_eps)?.multiply(&Array::scalar(inv_scale as f32, k.dtype())?)?;
-        let beta = beta_in.sigmoid()?;
+        // Padding writes nothing (beta 0) and decays nothing (g 1 below).
+        let beta = match &real {
+            None => beta_in.sigmoid()?,
+            Some(real) => beta_in.sigmoid()?.multiply(&real.astype(beta_in.dtype())?)?,
+        };
         let mut state = match &held.state {
             Some(state) => state.clone(),
             None => Array::zeros(&[b as usize, hv as usize, dv as usize, dk as usize], Dtype::Float32)?,
@@ -314,13 +345,20 @@ impl DeltaNet {
         let mut before = Vec::with_capacity(if snapshots { s as usize } else { 0 });
         let y = match chunk_size(s) {
             Some(chunk) if !snapshots => {
-                let log_g = ops::gated_delta_log_g(&self.a_log, &a, &self.dt_bias)?;
+                let mut log_g = ops::gated_delta_log_g(&self.a_log, &a, &self.dt_bias)?;
+                if let Some(real) = &real {
+                    log_g = log_g.multiply(real)?;
+                }
                 let (y, next) = ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state, chunk)?;
                 state = next;
                 y
             }
             _ => {
-                let g = ops::gated_delta_g(&self.a_log, &a, &self.dt_bias)?;
+                let mut g = ops::gated_delta_g(&self.a_log, &a, &self.dt_bias)?;
+                if let Some(real) = &real {
+                    let one = Array::scalar(1.0, Dtype::Float32)?;
+                    g = g.multiply(real)?.add(&one.subtract(real)?)?;
+                }
                 let at = |a: &Array, t: i32| -> Result<Array> { Ok(a.slice_axis(1, t, t + 1)?.squeeze(&[1])?) };
                 let mut ys = Vec::with_capacity(s as usize);
                 for t in 0..s {
@@ -478,6 +516,11 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
 /// the state a DeltaNet layer updates (one sequence's, or a batch's stacked rows).
 trait HybridCache: LayerCache {
     fn recurrent(&mut self) -> Result<&mut KvCache>;
+    /// Where each row's real positions end in this forward, if its shorter rows are padded
+    /// after their end (`BatchKvCache::end_rows_at`).
+    fn row_ends(&mut self) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 impl HybridCache for KvCache {
@@ -489,6 +532,10 @@ impl HybridCache for KvCache {
 impl HybridCache for BatchKvCache {
     fn recurrent(&mut self) -> Result<&mut KvCache> {
         self.recurrent_mut()
+    }
+
+    fn row_ends(&mut self) -> Option<Vec<usize>> {
+        self.take_row_ends()
     }
 }
 
@@ -504,7 +551,10 @@ impl Model {
         for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
             let x = layer.input_layernorm.forward(&h)?;
             let r = match &layer.mixer {
-                Mixer::Linear(net) => net.forward(&x, c.recurrent()?)?,
+                Mixer::Linear(net) => {
+                    let ends = c.row_ends();
+                    net.forward(&x, c.recurrent()?, ends.as_deref())?
+                }
                 Mixer::Attention(attn) => attn.forward(&x, mask, c, &self.rope, at, None)?,
             };
             h = h.add(&r)?;
@@ -552,5 +602,10 @@ impl CausalLm for Model {
 
     fn takes_cache_forks(&self) -> bool {
         false
+    }
+
+    /// Its recurrent layers stop each row's state at the row's end (`end_rows_at`).
+    fn prefills_in_batches(&self) -> bool {
+        true
     }
 }

@@ -110,17 +110,16 @@ pub fn prefill_until(
     done.map(|()| !stopped)
 }
 
-/// Whether `prefill_together` may take a model's prompts: it batches, its caches live in this
-/// process (not mirrored on other ranks), and every layer keeps all its positions in order —
-/// a sliding window's or a recurrent layer's rows cannot be padded after their chunk and
-/// trimmed back over a prompt-sized chunk.
+/// Whether `prefill_together` may take a model's prompts: it batches on one rank
+/// (`prefills_in_batches`: its caches are not mirrored on other ranks; a recurrent layer
+/// stops each row's state at its end) and no layer is a sliding window's, whose rows cannot
+/// be padded after their chunk and trimmed back over a prompt-sized chunk.
 /// `HOST_JOINT_PREFILL=0` prefills every prompt alone (for measuring).
 pub fn prefills_together(model: &dyn CausalLm) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("HOST_JOINT_PREFILL").map_or(true, |v| v != "0"))
-        && model.batches()
-        && model.takes_cache_forks()
-        && model.make_cache().iter().all(|c| !c.is_windowed() && !c.is_recurrent())
+        && model.prefills_in_batches()
+        && model.make_cache().iter().all(|c| !c.is_windowed())
 }
 
 /// Several sequences' next prompt tokens together: `chunks[i]` (not empty) runs into
@@ -160,8 +159,11 @@ pub fn prefill_together(
             ids.extend(std::iter::repeat_n(part[part.len() - 1] as i32, t - part.len()));
         }
         // The hidden states only: nothing reads the logits of a prompt's positions.
-        model.forward_hidden_batch(&Array::from_i32(&ids, &[rows.len(), t])?, &mut batch)?;
         let kept: Vec<usize> = rows.iter().map(|&r| part(r).len()).collect();
+        for b in &mut batch {
+            b.end_rows_at(&kept);
+        }
+        model.forward_hidden_batch(&Array::from_i32(&ids, &[rows.len(), t])?, &mut batch)?;
         for b in &mut batch {
             b.trim_rows(t, &kept)?;
         }
@@ -190,12 +192,13 @@ mod tests {
     }
 
     /// Prompts of different lengths prefilled together, a few positions a forward — one
-    /// resuming a prefix already in its cache — hold what each holds prefilled alone: as many positions, and the same
-    /// next logits (up to float rounding). Models with sliding-window or recurrent layers are
-    /// prefilled alone.
+    /// resuming a prefix already in its cache — hold what each holds prefilled alone: as many
+    /// positions in every layer, and the same next logits (up to float rounding); for Qwen3.5's
+    /// hybrid too, whose recurrent rows stop at their own ends in a forward where others go on.
+    /// Models with sliding-window layers are prefilled alone.
     #[test]
     fn prompts_prefilled_together_hold_what_each_holds_alone() {
-        for arch in ["llama", "qwen3"] {
+        for arch in ["llama", "qwen3", "qwen3_5"] {
             let model = models::testing::model(arch, 3).unwrap();
             let model = model.as_ref();
             assert!(super::prefills_together(model), "{arch}");
@@ -216,16 +219,14 @@ mod tests {
             // Eight positions a forward: the shorter rows drop out of the last ones.
             super::prefill_together(model, &mut caches, &chunks, 8).unwrap();
             for (i, (together, alone)) in held.iter_mut().zip(&mut alone).enumerate() {
-                assert_eq!(together[0].offset(), prompts[i].len(), "{arch} row {i}");
+                assert!(together.iter().all(|c| c.offset() == prompts[i].len()), "{arch} row {i}");
                 let (a, b) = (next(model, together, 5), next(model, alone, 5));
                 let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
                 assert!(diff <= 1e-4 * largest.max(1.0), "{arch} row {i}: logits differ by {diff}");
             }
         }
-        for arch in ["gemma3_text", "qwen3_5"] {
-            assert!(!super::prefills_together(models::testing::model(arch, 2).unwrap().as_ref()), "{arch}");
-        }
+        assert!(!super::prefills_together(models::testing::model("gemma3_text", 2).unwrap().as_ref()));
     }
 
     /// The server's shutdown stops a prefill between its steps: asked to stop after two

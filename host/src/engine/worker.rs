@@ -430,6 +430,9 @@ impl Worker {
         for (i, chunk) in turn {
             let a = &mut running[i];
             let Source::Prefill { cache, todo, .. } = &mut a.source else { continue };
+            if ended.iter().any(|(j, _)| *j == i) {
+                continue; // its joint prefill failed
+            }
             // (A resumed request whose KV the prompt cache held whole has nothing to prefill.)
             if !chunk.is_empty() && !together.contains(&i) {
                 let abort = &self.abort;
@@ -437,19 +440,22 @@ impl Worker {
                 match super::step::prefill_until(m.model, cache, &chunk, self.prefill_step_size, &stop)
                     .context("prefill")
                 {
-                    Ok(true) => {
-                        let held = cache.first().map_or(0, KvCache::offset);
-                        let crossed = held / CHECKPOINT_EVERY > (held - chunk.len()) / CHECKPOINT_EVERY;
-                        if self.info.recurrent_layers > 0 && (todo.is_empty() || crossed) {
-                            cache.iter_mut().for_each(KvCache::checkpoint);
-                        }
-                    }
+                    Ok(true) => {}
                     // Shutting down: the loop's next turn ends every request.
                     Ok(false) => return,
                     Err(e) => {
                         ended.push((i, Some(e)));
                         continue;
                     }
+                }
+            }
+            // A recurrent model's states are kept where a later prompt may resume them: the
+            // prompt's end, and every CHECKPOINT_EVERY positions of a long one.
+            if !chunk.is_empty() && self.info.recurrent_layers > 0 {
+                let held = cache.first().map_or(0, KvCache::offset);
+                let crossed = held / CHECKPOINT_EVERY > (held - chunk.len()) / CHECKPOINT_EVERY;
+                if todo.is_empty() || crossed {
+                    cache.iter_mut().for_each(KvCache::checkpoint);
                 }
             }
             if todo.is_empty() && !ended.iter().any(|(j, _)| *j == i) {
