@@ -612,4 +612,26 @@ fn chunked_gated_delta_equals_the_step_by_step_rule() {
         close(&s.to_vec_f32().unwrap(), &want_s, &format!("final state, chunks of {chunk}"));
     }
     assert!(ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state0, 48).is_err(), "48 is not a power of two");
+
+    // A bfloat16 model's inputs (the state stays float32 either way): the same state to
+    // float32 rounding, the outputs (bfloat16, as the step gives them) to a bfloat16 step.
+    let bf = |a: &Array| a.astype(Dtype::Bfloat16).unwrap();
+    let (q, k, v, beta) = (bf(&q), bf(&k), bf(&v), bf(&beta));
+    let mut state = state0.clone();
+    let mut ys = Vec::new();
+    for i in 0..t as i32 {
+        let (y, s) =
+            ops::gated_delta_step(&at(&q, i), &at(&k, i), &at(&v, i), &at(&g, i), &at(&beta, i), &state).unwrap();
+        ys.push(y.expand_dims(&[1]).unwrap());
+        state = s;
+    }
+    let want_y = ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap();
+    assert_eq!(want_y.dtype(), Dtype::Bfloat16);
+    let (y, s) = ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state0, 64).unwrap();
+    assert_eq!(y.dtype(), Dtype::Bfloat16);
+    close(&s.to_vec_f32().unwrap(), &state.to_vec_f32().unwrap(), "final state, bfloat16 inputs");
+    let (got, want) = (y.astype(Dtype::Float32).unwrap(), want_y.astype(Dtype::Float32).unwrap());
+    let diff =
+        got.to_vec_f32().unwrap().iter().zip(want.to_vec_f32().unwrap()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff <= 1.0 / 128.0, "bfloat16 outputs differ by {diff}");
 }
