@@ -22,6 +22,8 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_matmul.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_qmatmul.h");
     println!("cargo:rerun-if-changed=cpp/cpu_qmatmul.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_exp.h");
+    println!("cargo:rerun-if-changed=cpp/cpu_exp.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_blas.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
@@ -34,6 +36,7 @@ fn main() {
         .file("cpp/cpu_attention.cc")
         .file("cpp/cpu_matmul.cc")
         .file("cpp/cpu_qmatmul.cc")
+        .file("cpp/cpu_exp.cc")
         .std("c++20")
         .flag("-isystem")
         .flag(include.to_str().expect("MLX include path is UTF-8"))

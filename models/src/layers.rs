@@ -144,6 +144,11 @@ pub fn short_query(len: usize) -> bool {
     (2..=SHORT_QUERY).contains(&len) && !cfg!(target_os = "macos")
 }
 
+/// Whether arrays are computed on the CPU (read once).
+fn on_cpu() -> bool {
+    mlx::Device::default_device() == mlx::Device::Cpu
+}
+
 /// `[len, offset + len]` booleans: query i (at position offset + i) sees keys 0..=offset + i.
 pub fn causal_mask(len: usize, offset: usize) -> Result<Array> {
     let (offset, len) = (offset as f64, len as f64);
@@ -162,9 +167,16 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>, si
             let fused = if sinks.is_none() { fast::short_causal_attention(q, k, v, scale)? } else { None };
             match fused {
                 Some(o) => Ok(o),
-                None => attention_unfused(q, k, v, scale, m, sinks),
+                None => attention_unfused(q, k, v, scale, Some(m), sinks),
             }
         }
+        // One query a row on the CPU (decode steps): the same ops as MLX's fallback for the
+        // fused op, whose softmax inside MLX would be MLX's scalar one; this one's is the
+        // host's (the same bits, `ops::softmax` on the CPU).
+        Mask::Array(m) if q.dim(2) == 1 && m.dtype() == Dtype::Bool && on_cpu() => {
+            attention_unfused(q, k, v, scale, Some(m), sinks)
+        }
+        Mask::None if q.dim(2) == 1 && on_cpu() => attention_unfused(q, k, v, scale, None, sinks),
         mask => Ok(match sinks {
             Some(sinks) => fast::scaled_dot_product_attention_sinks(q, k, v, scale, mask, sinks)?,
             None => fast::scaled_dot_product_attention(q, k, v, scale, mask)?,
@@ -173,7 +185,7 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>, si
 }
 
 /// Attention of `q` `[B, H, L, D]` over `k`, `v` `[B, KVH, S, D]` with a boolean `mask`
-/// broadcastable to `[L, S]` (and `sinks`, `[H]`, as one more logit per head in the softmax),
+/// broadcastable to `[L, S]` (or none) (and `sinks`, `[H]`, as one more logit per head in the softmax),
 /// op for op as MLX's fallback for the fused op computes it: on the CPU the result is the
 /// fused op's, bit for bit (with [`causal_mask`], the causal one's).
 pub fn attention_unfused(
@@ -181,7 +193,7 @@ pub fn attention_unfused(
     k: &Array,
     v: &Array,
     scale: f32,
-    mask: &Array,
+    mask: Option<&Array>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
     let (b, h, l, d) = (q.dim(0) as i32, q.dim(1) as i32, q.dim(2) as i32, q.dim(3) as i32);
@@ -199,16 +211,21 @@ pub fn attention_unfused(
     let mut axes: Vec<i32> = (0..last as i32).collect();
     axes.swap(last - 1, last - 2);
     let scores = ops::matmul(&q, &k.transpose(&axes)?)?;
-    let lowest = Array::scalar(lowest_finite(dtype), dtype)?;
-    // A per-row mask `[B, 1, L, S]` gains the repeats' axis, as MLX's fallback gives it.
-    let grouped;
-    let mask = if repeats > 1 && mask.ndim() >= 3 && mask.dim(-3) == 1 {
-        grouped = mask.expand_dims(&[-3])?;
-        &grouped
-    } else {
-        mask
+    let mut scores = match mask {
+        None => scores,
+        Some(mask) => {
+            let lowest = Array::scalar(lowest_finite(dtype), dtype)?;
+            // A per-row mask `[B, 1, L, S]` gains the repeats' axis, as MLX's fallback gives it.
+            let grouped;
+            let mask = if repeats > 1 && mask.ndim() >= 3 && mask.dim(-3) == 1 {
+                grouped = mask.expand_dims(&[-3])?;
+                &grouped
+            } else {
+                mask
+            };
+            ops::where_(mask, &scores, &lowest)?
+        }
     };
-    let mut scores = ops::where_(mask, &scores, &lowest)?;
     if let Some(sinks) = sinks {
         // A first column of each head's sink logit, dropped after the softmax.
         let mut shape: Vec<i32> = scores.shape().iter().map(|&n| n as i32).collect();

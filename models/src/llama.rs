@@ -468,7 +468,7 @@ fn windowed_attention(
         .logical_and(&since.less(&Array::scalar(window as f32, Dtype::Int32)?)?)?;
     if short_query(l) {
         // Not the short causal kernel: this mask is not the plain causal one.
-        attention_unfused(q, &k, &v, scale, &visible, sinks)
+        attention_unfused(q, &k, &v, scale, Some(&visible), sinks)
     } else {
         attention(q, &k, &v, scale, Mask::Array(&visible), sinks)
     }

@@ -904,7 +904,8 @@ fn projections_in_different_formats_stay_separate() {
 /// Short causal queries (speculative verification) attend through the unfused graph with an
 /// explicit causal mask; on the CPU, where the fused op runs MLX's own fallback, both must
 /// agree bit for bit with the fused causal op, with and without grouped heads, in float32 and
-/// bfloat16, from 2 to `SHORT_QUERY` queries.
+/// bfloat16, from 2 to `SHORT_QUERY` queries; and so do single queries (decode steps), which
+/// take the unfused graph on the CPU too.
 #[test]
 fn short_causal_queries_attend_exactly_as_the_fused_op() {
     use crate::layers::{attention, attention_unfused, causal_mask, SHORT_QUERY};
@@ -922,7 +923,7 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
                 let (q, k, v) = (make(heads, l, 1), make(kv_heads, s, 2), make(kv_heads, s, 3));
                 let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Causal).unwrap();
                 let mask = causal_mask(l, s - l).unwrap();
-                let unfused = attention_unfused(&q, &k, &v, 0.25, &mask, None).unwrap();
+                let unfused = attention_unfused(&q, &k, &v, 0.25, Some(&mask), None).unwrap();
                 let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask), None).unwrap();
                 assert_eq!(unfused.shape(), fused.shape());
                 assert_eq!(
@@ -931,6 +932,22 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
                     "{heads}/{kv_heads} {dtype:?} {l}x{s}"
                 );
                 assert_eq!(routed.to_vec_f32().unwrap(), fused.to_vec_f32().unwrap());
+            }
+            // One query a row (a batch's decode step; on the CPU the unfused graph, with the
+            // host's softmax), unmasked and with a row padded on the left.
+            let (b, s, d) = (2usize, 11usize, 16usize);
+            let make = |h: usize, n: usize, seed| {
+                Array::from_f32(&values(b * h * n * d, seed), &[b, h, n, d]).unwrap().astype(dtype).unwrap()
+            };
+            let (q, k, v) = (make(heads, 1, 4), make(kv_heads, s, 5), make(kv_heads, s, 6));
+            let keep: Vec<i32> = (0..b * s).map(|i| i32::from(i >= s + 3 || i < s)).collect();
+            let mask = Array::from_i32(&keep, &[b, 1, 1, s]).unwrap().astype(Dtype::Bool).unwrap();
+            for masked in [false, true] {
+                let label = format!("{heads}/{kv_heads} {dtype:?} one query, masked: {masked}");
+                let m = || if masked { Mask::Array(&mask) } else { Mask::None };
+                let routed = attention(&q, &k, &v, 0.25, m(), None).unwrap().to_vec_f32().unwrap();
+                let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, m()).unwrap().to_vec_f32().unwrap();
+                assert_eq!(routed, fused, "{label}");
             }
         }
     }

@@ -5,6 +5,7 @@
 #include "mlx/cpp/cpu_attention.h"
 #include "mlx/cpp/cpu_matmul.h"
 #include "mlx/cpp/cpu_qmatmul.h"
+#include "mlx/cpp/cpu_exp.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -672,7 +673,10 @@ Ptr where(const array& c, const array& a, const array& b) { return wrap(mx::wher
 
 // mlx-lm's `swiglu` is `mx.compile(shapeless=True)` of silu(gate) * x; compiling the same
 // graph here keeps the fused kernel, and with it the rounding, identical to the reference.
+// On the CPU, float32 goes to the host's own kernel (cpu_exp.cc: the same bits, sixteen
+// lanes at a time).
 Ptr swiglu(const array& gate, const array& x) {
+  if (auto y = cpu_swiglu(gate, x)) return wrap(std::move(*y));
   static auto fn = mx::compile(
       [](const std::vector<array>& in) -> std::vector<array> {
         return {mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0])), in[1])};
@@ -920,7 +924,13 @@ Ptr gelu_approx(const array& x) {
 Ptr sum(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::sum(a, to_ints(ax), k)); }
 Ptr max(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::max(a, to_ints(ax), k)); }
 Ptr mean(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::mean(a, to_ints(ax), k)); }
-Ptr logsumexp(const array& a, rust::Slice<const int32_t> ax, bool k) { return wrap(mx::logsumexp(a, to_ints(ax), k)); }
+// Over the last axis of float32 on the CPU: the host's kernel (cpu_exp.cc, MLX's bits).
+Ptr logsumexp(const array& a, rust::Slice<const int32_t> ax, bool k) {
+  if (ax.size() == 1 && a.ndim() > 0 && (ax[0] == -1 || ax[0] == static_cast<int32_t>(a.ndim()) - 1)) {
+    if (auto y = cpu_logsumexp(a, k)) return wrap(std::move(*y));
+  }
+  return wrap(mx::logsumexp(a, to_ints(ax), k));
+}
 Ptr argmax(const array& a, int32_t axis, bool k) { return wrap(mx::argmax(a, axis, k)); }
 Ptr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive) {
   return wrap(mx::cumsum(a, axis, reverse, inclusive));
@@ -1056,7 +1066,11 @@ Ptr sdpa_masked_sinks(const array& q, const array& k, const array& v, float scal
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask, sinks));
 }
 
+// Over the last axis of float32 on the CPU: the host's kernel (cpu_exp.cc, MLX's bits).
 Ptr softmax(const array& a, rust::Slice<const int32_t> ax, bool precise) {
+  if (ax.size() == 1 && a.ndim() > 0 && (ax[0] == -1 || ax[0] == static_cast<int32_t>(a.ndim()) - 1)) {
+    if (auto y = cpu_softmax(a)) return wrap(std::move(*y));
+  }
   return wrap(mx::softmax(a, to_ints(ax), precise));
 }
 Ptr sort(const array& a, int32_t axis) { return wrap(mx::sort(a, axis)); }
@@ -1144,6 +1158,7 @@ void exit_without_teardown(int32_t code) {
 }
 
 void cap_cpu_qmatmul_isa(int32_t level) { cpu_qmatmul_isa_cap.store(level); }
+void set_cpu_exp_mode(int32_t mode) { cpu_exp_mode.store(mode); }
 bool cpu_quantized_products() { return cpu_qmatmul_enabled(); }
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {

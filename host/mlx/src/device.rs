@@ -115,6 +115,14 @@ pub fn cap_cpu_qmatmul_isa(level: i32) {
     ffi::cap_cpu_qmatmul_isa(level);
 }
 
+/// Which kernels `ops::swiglu` and `logsumexp` over the last axis run on the CPU for float32:
+/// 0 MLX's, 1 the host's scalar loops, 2 (the default) its AVX-512 loops where the CPU has
+/// them: for tests.
+#[doc(hidden)]
+pub fn set_cpu_exp_mode(mode: i32) {
+    ffi::set_cpu_exp_mode(mode);
+}
+
 /// Whether quantized products on the CPU are the shim's own (`HOST_CPU_QMATMUL` unset or not
 /// `0`): loaders keep quantized weights packed for them, else expand them to float32.
 pub fn cpu_quantized_products() -> bool {

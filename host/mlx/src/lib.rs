@@ -16,7 +16,7 @@ pub mod ops;
 pub use array::Array;
 pub use device::{
     async_eval, async_eval_detached, cap_cpu_qmatmul_isa, cpu_quantized_products, eval, exit_without_teardown,
-    graph_dot, memory, synchronize, version, Detached, Device, Stream,
+    graph_dot, memory, set_cpu_exp_mode, synchronize, version, Detached, Device, Stream,
 };
 pub use dtype::Dtype;
 pub use error::{Error, Result};

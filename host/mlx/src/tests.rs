@@ -635,3 +635,89 @@ fn chunked_gated_delta_equals_the_step_by_step_rule() {
         got.to_vec_f32().unwrap().iter().zip(want.to_vec_f32().unwrap()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(diff <= 1.0 / 128.0, "bfloat16 outputs differ by {diff}");
 }
+
+/// The host's CPU SwiGLU and log-sum-exp (AVX-512, and their scalar fallbacks) give MLX's
+/// kernels' bits. SwiGLU over a sweep of gates from -100 to 100 (exp's cut-offs at +-88, the
+/// half-way points of its rounding), zeros of both signs, infinities, NaN and subnormals, a
+/// length that is not a multiple of sixteen, and the halves of a fused gate/up projection read
+/// in place (rows strided in memory). Log-sum-exp over vocabulary-sized rows: logits, masked
+/// ones (-inf), all masked, one NaN, huge values, and a column of a matrix (a strided row);
+/// softmax over the same rows and over short ones.
+#[test]
+#[allow(clippy::approx_constant)] // 1.442695 is MLX's own rounding of log2(e), on purpose
+fn cpu_exp_kernels_are_mlxs_bit_for_bit() {
+    let mut gates: Vec<f32> = (0..40_000).map(|i| -100.0 + i as f32 * 0.005).collect();
+    gates.extend([0.0, -0.0, 88.0, -88.0, 88.00001, -88.00001, 61.0, -61.0, f32::INFINITY, f32::NEG_INFINITY]);
+    gates.extend([f32::NAN, 1e-40, -1e-40, f32::MIN_POSITIVE, 0.5 / std::f32::consts::LOG2_E]);
+    // Every float around the gates whose |g| * log2(e) is just under 0.5, 1.5, 3.5, ...: there
+    // a float sum x + 0.5 rounds up to the next power of two where MLX's exact one does not.
+    for t in [0.5f32, 1.5, 3.5, 7.5, 15.5, 31.5, 63.5] {
+        let mid = (t / 1.442_695f32).to_bits();
+        gates.extend((mid - 600..mid + 600).map(f32::from_bits).flat_map(|g| [g, -g]));
+    }
+    let n = gates.len();
+    let xs: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0).collect();
+    let (g, x) = (arr(&gates, &[n]), arr(&xs, &[n]));
+    // A fused projection [rows, 2F]: gate the first half of each row, x the second.
+    let (rows, f) = (8usize, 1537usize);
+    let fused: Vec<f32> = (0..rows * 2 * f).map(|i| gates[i % n] * if i % 3 == 0 { -1.0 } else { 1.0 }).collect();
+    let fused = arr(&fused, &[rows, 2 * f]);
+    let (fg, fx) = (fused.slice_axis(1, 0, f as i32).unwrap(), fused.slice_axis(1, f as i32, 2 * f as i32).unwrap());
+    let run = |mode: i32| -> (Vec<f32>, Vec<f32>) {
+        crate::device::set_cpu_exp_mode(mode);
+        let a = ops::swiglu(&g, &x).unwrap().to_vec_f32().unwrap();
+        let b = ops::swiglu(&fg, &fx).unwrap().to_vec_f32().unwrap();
+        (a, b)
+    };
+    // Log-sum-exp rows of 49,157 (not a multiple of sixteen).
+    let m = 49_157usize;
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    // One logit at 0 and the rest far below: a sum near 1 whose log shows its last bits.
+    rows.push((0..m).map(|i| if i == 777 { 0.0 } else { -12.0 + xs[i % n] / 10.0 }).collect());
+    rows.push((0..m).map(|i| if i % 5 == 0 { f32::NEG_INFINITY } else { xs[i % n] * 3.0 }).collect());
+    rows.push(vec![f32::NEG_INFINITY; m]);
+    rows.push((0..m).map(|i| if i == 30_001 { f32::NAN } else { xs[i % n] }).collect());
+    rows.push((0..m).map(|i| 1e30 + xs[i % n]).collect());
+    let flat: Vec<f32> = rows.concat();
+    let logits = arr(&flat, &[rows.len(), m]);
+    let column = logits.slice_axis(1, 0, 1000).unwrap().transpose(&[1, 0]).unwrap();
+    let lse = |mode: i32| -> Vec<f32> {
+        crate::device::set_cpu_exp_mode(mode);
+        let a = logits.logsumexp(&[-1], false).unwrap().to_vec_f32().unwrap();
+        let b = column.logsumexp(&[-1], true).unwrap().to_vec_f32().unwrap();
+        // Softmax of the same rows (the last two: attention's and a sampler's), and of a
+        // [2, 3, 37] block of them (rows not a multiple of sixteen long).
+        let c = logits.softmax(&[-1], true).unwrap().to_vec_f32().unwrap();
+        let d = column.softmax(&[-1], true).unwrap().to_vec_f32().unwrap();
+        let block = Array::from_f32(&flat[..2 * 3 * 37], &[2, 3, 37]).unwrap();
+        let e = block.softmax(&[-1], true).unwrap().to_vec_f32().unwrap();
+        [a, b, c, d, e].concat()
+    };
+    let want = lse(0);
+    assert!(want[2] == f32::NEG_INFINITY && want[3].is_nan(), "{:?}", &want[..5]);
+    for mode in [1, 2] {
+        let got = lse(mode);
+        assert_eq!(got.len(), want.len());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "mode {mode}, log-sum-exp or softmax value {i}: {a:e} against MLX's {b:e}"
+            );
+        }
+    }
+
+    let mlx = run(0);
+    for mode in [1, 2] {
+        let host = run(mode);
+        for (what, got, want) in [("sweep", &host.0, &mlx.0), ("fused halves", &host.1, &mlx.1)] {
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "mode {mode}, {what}[{i}]: {a:e} against MLX's {b:e}"
+                );
+            }
+        }
+    }
+    crate::device::set_cpu_exp_mode(2);
+}
