@@ -1,6 +1,8 @@
-// Two of MLX's CPU kernels that spend their time in exp, sixteen lanes at a time with the same
-// bits (issue 47): SwiGLU, silu(gate) * x (mlx-lm's compiled `swiglu`), and the log-sum-exp
-// over the vocabulary that every sampled token's log-probabilities take. MLX's CPU elementwise
+// Three of MLX's CPU kernels that spend their time in exp, sixteen lanes at a time with the
+// same bits (issue 47): SwiGLU, silu(gate) * x (mlx-lm's compiled `swiglu`), the log-sum-exp
+// over the vocabulary that every sampled token's log-probabilities take, and softmax (a
+// decode step's attention). Only on x86-64, where MLX's kernels are the scalar ones mirrored
+// here (on ARM its NEON kernels sum in lanes, another order). MLX's CPU elementwise
 // kernels are scalar on x86 (its SIMD types have no x86 implementation), and its exp calls
 // libm's fmaf through the PLT for each term of its polynomial: in a batch-8 decode step of
 // SmolLM2 (4-bit weights) the fused SwiGLU was 17% of the time and the log-sum-exp another 9%,
@@ -329,8 +331,13 @@ class ExpKernel : public mx::UnaryPrimitive {
 
 // Whether the host's kernels take float32 `x` here (else nullopt goes back to MLX's).
 bool serves(const mx::array& x) {
+#if defined(__x86_64__)
   return cpu_exp_enabled() && cpu_exp_mode.load() != 0 && mx::default_device() == mx::Device::cpu &&
          x.dtype() == mx::float32 && x.ndim() > 0 && x.size() > 0;
+#else
+  (void)x;  // MLX's kernels are vectorized there, summing in their own order
+  return false;
+#endif
 }
 
 }  // namespace
