@@ -589,16 +589,20 @@ fn chunked_gated_delta_equals_the_step_by_step_rule() {
 
     let g = log_g.exp().unwrap();
     let at = |a: &Array, i: i32| a.slice_axis(1, i, i + 1).unwrap().squeeze(&[1]).unwrap();
-    let mut state = state0.clone();
-    let mut ys = Vec::new();
-    for i in 0..t as i32 {
-        let (y, s) =
-            ops::gated_delta_step(&at(&q, i), &at(&k, i), &at(&v, i), &at(&g, i), &at(&beta, i), &state).unwrap();
-        ys.push(y.expand_dims(&[1]).unwrap());
-        state = s;
-    }
-    let want_y = ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap().to_vec_f32().unwrap();
-    let want_s = state.to_vec_f32().unwrap();
+    // The step rule over every position: (outputs [B, T, H, Dv], final state).
+    let stepped = |q: &Array, k: &Array, v: &Array, beta: &Array| -> (Array, Array) {
+        let mut state = state0.clone();
+        let mut ys = Vec::new();
+        for i in 0..t as i32 {
+            let (y, s) =
+                ops::gated_delta_step(&at(q, i), &at(k, i), &at(v, i), &at(&g, i), &at(beta, i), &state).unwrap();
+            ys.push(y.expand_dims(&[1]).unwrap());
+            state = s;
+        }
+        (ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap(), state)
+    };
+    let (want_y, want_s) = stepped(&q, &k, &v, &beta);
+    let (want_y, want_s) = (want_y.to_vec_f32().unwrap(), want_s.to_vec_f32().unwrap());
     let close = |got: &[f32], want: &[f32], what: &str| {
         assert_eq!(got.len(), want.len(), "{what}");
         let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
@@ -617,15 +621,7 @@ fn chunked_gated_delta_equals_the_step_by_step_rule() {
     // float32 rounding, the outputs (bfloat16, as the step gives them) to a bfloat16 step.
     let bf = |a: &Array| a.astype(Dtype::Bfloat16).unwrap();
     let (q, k, v, beta) = (bf(&q), bf(&k), bf(&v), bf(&beta));
-    let mut state = state0.clone();
-    let mut ys = Vec::new();
-    for i in 0..t as i32 {
-        let (y, s) =
-            ops::gated_delta_step(&at(&q, i), &at(&k, i), &at(&v, i), &at(&g, i), &at(&beta, i), &state).unwrap();
-        ys.push(y.expand_dims(&[1]).unwrap());
-        state = s;
-    }
-    let want_y = ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap();
+    let (want_y, state) = stepped(&q, &k, &v, &beta);
     assert_eq!(want_y.dtype(), Dtype::Bfloat16);
     let (y, s) = ops::gated_delta_chunked(&q, &k, &v, &log_g, &beta, &state0, 64).unwrap();
     assert_eq!(y.dtype(), Dtype::Bfloat16);
