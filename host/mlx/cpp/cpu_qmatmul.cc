@@ -7,11 +7,10 @@
 //   y[r] = sum_g dot(scales[r, g] * q[r, g], x[g]) + biases[r, g] * sum(x[g])
 //
 // For a few activation rows (decode), each 32-weight chunk's codes become float weights once
-// (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias, in
-// tiles of 4 weight rows by up to 4 activation rows; otherwise converted and scaled, the bias
-// term added from x's group sums) and are multiplied with every row's activations (up to 8
-// rows a pass with AVX-512, 4 with AVX2),
-// which were reordered beforehand so a chunk's low nibbles meet the even positions and its
+// (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias;
+// otherwise converted and scaled, the bias term added from x's group sums) and are multiplied
+// with the activations of several rows (AVX-512: tiles of 4 weight rows by up to 2 activation
+// rows; AVX2: one weight row by 4 activation rows), which were reordered beforehand so a chunk's low nibbles meet the even positions and its
 // high nibbles the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run
 // time), else portable C++. Large products are split by weight rows over a small pool of
 // threads. For more rows (prefill chunks, wide batches), blocks of weight rows are dequantized
@@ -61,13 +60,15 @@ namespace {
 // Measured with `host bench --batch` on the 2-core EPYC (bench/RESULTS.md, session 37), as
 // aggregate tok/s against float32 weights: 4 rows 2.3x, 8 rows 1.55x, 16 rows (two passes)
 // 1.0x; at 32, dequantize + sgemm runs 0.6-1.0x (the dequantization is its largest cost).
-constexpr int kPackedRows = 16;
+// AVX-512's tiles (session 42) pay at more rows: SmolLM2's prefill of 44 tokens 1.3x the
+// dequantized product's, 128 about even, 512 0.85x; a batch of 32 decodes 1.3-1.9x.
+constexpr int kPackedRows = 16, kPackedRowsAvx512 = 64;
 // Floats of weights dequantized for one sgemm call (16 MB, inside this CPU's 32 MB L3): 1 MB
 // blocks cost 2x at 16 rows and slowed prefill (OpenBLAS's per-call overhead at small N).
 constexpr int kDequantizedBlock = 1 << 22;
-// Rows of activations a kernel call carries at once (two accumulators a row live in
-// registers: AVX-512 has 32 of them, AVX2 16).
-constexpr int kRowsPerPassAvx512 = 8, kRowsPerPass = 4;
+// Rows of activations an AVX2 or portable kernel call carries at once (two accumulators a row
+// live in AVX2's 16 registers); AVX-512's tiles take all of a product's rows.
+constexpr int kRowsPerPass = 4;
 
 enum Isa { kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 
@@ -89,6 +90,10 @@ Isa isa() {
   const int cap = cpu_qmatmul_isa_cap.load(std::memory_order_relaxed);
   const Isa found = detected_isa();
   return static_cast<Isa>(found < cap ? found : (cap < kPortable ? kPortable : cap));
+}
+
+int packed_rows() {
+  return isa() == kAvx512 ? kPackedRowsAvx512 : kPackedRows;
 }
 
 // One product's operands, with R activation rows already reordered (`xp`, [R, K]) and summed
@@ -212,75 +217,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__
   return _mm_cvtss_f32(s);
 }
 
-// For each of a pass's R rows: acc[r] += one chunk's weights (q0: its first 16 in the
-// reordered layout, q1: the rest) times the row's activations at `x` (rows `k` apart).
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void fma_rows(
-    __m512 (&acc)[R][2], __m512 q0, __m512 q1, const float* x, int k) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; r++) {
-    const float* xr = x + static_cast<size_t>(r) * k;
-    acc[r][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xr), acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-  }
-}
-
-// 8 bits: a chunk's codes converted and scaled, the bias term added from x's group sums.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const Job& j, int n0, int n1) {
-  const int chunks = j.group / 32;
-  for (int c = n0; c < n1; c++) {
-    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
-    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
-    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
-    __m512 acc[R][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int g = 0; g < j.groups; g++) {
-      const __m512 s = _mm512_set1_ps(sr[g]);
-      for (int ch = 0; ch < chunks; ch++) {
-        const int at = (g * chunks + ch) * 32;
-        const __m512 q0 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at)))), s);
-        const __m512 q1 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16)))),
-            s);
-        fma_rows<R>(acc, q0, q1, j.xp + at, j.k);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-      const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
-      __m512 bv = _mm512_setzero_ps();
-      for (int g = 0; g < j.groups; g += 16) {
-        const __mmask16 m = j.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j.groups - g)) - 1);
-        bv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, br + g), _mm512_maskz_loadu_ps(m, xs + g), bv);
-      }
-      j.y[static_cast<size_t>(r) * j.n + c] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum512(bv);
-    }
-  }
-}
-
-// 4 bits: a tile of NR weight rows by MR activation rows, one accumulator each (NR * MR <= 16
-// of the 32 registers). Per group, each weight row's 16 possible weights, scale * code + bias,
-// are looked up by code (vpermps reads an index's low 4 bits): no conversion, no scaling, no
-// bias term afterwards. Per chunk half, each activation vector is loaded once for NR weight
-// rows: a pass of one weight row by eight activation rows loaded as many activations as it
-// did multiply-adds, and the loads, not the arithmetic, set its pace (1.9 G multiply-adds of
-// 16 lanes a second on this EPYC's core; tiles of 4 x 4: 2.7).
+// A tile of NR weight rows by MR activation rows, two accumulators each (a chunk's first half
+// and its second: 2 * NR * MR <= 16 of the 32 registers). Per chunk half, each activation
+// vector is loaded once for NR weight rows: a pass of one weight row by eight activation rows
+// loaded as many activations as it did multiply-adds, and the loads, not the arithmetic, set
+// its pace (SmolLM2's products on this EPYC's core, 8 rows: 1.75 G multiply-adds of 16 lanes
+// a second; tiles of 4 x 2: 1.9-2.0). One activation row reads one weight row at a time: tiles
+// of 4 weight rows read 4 streams a thread, and two threads then drew 11-15 GB/s where one
+// stream each drew 16-22. (Tiles of 4 x 4 with one accumulator a pair ran 2.3-2.7 G a
+// second, but one accumulator puts a pair's sum in another order than the lone row's two,
+// and a row's result must not depend on its company.) 4 bits: per group, each weight
+// row's 16 possible weights, scale * code + bias, looked up by code (vpermps reads an index's
+// low 4 bits): no conversion, no scaling, no bias term afterwards. 8 bits: codes converted and
+// scaled, the bias term added at the end from x's group sums.
 //
-// Every (weight row, activation row) pair sums in the same order whatever the tile (chunk by
-// chunk, the low half then the high), so a row's result has the same bits alone or in a batch.
-template <int NR, int MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void tile4_avx512(const Job& j, int c,
-                                                                                                   int r0) {
+// Every (weight row, activation row) pair sums in the same order whatever the tile (each half's
+// accumulator chunk by chunk, then the two added), so a row's result has the same bits alone or
+// in a batch.
+template <int BITS, int NR, int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void tile_avx512(const Job& j, int c,
+                                                                                                  int r0) {
   const int chunks = j.group / 32;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[NR][MR];
+  __m512 acc[2][NR][MR];
 #pragma GCC unroll 4
   for (int a = 0; a < NR; a++) {
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; r++) acc[a][r] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) acc[0][a][r] = acc[1][a][r] = _mm512_setzero_ps();
   }
   // One pointer per stream, the tile's weight rows at fixed strides from it (few registers).
   const float* x = j.xp + static_cast<size_t>(r0) * j.k;
@@ -289,25 +252,37 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   const float* bi = j.biases + static_cast<size_t>(c) * j.groups;
   const size_t ws = j.w_stride, gs = static_cast<size_t>(j.groups), xs = static_cast<size_t>(j.k);
   for (int g = 0; g < j.groups; g++, sc++, bi++) {
-    __m512 table[NR];
+    __m512 table[NR];  // 4 bits: the group's 16 weights; 8 bits: its scale
 #pragma GCC unroll 4
-    for (int a = 0; a < NR; a++) table[a] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[a * gs]), _mm512_set1_ps(bi[a * gs]));
-    for (int ch = 0; ch < chunks; ch++, w += 16, x += 32) {
+    for (int a = 0; a < NR; a++) {
+      table[a] = BITS == 4 ? _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[a * gs]), _mm512_set1_ps(bi[a * gs]))
+                           : _mm512_set1_ps(sc[a * gs]);
+    }
+    for (int ch = 0; ch < chunks; ch++, w += BITS * 4, x += 32) {
       __m512i codes[NR];
+      if (BITS == 4) {
 #pragma GCC unroll 4
-      for (int a = 0; a < NR; a++) {
-        codes[a] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + a * ws)));
+        for (int a = 0; a < NR; a++) {
+          codes[a] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + a * ws)));
+        }
       }
 #pragma GCC unroll 2
       for (int h = 0; h < 2; h++) {
         __m512 q[NR];
 #pragma GCC unroll 4
-        for (int a = 0; a < NR; a++) q[a] = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(codes[a], 4) : codes[a], table[a]);
+        for (int a = 0; a < NR; a++) {
+          if (BITS == 4) {
+            q[a] = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(codes[a], 4) : codes[a], table[a]);
+          } else {
+            const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + a * ws + 16 * h));
+            q[a] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(by)), table[a]);
+          }
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; r++) {
           const __m512 xv = _mm512_loadu_ps(x + r * xs + 16 * h);
 #pragma GCC unroll 4
-          for (int a = 0; a < NR; a++) acc[a][r] = _mm512_fmadd_ps(q[a], xv, acc[a][r]);
+          for (int a = 0; a < NR; a++) acc[h][a][r] = _mm512_fmadd_ps(q[a], xv, acc[h][a][r]);
         }
       }
     }
@@ -315,27 +290,38 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
 #pragma GCC unroll 4
   for (int a = 0; a < NR; a++) {
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; r++) j.y[static_cast<size_t>(r0 + r) * j.n + c + a] = hsum512(acc[a][r]);
+    for (int r = 0; r < MR; r++) {
+      float bias = 0.f;
+      if (BITS != 4) {
+        const float* br = j.biases + static_cast<size_t>(c + a) * j.groups;
+        const float* xsum = j.xsum + static_cast<size_t>(r0 + r) * j.groups;
+        __m512 bv = _mm512_setzero_ps();
+        for (int g = 0; g < j.groups; g += 16) {
+          const __mmask16 m = j.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j.groups - g)) - 1);
+          bv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, br + g), _mm512_maskz_loadu_ps(m, xsum + g), bv);
+        }
+        bias = hsum512(bv);
+      }
+      j.y[static_cast<size_t>(r0 + r) * j.n + c + a] = hsum512(_mm512_add_ps(acc[0][a][r], acc[1][a][r])) + bias;
+    }
   }
 }
 
-// Weight rows [c, c + NR) against all j.rows activation rows, in tiles of up to 4 rows.
-template <int NR>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tiles4_avx512(const Job& j, int c) {
+// Weight rows [c, c + NR) against all j.rows activation rows, in tiles of up to 2 rows.
+template <int BITS, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tiles_avx512(const Job& j, int c) {
   int r0 = 0;
-  for (; r0 + 4 <= j.rows; r0 += 4) tile4_avx512<NR, 4>(j, c, r0);
-  switch (j.rows - r0) {
-    case 3: return tile4_avx512<NR, 3>(j, c, r0);
-    case 2: return tile4_avx512<NR, 2>(j, c, r0);
-    case 1: return tile4_avx512<NR, 1>(j, c, r0);
-    default: return;
-  }
+  for (; r0 + 2 <= j.rows; r0 += 2) tile_avx512<BITS, NR, 2>(j, c, r0);
+  if (r0 < j.rows) tile_avx512<BITS, NR, 1>(j, c, r0);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows4_avx512(const Job& j, int n0, int n1) {
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const Job& j, int n0, int n1) {
   int c = n0;
-  for (; c + 4 <= n1; c += 4) tiles4_avx512<4>(j, c);
-  for (; c < n1; c++) tiles4_avx512<1>(j, c);
+  if (j.rows > 1) {
+    for (; c + 4 <= n1; c += 4) tiles_avx512<BITS, 4>(j, c);
+  }
+  for (; c < n1; c++) tiles_avx512<BITS, 1>(j, c);
 }
 #endif
 
@@ -395,17 +381,12 @@ void run_rows(const Job& j, int n0, int n1) {
 #if defined(__x86_64__)
   const Isa level = isa();
   if (level >= kAvx2) {
-    const bool wide = level == kAvx512;
-    if (wide && j.bits == 4) return rows4_avx512(j, n0, n1);
+    if (level == kAvx512) return j.bits == 4 ? rows_avx512<4>(j, n0, n1) : rows_avx512<8>(j, n0, n1);
     switch (j.rows) {
-      case 1: return wide ? rows_avx512<1>(j, n0, n1) : rows_avx2<1>(j, n0, n1);
-      case 2: return wide ? rows_avx512<2>(j, n0, n1) : rows_avx2<2>(j, n0, n1);
-      case 3: return wide ? rows_avx512<3>(j, n0, n1) : rows_avx2<3>(j, n0, n1);
-      case 4: return wide ? rows_avx512<4>(j, n0, n1) : rows_avx2<4>(j, n0, n1);
-      case 5: return rows_avx512<5>(j, n0, n1);
-      case 6: return rows_avx512<6>(j, n0, n1);
-      case 7: return rows_avx512<7>(j, n0, n1);
-      default: return rows_avx512<8>(j, n0, n1);
+      case 1: return rows_avx2<1>(j, n0, n1);
+      case 2: return rows_avx2<2>(j, n0, n1);
+      case 3: return rows_avx2<3>(j, n0, n1);
+      default: return rows_avx2<4>(j, n0, n1);
     }
   }
 #endif
@@ -538,7 +519,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const int rows = static_cast<int>(x.size() / k);
       Job j{w.data<uint8_t>(), static_cast<size_t>(k) * bits / 8, s.data<float>(), b.data<float>(), nullptr,
             nullptr, k, group, k / group, bits, 0, nullptr, n};
-      if (rows <= kPackedRows) {
+      if (rows <= packed_rows()) {
         packed(j, x.data<float>(), rows, y);
       } else {
         dequantized(j, x.data<float>(), rows, y);
@@ -573,7 +554,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     }
   }
 
-  // A few rows: kRowsPerPass at a time, each pass over the packed weights.
+  // A few rows: all at once (AVX-512) or kRowsPerPass at a time, each pass over the packed weights.
   static void packed(Job j, const float* x, int rows, float* y) {
     thread_local std::vector<float> xp, xsum;
     xp.resize(static_cast<size_t>(rows) * j.k);
@@ -585,8 +566,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       for (int i = 0; i < j.group; i++) sum += v[i];
       xsum[g] = sum;
     }
-    // AVX-512's 4-bit kernel tiles the rows itself; the others take passes of a few rows.
-    const int per_pass = isa() == kAvx512 ? (j.bits == 4 ? kPackedRows : kRowsPerPassAvx512) : kRowsPerPass;
+    // AVX-512's kernels tile the rows themselves; AVX2's and the portable take passes of a few.
+    const int per_pass = isa() == kAvx512 ? rows : kRowsPerPass;
     for (int r0 = 0; r0 < rows; r0 += per_pass) {
       j.xp = xp.data() + static_cast<size_t>(r0) * j.k;
       j.xsum = xsum.data() + static_cast<size_t>(r0) * j.groups;
@@ -618,6 +599,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
+int cpu_qmatmul_isa() { return isa(); }
+
 bool cpu_qmatmul_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("HOST_CPU_QMATMUL");
@@ -640,7 +623,7 @@ std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::arra
     return std::nullopt;
   }
   const size_t rows = x.size() / k;
-  if (rows == 0 || (rows > static_cast<size_t>(kPackedRows) && blas::sgemm() == nullptr)) return std::nullopt;
+  if (rows == 0 || (rows > static_cast<size_t>(packed_rows()) && blas::sgemm() == nullptr)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = n;
   const auto stream = mx::default_stream(mx::Device::cpu);

@@ -24,4 +24,7 @@ bool cpu_qmatmul_enabled();
 // The widest kernel cpu_quantized_matmul may pick (3 AVX-512, 2 AVX2, 1 portable C++).
 extern std::atomic<int> cpu_qmatmul_isa_cap;
 
+// The kernel it picks now (the CPU's widest under the cap).
+int cpu_qmatmul_isa();
+
 }  // namespace mlx_shim

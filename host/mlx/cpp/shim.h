@@ -191,7 +191,7 @@ rust::String version();
 void exit_without_teardown(int32_t code);
 // The widest instruction set the CPU quantized product may use: 3 AVX-512, 2 AVX2, 1 portable
 // C++ (tests run the narrower kernels with it).
-void cap_cpu_qmatmul_isa(int32_t level);
+int32_t cap_cpu_qmatmul_isa(int32_t level);
 void set_cpu_exp_mode(int32_t mode);
 // Whether the CPU quantized product is on (HOST_CPU_QMATMUL unset or not 0).
 bool cpu_quantized_products();

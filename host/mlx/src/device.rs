@@ -109,10 +109,11 @@ pub fn graph_dot(arrays: &[&Array]) -> String {
 }
 
 /// The widest instructions the CPU quantized product may use (3 AVX-512, 2 AVX2, 1 portable
-/// C++; it never goes wider than the CPU has): for tests of the narrower kernels.
+/// C++; it never goes wider than the CPU has): for tests of the narrower kernels. Returns the
+/// level it then uses.
 #[doc(hidden)]
-pub fn cap_cpu_qmatmul_isa(level: i32) {
-    ffi::cap_cpu_qmatmul_isa(level);
+pub fn cap_cpu_qmatmul_isa(level: i32) -> i32 {
+    ffi::cap_cpu_qmatmul_isa(level)
 }
 
 /// Which kernels `ops::swiglu` and `logsumexp` over the last axis run on the CPU for float32:

@@ -239,7 +239,7 @@ pub(crate) mod ffi {
         fn clear_cache();
         fn version() -> String;
         fn exit_without_teardown(code: i32);
-        fn cap_cpu_qmatmul_isa(level: i32);
+        fn cap_cpu_qmatmul_isa(level: i32) -> i32;
         fn set_cpu_exp_mode(mode: i32);
         fn cpu_quantized_products() -> bool;
 

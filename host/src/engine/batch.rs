@@ -27,6 +27,10 @@ use mlx::{memory, Array, Dtype};
 use models::{BatchKvCache, CausalLm, KvCache};
 use std::time::Instant;
 
+/// Freed memory MLX may keep across a row's joining (beyond the batch's KV bytes) before the
+/// join returns it to the system.
+const JOIN_CLEAR_BYTES: usize = 256 << 20;
+
 mod speculate;
 pub use speculate::{DraftCost, SpecCounts, Verified};
 
@@ -289,7 +293,12 @@ impl<'m> Batch<'m> {
         self.rows.push(row);
         // MLX keeps freed buffers for reuse; a prefill's and a changing batch's shapes leave
         // many it will not reuse (a single generation clears them at its first token too).
-        memory::clear_cache();
+        // Only when they are many: clearing returns the pages to the system, and the next step
+        // takes them back one fault at a time (eight short chat prompts joining at once on the
+        // 2-core CPU: their first step 110 ms with a clear at each join, 85 without, 35 after).
+        if memory::cache() > self.kv_bytes().max(JOIN_CLEAR_BYTES) {
+            memory::clear_cache();
+        }
         Ok(())
     }
 
