@@ -4,7 +4,7 @@ streaming clients, in one run.
 
     bench/serve_load.py --model DIR [--host target/release/host] [--oracle-python PY]
         [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--api chat|completions] [--join 31 [--join-samples 5]]
-        [--llama-server BIN [--only host,llama.cpp]]
+        [--llama-server BIN [--only host,llama.cpp]] [--alternate]
 
 `--llama-server BIN` adds llama.cpp's server on the same --model (a GGUF file), with as many
 parallel slots as the most clients and the threads this machine has
@@ -19,6 +19,11 @@ per-stream tok/s (after each stream's first token), TTFT p50/p95, and host/mlx-l
 `--join N`: N streams decode, then `--join-samples` more requests arrive one after another;
 their TTFT p50/p95 against the same requests alone (the issue's "joining a running batch"
 figure).
+
+`--alternate` starts every server first and takes the rounds in turn (round 1 of each server,
+then round 2 of each, the first server changing every round), so a machine whose speed drifts
+over minutes (this 2-core VM's does, by tens of percent) weighs on all of them alike; both
+servers' memory is held at once.
 
 Tokens are counted from each server's `usage` (stream_options.include_usage), else from
 the content chunks. Run it with the e2e virtualenv's Python (it needs httpx).
@@ -176,6 +181,8 @@ def main():
     ap.add_argument("--join-samples", type=int, default=5, help="joining requests (and as many alone)")
     ap.add_argument("--only", help="comma-separated servers to run (host, mlx-lm, llama.cpp)")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: serve --model with it too")
+    ap.add_argument("--alternate", action="store_true",
+                    help="start every server first and alternate them round by round")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat",
                     help="completions for a model without a chat template (the device kit's random ones)")
     args = ap.parse_args()
@@ -196,24 +203,46 @@ def main():
             "llama.cpp", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(p), "-np",
                           str(slots), "-c", str(2048 * slots), "-t", str(os.cpu_count())], p)
     only = set(args.only.split(",")) if args.only else None
+    names = [name for name in servers if not only or name in only]
     results = {}
-    for name, make in servers.items():
-        if only and name not in only:
-            continue
-        server = make(free_port())
+
+    def record(name, n, rounds):
+        results[(name, n)] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
+
+    if args.alternate:
+        running = {}
+        try:
+            for name in names:
+                running[name] = servers[name](free_port())
+                stream(running[name], prompt(0), 8)  # warm-up
+            rounds = {(name, n): [] for name in names for n in counts}
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for n in counts:
+                    for name in order:
+                        rounds[(name, n)].append(load(running[name], n, args.max_tokens, r * n))
+            for (name, n), runs in rounds.items():
+                record(name, n, runs)
+            if args.join:
+                for name in names:
+                    results[(name, "join")] = join(running[name], args.join, args.max_tokens, args.join_samples)
+        finally:
+            for server in running.values():
+                server.stop()
+    for name in names if not args.alternate else []:
+        server = servers[name](free_port())
         try:
             stream(server, prompt(0), 8)  # warm-up
             for n in counts:
-                rounds = [load(server, n, args.max_tokens, r * n) for r in range(args.rounds)]
-                results[(name, n)] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-                print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
+                record(name, n, [load(server, n, args.max_tokens, r * n) for r in range(args.rounds)])
             if args.join:
                 results[(name, "join")] = join(server, args.join, args.max_tokens, args.join_samples)
         finally:
             server.stop()
     others = [o for o in servers if o != "host" and any((o, n) in results for n in counts)]
     print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
-          f"median of {args.rounds} rounds, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}"
+          f"median of {args.rounds} rounds{' (servers alternated)' if args.alternate else ''}, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}"
           f"{'; llama.cpp: its own CPU kernels' if 'llama.cpp' in others else ''}\n")
     print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | "
           + "".join(f"host/{o} aggregate | " for o in others))
