@@ -9,7 +9,7 @@
 // For a few activation rows (decode), each 32-weight chunk's codes become float weights once
 // (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias;
 // otherwise converted and scaled, the bias term added from x's group sums) and are multiplied
-// with the activations of several rows (AVX-512: tiles of 4 weight rows by up to 4 activation
+// with the activations of several rows (AVX-512: tiles of 4 weight rows by up to 2 activation
 // rows; AVX2: one weight row by 4 activation rows), which were reordered beforehand so a chunk's low nibbles meet the even positions and its
 // high nibbles the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run
 // time), else portable C++. Large products are split by weight rows over a small pool of
@@ -219,29 +219,32 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__
   return _mm_cvtss_f32(s);
 }
 
-// A tile of NR weight rows by MR activation rows, one accumulator each (NR * MR <= 16 of the
-// 32 registers); the tile's weight rows are c, c + step, ... Per chunk half, each activation
+// A tile of NR weight rows by MR activation rows, two accumulators each (a chunk's first half
+// and its second, as the kernel before the tiles summed: 2 * NR * MR <= 16 of the 32
+// registers); the tile's weight rows are c, c + step, ... Per chunk half, each activation
 // vector is loaded once for NR weight rows: a pass of one weight row by eight activation rows
 // loaded as many activations as it did multiply-adds, and the loads, not the arithmetic, set
 // its pace (SmolLM2's products on this EPYC's core, 8 rows: 1.75-1.9 G multiply-adds of 16
-// lanes a second; tiles of 4 x 4: 2.3-2.7). 4 bits: per group, each weight row's 16 possible
+// lanes a second; tiles of 4 x 2: 1.9-2.0). Tiles of 4 x 4 with one accumulator a pair ran
+// 2.3-2.7 G, but one accumulator sums 2x longer chains, and Gemma 4's 4-bit parity test then
+// missed mlx-lm's logits by 1.06e-5 of the largest (its bound 1e-5). 4 bits: per group, each weight row's 16 possible
 // weights, scale * code + bias, looked up by code (vpermps reads an index's low 4 bits): no
 // conversion, no scaling, no bias term afterwards. 8 bits: codes converted and scaled, the
 // bias term added at the end from x's group sums.
 //
-// Every (weight row, activation row) pair sums in the same order whatever the tile (chunk by
-// chunk, a chunk's first half then its second), so a row's result has the same bits alone or
+// Every (weight row, activation row) pair sums in the same order whatever the tile (each half's
+// accumulator chunk by chunk, then the two added), so a row's result has the same bits alone or
 // in a batch.
 template <int BITS, int NR, int MR>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void tile_avx512(const Job& j, int c,
                                                                                                   int r0, int step) {
   const int chunks = j.group / 32;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[NR][MR];
+  __m512 acc[2][NR][MR];
 #pragma GCC unroll 4
   for (int a = 0; a < NR; a++) {
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; r++) acc[a][r] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) acc[0][a][r] = acc[1][a][r] = _mm512_setzero_ps();
   }
   // One pointer per stream, the tile's weight rows at fixed strides from it (few registers).
   const float* x = j.xp + static_cast<size_t>(r0) * j.k;
@@ -280,7 +283,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
         for (int r = 0; r < MR; r++) {
           const __m512 xv = _mm512_loadu_ps(x + r * xs + 16 * h);
 #pragma GCC unroll 4
-          for (int a = 0; a < NR; a++) acc[a][r] = _mm512_fmadd_ps(q[a], xv, acc[a][r]);
+          for (int a = 0; a < NR; a++) acc[h][a][r] = _mm512_fmadd_ps(q[a], xv, acc[h][a][r]);
         }
       }
     }
@@ -301,22 +304,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
         }
         bias = hsum512(bv);
       }
-      j.y[static_cast<size_t>(r0 + r) * j.n + row] = hsum512(acc[a][r]) + bias;
+      j.y[static_cast<size_t>(r0 + r) * j.n + row] = hsum512(_mm512_add_ps(acc[0][a][r], acc[1][a][r])) + bias;
     }
   }
 }
 
-// Weight rows [c, c + NR) against all j.rows activation rows, in tiles of up to 4 rows.
+// Weight rows [c, c + NR) against all j.rows activation rows, in tiles of up to 2 rows.
 template <int BITS, int NR>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tiles_avx512(const Job& j, int c) {
   int r0 = 0;
-  for (; r0 + 4 <= j.rows; r0 += 4) tile_avx512<BITS, NR, 4>(j, c, r0, 1);
-  switch (j.rows - r0) {
-    case 3: return tile_avx512<BITS, NR, 3>(j, c, r0, 1);
-    case 2: return tile_avx512<BITS, NR, 2>(j, c, r0, 1);
-    case 1: return tile_avx512<BITS, NR, 1>(j, c, r0, 1);
-    default: return;
-  }
+  for (; r0 + 2 <= j.rows; r0 += 2) tile_avx512<BITS, NR, 2>(j, c, r0, 1);
+  if (r0 < j.rows) tile_avx512<BITS, NR, 1>(j, c, r0, 1);
 }
 
 // Weight rows [n0, n1). One activation row is bound by the weights' bytes: adjacent weight

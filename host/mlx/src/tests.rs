@@ -486,7 +486,7 @@ fn a_few_rows_times_a_weight_matrix_on_the_cpu_are_row_products_as_the_definitio
 /// The host's CPU product against 4- and 8-bit weights (cpu_qmatmul.cc), with each kernel the
 /// CPU has (AVX-512, AVX2, portable C++), against MLX's own quantized matmul: group sizes 32,
 /// 64, 128; a few activation rows (packed weights: up to 128 rows in AVX-512's tiles of 4
-/// weight rows by up to 4 activation rows, up to 16 in AVX2's passes of 4) and more
+/// weight rows by up to 2 activation rows, up to 16 in AVX2's passes of 4) and more
 /// (dequantized blocks through sgemm); a product large enough to be split over threads. A row's
 /// result has the same bits whether it came alone or with the others of a packed product
 /// (batch and solo decode agree), and a strided activation gives the contiguous one's result.
