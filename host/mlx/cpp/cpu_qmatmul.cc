@@ -60,11 +60,10 @@ namespace {
 // Measured with `host bench --batch` on the 2-core EPYC (bench/RESULTS.md, session 37), as
 // aggregate tok/s against float32 weights: 4 rows 2.3x, 8 rows 1.55x, 16 rows (two passes)
 // 1.0x; at 32, dequantize + sgemm runs 0.6-1.0x (the dequantization is its largest cost).
-// AVX-512's tiles (session 42) pay at more rows (SmolLM2 Q4_1, `host bench`, three rounds
-// each): prefill of 44 tokens 1.3x the dequantized product's, 96 tokens 1.1-1.6x, eight
-// prompts of 14 together 1.0-1.4x to the first tokens, 192-256 tokens even, 512 0.85-1.05x;
-// a batch of 32 decodes 1.3-1.9x.
-constexpr int kPackedRows = 16, kPackedRowsAvx512 = 128;
+// AVX-512's tiles (session 42) pay at more rows (SmolLM2 Q4_1, `host bench`, four alternated
+// rounds): prefill of 44 tokens 1.2x the dequantized product's, of 96 0.86x; a batch of 32
+// decodes 1.2-1.6x.
+constexpr int kPackedRows = 16, kPackedRowsAvx512 = 64;
 // Floats of weights dequantized for one sgemm call (16 MB, inside this CPU's 32 MB L3): 1 MB
 // blocks cost 2x at 16 rows and slowed prefill (OpenBLAS's per-call overhead at small N).
 constexpr int kDequantizedBlock = 1 << 22;

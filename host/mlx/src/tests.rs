@@ -485,7 +485,7 @@ fn a_few_rows_times_a_weight_matrix_on_the_cpu_are_row_products_as_the_definitio
 
 /// The host's CPU product against 4- and 8-bit weights (cpu_qmatmul.cc), with each kernel the
 /// CPU has (AVX-512, AVX2, portable C++), against MLX's own quantized matmul: group sizes 32,
-/// 64, 128; a few activation rows (packed weights: up to 128 rows in AVX-512's tiles of 4
+/// 64, 128; a few activation rows (packed weights: up to 64 rows in AVX-512's tiles of 4
 /// weight rows by up to 2 activation rows, up to 16 in AVX2's passes of 4) and more
 /// (dequantized blocks through sgemm); a product large enough to be split over threads. A row's
 /// result has the same bits whether it came alone or with the others of a packed product
@@ -513,8 +513,8 @@ fn the_cpu_quantized_product_equals_mlx_s_with_every_kernel() {
         (19, 128, 32, 4, 130),
     ];
     for isa in [3, 2, 1] {
-        // Rows up to which the product is packed (and a row's bits its own): AVX-512's tiles 128.
-        let packed = if crate::device::cap_cpu_qmatmul_isa(isa) == 3 { 128 } else { 16 };
+        // Rows up to which the product is packed (and a row's bits its own): AVX-512's tiles 64.
+        let packed = if crate::device::cap_cpu_qmatmul_isa(isa) == 3 { 64 } else { 16 };
         for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
             let w = arr(&noise(rows * input, i as u64), &[rows, input]);
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
