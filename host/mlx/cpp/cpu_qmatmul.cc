@@ -10,8 +10,9 @@
 // (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias;
 // otherwise converted and scaled, the bias term added from x's group sums) and are multiplied
 // with the activations of several rows (AVX-512: tiles of 4 weight rows by up to 2 activation
-// rows; AVX2: one weight row by 4 activation rows), which were reordered beforehand so a chunk's low nibbles meet the even positions and its
-// high nibbles the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run
+// rows; AVX2: one weight row by 4 activation rows), which were reordered beforehand so a
+// chunk's low nibbles meet the even positions and its high nibbles the odd ones (no
+// interleaving in the loop). AVX-512 or AVX2 (chosen at run
 // time), else portable C++. Large products are split by weight rows over a small pool of
 // threads. For more rows (prefill chunks, wide batches), blocks of weight rows are dequantized
 // into a scratch buffer that stays in L3 and multiplied with the process's sgemm, the BLAS
@@ -226,10 +227,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline float hsum512(__
 // its pace (SmolLM2's products on this EPYC's core, 8 rows: 1.75-1.9 G multiply-adds of 16
 // lanes a second; tiles of 4 x 2: 1.9-2.0). Tiles of 4 x 4 with one accumulator a pair ran
 // 2.3-2.7 G, but one accumulator sums 2x longer chains, and Gemma 4's 4-bit parity test then
-// missed mlx-lm's logits by 1.06e-5 of the largest (its bound 1e-5). 4 bits: per group, each weight row's 16 possible
-// weights, scale * code + bias, looked up by code (vpermps reads an index's low 4 bits): no
-// conversion, no scaling, no bias term afterwards. 8 bits: codes converted and scaled, the
-// bias term added at the end from x's group sums.
+// missed mlx-lm's logits by 1.06e-5 of the largest (its bound 1e-5). 4 bits: per group, each
+// weight row's 16 possible weights, scale * code + bias, looked up by code (vpermps reads an
+// index's low 4 bits): no conversion, no scaling, no bias term afterwards. 8 bits: codes
+// converted and scaled, the bias term added at the end from x's group sums.
 //
 // Every (weight row, activation row) pair sums in the same order whatever the tile (each half's
 // accumulator chunk by chunk, then the two added), so a row's result has the same bits alone or
