@@ -20,10 +20,11 @@ per-stream tok/s (after each stream's first token), TTFT p50/p95, and host/mlx-l
 their TTFT p50/p95 against the same requests alone (the issue's "joining a running batch"
 figure).
 
-`--alternate` starts every server first and takes the rounds in turn (round 1 of each server,
-then round 2 of each, the first server changing every round), so a machine whose speed drifts
-over minutes (this 2-core VM's does, by tens of percent) weighs on all of them alike; both
-servers' memory is held at once.
+Each server's rounds go round by round through the client counts (round 1 at every count,
+then round 2 ...). `--alternate` starts every server first and takes the rounds in turn (round
+1 of each server, then round 2 of each, the first server changing every round), so a machine
+whose speed drifts over minutes (this 2-core VM's does, by tens of percent) weighs on all of
+them alike; both servers' memory is held at once.
 
 Tokens are counted from each server's `usage` (stream_options.include_usage), else from
 the content chunks. Run it with the e2e virtualenv's Python (it needs httpx).
@@ -205,44 +206,32 @@ def main():
     only = set(args.only.split(",")) if args.only else None
     names = [name for name in servers if not only or name in only]
     results = {}
-
-    def record(name, n, rounds):
-        results[(name, n)] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
-
-    if args.alternate:
+    # Servers up at once, their rounds taken in turn (--alternate), or one server at a time.
+    for group in [names] if args.alternate else [[name] for name in names]:
         running = {}
         try:
-            for name in names:
+            for name in group:
                 running[name] = servers[name](free_port())
                 stream(running[name], prompt(0), 8)  # warm-up
-            rounds = {(name, n): [] for name in names for n in counts}
+            rounds = {(name, n): [] for name in group for n in counts}
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = group[r % len(group):] + group[:r % len(group)]
                 for n in counts:
                     for name in order:
                         rounds[(name, n)].append(load(running[name], n, args.max_tokens, r * n))
             for (name, n), runs in rounds.items():
-                record(name, n, runs)
+                results[(name, n)] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+                print(f"{name} {n} clients: {results[(name, n)]}", file=sys.stderr)
             if args.join:
-                for name in names:
+                for name in group:
                     results[(name, "join")] = join(running[name], args.join, args.max_tokens, args.join_samples)
         finally:
             for server in running.values():
                 server.stop()
-    for name in names if not args.alternate else []:
-        server = servers[name](free_port())
-        try:
-            stream(server, prompt(0), 8)  # warm-up
-            for n in counts:
-                record(name, n, [load(server, n, args.max_tokens, r * n) for r in range(args.rounds)])
-            if args.join:
-                results[(name, "join")] = join(server, args.join, args.max_tokens, args.join_samples)
-        finally:
-            server.stop()
     others = [o for o in servers if o != "host" and any((o, n) in results for n in counts)]
     print(f"model {args.model}, device {args.device}, {args.max_tokens} tokens per request, "
-          f"median of {args.rounds} rounds{' (servers alternated)' if args.alternate else ''}, BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}"
+          f"median of {args.rounds} rounds{' (servers alternated)' if args.alternate else ''}, "
+          f"BLAS: {'OpenBLAS (both)' if blas else 'the wheel reference BLAS'}"
           f"{'; llama.cpp: its own CPU kernels' if 'llama.cpp' in others else ''}\n")
     print("| clients | server | aggregate tok/s | per-stream tok/s | TTFT p50 s | TTFT p95 s | "
           + "".join(f"host/{o} aggregate | " for o in others))

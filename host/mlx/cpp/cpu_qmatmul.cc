@@ -609,7 +609,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
-int cpu_qmatmul_isa() { return isa(); }
+int cpu_qmatmul_packed_rows() { return packed_rows(); }
 
 bool cpu_qmatmul_enabled() {
   static const bool on = [] {

@@ -24,7 +24,8 @@ bool cpu_qmatmul_enabled();
 // The widest kernel cpu_quantized_matmul may pick (3 AVX-512, 2 AVX2, 1 portable C++).
 extern std::atomic<int> cpu_qmatmul_isa_cap;
 
-// The kernel it picks now (the CPU's widest under the cap).
-int cpu_qmatmul_isa();
+// Activation rows up to which cpu_quantized_matmul reads the packed weights now (the kernel
+// the CPU and the cap give); a row's result has the same bits alone or with others up to it.
+int cpu_qmatmul_packed_rows();
 
 }  // namespace mlx_shim

@@ -1159,7 +1159,7 @@ void exit_without_teardown(int32_t code) {
 
 int32_t cap_cpu_qmatmul_isa(int32_t level) {
   cpu_qmatmul_isa_cap.store(level);
-  return cpu_qmatmul_isa();
+  return cpu_qmatmul_packed_rows();
 }
 void set_cpu_exp_mode(int32_t mode) { cpu_exp_mode.store(mode); }
 bool cpu_quantized_products() { return cpu_qmatmul_enabled(); }

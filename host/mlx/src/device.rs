@@ -109,8 +109,9 @@ pub fn graph_dot(arrays: &[&Array]) -> String {
 }
 
 /// The widest instructions the CPU quantized product may use (3 AVX-512, 2 AVX2, 1 portable
-/// C++; it never goes wider than the CPU has): for tests of the narrower kernels. Returns the
-/// level it then uses.
+/// C++; it never goes wider than the CPU has): for tests of the narrower kernels. Returns how
+/// many activation rows the product then reads the packed weights for (a row's bits its own
+/// alone or with others up to that many).
 #[doc(hidden)]
 pub fn cap_cpu_qmatmul_isa(level: i32) -> i32 {
     ffi::cap_cpu_qmatmul_isa(level)

@@ -513,8 +513,9 @@ fn the_cpu_quantized_product_equals_mlx_s_with_every_kernel() {
         (19, 128, 32, 4, 130),
     ];
     for isa in [3, 2, 1] {
-        // Rows up to which the product is packed (and a row's bits its own): AVX-512's tiles 64.
-        let packed = if crate::device::cap_cpu_qmatmul_isa(isa) == 3 { 64 } else { 16 };
+        // Rows up to which the product is packed (and a row's bits its own).
+        let packed = crate::device::cap_cpu_qmatmul_isa(isa) as usize;
+        assert!(packed >= 16, "isa {isa}: packed up to {packed} rows");
         for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
             let w = arr(&noise(rows * input, i as u64), &[rows, input]);
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
