@@ -30,7 +30,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-const STEP: usize = 256;
+/// Columns a cache's buffer grows by (and a batch's buffer keeps free after a join).
+pub(crate) const STEP: usize = 256;
 
 /// Positions a sliding-window cache keeps beyond its window: the rollback it always allows
 /// (speculative decoding drafts at most 64 tokens; a prompt-cache hit trims a few).
@@ -408,6 +409,20 @@ impl KvCache {
         let mut cache = self.empty_like();
         (cache.keys, cache.values, cache.start, cache.offset) = (Some(keys), Some(values), start, offset);
         cache
+    }
+
+    /// The whole buffers, `[B, H, capacity, D]` each, columns past the held ones included.
+    pub(crate) fn buffers(&self) -> Option<(&Array, &Array)> {
+        self.keys.as_ref().zip(self.values.as_ref())
+    }
+
+    /// Positions the buffer takes before it grows (0 when it has none; a recurrent layer's
+    /// state never grows).
+    pub fn room(&self) -> usize {
+        if self.recurrent.is_some() {
+            return usize::MAX;
+        }
+        self.keys.as_ref().map_or(0, |k| k.dim(2) - (self.offset - self.start))
     }
 
     /// The positions held, `start()..offset()`: `[B, H, offset - start, D]` each (`None` when

@@ -975,21 +975,29 @@ fn caches_with_slack(model: &dyn CausalLm, slack: usize) -> Vec<KvCache> {
     model.make_cache().into_iter().map(|c| c.with_slack(slack)).collect()
 }
 
-/// A row holding `p` but its last token (prefilled alone, sliding layers keeping `slack`)
-/// pushed into `batch`.
-fn push_prefilled(model: &dyn CausalLm, batch: &mut [crate::BatchKvCache], p: &[i32], slack: usize) {
+/// A row holding `p` but its last token (prefilled alone, sliding layers keeping `slack`).
+fn prefilled(model: &dyn CausalLm, p: &[i32], slack: usize) -> Vec<KvCache> {
     let mut cache = caches_with_slack(model, slack);
     if p.len() > 1 {
         model.forward(&tokens(&p[..p.len() - 1]), &mut cache).unwrap();
     }
+    cache
+}
+
+/// A row holding `p` but its last token (prefilled alone, sliding layers keeping `slack`)
+/// pushed into `batch`.
+fn push_prefilled(model: &dyn CausalLm, batch: &mut [crate::BatchKvCache], p: &[i32], slack: usize) {
+    let cache = prefilled(model, p, slack);
     for (b, c) in batch.iter_mut().zip(&cache) {
         b.push(c).unwrap();
     }
 }
 
 /// Rows of different lengths decoded together in a `BatchKvCache` give each row the logits
-/// it gets alone, while rows join (one crossing the cache's 256-position growth step) and
-/// leave, and a row extracted from the batch goes on alone where it left off.
+/// it gets alone, while rows join (two at a time, in one copy: `push_all`; one crossing the
+/// cache's 256-position growth step, one holding no position yet) and leave, and a row
+/// extracted from the batch goes on alone where it left off. Joins and leaves leave room in
+/// the buffer for the next step (which then writes in place).
 #[test]
 fn batched_decoding_gives_every_row_its_solo_logits_as_rows_join_and_leave() {
     check_batched_decoding(&ARCHS, crate::cache::SLACK);
@@ -1018,18 +1026,21 @@ fn check_batched_decoding(archs: &[&str], slack: usize) {
         let mut batch: Vec<crate::BatchKvCache> = (0..layers).map(|_| Default::default()).collect();
         // (prompt index, steps done) per batch row, in row order.
         let mut rows: Vec<(usize, usize)> = Vec::new();
-        let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, i: usize| {
-            push_prefilled(model, batch, &prompts[i], slack);
-            rows.push((i, 0));
+        let has_room = |batch: &[crate::BatchKvCache]| {
+            assert!(batch.iter().all(|b| b.room() >= 1), "{arch}: a join or leave left no room for the next step");
         };
-        join(&mut batch, &mut rows, 0);
-        join(&mut batch, &mut rows, 1);
+        let join = |batch: &mut Vec<crate::BatchKvCache>, rows: &mut Vec<(usize, usize)>, join: &[usize]| {
+            let caches: Vec<Vec<KvCache>> = join.iter().map(|&i| prefilled(model, &prompts[i], slack)).collect();
+            for (layer, b) in batch.iter_mut().enumerate() {
+                b.push_all(&caches.iter().map(|c| &c[layer]).collect::<Vec<_>>(), 1).unwrap();
+            }
+            rows.extend(join.iter().map(|&i| (i, 0)));
+            has_room(batch);
+        };
+        join(&mut batch, &mut rows, &[0, 1]);
         for step in 0..12 {
             if step == 3 {
-                join(&mut batch, &mut rows, 2);
-            }
-            if step == 5 {
-                join(&mut batch, &mut rows, 3);
+                join(&mut batch, &mut rows, &[2, 3]);
             }
             if step == 8 {
                 // Row 1 (prompt 1) leaves; the padding no row needs goes with it.
@@ -1039,6 +1050,7 @@ fn check_batched_decoding(archs: &[&str], slack: usize) {
                 }
                 rows.remove(1);
                 assert!(batch[0].width() <= before);
+                has_room(&batch);
             }
             let input: Vec<i32> = rows.iter().map(|&(i, done)| solo[i].1[done]).collect();
             let logits = model.forward_batch(&Array::from_i32(&input, &[input.len(), 1]).unwrap(), &mut batch).unwrap();

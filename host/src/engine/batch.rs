@@ -281,16 +281,25 @@ impl<'m> Batch<'m> {
     /// Adds `row` with `cache` (one entry per layer, holding its sequence but the last token);
     /// it takes part from the next step built.
     pub fn join(&mut self, row: Row<'m>, cache: &[KvCache]) -> Result<()> {
-        if cache.len() != self.cache.len() {
-            bail!("a row's cache has {} layers, the batch's {}", cache.len(), self.cache.len());
+        self.join_all(vec![(row, cache)])
+    }
+
+    /// Adds `rows`, each with its cache (as [`join`](Self::join)), in one copy of the batch's
+    /// KV per layer: joining them one by one copies it once per row.
+    pub fn join_all(&mut self, rows: Vec<(Row<'m>, &[KvCache])>) -> Result<()> {
+        for (i, (row, cache)) in rows.iter().enumerate() {
+            if cache.len() != self.cache.len() {
+                bail!("a row's cache has {} layers, the batch's {}", cache.len(), self.cache.len());
+            }
+            if self.rows.iter().chain(rows[..i].iter().map(|(r, _)| r)).any(|r| r.key == row.key) {
+                bail!("row {} is already in the batch", row.key);
+            }
         }
-        if self.rows.iter().any(|r| r.key == row.key) {
-            bail!("row {} is already in the batch", row.key);
+        for (layer, b) in self.cache.iter_mut().enumerate() {
+            let caches: Vec<&KvCache> = rows.iter().map(|(_, cache)| &cache[layer]).collect();
+            b.push_all(&caches, 1)?;
         }
-        for (b, c) in self.cache.iter_mut().zip(cache) {
-            b.push(c)?;
-        }
-        self.rows.push(row);
+        self.rows.extend(rows.into_iter().map(|(row, _)| row));
         // MLX keeps freed buffers for reuse; a prefill's and a changing batch's shapes leave
         // many it will not reuse (a single generation clears them at its first token too).
         // Only when they are many: clearing returns the pages to the system, and the next step

@@ -147,10 +147,12 @@ pub fn prefill_together(
         let t = rows.iter().map(|&r| part(r).len()).max().unwrap_or(0);
         let mut batch: Vec<BatchKvCache> = caches[rows[0]].iter().map(|_| BatchKvCache::default()).collect();
         let mut ids = Vec::with_capacity(rows.len() * t);
+        // The rows in one copy per layer, with room for this forward's `t` positions.
+        for (layer, b) in batch.iter_mut().enumerate() {
+            let layer: Vec<&KvCache> = rows.iter().map(|&r| &caches[r][layer]).collect();
+            b.push_all(&layer, t)?;
+        }
         for &r in &rows {
-            for (b, c) in batch.iter_mut().zip(caches[r].iter()) {
-                b.push(c)?;
-            }
             let part = part(r);
             ids.extend(part.iter().map(|&x| x as i32));
             ids.extend(std::iter::repeat_n(part[part.len() - 1] as i32, t - part.len()));

@@ -229,16 +229,30 @@ impl Worker {
                 dirty = false;
                 decided = Instant::now();
             }
+            let turn = Instant::now();
             self.admit(m, &mut waiting, &mut running, &mut batch);
             let mut ended: Vec<(usize, Option<anyhow::Error>)> = Vec::new();
+            let admitted = turn.elapsed();
             self.prefill_some(m, &mut running, &mut batch, &mut ended);
             if self.abort.load(Ordering::SeqCst) {
                 continue; // stopped inside a prefill: the loop's top ends every request
             }
+            let prefilled = turn.elapsed();
             self.rebalance(m, &mut running, &mut batch, &mut ended);
+            // Where a turn's time goes (`HOST_LOG=host::engine::worker=trace`).
+            tracing::trace!(
+                running = running.len(),
+                rows = batch.len(),
+                admit_ms = admitted.as_secs_f64() * 1e3,
+                prefill_ms = (prefilled - admitted).as_secs_f64() * 1e3,
+                "engine turn"
+            );
             if !batch.is_empty() {
                 self.stats.batch_step(batch.len());
-                match batch.step_with(self.policy.as_deref_mut()) {
+                let stepping = Instant::now();
+                let stepped = batch.step_with(self.policy.as_deref_mut());
+                tracing::trace!(rows = batch.len(), step_ms = stepping.elapsed().as_secs_f64() * 1e3, "batch step");
+                match stepped {
                     Ok(tokens) => {
                         for (key, token) in tokens {
                             let Some(i) = running.iter().position(|a| a.job.seq == key) else { continue };
@@ -427,6 +441,9 @@ impl Worker {
                 }
             }
         }
+        // The requests whose prompts are done join the batch together, after the loop (one
+        // copy of the batch's KV for all of them).
+        let mut joining: Vec<(usize, Row<'m>, Vec<KvCache>)> = Vec::new();
         for (i, chunk) in turn {
             let a = &mut running[i];
             let Source::Prefill { cache, todo, .. } = &mut a.source else { continue };
@@ -441,8 +458,9 @@ impl Worker {
                     .context("prefill")
                 {
                     Ok(true) => {}
-                    // Shutting down: the loop's next turn ends every request.
-                    Ok(false) => return,
+                    // Shutting down: the loop's next turn ends every request (those done
+                    // still join, below: a request is in the batch once it left `Prefill`).
+                    Ok(false) => break,
                     Err(e) => {
                         ended.push((i, Some(e)));
                         continue;
@@ -462,18 +480,28 @@ impl Worker {
                 let Source::Prefill { cache, then, .. } = std::mem::replace(&mut a.source, Source::Batched) else {
                     unreachable!("matched above")
                 };
-                let joined = match then {
-                    Then::Batch(row) => batch.join(*row, &cache),
+                match then {
+                    Then::Batch(row) => joining.push((i, *row, cache)),
                     Then::Solo(start) => {
                         let (sampler, options, hooks) = *start;
-                        Generation::start_with(m.model, cache, &a.job.request.prompt, sampler, options, hooks)
-                            .map(|g| a.source = Source::Solo(Box::new(g)))
+                        let started =
+                            Generation::start_with(m.model, cache, &a.job.request.prompt, sampler, options, hooks)
+                                .map(|g| a.source = Source::Solo(Box::new(g)));
+                        if let Err(e) = started {
+                            ended.push((i, Some(e)));
+                        }
                     }
-                };
-                if let Err(e) = joined {
-                    ended.push((i, Some(e)));
                 }
             }
+        }
+        if joining.is_empty() {
+            return;
+        }
+        let at: Vec<usize> = joining.iter().map(|(i, ..)| *i).collect();
+        let (rows, caches): (Vec<Row<'m>>, Vec<Vec<KvCache>>) = joining.into_iter().map(|(_, r, c)| (r, c)).unzip();
+        if let Err(e) = batch.join_all(rows.into_iter().zip(caches.iter().map(Vec::as_slice)).collect()) {
+            let message = format!("{e:#}");
+            ended.extend(at.into_iter().map(|i| (i, Some(anyhow::anyhow!("{message}")))));
         }
     }
 
