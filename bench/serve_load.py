@@ -4,7 +4,7 @@ streaming clients, in one run.
 
     bench/serve_load.py --model DIR [--host target/release/host] [--oracle-python PY]
         [--clients 1,8] [--max-tokens 64] [--rounds 2] [--device cpu|gpu] [--api chat|completions] [--join 31 [--join-samples 5]]
-        [--llama-server BIN [--only host,llama.cpp]] [--alternate]
+        [--llama-server BIN [--only host,llama.cpp]] [--baseline BIN] [--alternate]
 
 `--llama-server BIN` adds llama.cpp's server on the same --model (a GGUF file), with as many
 parallel slots as the most clients and the threads this machine has
@@ -16,6 +16,8 @@ count sends that many streaming chat completions at once (different prompts, gre
 `max_tokens` each) and prints a markdown table: aggregate generation tok/s (tokens streamed
 by all clients over the wall time from the first request to the last token), mean
 per-stream tok/s (after each stream's first token), TTFT p50/p95, and host/mlx-lm ratios.
+`--baseline BIN` serves another host binary beside (say, main before a change) as `host-base`,
+with its own ratio column.
 `--join N`: N streams decode, then `--join-samples` more requests arrive one after another;
 their TTFT p50/p95 against the same requests alone (the issue's "joining a running batch"
 figure).
@@ -182,6 +184,7 @@ def main():
     ap.add_argument("--join-samples", type=int, default=5, help="joining requests (and as many alone)")
     ap.add_argument("--only", help="comma-separated servers to run (host, mlx-lm, llama.cpp)")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: serve --model with it too")
+    ap.add_argument("--baseline", help="another host binary (say, main before a change): served as host-base")
     ap.add_argument("--alternate", action="store_true",
                     help="start every server first and alternate them round by round")
     ap.add_argument("--api", choices=["chat", "completions"], default="chat",
@@ -191,13 +194,18 @@ def main():
     API = args.api
     counts = [int(c) for c in args.clients.split(",")]
     blas = OPENBLAS if os.path.exists(OPENBLAS) else None
+    def host_cmd(binary, port):
+        return [binary, "serve", "--model", args.model, "--port", str(port), "--device", args.device,
+                "--max-batch", str(max(counts + [args.join + 1]))]
+
     servers = {
-        "host": lambda p: Server("host", [args.host, "serve", "--model", args.model, "--port", str(p), "--device",
-                                          args.device, "--max-batch", str(max(counts + [args.join + 1]))], p),
+        "host": lambda p: Server("host", host_cmd(args.host, p), p),
         "mlx-lm": lambda p: Server("mlx-lm", [args.oracle_python, "-m", "mlx_lm", "server", "--model", args.model,
                                               "--port", str(p)], p,
                                    {"LD_PRELOAD": blas} if blas else {}, model=args.model),
     }
+    if args.baseline:
+        servers["host-base"] = lambda p: Server("host-base", host_cmd(args.baseline, p), p)
     if args.llama_server:
         slots = max(counts + [args.join + 1])
         servers["llama.cpp"] = lambda p: Server(

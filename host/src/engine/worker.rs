@@ -431,7 +431,15 @@ impl Worker {
                     _ => None,
                 })
                 .collect();
-            match super::step::prefill_together(m.model, &mut caches, &chunks, self.prefill_step_size) {
+            let started = Instant::now();
+            let prefilled = super::step::prefill_together(m.model, &mut caches, &chunks, self.prefill_step_size);
+            tracing::trace!(
+                rows = chunks.len(),
+                tokens = chunks.iter().map(|c| c.len()).sum::<usize>(),
+                ms = started.elapsed().as_secs_f64() * 1e3,
+                "joint prefill"
+            );
+            match prefilled {
                 Ok(()) => {
                     self.stats.prefilled_together.fetch_add(chunks.len(), Ordering::Relaxed);
                 }
