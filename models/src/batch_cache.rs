@@ -449,15 +449,16 @@ impl BatchKvCache {
     }
 
     /// Adds a row holding `cache`'s positions (one sequence's cache of this layer) as the
-    /// last row: [`push_all`](Self::push_all) of one row, with room for a decode step.
+    /// last row: [`push_all`](Self::push_all) of one row, with the room a step's growth gives.
     pub fn push(&mut self, cache: &KvCache) -> Result<()> {
-        self.push_all(&[cache], 1)
+        self.push_all(&[cache], STEP)
     }
 
     /// Adds rows holding `caches`' positions (each one sequence's cache of this layer) after
     /// the batch's rows, in one copy of the buffer that leaves room for the next `room`
-    /// positions: the forward after the join writes in place rather than growing the buffer
-    /// by a second copy (eight chat requests joining at once on the 2-core CPU: their first
+    /// positions (`STEP` for decoding, as a step's growth would; a prefill's forward, its
+    /// length: the spare columns are zeros written): the forward after the join writes in
+    /// place rather than growing the buffer by a second copy (eight chat requests joining at once on the 2-core CPU: their first
     /// step 122 ms with a copy per row and the growth, 41 ms after one copy with room).
     /// The shorter of the batch and each row is padded on the left. Where a window dropped the
     /// oldest positions of a side, the joined buffer starts at the latest first column held
@@ -504,7 +505,7 @@ impl BatchKvCache {
         };
         // Zeros with each side's last `held` columns written at the right end of its rows:
         // one buffer, written in place (MLX donates each update's input to its output).
-        let capacity = (held + room.max(1)).div_ceil(STEP) * STEP;
+        let capacity = held + room;
         let fill = |like: &Array, pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
             let (h, d) = (like.dim(1) as i32, like.dim(3) as i32);
             let mut out = Array::zeros(&[rows + caches.len(), like.dim(1), capacity, like.dim(3)], like.dtype())?;

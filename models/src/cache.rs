@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Columns a cache's buffer grows by (and a batch's buffer keeps free after a join).
-pub(crate) const STEP: usize = 256;
+pub const STEP: usize = 256;
 
 /// Positions a sliding-window cache keeps beyond its window: the rollback it always allows
 /// (speculative decoding drafts at most 64 tokens; a prompt-cache hit trims a few).

@@ -297,7 +297,7 @@ impl<'m> Batch<'m> {
         }
         for (layer, b) in self.cache.iter_mut().enumerate() {
             let caches: Vec<&KvCache> = rows.iter().map(|(_, cache)| &cache[layer]).collect();
-            b.push_all(&caches, 1)?;
+            b.push_all(&caches, models::cache::STEP)?;
         }
         self.rows.extend(rows.into_iter().map(|(row, _)| row));
         // MLX keeps freed buffers for reuse; a prefill's and a changing batch's shapes leave
