@@ -827,8 +827,9 @@ mod tests {
     }
 
     /// Rows with their own sampling settings (greedy, seeded with top-p, penalties with a
-    /// bias), joining at different steps and one leaving and rejoining mid-way, each get the
-    /// tokens they get alone.
+    /// bias), joining at different steps (the first two together, `join_all`) and one leaving
+    /// and rejoining mid-way, each get the tokens they get alone. A join of a row already in
+    /// the batch is refused, with the batch as it was.
     #[test]
     fn every_row_gets_the_tokens_it_gets_alone_while_rows_join_leave_and_rejoin() {
         for arch in ["llama", "qwen3"] {
@@ -851,13 +852,16 @@ mod tests {
             let expected: Vec<Vec<u32>> = (0..4).map(|i| alone(model, &prompts[i], &params[i], n)).collect();
             let mut batch = Batch::new(model);
             let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-            let join = |batch: &mut Batch, i: usize| {
+            let row = |i: usize| {
                 let sampler = Sampler::new(params[i].clone(), model.vocab_size()).unwrap();
-                let row = Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap();
-                batch.join(row, &prefilled(model, &prompts[i])).unwrap();
+                Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap()
             };
-            join(&mut batch, 0);
-            join(&mut batch, 1);
+            let join = |batch: &mut Batch, i: usize| batch.join(row(i), &prefilled(model, &prompts[i])).unwrap();
+            let first: Vec<Vec<KvCache>> = (0..2).map(|i| prefilled(model, &prompts[i])).collect();
+            batch.join_all(vec![(row(0), &first[0]), (row(1), &first[1])]).unwrap();
+            let again = batch.join_all(vec![(row(2), &first[0]), (row(1), &first[1])]).unwrap_err();
+            assert!(format!("{again:#}").contains("row 1 is already in the batch"), "{again:#}");
+            assert_eq!((batch.len(), batch.cache[0].rows()), (2, 2), "{arch}: a refused join changed the batch");
             let mut parked = None;
             for step in 0..40 {
                 match step {
