@@ -456,11 +456,12 @@ impl BatchKvCache {
 
     /// Adds rows holding `caches`' positions (each one sequence's cache of this layer) after
     /// the batch's rows, in one copy of the buffer that leaves room for the next `room`
-    /// positions (`STEP` for decoding, as a step's growth would; a prefill's forward, its
-    /// length: the spare columns are zeros written): the forward after the join writes in
-    /// place rather than growing the buffer by a second copy (eight chat requests joining at once on the 2-core CPU: their first
-    /// step 122 ms with a copy per row and the growth, 41 ms after one copy with room).
-    /// The shorter of the batch and each row is padded on the left. Where a window dropped the
+    /// positions (`STEP` for decoding, as a step's growth would; for a prefill's forward, its
+    /// length: the spare columns are zeros written). The forward after the join then writes
+    /// in place rather than growing the buffer by a second copy (eight chat requests joining
+    /// at once on the 2-core CPU: their first step 122 ms with a copy per row and the growth,
+    /// 34-41 ms after one copy with room). The shorter of the batch and each row is padded on
+    /// the left. Where a window dropped the
     /// oldest positions of a side, the joined buffer starts at the latest first column held
     /// (what it cuts of the others is outside every window).
     pub fn push_all(&mut self, caches: &[&KvCache], room: usize) -> Result<()> {
