@@ -461,16 +461,14 @@ impl BatchKvCache {
     /// in place rather than growing the buffer by a second copy (eight chat requests joining
     /// at once on the 2-core CPU: their first step 122 ms with a copy per row and the growth,
     /// 34-41 ms after one copy with room). The shorter of the batch and each row is padded on
-    /// the left. Where a window dropped the
-    /// oldest positions of a side, the joined buffer starts at the latest first column held
-    /// (what it cuts of the others is outside every window).
+    /// the left. Where a window dropped the oldest positions of a side, the joined buffer
+    /// starts at the latest first column held (what it cuts of the others is outside every
+    /// window).
     pub fn push_all(&mut self, caches: &[&KvCache], room: usize) -> Result<()> {
         for cache in caches {
             record(|| CacheOp::BatchPush { batch: self.id, cache: cache.id(), offset: cache.offset() });
         }
         let Some(last) = caches.last() else { return Ok(()) };
-        let width = self.width();
-        let target = caches.iter().map(|c| c.offset()).fold(width, usize::max);
         if last.is_recurrent() {
             for cache in caches {
                 let (width, target) = (self.width(), self.width().max(cache.offset()));
@@ -481,6 +479,8 @@ impl BatchKvCache {
             }
             return Ok(());
         }
+        let width = self.width();
+        let target = caches.iter().map(|c| c.offset()).fold(width, usize::max);
         // The first column each side holds in the joined buffer (0 when it holds all of its
         // own: the columns before are padding).
         let first = |start: usize, len: usize| if start > 0 { start + target - len } else { 0 };
@@ -633,7 +633,7 @@ impl BatchKvCache {
         if self.buffer.is_recurrent() {
             return self.remove_recurrent(row);
         }
-        let held = self.buffer.held()?.and(self.buffer.buffers());
+        let held = self.buffer.buffers().filter(|_| self.buffer.offset() > self.start());
         let (Some((k, v)), false) = (held, self.left_padding.is_empty()) else {
             // No row left, or none holds a position yet.
             self.buffer = self.buffer.empty_like();
