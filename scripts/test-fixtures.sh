@@ -174,6 +174,13 @@ if [ ! -f "$MODELS/gemma3-270m/model.safetensors" ]; then
   "$ORACLE/bin/python" "$ROOT/tests/fixtures/gemma3-gguf-to-hf.py" "$GEMMA_GGUF" "$MODELS/gemma3-270m" >&2
 fi
 
+# Gemma 4 GGUF files as llama.cpp's converter writes them, F32 and Q8_0, from the tiny Gemma 4
+# models given Gemma's own kind of vocabulary (tests/fixtures/gemma4-to-gguf.py).
+if [ ! -f "$MODELS/tiny-gemma4-moe-spm-q8/model.safetensors" ]; then
+  log "writing the tiny Gemma 4 GGUF files"
+  "$ORACLE/bin/python" "$ROOT/tests/fixtures/gemma4-to-gguf.py" "$MODELS" >&2
+fi
+
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
 if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
   log "making the SmolLM2 layer-truncated draft"

@@ -297,6 +297,47 @@ fn gemma4_models_equal_mlx_lm() {
     check_chunked_logits(&f, "tiny-gemma4-moe", 5);
 }
 
+/// Gemma 4 GGUF files (`tests/fixtures/gemma4-to-gguf.py` writes them as llama.cpp's converter
+/// does: per-layer metadata arrays, the `rope_freqs` table, renamed router scales and layer
+/// scalars, fused experts, the `gemma4` vocabulary with its merges), F32 and Q8_0, of the
+/// e-series and 26B-A4B shapes: mlx-lm's greedy ids on their folders (the Q8_0 files' weights
+/// dequantized by gguf-py), the F32 files' logits within the bound, the same end-of-turn ids,
+/// and the tokenizer rebuilt from the file encoding and decoding as Gemma's `tokenizer.json`.
+#[test]
+fn gemma4_gguf_files_equal_mlx_lm_on_their_folders() {
+    let Some(f) = fixtures() else { return };
+    let texts = [
+        "What is the capital of France?",
+        "  two leading spaces,   three inside, and a trailing one ",
+        "tabs\tand\nnewlines\n\n\nand\r\ncarriage returns",
+        "Ünïcödé, 日本語のテキスト, emoji 🦀 and a rare one 𓀀",
+        "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+        "",
+    ];
+    for model in ["tiny-gemma4-spm", "tiny-gemma4-moe-spm"] {
+        let folder = models::load(&f.models.join(model)).unwrap();
+        for (file, oracle) in
+            [(format!("{model}.gguf"), model.to_string()), (format!("{model}-q8.gguf"), format!("{model}-q8"))]
+        {
+            check_ids(&f, f.models.join(&file), &oracle, 16);
+        }
+        let gguf = models::load(&f.models.join(format!("{model}.gguf"))).unwrap();
+        assert_eq!(gguf.info.model_type, "gemma4_text");
+        assert_eq!(gguf.info.eos_token_ids, folder.info.eos_token_ids, "{model}: end-of-turn ids");
+        check_logits_of(&gguf, &f, model, 16);
+        for text in texts {
+            let got = gguf.tokenizer.encode(text, true).unwrap();
+            let want = folder.tokenizer.encode(text, true).unwrap();
+            assert_eq!(got, want, "{model}: token ids of {text:?}");
+            assert_eq!(
+                gguf.tokenizer.decode(&got).unwrap(),
+                folder.tokenizer.decode(&want).unwrap(),
+                "{model}: text of {text:?}"
+            );
+        }
+    }
+}
+
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
 /// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
 /// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids

@@ -12,6 +12,7 @@
 //! llama.cpp stores the Q and K projection rows of Llama models permuted for its rotary
 //! layout; they are permuted back here so the usual (non-traditional) RoPE applies.
 
+use super::gguf_gemma4;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Quantization, Weights};
 use crate::{Error, Result};
@@ -55,6 +56,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("gemma3", "gemma3_text"),
+    ("gemma4", "gemma4_text"),
     ("qwen35", "qwen3_5"),
     ("qwen35moe", "qwen3_5_moe"),
 ];
@@ -72,6 +74,11 @@ fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         "output" => return Some("lm_head".into()),
         _ => {}
     }
+    if arch == "gemma4" {
+        if let Some((_, hf)) = super::gguf_gemma4::TOP_MAP.iter().find(|(g, _)| *g == gguf) {
+            return Some(hf.to_string());
+        }
+    }
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, kind) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
@@ -81,6 +88,7 @@ fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     }
     let special = match arch {
         "gemma3" => GEMMA3_LAYER_MAP,
+        "gemma4" => super::gguf_gemma4::LAYER_MAP,
         a if is_qwen35(a) => super::gguf_qwen35::LAYER_MAP,
         _ => &[],
     };
@@ -199,9 +207,21 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
     // Weights under HF names; quantized triples keep their per-tensor bits.
     let mut tensors: HashMap<String, Array> = HashMap::new();
     let mut overrides: HashMap<String, Option<Quantization>> = HashMap::new();
-    let mut stems: Vec<&String> =
-        file.arrays.keys().filter(|k| k.ends_with(".weight") || k.ends_with(".bias")).collect();
+    let mut stems: Vec<&String> = file
+        .arrays
+        .keys()
+        .filter(|k| {
+            (k.ends_with(".weight") || k.ends_with(".bias")) && !(arch == "gemma4" && *k == gguf_gemma4::ROPE_FREQS)
+        })
+        .collect();
     stems.sort();
+    if arch == "gemma4" {
+        // The router's scales are tensors with a `.scale` suffix.
+        for (name, a) in file.arrays.iter().filter(|(k, _)| k.ends_with(".scale")) {
+            let hf = gguf_gemma4::scale_name(name).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
+            tensors.insert(hf, if cpu { a.astype(Dtype::Float32)? } else { a.clone() });
+        }
+    }
     if is_qwen35(arch) {
         // A DeltaNet layer's `ssm_a` is a tensor without a suffix.
         for (name, a) in file.arrays.iter().filter(|(k, _)| k.ends_with(".ssm_a")) {
@@ -298,6 +318,39 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         let (c, shape) = super::gguf_qwen35::config(arch == "qwen35moe", config, &num, &err)?;
         config = c;
         super::gguf_qwen35::restore(&mut tensors, &shape).map_err(|e| meta.err(e.to_string()))?;
+    }
+    if arch == "gemma4" {
+        let ints = |k: &str| -> Result<Option<Vec<i64>>> {
+            match meta.map.get(&key(k)) {
+                None => Ok(None),
+                Some(GgufValue::Array(a)) => {
+                    Ok(Some(a.astype(Dtype::Int32)?.to_vec_i32()?.into_iter().map(i64::from).collect()))
+                }
+                Some(_) => Err(meta.err(format!("metadata {:?} should be numbers", key(k)))),
+            }
+        };
+        let rope_freqs =
+            file.arrays.get(gguf_gemma4::ROPE_FREQS).map(|a| a.astype(Dtype::Float32)?.to_vec_f32()).transpose()?;
+        let source = gguf_gemma4::Source {
+            ints: &ints,
+            num: &|k: &str| meta.number(&key(k)),
+            rope_freqs,
+            tensors: &tensors,
+            err: &|m: String| meta.err(m),
+        };
+        config = gguf_gemma4::config(config, &source)?;
+        // End of turn as llama.cpp reads a Gemma 4 vocabulary: `<eos>`, `<turn|>`, and
+        // `<|tool_response>` (a tool call waits for its result).
+        let mut eos: Vec<u32> = eos.into_iter().collect();
+        for (i, t) in tokens.iter().enumerate() {
+            if matches!(t.as_str(), "<turn|>" | "<|tool_response>" | "<end_of_turn>") {
+                eos.push(i as u32);
+            }
+        }
+        config["eos_token_id"] = json!(eos);
+        gguf_gemma4::restore(&mut tensors).map_err(|e| meta.err(e.to_string()))?;
+    }
+    if is_qwen35(arch) || arch == "gemma4" {
         // Quantization overrides follow the tensors' names (a fused expert split in two).
         for (hf, q) in overrides.clone() {
             if let Some(stem) = hf.strip_suffix(".gate_up_proj") {
@@ -310,6 +363,8 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
     let tokenizer = if arch == "gemma3" {
         sentencepiece_tokenizer(&meta, tokens, bos, eos)?
+    } else if meta.string("tokenizer.ggml.model") == Some("gemma4") {
+        gemma4_tokenizer(&meta, tokens, bos, eos)?
     } else {
         tokenizer(&meta, tokens, bos, eos)?
     };
@@ -472,6 +527,44 @@ fn sentencepiece_tokenizer(
     merges.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
     let merges: Vec<Value> = merges.iter().map(|m| json!([m.3, m.4])).collect();
     let vocab: serde_json::Map<String, Value> = order.iter().map(|&t| (t.to_string(), json!(index[t]))).collect();
+    // A respelled token (all spaces) is no added token: its file spelling is not in the vocabulary.
+    let added: Vec<Value> = added_tokens(meta, tokens)?
+        .into_iter()
+        .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
+        .collect();
+    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added)
+}
+
+/// A Gemma 4 vocabulary (`tokenizer.ggml.model` "gemma4", llama.cpp's SentencePiece-style BPE:
+/// spaces as `▁`, the file's merges over whole text, bytes as `<0xXX>` tokens where no token
+/// fits) as the `tokenizers` BPE that Gemma's `tokenizer.json` is, which the converter read.
+fn gemma4_tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
+    let vocab: serde_json::Map<String, Value> =
+        tokens.iter().enumerate().rev().map(|(i, t)| (t.clone(), json!(i))).collect();
+    // llama.cpp splits a merge at its first space after the first character.
+    let merges: Vec<Value> = meta
+        .strings("tokenizer.ggml.merges")?
+        .iter()
+        .map(|m| match m.char_indices().skip(1).find(|(_, c)| *c == ' ') {
+            Some((at, _)) => json!([&m[..at], &m[at + 1..]]),
+            None => json!([m, ""]),
+        })
+        .collect();
+    let added = added_tokens(meta, tokens)?;
+    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added)
+}
+
+/// A SentencePiece-style BPE (`tokenizers`' form of Gemma's vocabularies): spaces normalized
+/// to `▁`, byte fallback, BOS prepended when `tokenizer.ggml.add_bos_token` says (the default).
+fn spm_bpe_tokenizer(
+    meta: &Meta<'_>,
+    tokens: &[String],
+    bos: Option<u32>,
+    eos: Option<u32>,
+    vocab: serde_json::Map<String, Value>,
+    merges: Vec<Value>,
+    added: Vec<Value>,
+) -> Result<Tokenizer> {
     let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
     let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
     let bos_name = bos.and_then(|i| tokens.get(i as usize));
@@ -485,11 +578,6 @@ fn sentencepiece_tokenizer(
         }),
         _ => Value::Null,
     };
-    // A respelled token (all spaces) is no added token: its file spelling is not in the vocabulary.
-    let added: Vec<Value> = added_tokens(meta, tokens)?
-        .into_iter()
-        .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
-        .collect();
     let spec = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},

@@ -3,6 +3,7 @@
 //! or, for the K-quants MLX refuses, by `gguf_reader.rs`).
 
 pub mod gguf;
+mod gguf_gemma4;
 mod gguf_qwen35;
 pub mod gguf_reader;
 pub mod safetensors;
