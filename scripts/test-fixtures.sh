@@ -176,9 +176,12 @@ fi
 
 # Gemma 4 GGUF files as llama.cpp's converter writes them, F32 and Q8_0, from the tiny Gemma 4
 # models given Gemma's own kind of vocabulary (tests/fixtures/gemma4-to-gguf.py).
-if [ ! -f "$MODELS/tiny-gemma4-moe-spm-q8/model.safetensors" ]; then
+# Made again whenever the script changes (its hash is kept beside them).
+G4_STAMP=$(sha256sum "$ROOT/tests/fixtures/gemma4-to-gguf.py" | cut -c1-64)
+if [ "$(cat "$MODELS/tiny-gemma4-gguf.stamp" 2>/dev/null)" != "$G4_STAMP" ]; then
   log "writing the tiny Gemma 4 GGUF files"
   "$ORACLE/bin/python" "$ROOT/tests/fixtures/gemma4-to-gguf.py" "$MODELS" >&2
+  echo "$G4_STAMP" > "$MODELS/tiny-gemma4-gguf.stamp"
 fi
 
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.

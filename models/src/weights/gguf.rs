@@ -532,7 +532,8 @@ fn sentencepiece_tokenizer(
         .into_iter()
         .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
         .collect();
-    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added)
+    let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
+    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added, add_bos)
 }
 
 /// A Gemma 4 vocabulary (`tokenizer.ggml.model` "gemma4", llama.cpp's SentencePiece-style BPE:
@@ -551,11 +552,13 @@ fn gemma4_tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: O
         })
         .collect();
     let added = added_tokens(meta, tokens)?;
-    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added)
+    // No BOS of its own, whatever the file's flag (the converter sets it): Gemma 4's tokenizer
+    // adds none, as its chat template writes `<bos>` (transformers reads these files so too).
+    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added, false)
 }
 
 /// A SentencePiece-style BPE (`tokenizers`' form of Gemma's vocabularies): spaces normalized
-/// to `▁`, byte fallback, BOS prepended when `tokenizer.ggml.add_bos_token` says (the default).
+/// to `▁`, byte fallback, BOS prepended where `add_bos`.
 fn spm_bpe_tokenizer(
     meta: &Meta<'_>,
     tokens: &[String],
@@ -564,9 +567,9 @@ fn spm_bpe_tokenizer(
     vocab: serde_json::Map<String, Value>,
     merges: Vec<Value>,
     added: Vec<Value>,
+    add_bos: bool,
 ) -> Result<Tokenizer> {
     let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
-    let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
     let bos_name = bos.and_then(|i| tokens.get(i as usize));
     let post = match (add_bos, bos, bos_name) {
         (true, Some(id), Some(name)) => json!({
