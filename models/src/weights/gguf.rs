@@ -533,7 +533,7 @@ fn sentencepiece_tokenizer(
         .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
         .collect();
     let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
-    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added, add_bos)
+    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos })
 }
 
 /// A Gemma 4 vocabulary (`tokenizer.ggml.model` "gemma4", llama.cpp's SentencePiece-style BPE:
@@ -554,7 +554,16 @@ fn gemma4_tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: O
     let added = added_tokens(meta, tokens)?;
     // No BOS of its own, whatever the file's flag (the converter sets it): Gemma 4's tokenizer
     // adds none, as its chat template writes `<bos>` (transformers reads these files so too).
-    spm_bpe_tokenizer(meta, tokens, bos, eos, vocab, merges, added, false)
+    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos: false })
+}
+
+/// What a SentencePiece-style BPE is built from: `vocab` (token to id), `merges` (pairs,
+/// best first), the `added` tokens, and whether BOS is prepended.
+struct SpmVocab {
+    vocab: serde_json::Map<String, Value>,
+    merges: Vec<Value>,
+    added: Vec<Value>,
+    add_bos: bool,
 }
 
 /// A SentencePiece-style BPE (`tokenizers`' form of Gemma's vocabularies): spaces normalized
@@ -564,11 +573,9 @@ fn spm_bpe_tokenizer(
     tokens: &[String],
     bos: Option<u32>,
     eos: Option<u32>,
-    vocab: serde_json::Map<String, Value>,
-    merges: Vec<Value>,
-    added: Vec<Value>,
-    add_bos: bool,
+    v: SpmVocab,
 ) -> Result<Tokenizer> {
+    let SpmVocab { vocab, merges, added, add_bos } = v;
     let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
     let bos_name = bos.and_then(|i| tokens.get(i as usize));
     let post = match (add_bos, bos, bos_name) {
