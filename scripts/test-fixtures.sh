@@ -184,6 +184,17 @@ if [ "$(cat "$MODELS/tiny-gemma4-gguf.stamp" 2>/dev/null)" != "$G4_STAMP" ]; the
   echo "$G4_STAMP" > "$MODELS/tiny-gemma4-gguf.stamp"
 fi
 
+# A MiniCPM GGUF with a SentencePiece vocabulary trained here, as llama.cpp's converter writes
+# it, and its oracle folder (tests/fixtures/minicpm-to-gguf.py); remade when the script changes.
+MC_STAMP=$(sha256sum "$ROOT/tests/fixtures/minicpm-to-gguf.py" | cut -c1-64)
+if [ "$(cat "$MODELS/tiny-minicpm-gguf.stamp" 2>/dev/null)" != "$MC_STAMP" ]; then
+  log "writing the tiny MiniCPM GGUF file"
+  "$ORACLE/bin/python" -c 'import sentencepiece' 2>/dev/null ||
+    "$ORACLE/bin/pip" install --quiet --disable-pip-version-check 'sentencepiece==0.2.3' >&2
+  "$ORACLE/bin/python" "$ROOT/tests/fixtures/minicpm-to-gguf.py" "$MODELS" >&2
+  echo "$MC_STAMP" > "$MODELS/tiny-minicpm-gguf.stamp"
+fi
+
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
 if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
   log "making the SmolLM2 layer-truncated draft"

@@ -338,6 +338,35 @@ fn gemma4_gguf_files_equal_mlx_lm_on_their_folders() {
     }
 }
 
+/// A MiniCPM GGUF (`tests/fixtures/minicpm-to-gguf.py` writes it as llama.cpp's converter
+/// does: its three scalings as metadata, Q/K rows permuted, a SentencePiece vocabulary as
+/// tokenizer model `llama`, trained there): mlx-lm's greedy ids and logits on the folder whose
+/// tokenizer transformers makes of that vocabulary, and the host's tokenizer of the file
+/// encoding and decoding as that one (the prefix space, runs of spaces, tabs, bytes).
+#[test]
+fn a_minicpm_gguf_with_a_sentencepiece_vocabulary_equals_mlx_lm_on_its_converted_folder() {
+    let Some(f) = fixtures() else { return };
+    check_ids(&f, f.models.join("tiny-minicpm-spm.gguf"), "tiny-minicpm-spm", 16);
+    let gguf = models::load(&f.models.join("tiny-minicpm-spm.gguf")).unwrap();
+    assert_eq!(gguf.info.model_type, "minicpm");
+    check_logits_of(&gguf, &f, "tiny-minicpm-spm", 16);
+    let reference = models::Tokenizer::from_dir(&f.models.join("tiny-minicpm-spm")).unwrap();
+    let texts = [
+        "What is the capital of France?",
+        "  two leading spaces,   three inside\tand a tab, and a trailing one ",
+        "newlines\n\n\nand\r\ncarriage returns, digits 1234567890",
+        "Ünïcödé, 日本語, emoji 🦀 and a rare one 𓀀",
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+        "",
+    ];
+    for text in texts {
+        let got = gguf.tokenizer.encode(text, true).unwrap();
+        let want = reference.encode(text, true).unwrap();
+        assert_eq!(got, want, "token ids of {text:?}");
+        assert_eq!(gguf.tokenizer.decode(&got).unwrap(), reference.decode(&want).unwrap(), "text of {text:?}");
+    }
+}
+
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
 /// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
 /// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids

@@ -57,6 +57,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen3", "qwen3"),
     ("gemma3", "gemma3_text"),
     ("gemma4", "gemma4_text"),
+    ("minicpm", "minicpm"),
     ("qwen35", "qwen3_5"),
     ("qwen35moe", "qwen3_5_moe"),
 ];
@@ -233,7 +234,7 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         let (stem, suffix) = name.rsplit_once('.').expect("filtered on a suffix");
         let hf = hf_name(arch, stem).ok_or_else(|| meta.err(format!("unknown tensor {name:?}")))?;
         let permute = |a: &Array| -> Result<Array> {
-            if arch != "llama" {
+            if arch != "llama" && arch != "minicpm" {
                 return Ok(a.clone());
             }
             match stem.rsplit('.').next() {
@@ -312,6 +313,14 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         config["sliding_window"] = json!(meta.number(&key("attention.sliding_window"))?.map_or(512, |v| v as usize));
         config["query_pre_attn_scalar"] = json!(if layers == 62 { hidden / n_head } else { head_dim });
     }
+    if arch == "minicpm" {
+        // llama.cpp's three scalings, back to the checkpoint's fields.
+        let need = |k: &str| meta.required(&key(k));
+        let (embedding, residual, logit) = (need("embedding_scale")?, need("residual_scale")?, need("logit_scale")?);
+        config["scale_emb"] = json!(embedding as f32 as f64);
+        config["scale_depth"] = json!(residual * (layers as f64).sqrt());
+        config["dim_model_base"] = json!((hidden as f64 / logit).round() as usize);
+    }
     if is_qwen35(arch) {
         let num = |k: &str| meta.number(&key(k));
         let err = |m: String| meta.err(m);
@@ -361,12 +370,10 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         overrides.retain(|hf, _| tensors.contains_key(&format!("{hf}.weight")));
     }
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
-    let tokenizer = if arch == "gemma3" {
-        sentencepiece_tokenizer(&meta, tokens, bos, eos)?
-    } else if meta.string("tokenizer.ggml.model") == Some("gemma4") {
-        gemma4_tokenizer(&meta, tokens, bos, eos)?
-    } else {
-        tokenizer(&meta, tokens, bos, eos)?
+    let tokenizer = match meta.string("tokenizer.ggml.model") {
+        Some("llama") => sentencepiece_tokenizer(&meta, tokens, bos, eos, arch == "gemma3")?,
+        Some("gemma4") => gemma4_tokenizer(&meta, tokens, bos, eos)?,
+        _ => tokenizer(&meta, tokens, bos, eos)?,
     };
     Ok(Gguf { config, weights, tokenizer })
 }
@@ -376,9 +383,9 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
 fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
     let model = meta.string("tokenizer.ggml.model").unwrap_or("?");
     if model != "gpt2" {
-        return Err(
-            meta.err(format!("GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE)"))
-        );
+        return Err(meta.err(format!(
+            "GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4"
+        )));
     }
     let merges = meta.strings("tokenizer.ggml.merges")?;
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
@@ -471,33 +478,30 @@ fn python_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
-/// A SentencePiece vocabulary (`tokenizer.ggml.model` "llama") of a Gemma file as a
-/// `tokenizers` BPE with byte fallback, built as transformers builds it from a GGUF
-/// (`gguf_tokenizer_mapping.gemma_tokenizer`, transformers 5), so the host's ids are the
-/// ones mlx-lm gets from the converted folder:
+/// A SentencePiece vocabulary (`tokenizer.ggml.model` "llama") as a `tokenizers` BPE with byte
+/// fallback, built as transformers 5 builds it from a GGUF (`integrations/gguf`), so the host's
+/// ids are the ones mlx-lm gets from the converted folder. Gemma files (`gemma_tokenizer`):
 /// - a token of spaces only (two or more, stored as real spaces) is spelled with `▁` (and
 ///   is not an added token);
-/// - the file has no merges: every split of a token into two vocabulary tokens is a merge,
-///   ranked by the token's position in the file (earlier first), then the longer left part,
-///   then the longer right part;
-/// - spaces are normalized to `▁`; BOS is prepended when `tokenizer.ggml.add_bos_token`
-///   says (the default).
+/// - the file has no merges: they are implied by the vocabulary, ranked by the token's
+///   position in the file (earlier first), as Gemma's scores do not follow its merge order;
+/// - spaces are normalized to `▁`; BOS is prepended when `tokenizer.ggml.add_bos_token` says
+///   (the default).
+///
+/// Other files (Llama 2, Mistral 7B, MiniCPM: `LlamaTokenizer`): the file's merges, or those
+/// its scores imply; a `▁` put before the text when `tokenizer.ggml.add_space_prefix` says
+/// (the default) and taken off again when decoding; BOS as for Gemma.
 fn sentencepiece_tokenizer(
     meta: &Meta<'_>,
     tokens: &[String],
     bos: Option<u32>,
     eos: Option<u32>,
+    gemma: bool,
 ) -> Result<Tokenizer> {
-    let model = meta.string("tokenizer.ggml.model").unwrap_or("?");
-    if model != "llama" {
-        return Err(meta.err(format!(
-            "GGUF tokenizer model {model:?} for a Gemma file is not supported; supported: llama (SentencePiece)"
-        )));
-    }
     let spelled: Vec<String> = tokens
         .iter()
         .map(|t| {
-            if t.contains(' ') && t.chars().all(python_space) {
+            if gemma && t.contains(' ') && t.chars().all(python_space) {
                 "\u{2581}".repeat(t.chars().count())
             } else {
                 t.clone()
@@ -512,20 +516,19 @@ fn sentencepiece_tokenizer(
             order.push(t);
         }
     }
-    // (token index, left chars, right chars, left, right); sorted best first.
-    let mut merges: Vec<(usize, usize, usize, &str, &str)> = Vec::new();
-    for &t in &order {
-        let rank = index[t];
-        let total = t.chars().count();
-        for (left_chars, (at, _)) in t.char_indices().enumerate().skip(1) {
-            let (l, r) = t.split_at(at);
-            if index.contains_key(l) && index.contains_key(r) {
-                merges.push((rank, left_chars, total - left_chars, l, r));
-            }
+    let merges = match meta.map.get("tokenizer.ggml.merges") {
+        Some(_) if !gemma => file_merges(meta)?,
+        _ if gemma => implied_merges(&order, &index, |i| -(i as f64)),
+        _ => {
+            let scores = match meta.map.get("tokenizer.ggml.scores") {
+                Some(GgufValue::Array(a)) => a.to_vec_f32()?,
+                _ => {
+                    return Err(meta.err("a SentencePiece vocabulary without merges needs tokenizer.ggml.scores".into()))
+                }
+            };
+            implied_merges(&order, &index, |i| scores.get(i).copied().unwrap_or(f32::MIN) as f64)
         }
-    }
-    merges.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
-    let merges: Vec<Value> = merges.iter().map(|m| json!([m.3, m.4])).collect();
+    };
     let vocab: serde_json::Map<String, Value> = order.iter().map(|&t| (t.to_string(), json!(index[t]))).collect();
     // A respelled token (all spaces) is no added token: its file spelling is not in the vocabulary.
     let added: Vec<Value> = added_tokens(meta, tokens)?
@@ -533,7 +536,42 @@ fn sentencepiece_tokenizer(
         .filter(|a| a["id"].as_u64().is_some_and(|i| tokens[i as usize] == spelled[i as usize]))
         .collect();
     let add_bos = meta.number("tokenizer.ggml.add_bos_token")?.is_none_or(|v| v != 0.0);
-    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos })
+    let prefix_space = (!gemma).then(|| meta.number("tokenizer.ggml.add_space_prefix")).transpose()?;
+    let prefix_space = prefix_space.map(|p| p.is_none_or(|v| v != 0.0));
+    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos, prefix_space })
+}
+
+/// The file's merges (`tokenizer.ggml.merges`: "left right"; llama.cpp splits at the first
+/// space after the first character).
+fn file_merges(meta: &Meta<'_>) -> Result<Vec<Value>> {
+    Ok(meta
+        .strings("tokenizer.ggml.merges")?
+        .iter()
+        .map(|m| match m.char_indices().skip(1).find(|(_, c)| *c == ' ') {
+            Some((at, _)) => json!([&m[..at], &m[at + 1..]]),
+            None => json!([m, ""]),
+        })
+        .collect())
+}
+
+/// The merges a vocabulary implies (transformers' `generate_merges` with scores): every split
+/// of a token into two vocabulary tokens, the token's `score` (of its index) highest first,
+/// then the longer left part, then the longer right part, then the token's place.
+fn implied_merges(order: &[&str], index: &HashMap<&str, usize>, score: impl Fn(usize) -> f64) -> Vec<Value> {
+    // (score, left chars, right chars, place, left, right)
+    let mut merges: Vec<(f64, usize, usize, usize, &str, &str)> = Vec::new();
+    for (place, &t) in order.iter().enumerate() {
+        let s = score(index[t]);
+        let total = t.chars().count();
+        for (left_chars, (at, _)) in t.char_indices().enumerate().skip(1) {
+            let (l, r) = t.split_at(at);
+            if index.contains_key(l) && index.contains_key(r) {
+                merges.push((s, left_chars, total - left_chars, place, l, r));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)).then(a.3.cmp(&b.3)));
+    merges.iter().map(|m| json!([m.4, m.5])).collect()
 }
 
 /// A Gemma 4 vocabulary (`tokenizer.ggml.model` "gemma4", llama.cpp's SentencePiece-style BPE:
@@ -542,32 +580,27 @@ fn sentencepiece_tokenizer(
 fn gemma4_tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
     let vocab: serde_json::Map<String, Value> =
         tokens.iter().enumerate().rev().map(|(i, t)| (t.clone(), json!(i))).collect();
-    // llama.cpp splits a merge at its first space after the first character.
-    let merges: Vec<Value> = meta
-        .strings("tokenizer.ggml.merges")?
-        .iter()
-        .map(|m| match m.char_indices().skip(1).find(|(_, c)| *c == ' ') {
-            Some((at, _)) => json!([&m[..at], &m[at + 1..]]),
-            None => json!([m, ""]),
-        })
-        .collect();
+    let merges = file_merges(meta)?;
     let added = added_tokens(meta, tokens)?;
     // No BOS of its own, whatever the file's flag (the converter sets it): Gemma 4's tokenizer
     // adds none, as its chat template writes `<bos>` (transformers reads these files so too).
-    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos: false })
+    spm_bpe_tokenizer(meta, tokens, bos, eos, SpmVocab { vocab, merges, added, add_bos: false, prefix_space: None })
 }
 
 /// What a SentencePiece-style BPE is built from: `vocab` (token to id), `merges` (pairs,
-/// best first), the `added` tokens, and whether BOS is prepended.
+/// best first), the `added` tokens, whether BOS is prepended, and the prefix space: `None`
+/// for Gemma's form (every space normalized to `▁`), else Llama's (`Metaspace`, a `▁` before
+/// the text where `Some(true)`).
 struct SpmVocab {
     vocab: serde_json::Map<String, Value>,
     merges: Vec<Value>,
     added: Vec<Value>,
     add_bos: bool,
+    prefix_space: Option<bool>,
 }
 
-/// A SentencePiece-style BPE (`tokenizers`' form of Gemma's vocabularies): spaces normalized
-/// to `▁`, byte fallback, BOS prepended where `add_bos`.
+/// A SentencePiece-style BPE (`tokenizers`' form of these vocabularies): byte fallback, BOS
+/// prepended where `add_bos`.
 fn spm_bpe_tokenizer(
     meta: &Meta<'_>,
     tokens: &[String],
@@ -575,7 +608,7 @@ fn spm_bpe_tokenizer(
     eos: Option<u32>,
     v: SpmVocab,
 ) -> Result<Tokenizer> {
-    let SpmVocab { vocab, merges, added, add_bos } = v;
+    let SpmVocab { vocab, merges, added, add_bos, prefix_space } = v;
     let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
     let bos_name = bos.and_then(|i| tokens.get(i as usize));
     let post = match (add_bos, bos, bos_name) {
@@ -588,14 +621,36 @@ fn spm_bpe_tokenizer(
         }),
         _ => Value::Null,
     };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    let (normalizer, pre_tokenizer, unk) = match prefix_space {
+        None => (
+            json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
+            json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false}),
+            unk,
+        ),
+        Some(prefix) => {
+            if prefix {
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
+            let scheme = if prefix { "first" } else { "never" };
+            // `LlamaTokenizer` gives its BPE no unknown token: what no piece covers is bytes.
+            (
+                Value::Null,
+                json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": scheme, "split": false}),
+                None,
+            )
+        }
+    };
     let spec = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
-        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false},
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": post,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
             "vocab": vocab, "merges": merges},
