@@ -532,6 +532,17 @@ fn gguf_name(hf: &str) -> String {
         ("mlp.gate_proj", "ffn_gate"),
         ("mlp.up_proj", "ffn_up"),
         ("mlp.down_proj", "ffn_down"),
+        ("self_attn.q_norm", "attn_q_norm"),
+        ("self_attn.k_norm", "attn_k_norm"),
+        ("mlp.gate", "ffn_gate_inp"),
+        ("mlp.switch_mlp.gate_proj", "ffn_gate_exps"),
+        ("mlp.switch_mlp.up_proj", "ffn_up_exps"),
+        ("mlp.switch_mlp.down_proj", "ffn_down_exps"),
+        ("mlp.switch_mlp.gate_up_proj", "ffn_gate_up_exps"),
+        ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+        ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+        ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+        ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
     ];
     let (m, suffix) = module.rsplit_once('.').unwrap();
     let g = kinds.iter().find(|(h, _)| *h == m).unwrap().1;
@@ -766,6 +777,90 @@ fn a_qwen35_gguf_file_loads_as_the_same_hybrid_model_as_its_folder() {
     let d = max_abs_diff(&want, &last_logits(&gguf, &ids));
     assert!(d < 1e-4, "the qwen35 GGUF differs from the folder by {d}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Writes the tiny `model_type` (qwen3_moe or qwen2_moe) of `testing::write_model` as
+/// llama.cpp's converter writes a `qwen3moe`/`qwen2moe` file: HF names mapped, Hugging Face's
+/// per-expert modules stacked into `[E, ...]` tensors (the qwen3moe's gate and up fused, as
+/// `--fuse-gate-up-exps` writes them), a shared expert's gate `[1, H]` stored `[H]`; no Q/K
+/// permutation (Qwen's rotary layout is llama.cpp's NeoX one).
+fn write_tiny_moe_gguf(path: &Path, model_type: &str, seed: u64) {
+    use mlx::io::GgufValue;
+    let arch = if model_type == "qwen3_moe" { "qwen3moe" } else { "qwen2moe" };
+    let weights = testing::weights_with_vocab(model_type, seed, testing::BYTE_VOCAB).unwrap();
+    let mut tensors: Vec<(String, Array)> = Vec::new();
+    let mut experts: std::collections::BTreeMap<(String, String), Vec<(usize, Array)>> = Default::default();
+    for (name, a) in &weights {
+        if let Some((stem, rest)) = name.split_once(".mlp.experts.") {
+            let (e, module) = rest.split_once('.').unwrap();
+            let module = module.trim_end_matches(".weight").to_string();
+            experts.entry((stem.to_string(), module)).or_default().push((e.parse().unwrap(), a.clone()));
+            continue;
+        }
+        let a = if name.ends_with("shared_expert_gate.weight") { a.reshape(&[-1]).unwrap() } else { a.clone() };
+        tensors.push((gguf_name(name), a));
+    }
+    let mut stacked: std::collections::HashMap<(String, String), Array> = Default::default();
+    for ((stem, module), mut list) in experts {
+        list.sort_by_key(|(e, _)| *e);
+        let parts: Vec<Array> = list.iter().map(|(_, a)| a.expand_dims(&[0]).unwrap()).collect();
+        let refs: Vec<&Array> = parts.iter().collect();
+        stacked.insert((stem, module), mlx::ops::concatenate(&refs, 0).unwrap());
+    }
+    let layers: std::collections::BTreeSet<String> = stacked.keys().map(|(s, _)| s.clone()).collect();
+    for stem in layers {
+        let get = |m: &str| stacked[&(stem.clone(), m.to_string())].clone();
+        let name = |m: &str| gguf_name(&format!("{stem}.mlp.switch_mlp.{m}.weight"));
+        let gate_up = mlx::ops::concatenate(&[&get("gate_proj"), &get("up_proj")], 1).unwrap();
+        tensors.push((name("gate_up_proj"), gate_up));
+        tensors.push((name("down_proj"), get("down_proj")));
+    }
+    let (u32s, f32s) = (gguf_u32, gguf_f32);
+    let key = |k: &str| -> &'static str { Box::leak(format!("{arch}.{k}").into_boxed_str()) };
+    let mut meta = vec![
+        ("general.architecture", GgufValue::String(arch.into())),
+        (key("block_count"), u32s(2)),
+        (key("embedding_length"), u32s(64)),
+        (key("feed_forward_length"), u32s(128)),
+        (key("attention.head_count"), u32s(4)),
+        (key("attention.head_count_kv"), u32s(2)),
+        (key("attention.key_length"), u32s(16)),
+        (key("attention.value_length"), u32s(16)),
+        (key("attention.layer_norm_rms_epsilon"), f32s(1e-5)),
+        (key("rope.freq_base"), f32s(10000.0)),
+        (key("context_length"), u32s(2048)),
+        (key("expert_count"), u32s(4)),
+        (key("expert_used_count"), u32s(2)),
+        (key("expert_feed_forward_length"), u32s(32)),
+    ];
+    if arch == "qwen2moe" {
+        meta.push((key("expert_shared_feed_forward_length"), u32s(128)));
+    }
+    meta.extend(byte_vocab_meta("qwen2"));
+    let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_gguf(path, &refs, &meta).unwrap();
+}
+
+/// `qwen3moe` and `qwen2moe` GGUF files (Qwen3-30B-A3B's and Qwen1.5/2-MoE's kind) load as the
+/// same mixtures as their folders: the router and stacked experts, the qwen3moe's fused gate
+/// and up split, its dense layer found by its missing router, the qwen2moe's shared expert.
+#[test]
+fn qwen_moe_gguf_files_load_as_the_same_mixtures_as_their_folders() {
+    for (model_type, seed) in [("qwen3_moe", 25), ("qwen2_moe", 26)] {
+        let dir = temp_dir(&format!("gguf-{model_type}"));
+        testing::write_model(&dir.join("folder"), model_type, seed).unwrap();
+        let folder = load(&dir.join("folder")).unwrap();
+        let ids: Vec<u32> = (0..24).map(|i| (i * 11 + 5) % 250 + 2).collect();
+        let want = last_logits(&folder, &ids);
+        let path = dir.join("tiny.gguf");
+        write_tiny_moe_gguf(&path, model_type, seed);
+        let gguf =
+            crate::load_with(&path, &crate::LoadOptions { dequantize_gguf: Some(true), ..Default::default() }).unwrap();
+        assert_eq!(gguf.info.model_type, model_type);
+        let d = max_abs_diff(&want, &last_logits(&gguf, &ids));
+        assert!(d < 1e-4, "the {model_type} GGUF differs from the folder by {d}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
 
 #[test]

@@ -50,11 +50,27 @@ const GEMMA3_LAYER_MAP: &[(&str, &str)] = &[
     ("post_ffw_norm", "post_feedforward_layernorm"),
 ];
 
+/// The experts of Qwen's mixtures (qwen2moe, qwen3moe, qwen35moe): the router, the stacked
+/// (or fused gate-and-up) experts, the shared expert and its gate.
+const MOE_LAYER_MAP: &[(&str, &str)] = &[
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"),
+    ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
+    ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
+    ("ffn_gate_up_exps", "mlp.switch_mlp.gate_up_proj"),
+    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
+];
+
 /// GGUF architectures and the `model_type` they load as.
 const ARCHS: &[(&str, &str)] = &[
     ("llama", "llama"),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
+    ("qwen2moe", "qwen2_moe"),
+    ("qwen3moe", "qwen3_moe"),
     ("gemma3", "gemma3_text"),
     ("gemma4", "gemma4_text"),
     ("minicpm", "minicpm"),
@@ -93,7 +109,7 @@ fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         a if is_qwen35(a) => super::gguf_qwen35::LAYER_MAP,
         _ => &[],
     };
-    let hf = special.iter().chain(LAYER_MAP).find(|(g, _)| *g == kind)?.1;
+    let hf = special.iter().chain(MOE_LAYER_MAP).chain(LAYER_MAP).find(|(g, _)| *g == kind)?.1;
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
@@ -285,8 +301,8 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
     let layers = meta.required(&key("block_count"))? as usize;
     let ffn = match meta.number(&key("feed_forward_length"))? {
         Some(n) => n as usize,
-        // A Qwen3.5 MoE's layers have experts only.
-        None if arch == "qwen35moe" => 0,
+        // A mixture's layers may have experts only.
+        None if matches!(arch, "qwen35moe" | "qwen3moe" | "qwen2moe") => 0,
         None => meta.required(&key("feed_forward_length"))? as usize,
     };
     let mut config = json!({
@@ -312,6 +328,23 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         // except in the 27B (62 layers), which scales by (hidden / heads)^-0.5.
         config["sliding_window"] = json!(meta.number(&key("attention.sliding_window"))?.map_or(512, |v| v as usize));
         config["query_pre_attn_scalar"] = json!(if layers == 62 { hidden / n_head } else { head_dim });
+    }
+    if matches!(arch, "qwen3moe" | "qwen2moe") {
+        let need = |k: &str| meta.required(&key(k)).map(|v| v as usize);
+        config["num_experts"] = json!(need("expert_count")?);
+        config["num_experts_per_tok"] = json!(need("expert_used_count")?);
+        config["moe_intermediate_size"] = json!(need("expert_feed_forward_length")?);
+        if arch == "qwen3moe" {
+            // llama.cpp renormalizes a Qwen3 MoE's top experts; a layer without a router is dense.
+            let dense: Vec<usize> = (0..layers)
+                .filter(|l| !tensors.keys().any(|n| n.starts_with(&format!("model.layers.{l}.mlp.gate."))))
+                .collect();
+            config["norm_topk_prob"] = json!(true);
+            config["decoder_sparse_step"] = json!(1);
+            config["mlp_only_layers"] = json!(dense);
+        } else {
+            config["shared_expert_intermediate_size"] = json!(need("expert_shared_feed_forward_length")?);
+        }
     }
     if arch == "minicpm" {
         // llama.cpp's three scalings, back to the checkpoint's fields.
@@ -359,16 +392,15 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         config["eos_token_id"] = json!(eos);
         gguf_gemma4::restore(&mut tensors).map_err(|e| meta.err(e.to_string()))?;
     }
-    if is_qwen35(arch) || arch == "gemma4" {
-        // Quantization overrides follow the tensors' names (a fused expert split in two).
-        for (hf, q) in overrides.clone() {
-            if let Some(stem) = hf.strip_suffix(".gate_up_proj") {
-                overrides.insert(format!("{stem}.gate_proj"), q);
-                overrides.insert(format!("{stem}.up_proj"), q);
-            }
+    restore_experts(&mut tensors).map_err(|e| meta.err(e.to_string()))?;
+    // Quantization overrides follow the tensors' names (a fused expert split in two).
+    for (hf, q) in overrides.clone() {
+        if let Some(stem) = hf.strip_suffix(".gate_up_proj") {
+            overrides.insert(format!("{stem}.gate_proj"), q);
+            overrides.insert(format!("{stem}.up_proj"), q);
         }
-        overrides.retain(|hf, _| tensors.contains_key(&format!("{hf}.weight")));
     }
+    overrides.retain(|hf, _| tensors.contains_key(&format!("{hf}.weight")));
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
     let tokenizer = match meta.string("tokenizer.ggml.model") {
         Some("llama") => sentencepiece_tokenizer(&meta, tokens, bos, eos, arch == "gemma3")?,
@@ -376,6 +408,33 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
         _ => tokenizer(&meta, tokens, bos, eos)?,
     };
     Ok(Gguf { config, weights, tokenizer })
+}
+
+/// llama.cpp's fused experts (`ffn_gate_up_exps`, `[E, 2I, H]`: gate rows, then up rows) split
+/// into the gate and up a `switch_mlp` or `switch_glu` loads (quantization triples alike: the
+/// rows are the second-last axis of each), and a shared expert's gate stored `[H]` made the
+/// `[1, H]` a linear layer reads.
+fn restore_experts(tensors: &mut HashMap<String, Array>) -> Result<()> {
+    let names: Vec<String> = tensors.keys().cloned().collect();
+    for name in names {
+        let fused = name
+            .split_once(".gate_up_proj.")
+            .filter(|(stem, _)| stem.ends_with(".switch_mlp") || stem.ends_with(".switch_glu"));
+        if let Some((stem, part)) = fused {
+            let a = tensors.remove(&name).expect("listed");
+            let (axis, rows) = (a.ndim() as i32 - 2, a.dim(-2) as i32);
+            if axis < 0 || rows % 2 != 0 {
+                return Err(Error::Invalid(format!("{name}: {rows} rows do not split into gate and up halves")));
+            }
+            tensors.insert(format!("{stem}.gate_proj.{part}"), a.slice_axis(axis, 0, rows / 2)?);
+            tensors.insert(format!("{stem}.up_proj.{part}"), a.slice_axis(axis, rows / 2, rows)?);
+        } else if name.ends_with(".mlp.shared_expert_gate.weight") && tensors[&name].ndim() == 1 {
+            let a = &tensors[&name];
+            let a = a.reshape(&[1, a.dim(0) as i32])?;
+            tensors.insert(name, a);
+        }
+    }
+    Ok(())
 }
 
 /// The GGUF vocabulary as a `tokenizers` byte-level BPE, built the way
@@ -656,4 +715,39 @@ fn spm_bpe_tokenizer(
             "vocab": vocab, "merges": merges},
     });
     finish_tokenizer(meta, &spec, tokens, bos, eos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arange(shape: &[usize]) -> Array {
+        let n: usize = shape.iter().product();
+        Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
+    }
+
+    /// Fused experts split into gate (the first rows) and up, their scales alike, for Qwen's
+    /// `switch_mlp` and Gemma 4's `switch_glu`; a shared expert's gate `[H]` made `[1, H]`.
+    #[test]
+    fn fused_experts_split_and_a_shared_gate_is_made_two_dimensional() {
+        let mut t = HashMap::new();
+        for x in ["model.layers.0.mlp.switch_mlp", "model.layers.1.experts.switch_glu"] {
+            t.insert(format!("{x}.gate_up_proj.weight"), arange(&[2, 6, 3]));
+            t.insert(format!("{x}.gate_up_proj.scales"), arange(&[2, 6, 1]));
+        }
+        t.insert("model.layers.0.mlp.shared_expert_gate.weight".to_string(), arange(&[3]));
+        restore_experts(&mut t).unwrap();
+        for x in ["model.layers.0.mlp.switch_mlp", "model.layers.1.experts.switch_glu"] {
+            let gate = &t[&format!("{x}.gate_proj.weight")];
+            assert_eq!(gate.shape(), vec![2, 3, 3]);
+            assert_eq!(gate.to_vec_f32().unwrap()[..3], [0.0, 1.0, 2.0]);
+            assert_eq!(t[&format!("{x}.up_proj.weight")].to_vec_f32().unwrap()[..3], [9.0, 10.0, 11.0]);
+            assert_eq!(t[&format!("{x}.up_proj.scales")].shape(), vec![2, 3, 1]);
+        }
+        assert_eq!(t["model.layers.0.mlp.shared_expert_gate.weight"].shape(), vec![1, 3]);
+        assert!(!t.keys().any(|k| k.contains("gate_up_proj")), "{:?}", t.keys());
+        let mut odd =
+            HashMap::from([("model.layers.0.mlp.switch_mlp.gate_up_proj.weight".to_string(), arange(&[2, 5, 3]))]);
+        assert!(restore_experts(&mut odd).is_err(), "5 rows do not halve");
+    }
 }

@@ -175,24 +175,14 @@ pub fn config(mut base: Value, s: &Source<'_>) -> Result<Value> {
 }
 
 /// Undoes the converter's renames in `tensors` (HF names, as the GGUF's were mapped): the
-/// layer scalars lose the `.weight` the converter gave them, and fused experts split into
-/// `switch_glu`'s gate and up (quantization triples alike: the rows are the second-last axis
-/// of each).
+/// layer scalars lose the `.weight` the converter gave them (fused experts are split by
+/// `gguf.rs`).
 pub fn restore(tensors: &mut HashMap<String, Array>) -> Result<()> {
-    let names: Vec<String> = tensors.keys().cloned().collect();
+    let names: Vec<String> = tensors.keys().filter(|n| n.ends_with(".layer_scalar.weight")).cloned().collect();
     for name in names {
-        if let Some(stem) = name.strip_suffix(".layer_scalar.weight") {
-            let a = tensors.remove(&name).expect("listed");
-            tensors.insert(format!("{stem}.layer_scalar"), a.reshape(&[1])?);
-        } else if let Some((stem, part)) = name.split_once(".experts.switch_glu.gate_up_proj.") {
-            let a = tensors.remove(&name).expect("listed");
-            let (axis, rows) = (a.ndim() as i32 - 2, a.dim(-2) as i32);
-            if rows % 2 != 0 {
-                return Err(Error::Invalid(format!("{name}: {rows} rows do not split into gate and up halves")));
-            }
-            tensors.insert(format!("{stem}.experts.switch_glu.gate_proj.{part}"), a.slice_axis(axis, 0, rows / 2)?);
-            tensors.insert(format!("{stem}.experts.switch_glu.up_proj.{part}"), a.slice_axis(axis, rows / 2, rows)?);
-        }
+        let a = tensors.remove(&name).expect("listed");
+        let stem = name.trim_end_matches(".layer_scalar.weight");
+        tensors.insert(format!("{stem}.layer_scalar"), a.reshape(&[1])?);
     }
     Ok(())
 }
@@ -206,24 +196,16 @@ mod tests {
         Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
     }
 
-    /// The renames `restore` undoes: fused experts split into gate (first rows) and up, their
-    /// scales alike; a layer scalar back to its suffix-less `[1]`.
+    /// The renames `restore` undoes: a layer scalar back to its suffix-less `[1]`; the router's
+    /// scales named.
     #[test]
-    fn fused_experts_split_and_layer_scalars_lose_their_suffix() {
+    fn layer_scalars_lose_their_suffix_and_scales_are_named() {
         let mut t = HashMap::new();
         let p = "model.layers.3";
-        t.insert(format!("{p}.experts.switch_glu.gate_up_proj.weight"), arange(&[2, 4, 3]));
-        t.insert(format!("{p}.experts.switch_glu.gate_up_proj.scales"), arange(&[2, 4, 1]));
         t.insert(format!("{p}.layer_scalar.weight"), arange(&[1]));
         restore(&mut t).unwrap();
-        let gate = &t[&format!("{p}.experts.switch_glu.gate_proj.weight")];
-        assert_eq!(gate.shape(), vec![2, 2, 3]);
-        assert_eq!(gate.to_vec_f32().unwrap()[..6], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
-        let up = &t[&format!("{p}.experts.switch_glu.up_proj.weight")];
-        assert_eq!(up.to_vec_f32().unwrap()[..3], [6.0, 7.0, 8.0]);
-        assert_eq!(t[&format!("{p}.experts.switch_glu.up_proj.scales")].shape(), vec![2, 2, 1]);
         assert_eq!(t[&format!("{p}.layer_scalar")].shape(), vec![1]);
-        assert!(!t.keys().any(|k| k.contains("gate_up_proj") || k.ends_with("layer_scalar.weight")));
+        assert!(!t.keys().any(|k| k.ends_with("layer_scalar.weight")));
         assert_eq!(scale_name("blk.3.ffn_gate_inp.scale").as_deref(), Some("model.layers.3.router.scale"));
         assert_eq!(scale_name("blk.0.ffn_down_exps.scale").as_deref(), Some("model.layers.0.router.per_expert_scale"));
         assert_eq!(scale_name("blk.0.attn_q.scale"), None);

@@ -23,7 +23,8 @@ use mlx::Array;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
-/// GGUF block tensor names of `qwen35`/`qwen35moe` to HF module names (without `.weight`).
+/// GGUF block tensor names of `qwen35`/`qwen35moe` to HF module names (without `.weight`;
+/// the experts' are `gguf.rs`'s `MOE_LAYER_MAP`).
 pub const LAYER_MAP: &[(&str, &str)] = &[
     ("attn_qkv", "linear_attn.in_proj_qkv"),
     ("attn_gate", "linear_attn.in_proj_z"),
@@ -35,15 +36,6 @@ pub const LAYER_MAP: &[(&str, &str)] = &[
     ("ssm_norm", "linear_attn.norm"),
     ("ssm_out", "linear_attn.out_proj"),
     ("post_attention_norm", "post_attention_layernorm"),
-    ("ffn_gate_inp", "mlp.gate"),
-    ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"),
-    ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
-    ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
-    ("ffn_gate_up_exps", "mlp.switch_mlp.gate_up_proj"),
-    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
-    ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
-    ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
-    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
 ];
 
 /// What the layers' shapes are, from the file's metadata.
@@ -136,20 +128,6 @@ pub fn restore(tensors: &mut HashMap<String, Array>, s: &Shape) -> Result<()> {
     let names: Vec<String> = tensors.keys().cloned().collect();
     for name in names {
         let Some(module) = name.split_once(".linear_attn.").map(|(_, m)| m.to_string()) else {
-            if let Some((stem, part)) = name.split_once(".mlp.switch_mlp.gate_up_proj.") {
-                // llama.cpp's fused experts (`--fuse-gate-up-exps`): gate rows, then up rows.
-                let a = tensors.remove(&name).expect("listed");
-                let rows = a.dim(-2) as i32;
-                let axis = a.ndim() as i32 - 2;
-                tensors.insert(format!("{stem}.mlp.switch_mlp.gate_proj.{part}"), a.slice_axis(axis, 0, rows / 2)?);
-                tensors.insert(format!("{stem}.mlp.switch_mlp.up_proj.{part}"), a.slice_axis(axis, rows / 2, rows)?);
-            } else if name.ends_with(".mlp.shared_expert_gate.weight") {
-                let a = &tensors[&name];
-                if a.ndim() == 1 {
-                    let a = a.reshape(&[1, a.dim(0) as i32])?;
-                    tensors.insert(name, a);
-                }
-            }
             continue;
         };
         let a = tensors.remove(&name).expect("listed");
@@ -196,26 +174,15 @@ mod tests {
         Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
     }
 
-    /// A `qwen35moe` block's expert tensors: llama.cpp's fused gate/up experts split into
-    /// `switch_mlp`'s two (quantization triples alike), the shared expert's gate `[H]` made
-    /// the `[1, H]` a linear layer reads, and an MTP block past the last layer dropped.
+    /// A multi-token-prediction block past the last layer is dropped.
     #[test]
-    fn moe_tensors_are_split_reshaped_and_the_mtp_block_dropped() {
+    fn the_mtp_block_is_dropped() {
         let s = Shape { layers: 1, k_heads: 1, v_heads: 1, k_dim: 4 };
         let mut t = HashMap::new();
-        t.insert("model.layers.0.mlp.switch_mlp.gate_up_proj.weight".to_string(), arange(&[2, 6, 3]));
-        t.insert("model.layers.0.mlp.switch_mlp.gate_up_proj.scales".to_string(), arange(&[2, 6, 1]));
-        t.insert("model.layers.0.mlp.shared_expert_gate.weight".to_string(), arange(&[3]));
+        t.insert("model.layers.0.mlp.gate.weight".to_string(), arange(&[2, 3]));
         t.insert("model.layers.1.nextn.eh_proj.weight".to_string(), arange(&[2, 2]));
         restore(&mut t, &s).unwrap();
-        let get = |n: &str| t[&format!("model.layers.0.mlp.{n}")].clone();
-        let gate = get("switch_mlp.gate_proj.weight");
-        assert_eq!(gate.shape(), vec![2, 3, 3]);
-        assert_eq!(gate.to_vec_f32().unwrap()[..3], [0.0, 1.0, 2.0]);
-        assert_eq!(get("switch_mlp.up_proj.weight").to_vec_f32().unwrap()[..3], [9.0, 10.0, 11.0]);
-        assert_eq!(get("switch_mlp.up_proj.scales").shape(), vec![2, 3, 1]);
-        assert_eq!(get("shared_expert_gate.weight").shape(), vec![1, 3]);
-        assert!(!t.keys().any(|k| k.contains("gate_up_proj") || k.starts_with("model.layers.1.")), "{:?}", t.keys());
+        assert_eq!(t.keys().collect::<Vec<_>>(), vec!["model.layers.0.mlp.gate.weight"]);
     }
 
     /// `grouped` undoes llama.cpp's `_reorder_v_heads` (grouped → tiled) along rows and along
