@@ -195,6 +195,15 @@ if [ "$(cat "$MODELS/tiny-minicpm-gguf.stamp" 2>/dev/null)" != "$MC_STAMP" ]; th
   echo "$MC_STAMP" > "$MODELS/tiny-minicpm-gguf.stamp"
 fi
 
+# Byte-level GGUF vocabularies under each known pre-tokenizer, with transformers' ids for test
+# strings (tests/fixtures/pretokenizer-ggufs.py); remade when the script changes.
+PT_STAMP=$(sha256sum "$ROOT/tests/fixtures/pretokenizer-ggufs.py" | cut -c1-64)
+if [ "$(cat "$MODELS/pretok/stamp" 2>/dev/null)" != "$PT_STAMP" ]; then
+  log "writing the pre-tokenizer GGUF vocabularies"
+  "$ORACLE/bin/python" "$ROOT/tests/fixtures/pretokenizer-ggufs.py" "$GGUF" "$MODELS/pretok" >&2
+  echo "$PT_STAMP" > "$MODELS/pretok/stamp"
+fi
+
 # A draft for speculative decoding: SmolLM2's first 8 layers, sharing its tokenizer.
 if [ ! -f "$MODELS/smollm2-draft8/model.safetensors" ]; then
   log "making the SmolLM2 layer-truncated draft"

@@ -367,6 +367,30 @@ fn a_minicpm_gguf_with_a_sentencepiece_vocabulary_equals_mlx_lm_on_its_converted
     }
 }
 
+/// Byte-level GGUF vocabularies under each pre-tokenizer the host splits by (Llama 3's
+/// `llama-bpe`, Mistral's `tekken`, Qwen's, Qwen3.5's, GPT-4o's, and none), read from the
+/// header alone: the same ids and decoded text as the tokenizers transformers builds of them
+/// (`tests/fixtures/pretokenizer-ggufs.py`; SmolLM2's vocabulary under each name, BOS added
+/// where the file says, as Llama 3's do).
+#[test]
+fn gguf_pre_tokenizers_split_as_transformers_reads_them() {
+    let Some(f) = fixtures() else { return };
+    let dir = f.models.join("pretok");
+    let expected: Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    let texts = expected["texts"].as_array().unwrap();
+    let pres = expected["pre"].as_object().unwrap();
+    assert!(pres.len() >= 6, "{:?}", pres.keys());
+    for (pre, want) in pres {
+        let tok = models::weights::gguf::load_tokenizer(&dir.join(format!("{pre}.gguf"))).unwrap();
+        for (i, text) in texts.iter().enumerate() {
+            let text = text.as_str().unwrap();
+            let got = tok.encode(text, true).unwrap();
+            assert_eq!(got, ids(&want["ids"][i]), "{pre}: ids of {text:?}");
+            assert_eq!(tok.decode(&got).unwrap(), want["text"][i].as_str().unwrap(), "{pre}: text of {text:?}");
+        }
+    }
+}
+
 /// The second real model: Gemma 3 270M (base, no chat template: prompts go in as they are,
 /// with BOS), read from its Q4_K_M GGUF by the host (K-quants, Q5_0, Q8_0 dequantized by the
 /// host's reader, the SentencePiece vocabulary rebuilt as a BPE) gives mlx-lm's greedy ids

@@ -402,12 +402,27 @@ pub fn load(path: &Path, cpu: bool, dequantize: bool) -> Result<Gguf> {
     }
     overrides.retain(|hf, _| tensors.contains_key(&format!("{hf}.weight")));
     let weights = Weights::new(tensors, path, arch).with_quantization(None, overrides);
-    let tokenizer = match meta.string("tokenizer.ggml.model") {
-        Some("llama") => sentencepiece_tokenizer(&meta, tokens, bos, eos, arch == "gemma3")?,
-        Some("gemma4") => gemma4_tokenizer(&meta, tokens, bos, eos)?,
-        _ => tokenizer(&meta, tokens, bos, eos)?,
-    };
+    let tokenizer = build_tokenizer(&meta, arch)?;
     Ok(Gguf { config, weights, tokenizer })
+}
+
+/// The tokenizer of the GGUF file at `path`, from its header alone (no weight is read).
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let header = super::gguf_reader::header(path)?;
+    let meta = Meta { map: &header.metadata, path };
+    build_tokenizer(&meta, meta.string("general.architecture").unwrap_or(""))
+}
+
+/// The tokenizer the file's vocabulary describes (its kind from `tokenizer.ggml.model`).
+fn build_tokenizer(meta: &Meta<'_>, arch: &str) -> Result<Tokenizer> {
+    let tokens = meta.strings("tokenizer.ggml.tokens")?;
+    let bos = meta.number("tokenizer.ggml.bos_token_id")?.map(|v| v as u32);
+    let eos = meta.number("tokenizer.ggml.eos_token_id")?.map(|v| v as u32);
+    match meta.string("tokenizer.ggml.model") {
+        Some("llama") => sentencepiece_tokenizer(meta, tokens, bos, eos, arch == "gemma3"),
+        Some("gemma4") => gemma4_tokenizer(meta, tokens, bos, eos),
+        _ => tokenizer(meta, tokens, bos, eos),
+    }
 }
 
 /// llama.cpp's fused experts (`ffn_gate_up_exps`, `[E, 2I, H]`: gate rows, then up rows) split
@@ -453,26 +468,19 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
         Some("smollm" | "starcoder" | "refact") => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]}),
         Some("gpt2" | "default") | None => byte_level,
-        // Qwen's own split (its tokenizer.json's), then bytes; Qwen3.5's counts combining
-        // marks (\p{M}) with letters.
-        Some(p @ ("qwen2" | "qwen35")) => {
-            let (letters, others) = if p == "qwen35" {
-                (r"[\p{L}\p{M}]+", r"[^\s\p{L}\p{M}\p{N}]+")
-            } else {
-                (r"\p{L}+", r"[^\s\p{L}\p{N}]+")
-            };
-            let pattern = format!(
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?{letters}|\p{{N}}| ?{others}[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-            );
-            json!({"type": "Sequence", "pretokenizers": [
+        // The split its merges were learned with (as transformers reads the file), then bytes.
+        Some(p) => match split_regex(p) {
+            Some(pattern) => json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
-                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
-        }
-        Some(other) => {
-            return Err(meta.err(format!(
-            "GGUF pre-tokenizer {other:?} is not supported; supported: smollm, starcoder, refact, gpt2, qwen2, qwen35"
-        )))
-        }
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]}),
+            None => {
+                let known: Vec<&str> = SPLITS.iter().flat_map(|(names, _)| names.iter().copied()).collect();
+                return Err(meta.err(format!(
+                    "GGUF pre-tokenizer {p:?} is not supported; supported: smollm, starcoder, refact, gpt2, default, {}",
+                    known.join(", ")
+                )));
+            }
+        },
     };
     let added = added_tokens(meta, tokens)?;
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
@@ -486,13 +494,70 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
     let spec = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
         "pre_tokenizer": pre,
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "post_processor": bos_processor(meta.number("tokenizer.ggml.add_bos_token")?.is_some_and(|v| v != 0.0), tokens, bos)
+            .unwrap_or(json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})),
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
             "vocab": vocab, "merges": merges},
     });
     finish_tokenizer(meta, &spec, tokens, bos, eos)
+}
+
+/// llama.cpp's pre-tokenizer names and the split each one's merges were learned with, as
+/// transformers 5 reads them (`GGUF_PRE_TOKENIZER_SPLITS`).
+const SPLITS: &[(&[&str], &str)] = &[
+    (
+        &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ],
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    (
+        &["tekken"],
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    (
+        &["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"],
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    // Qwen3.5's counts combining marks (\p{M}) with letters.
+    (
+        &["qwen35"],
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    (
+        &["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"],
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+];
+
+/// The split regex of pre-tokenizer `pre`, if known.
+fn split_regex(pre: &str) -> Option<&'static str> {
+    SPLITS.iter().find(|(names, _)| names.contains(&pre)).map(|(_, r)| *r)
+}
+
+/// A post-processor putting BOS first, where `add_bos` and the vocabulary has one.
+fn bos_processor(add_bos: bool, tokens: &[String], bos: Option<u32>) -> Option<Value> {
+    let id = bos.filter(|_| add_bos)?;
+    let name = tokens.get(id as usize)?;
+    Some(json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": name, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {name.as_str(): {"id": name, "ids": [id], "tokens": [name]}},
+    }))
 }
 
 /// The tokens the vocabulary marks (`token_type`: 1 normal, 2 unknown, 3 control, 4
@@ -669,17 +734,7 @@ fn spm_bpe_tokenizer(
 ) -> Result<Tokenizer> {
     let SpmVocab { vocab, merges, added, add_bos, prefix_space } = v;
     let unk = meta.number("tokenizer.ggml.unknown_token_id")?.and_then(|i| tokens.get(i as usize)).cloned();
-    let bos_name = bos.and_then(|i| tokens.get(i as usize));
-    let post = match (add_bos, bos, bos_name) {
-        (true, Some(id), Some(name)) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": name, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {name.as_str(): {"id": name, "ids": [id], "tokens": [name]}},
-        }),
-        _ => Value::Null,
-    };
+    let post = bos_processor(add_bos, tokens, bos).unwrap_or(Value::Null);
     let mut decoders = vec![
         json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
         json!({"type": "ByteFallback"}),
