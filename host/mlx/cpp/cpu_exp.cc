@@ -1,4 +1,5 @@
-// Three of MLX's CPU kernels that spend their time in exp, sixteen lanes at a time with the
+// MLX's CPU kernels redone with the same bits (issue 47). Three that spend their time in exp,
+// sixteen lanes at a time with the
 // same bits (issue 47): SwiGLU, silu(gate) * x (mlx-lm's compiled `swiglu`), the log-sum-exp
 // over the vocabulary that every sampled token's log-probabilities take, and softmax (a
 // decode step's attention). Only on x86-64, where MLX's kernels are the scalar ones mirrored
@@ -41,6 +42,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/simd.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
@@ -329,6 +331,158 @@ class ExpKernel : public mx::UnaryPrimitive {
   Kind kind_;
 };
 
+// MLX's RMSNorm on the CPU, which `fast::rms_norm` builds from eleven primitives there
+// (square, sum, a multiply by 1/n, add eps, rsqrt, two multiplies, and their broadcasts):
+// the same arithmetic in one pass over each row. The sum of squares goes in order from the
+// first element as MLX's one-lane reduction adds it, the mean is that sum times float(1 / n)
+// (`mean`'s normalizer), then x * (1 / sqrt(mean + eps)) and that times the weight, each
+// product rounded to float on its own. No weight: MLX multiplies by 1, which changes nothing.
+class RmsNormKernel : public mx::UnaryPrimitive {
+ public:
+  RmsNormKernel(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in = inputs, y = out.data<float>(), eps = eps_]() {
+      const int64_t m = in[0].shape(-1), rows = static_cast<int64_t>(in[0].size()) / m;
+      const auto starts = row_starts(in[0]);
+      std::vector<float> scratch, w;
+      if (in.size() > 1) {
+        w.resize(m);
+        for (int64_t i = 0; i < m; i++) w[i] = in[1].data<float>()[offset(in[1], i)];
+      }
+      const float inv_n = static_cast<float>(1.0 / static_cast<double>(m));
+      for (int64_t r = 0; r < rows; r++) {
+        const float* a = row_at(in[0], starts, r, scratch);
+        float acc = 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+          const float sq = a[i] * a[i];
+          acc = acc + sq;
+        }
+        const float mean = (0.0f + acc) * inv_n;
+        const float rs = mx::simd::rsqrt(mx::simd::Simd<float, 1>(mean + eps)).value;
+        float* o = y + r * m;
+        if (w.empty()) {
+          for (int64_t i = 0; i < m; i++) o[i] = a[i] * rs;
+        } else {
+          for (int64_t i = 0; i < m; i++) {
+            const float n = a[i] * rs;
+            o[i] = n * w[i];
+          }
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's CPU RMSNorm has no GPU version");
+  }
+
+  const char* name() const override { return "HostCpuRmsNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const RmsNormKernel*>(&other);
+    return o != nullptr && o->eps_ == eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+// MLX's rotary embedding on the CPU, which `fast::rope` builds from some thirty primitives
+// there per call (mlx/fast.cpp's fallback): positions (t + offset) * scale, inverse
+// frequencies exp(-i * (log(base) / (dims / 2))) or 1 / freqs, theta = position * frequency,
+// MLX's own cos and sin of it (its `simd` functions, included from its headers), then
+// x1 * cos - x2 * sin and x1 * sin + x2 * cos (halves, or even and odd features when
+// `traditional`), the features past `dims` copied. Inputs: x [B, ..., T, D], the offsets
+// (int32, one or B), and the frequencies where given.
+class RopeKernel : public mx::UnaryPrimitive {
+ public:
+  RopeKernel(mx::Stream stream, int dims, bool traditional, std::optional<float> base, float scale)
+      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in = inputs, y = out.data<float>(), dims = dims_, traditional = traditional_, base = base_,
+                      scale = scale_]() {
+      const auto& x = in[0];
+      const int64_t d = x.shape(-1), t_len = x.shape(-2), b_len = x.shape(0);
+      const int64_t rows = static_cast<int64_t>(x.size()) / d, per_b = rows / b_len;
+      const int half = dims / 2;
+      std::vector<float> inv(half);
+      if (in.size() > 2) {
+        for (int i = 0; i < half; i++) inv[i] = 1.0f / in[2].data<float>()[offset(in[2], i)];
+      } else {
+        const float step = std::log(*base) / half;
+        for (int i = 0; i < half; i++) {
+          const float a = -static_cast<float>(i) * step;
+          inv[i] = mx::simd::exp(mx::simd::Simd<float, 1>(a)).value;
+        }
+      }
+      // cos and sin for each row position (b, t) once, as MLX computes them before they
+      // broadcast over the heads.
+      const auto& offs = in[1];
+      const int64_t positions = offs.size() == 1 ? 1 : b_len;
+      std::vector<float> cs(positions * t_len * half), sn(positions * t_len * half);
+      for (int64_t b = 0; b < positions; b++) {
+        const int32_t off = offs.data<int32_t>()[offset(offs, b)];
+        for (int64_t t = 0; t < t_len; t++) {
+          const float pos = (static_cast<float>(t) + static_cast<float>(off)) * scale;
+          float* c = cs.data() + (b * t_len + t) * half;
+          float* s = sn.data() + (b * t_len + t) * half;
+          for (int i = 0; i < half; i++) {
+            const float theta = pos * inv[i];
+            c[i] = mx::simd::cos(mx::simd::Simd<float, 1>(theta)).value;
+            s[i] = mx::simd::sin(mx::simd::Simd<float, 1>(theta)).value;
+          }
+        }
+      }
+      const auto starts = row_starts(x);
+      std::vector<float> scratch;
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = positions == 1 ? 0 : r / per_b, t = r % t_len;
+        const float* c = cs.data() + (b * t_len + t) * half;
+        const float* sv = sn.data() + (b * t_len + t) * half;
+        const float* a = row_at(x, starts, r, scratch);
+        float* o = y + r * d;
+        for (int i = 0; i < half; i++) {
+          const int64_t i1 = traditional ? 2 * i : i, i2 = traditional ? 2 * i + 1 : i + half;
+          const float x1 = a[i1], x2 = a[i2];
+          const float p = x1 * c[i], q = x2 * sv[i];
+          const float u = x1 * sv[i], v = x2 * c[i];
+          o[i1] = p - q;
+          o[i2] = u + v;
+        }
+        for (int64_t i = dims; i < d; i++) o[i] = a[i];
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's CPU rotary embedding has no GPU version");
+  }
+
+  const char* name() const override { return "HostCpuRope"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const RopeKernel*>(&other);
+    return o != nullptr && o->dims_ == dims_ && o->traditional_ == traditional_ && o->base_ == base_ &&
+           o->scale_ == scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  std::optional<float> base_;
+  float scale_;
+};
+
 // Whether the host's kernels take float32 `x` here (else nullopt goes back to MLX's).
 bool serves(const mx::array& x) {
 #if defined(__x86_64__)
@@ -374,6 +528,33 @@ std::optional<mx::array> cpu_softmax(const mx::array& x) {
   if (!serves(x)) return std::nullopt;
   const auto stream = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<ExpKernel>(stream, Kind::kSoftmax), {x});
+}
+
+std::optional<mx::array> cpu_rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  if (!serves(x)) return std::nullopt;
+  if (w && (w->dtype() != mx::float32 || w->ndim() != 1 || w->size() != static_cast<size_t>(x.shape(-1)))) {
+    return std::nullopt;
+  }
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x};
+  if (w) inputs.push_back(*w);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNormKernel>(stream, eps), std::move(inputs));
+}
+
+std::optional<mx::array> cpu_rope(const mx::array& x, int dims, bool traditional, std::optional<float> base,
+                                  float scale, const mx::array& offset, const std::optional<mx::array>& freqs) {
+  if (!serves(x) || x.ndim() < 3 || dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) return std::nullopt;
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0)))) {
+    return std::nullopt;
+  }
+  if (freqs ? (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != dims / 2) : !base) {
+    return std::nullopt;
+  }
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x, offset};
+  if (freqs) inputs.push_back(*freqs);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RopeKernel>(stream, dims, traditional, base, scale),
+                   std::move(inputs));
 }
 
 }  // namespace mlx_shim

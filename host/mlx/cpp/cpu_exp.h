@@ -24,6 +24,19 @@ std::optional<mlx::core::array> cpu_logsumexp(const mlx::core::array& x, bool ke
 // where that does not apply (then MLX's).
 std::optional<mlx::core::array> cpu_softmax(const mlx::core::array& x);
 
+// RMSNorm of a float32 array's last axis on the CPU (what `fast::rms_norm` computes there
+// from eleven primitives, in one), with an optional float32 weight of that length; nullopt
+// where that does not apply (then MLX's).
+std::optional<mlx::core::array> cpu_rms_norm(const mlx::core::array& x, const std::optional<mlx::core::array>& w,
+                                             float eps);
+
+// The rotary embedding of a float32 array [B, ..., T, D] on the CPU (what `fast::rope` computes
+// there from some thirty primitives, in one): `base` or `freqs`, int32 offsets (one or B);
+// nullopt where that does not apply (then MLX's).
+std::optional<mlx::core::array> cpu_rope(const mlx::core::array& x, int dims, bool traditional,
+                                         std::optional<float> base, float scale, const mlx::core::array& offset,
+                                         const std::optional<mlx::core::array>& freqs);
+
 // Whether these kernels serve anything: false under HOST_CPU_EXP=0 (read once).
 bool cpu_exp_enabled();
 

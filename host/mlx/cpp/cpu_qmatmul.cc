@@ -637,8 +637,13 @@ std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::arra
   auto shape = x.shape();
   shape.back() = n;
   const auto stream = mx::default_stream(mx::Device::cpu);
+  // Weights already in memory and row-contiguous go in as they are: a `contiguous` of each
+  // would be three more graph nodes per product, evaluated every step for nothing.
+  const auto as_is = [](const mx::array& a) {
+    return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a);
+  };
   return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
-                   {mx::contiguous(x), mx::contiguous(w), mx::contiguous(scales), mx::contiguous(biases)});
+                   {mx::contiguous(x), as_is(w), as_is(scales), as_is(biases)});
 }
 
 }  // namespace mlx_shim

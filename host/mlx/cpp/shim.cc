@@ -904,7 +904,10 @@ Ptr conv1d(const array& x, const array& w, int32_t groups) {
 Ptr repeat_axis(const array& a, int32_t repeats, int32_t axis) { return wrap(mx::repeat(a, repeats, axis)); }
 
 // `mx.fast.rms_norm(x, None, eps)`: no weight.
-Ptr rms_norm_plain(const array& x, float eps) { return wrap(mx::fast::rms_norm(x, std::nullopt, eps)); }
+Ptr rms_norm_plain(const array& x, float eps) {
+  if (auto y = cpu_rms_norm(x, std::nullopt, eps)) return wrap(std::move(*y));
+  return wrap(mx::fast::rms_norm(x, std::nullopt, eps));
+}
 
 // `nn.gelu_approx` (mlx.nn, `mx.compile(shapeless=True)`): 0.5 x (1 + tanh(sqrt(2/pi)
 // (x + 0.044715 x^3))), with Python's scalars as arrays of x's dtype and the same compile.
@@ -1025,20 +1028,29 @@ std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t 
   return out;
 }
 
-Ptr rms_norm(const array& x, const array& w, float eps) { return wrap(mx::fast::rms_norm(x, w, eps)); }
+// RMSNorm and RoPE on the CPU go to the host's one-primitive kernels (cpu_exp.cc: MLX's bits,
+// where MLX builds each from a dozen or more primitives), elsewhere to MLX's.
+Ptr rms_norm(const array& x, const array& w, float eps) {
+  if (auto y = cpu_rms_norm(x, w, eps)) return wrap(std::move(*y));
+  return wrap(mx::fast::rms_norm(x, w, eps));
+}
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
+  if (auto y = cpu_rope(x, dims, traditional, base, scale, mx::array(offset), std::nullopt)) return wrap(std::move(*y));
   return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
 }
 Ptr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
                const array& freqs) {
+  if (auto y = cpu_rope(x, dims, traditional, std::nullopt, scale, mx::array(offset), freqs)) return wrap(std::move(*y));
   return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
 }
 Ptr rope_rows(const array& x, int32_t dims, bool traditional, float base, float scale,
               const array& offsets) {
+  if (auto y = cpu_rope(x, dims, traditional, base, scale, offsets, std::nullopt)) return wrap(std::move(*y));
   return wrap(mx::fast::rope(x, dims, traditional, base, scale, offsets));
 }
 Ptr rope_rows_freqs(const array& x, int32_t dims, bool traditional, float scale, const array& offsets,
                     const array& freqs) {
+  if (auto y = cpu_rope(x, dims, traditional, std::nullopt, scale, offsets, freqs)) return wrap(std::move(*y));
   return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offsets, freqs));
 }
 Ptr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {

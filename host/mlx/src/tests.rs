@@ -722,3 +722,68 @@ fn cpu_exp_kernels_are_mlxs_bit_for_bit() {
     }
     crate::device::set_cpu_exp_mode(2);
 }
+
+/// The host's CPU RMSNorm and rotary embedding (one primitive each, `cpu_exp.cc`) give the bits
+/// of MLX's own CPU graphs for them (the `fast::` fallbacks of a dozen and some thirty
+/// primitives). RMSNorm: rows of SmolLM2's width and odd ones, with and without a weight, a
+/// strided view (a column block), huge and tiny values. RoPE: decode and prefill shapes, a
+/// transposed view (q from a fused projection), every dims form (whole head, partial), both
+/// layouts, base and explicit frequencies, scalar offsets and one per row far into a long
+/// context (where cos and sin reduce large arguments), and a 3-D input.
+#[test]
+fn cpu_rms_norm_and_rope_are_mlxs_bit_for_bit() {
+    let values = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + seed * 104_729) % 20_011) as f32 - 10_005.0) / 1_733.0).collect()
+    };
+    let check = |what: &str, run: &dyn Fn() -> Vec<f32>| {
+        crate::device::set_cpu_exp_mode(0);
+        let want = run();
+        crate::device::set_cpu_exp_mode(2);
+        let got = run();
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(a.to_bits() == b.to_bits(), "{what}[{i}]: {a:e} against MLX's {b:e}");
+        }
+    };
+    // RMSNorm.
+    let w = arr(&values(576, 3).iter().map(|v| 1.0 + v / 10.0).collect::<Vec<_>>(), &[576]);
+    let mut big = values(8 * 576, 1);
+    big[5] = 3.0e18;
+    big[600] = 1.0e-30;
+    let x = arr(&big, &[8, 576]);
+    let wide = arr(&values(3 * 1200, 2), &[3, 1200]);
+    let block = wide.slice_axis(1, 100, 676).unwrap();
+    let odd = arr(&values(2 * 3 * 37, 4), &[2, 3, 37]);
+    check("rms_norm", &|| fast::rms_norm(&x, &w, 1e-5).unwrap().to_vec_f32().unwrap());
+    check("rms_norm of a view", &|| fast::rms_norm(&block, &w, 1e-6).unwrap().to_vec_f32().unwrap());
+    check("rms_norm without a weight", &|| fast::rms_norm_plain(&odd, 1e-6).unwrap().to_vec_f32().unwrap());
+    // RoPE: [B, H, T, D] from [B, T, H, D] (a view), offsets per row.
+    let (b, h, t, d) = (4usize, 3usize, 5usize, 64usize);
+    let q = arr(&values(b * t * h * d, 5), &[b, t, h, d]).transpose(&[0, 2, 1, 3]).unwrap();
+    let offsets = Array::from_i32(&[0, 17, 4_093, 70_001], &[b]).unwrap();
+    let freqs = arr(&(0..16).map(|i| 1.0 + i as f32 * 37.5).collect::<Vec<_>>(), &[16]);
+    let flat = arr(&values(2 * 7 * 128, 6), &[2, 7, 128]);
+    for (dims, traditional) in [(64, false), (64, true), (32, false), (32, true)] {
+        let what = format!("rope dims {dims} traditional {traditional}");
+        check(&what, &|| fast::rope(&q, dims, traditional, 10_000.0, 1.0, 1_000).unwrap().to_vec_f32().unwrap());
+        check(&what, &|| {
+            fast::rope_rows(&q, dims, traditional, 500_000.0, 0.25, &offsets).unwrap().to_vec_f32().unwrap()
+        });
+        check(&what, &|| fast::rope(&flat, dims, traditional, 10_000.0, 1.0, 3).unwrap().to_vec_f32().unwrap());
+    }
+    check("rope with freqs", &|| fast::rope_with_freqs(&q, 32, false, 1.0, 12, &freqs).unwrap().to_vec_f32().unwrap());
+    check("rope rows with freqs", &|| {
+        fast::rope_rows_with_freqs(&q, 32, false, 1.0, &offsets, &freqs).unwrap().to_vec_f32().unwrap()
+    });
+    // The host's kernels did run: one node each where MLX builds many.
+    let graph = |y: &Array| crate::device::graph_dot(&[y]);
+    crate::device::set_cpu_exp_mode(2);
+    let (norm, rope) =
+        (fast::rms_norm(&x, &w, 1e-5).unwrap(), fast::rope_rows(&q, 64, false, 1e4, 1.0, &offsets).unwrap());
+    assert!(graph(&norm).contains("HostCpuRmsNorm") && graph(&rope).contains("HostCpuRope"));
+    crate::device::set_cpu_exp_mode(0);
+    let (norm, rope) =
+        (fast::rms_norm(&x, &w, 1e-5).unwrap(), fast::rope_rows(&q, 64, false, 1e4, 1.0, &offsets).unwrap());
+    assert!(graph(&norm).contains("Rsqrt") && graph(&rope).contains("Cos"));
+    crate::device::set_cpu_exp_mode(2);
+}
