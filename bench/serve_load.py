@@ -30,6 +30,8 @@ them alike; both servers' memory is held at once.
 
 Tokens are counted from each server's `usage` (stream_options.include_usage), else from
 the content chunks. Run it with the e2e virtualenv's Python (it needs httpx).
+`SERVE_LOAD_LOGS=DIR` keeps each server's stderr in DIR/NAME.log (with `HOST_LOG=...=trace`,
+the host's engine trace).
 """
 import argparse
 import concurrent.futures
@@ -64,7 +66,9 @@ class Server:
         # mlx_lm.server loads whatever `model` names (the hub's, unless it is the folder it
         # serves), so each server is sent the name it serves.
         self.name, self.url, self.model = name, f"http://127.0.0.1:{port}", model
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        logs = os.environ.get("SERVE_LOAD_LOGS")  # a folder: each server's stderr kept there
+        err = open(os.path.join(logs, f"{name}.log"), "w") if logs else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
                                      env={**os.environ, **(env or {})})
         deadline = time.time() + 600
         while time.time() < deadline:
