@@ -775,11 +775,7 @@ fn spm_bpe_tokenizer(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn arange(shape: &[usize]) -> Array {
-        let n: usize = shape.iter().product();
-        Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
-    }
+    use crate::weights::arange;
 
     /// Fused experts split into gate (the first rows) and up, their scales alike, for Qwen's
     /// `switch_mlp` and Gemma 4's `switch_glu`; a shared expert's gate `[H]` made `[1, H]`.

@@ -190,11 +190,7 @@ pub fn restore(tensors: &mut HashMap<String, Array>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn arange(shape: &[usize]) -> Array {
-        let n: usize = shape.iter().product();
-        Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
-    }
+    use crate::weights::arange;
 
     /// The renames `restore` undoes: a layer scalar back to its suffix-less `[1]`; the router's
     /// scales named.

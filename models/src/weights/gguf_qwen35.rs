@@ -168,11 +168,7 @@ pub fn restore(tensors: &mut HashMap<String, Array>, s: &Shape) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn arange(shape: &[usize]) -> Array {
-        let n: usize = shape.iter().product();
-        Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
-    }
+    use crate::weights::arange;
 
     /// A multi-token-prediction block past the last layer is dropped.
     #[test]

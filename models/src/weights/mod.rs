@@ -250,3 +250,11 @@ impl Weights {
         }
     }
 }
+
+/// 0, 1, 2, ... in `shape` (float32): a tensor whose values say where they came from, for the
+/// loaders' tests.
+#[cfg(test)]
+pub(crate) fn arange(shape: &[usize]) -> Array {
+    let n: usize = shape.iter().product();
+    Array::from_f32(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), shape).unwrap()
+}
