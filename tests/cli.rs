@@ -197,7 +197,7 @@ fn bench_prints_one_json_row_per_prompt_length() {
 /// decode step's graph (Graphviz), and in it `HOST_FUSE_PROJECTIONS=0` shows the separate
 /// projections: 3 more matrix products per layer (q, k, v and gate, up as 5 instead of 2),
 /// and, on a model without q/k norms (Llama), q and k rotated apart: a RoPE more per layer
-/// (on the CPU MLX's RoPE is a graph of plain ops with one `Sin` each).
+/// (on the CPU the host's `HostCpuRope` node, or MLX's graph of plain ops with one `Sin`).
 #[test]
 fn the_step_graph_dump_shows_what_the_fusion_switch_changes() {
     let llama = std::env::temp_dir().join(format!("host-cli-test-llama-{}", std::process::id()));
@@ -221,7 +221,9 @@ fn the_step_graph_dump_shows_what_the_fusion_switch_changes() {
             assert!(dot.starts_with("digraph"), "{}", &dot[..dot.len().min(200)]);
             // Products: MLX's matmuls and, on the CPU for a step's few rows, the host's own.
             let products = dot.matches("label =\"Matmul").count() + dot.matches("label =\"HostFewRowsMatmul").count();
-            (products, dot.matches("label =\"Sin").count())
+            // RoPEs: the host's one node each on the CPU (MLX's own graph of plain ops has one `Sin`).
+            let ropes = dot.matches("label =\"HostCpuRope").count() + dot.matches("label =\"Sin").count();
+            (products, ropes)
         };
         let (fused, separate) = (count(None), count(Some("0")));
         let config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
