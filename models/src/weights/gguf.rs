@@ -702,8 +702,8 @@ fn implied_merges(order: &[&str], index: &HashMap<&str, usize>, score: impl Fn(u
 /// spaces as `▁`, the file's merges over whole text, bytes as `<0xXX>` tokens where no token
 /// fits) as the `tokenizers` BPE that Gemma's `tokenizer.json` is, which the converter read.
 fn gemma4_tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Result<Tokenizer> {
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().rev().map(|(i, t)| (t.clone(), json!(i))).collect();
+    // A repeated token keeps its last index, as transformers' dict of the file's tokens does.
+    let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
     let merges = file_merges(meta)?;
     let added = added_tokens(meta, tokens)?;
     // No BOS of its own, whatever the file's flag (the converter sets it): Gemma 4's tokenizer
