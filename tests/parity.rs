@@ -186,6 +186,16 @@ fn check_chunked_logits(f: &Fixtures, model: &str, chunk: usize) {
     }
 }
 
+/// `got` encodes each of `texts` (with special tokens) to `want`'s ids and decodes them to its
+/// text: a tokenizer rebuilt from a GGUF against the reference folder's.
+fn check_tokenizer(what: &str, got: &models::Tokenizer, want: &models::Tokenizer, texts: &[&str]) {
+    for &text in texts {
+        let (g, w) = (got.encode(text, true).unwrap(), want.encode(text, true).unwrap());
+        assert_eq!(g, w, "{what}: token ids of {text:?}");
+        assert_eq!(got.decode(&g).unwrap(), want.decode(&w).unwrap(), "{what}: text of {text:?}");
+    }
+}
+
 #[test]
 fn smollm2_float32_greedy_ids_equal_mlx_lm() {
     let Some(f) = fixtures() else { return };
@@ -325,16 +335,7 @@ fn gemma4_gguf_files_equal_mlx_lm_on_their_folders() {
         assert_eq!(gguf.info.model_type, "gemma4_text");
         assert_eq!(gguf.info.eos_token_ids, folder.info.eos_token_ids, "{model}: end-of-turn ids");
         check_logits_of(&gguf, &f, model, 16);
-        for text in texts {
-            let got = gguf.tokenizer.encode(text, true).unwrap();
-            let want = folder.tokenizer.encode(text, true).unwrap();
-            assert_eq!(got, want, "{model}: token ids of {text:?}");
-            assert_eq!(
-                gguf.tokenizer.decode(&got).unwrap(),
-                folder.tokenizer.decode(&want).unwrap(),
-                "{model}: text of {text:?}"
-            );
-        }
+        check_tokenizer(model, &gguf.tokenizer, &folder.tokenizer, &texts);
     }
 }
 
@@ -359,12 +360,7 @@ fn a_minicpm_gguf_with_a_sentencepiece_vocabulary_equals_mlx_lm_on_its_converted
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
         "",
     ];
-    for text in texts {
-        let got = gguf.tokenizer.encode(text, true).unwrap();
-        let want = reference.encode(text, true).unwrap();
-        assert_eq!(got, want, "token ids of {text:?}");
-        assert_eq!(gguf.tokenizer.decode(&got).unwrap(), reference.decode(&want).unwrap(), "text of {text:?}");
-    }
+    check_tokenizer("tiny-minicpm-spm", &gguf.tokenizer, &reference, &texts);
 }
 
 /// Byte-level GGUF vocabularies under each pre-tokenizer the host splits by (Llama 3's
@@ -419,11 +415,6 @@ fn gemma3_270m_gguf_tokenizer_and_logits_equal_the_converted_folders() {
         "numbers 1234567890 3.14159 -42 1e-6",
         "",
     ];
-    for text in texts {
-        let got = loaded.tokenizer.encode(text, true).unwrap();
-        let want = reference.encode(text, true).unwrap();
-        assert_eq!(got, want, "token ids of {text:?}");
-        assert_eq!(loaded.tokenizer.decode(&got).unwrap(), reference.decode(&want).unwrap(), "text of {text:?}");
-    }
+    check_tokenizer("gemma3-270m", &loaded.tokenizer, &reference, &texts);
     check_logits_of(&loaded, &f, "gemma3-270m", 32);
 }
