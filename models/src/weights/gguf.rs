@@ -461,7 +461,6 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
             "GGUF tokenizer model {model:?} is not supported; supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4"
         )));
     }
-    let merges = meta.strings("tokenizer.ggml.merges")?;
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre = match meta.string("tokenizer.ggml.pre") {
         // llama.cpp's "\p{N}" split followed by the GPT-2 regex.
@@ -484,13 +483,7 @@ fn tokenizer(meta: &Meta<'_>, tokens: &[String], bos: Option<u32>, eos: Option<u
     };
     let added = added_tokens(meta, tokens)?;
     let vocab: serde_json::Map<String, Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-    let merges: Vec<Value> = merges
-        .iter()
-        .map(|m| match m.split_once(' ') {
-            Some((a, b)) => json!([a, b]),
-            None => json!([m, ""]),
-        })
-        .collect();
+    let merges = file_merges(meta)?;
     let spec = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
         "pre_tokenizer": pre,
