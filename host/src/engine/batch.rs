@@ -31,6 +31,7 @@ use std::time::Instant;
 /// join returns it to the system.
 const JOIN_CLEAR_BYTES: usize = 256 << 20;
 
+mod draft;
 mod speculate;
 pub use speculate::{DraftCost, SpecCounts, Verified};
 
@@ -173,6 +174,8 @@ pub struct Batch<'m> {
     verified: Verified,
     /// The step's cost the draft length is chosen by.
     draft_cost: DraftCost,
+    /// The draft model's rows, drafting together (`batch/draft.rs`), once a row drafts.
+    drafts: Option<draft::DraftBatch<'m>>,
 }
 
 /// Where a batch's steps spend the engine thread's time, summed in seconds (`host bench
@@ -234,7 +237,13 @@ impl<'m> Batch<'m> {
             split: StepSplit::default(),
             verified: Verified::default(),
             draft_cost: DraftCost::from_env(),
+            drafts: None,
         }
+    }
+
+    /// Forwards the draft model ran for the rows drafting together.
+    pub fn draft_forwards(&self) -> usize {
+        self.drafts.as_ref().map_or(0, |d| d.forwards)
     }
 
     /// Where the steps so far spent the engine thread's time.
@@ -325,6 +334,12 @@ impl<'m> Batch<'m> {
             b.remove(index)?;
         }
         let mut row = self.rows.remove(index);
+        // Its draft cache goes back to its drafter (a generation of its own drafts on from it).
+        if let Some((cache, held)) = self.drafts.as_mut().map(|d| d.leave(key)).transpose()?.flatten() {
+            if let Some(spec) = row.speculation.as_mut() {
+                spec.drafter.give_cache(cache, held);
+            }
+        }
         if in_flight {
             row.position -= 1;
             if let Some(h) = &row.history {
@@ -1189,6 +1204,83 @@ mod tests {
             assert!(spec.iter().any(|c| c.drafted > c.accepted), "{arch}: no draft rejected: {spec:?}");
             assert!(spec[0].steps < n, "{arch}: speculation saved no step: {spec:?}");
             assert_eq!(counts[&4].drafted, 0);
+        }
+    }
+
+    /// Rows drafting with a draft model draft together (`batch/draft.rs`): one forward of the
+    /// draft model a drafted position for all of them, not one a row. Drafted by another
+    /// model, rows joining late, one parking and rejoining (its draft cache handed back and
+    /// taken again), each gets its solo plain tokens, with drafts accepted and refused; on a
+    /// model with sliding-window layers too (random draft weights: drafts refused). Drafted
+    /// by the model itself, every draft of every row is accepted: the batch drafts each row
+    /// from exactly its own sequence.
+    #[test]
+    fn draft_model_rows_draft_together_and_get_their_solo_tokens() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        // (model, drafted by itself, drafts refused: the tiny Gemma's greedy tokens are the
+        // same whatever its weights)
+        for (arch, same, refused) in [("llama", false, true), ("gemma3_text", false, false), ("llama", true, false)] {
+            let model = models::testing::model(arch, 4).unwrap();
+            let other = models::testing::model(arch, 9).unwrap();
+            let (model, draft) = (model.as_ref(), if same { model.as_ref() } else { other.as_ref() });
+            let vocab = model.vocab_size() as u32;
+            let prompts: Vec<Vec<u32>> =
+                [5u32, 11, 3, 17].iter().map(|&n| (0..n).map(|i| (i * 7 + n) % vocab).collect()).collect();
+            let greedy = SamplingParams::default();
+            let n = 40;
+            let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(model, p, &greedy, n)).collect();
+            let mut batch = Batch::new(model);
+            batch.draft_cost = DraftCost::off();
+            let make = |i: usize| -> Row {
+                let sampler = Sampler::new(greedy.clone(), model.vocab_size()).unwrap();
+                let config = SpecConfig { method: SpecMethod::Draft, num_draft_tokens: 4, ..Default::default() };
+                let spec = Speculation::new(config, &prompts[i], Some(draft), 16).unwrap();
+                Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap().with_speculation(Some(spec))
+            };
+            let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+            let mut counts: HashMap<u64, SpecCounts> = HashMap::new();
+            let mut parked = None;
+            for i in [0, 1] {
+                batch.join(make(i), &prefilled(model, &prompts[i])).unwrap();
+            }
+            for step in 0..200 {
+                match step {
+                    2 => batch.join(make(2), &prefilled(model, &prompts[2])).unwrap(),
+                    4 => parked = batch.leave(1).unwrap(),
+                    5 => batch.join(make(3), &prefilled(model, &prompts[3])).unwrap(),
+                    8 => {
+                        let left = parked.take().unwrap();
+                        batch.join(left.row, &left.cache).unwrap();
+                    }
+                    _ => {}
+                }
+                for (key, token) in batch.step().unwrap() {
+                    let token = token.unwrap();
+                    got.entry(key).or_default().push(token.id);
+                    if token.finish.is_some() {
+                        counts.insert(key, batch.row(key).unwrap().spec_counts());
+                        batch.leave(key).unwrap();
+                    }
+                }
+                if batch.is_empty() && step > 8 {
+                    break;
+                }
+            }
+            for (i, want) in expected.iter().enumerate() {
+                assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i}");
+            }
+            let spec: Vec<SpecCounts> = (0..4).map(|i| counts[&i]).collect();
+            assert!(spec.iter().all(|c| c.verifications > 0), "{arch}: {spec:?}");
+            if same {
+                let all = |c: &SpecCounts| c.accepted == c.drafted && c.accepted > 0;
+                assert!(spec.iter().all(all), "{arch}: a draft of the model itself refused: {spec:?}");
+            }
+            if refused {
+                assert!(spec.iter().any(|c| c.drafted > c.accepted), "{arch}: no draft refused: {spec:?}");
+            }
+            let drafted: usize = spec.iter().map(|c| c.drafted).sum();
+            let forwards = batch.draft_forwards();
+            assert!(forwards > 0 && forwards < drafted, "{arch}: {forwards} draft forwards for {drafted} drafts");
         }
     }
 

@@ -140,6 +140,14 @@ pub trait Drafter {
         let d = self.draft(seq, k, sampler, false)?;
         Ok(if d.tokens.is_empty() { Vec::new() } else { vec![d.tokens] })
     }
+    /// A draft model's cache and the tokens of the sequence it holds, handed to a batch that
+    /// drafts for several rows at once (the drafter then holds nothing); `None` for drafters
+    /// without one.
+    fn take_cache(&mut self) -> Option<(Vec<KvCache>, usize)> {
+        None
+    }
+    /// The cache a batch drafted with, back (holding the sequence's first `held` tokens).
+    fn give_cache(&mut self, _cache: Vec<KvCache>, _held: usize) {}
 }
 
 /// Prompt lookup decoding: find the most recent earlier occurrence of the sequence's last n
@@ -253,17 +261,31 @@ pub struct DraftModel<'m> {
     /// The last proposal: sequence length when drafting and tokens drafted.
     last: Option<(usize, usize)>,
     prefill_step_size: usize,
+    max_draft: usize,
 }
 
 impl<'m> DraftModel<'m> {
     /// A drafter proposing at most `max_draft` tokens a step (a recurrent layer of the draft
     /// model keeps the states to roll that many back).
     pub fn new(model: &'m dyn CausalLm, prefill_step_size: usize, max_draft: usize) -> Self {
-        let mut cache = model.make_cache();
+        let mut d = DraftModel {
+            model,
+            cache: Vec::new(),
+            held: 0,
+            last: None,
+            prefill_step_size: prefill_step_size.max(1),
+            max_draft,
+        };
+        d.cache = d.fresh_cache();
+        d
+    }
+
+    fn fresh_cache(&self) -> Vec<KvCache> {
+        let mut cache = self.model.make_cache();
         for c in &mut cache {
-            c.keep_snapshots(max_draft + 1);
+            c.keep_snapshots(self.max_draft + 1);
         }
-        DraftModel { model, cache, held: 0, last: None, prefill_step_size: prefill_step_size.max(1) }
+        cache
     }
 }
 
@@ -318,6 +340,19 @@ impl Drafter for DraftModel<'_> {
         models::roll_back(&mut self.cache, self.held - keep)?;
         self.held = keep;
         Ok(())
+    }
+
+    fn take_cache(&mut self) -> Option<(Vec<KvCache>, usize)> {
+        self.last = None;
+        let fresh = self.fresh_cache();
+        Some((std::mem::replace(&mut self.cache, fresh), std::mem::take(&mut self.held)))
+    }
+
+    fn give_cache(&mut self, cache: Vec<KvCache>, held: usize) {
+        (self.cache, self.held, self.last) = (cache, held, None);
+        for c in &mut self.cache {
+            c.keep_snapshots(self.max_draft + 1);
+        }
     }
 
     fn likely(&self, _seq: &[u32]) -> bool {
@@ -429,6 +464,9 @@ pub struct Speculation<'m> {
     /// The prompt (whole, including any prefix reused from the prompt cache) and every
     /// committed token.
     pub seq: Vec<u32>,
+    /// The draft model the drafter runs (`SpecMethod::Draft`): a batch drafts for all its
+    /// rows with one model together.
+    pub draft_model: Option<&'m dyn CausalLm>,
 }
 
 impl<'m> Speculation<'m> {
@@ -449,7 +487,8 @@ impl<'m> Speculation<'m> {
             },
         };
         let adaptive = AdaptiveK::new(config.num_draft_tokens);
-        Ok(Speculation { drafter, adaptive, config, seq: prompt.to_vec() })
+        let draft_model = draft_model.filter(|_| config.method == SpecMethod::Draft);
+        Ok(Speculation { drafter, adaptive, config, seq: prompt.to_vec(), draft_model })
     }
 
     /// Whether to try a speculative step now: the back-off allows it and the drafter likely

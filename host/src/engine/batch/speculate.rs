@@ -24,6 +24,7 @@
 //! speculative row then decodes a token a step, the same tokens). The worker decodes a
 //! speculative request with a sampler plugin alone, as before.
 
+use super::draft::{Ask, DraftBatch, Held};
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::{agreement, verify_lossless};
 use crate::engine::external::pick_external;
@@ -31,7 +32,7 @@ use crate::engine::sampling::log_softmax;
 use crate::engine::scheduler::{DraftRow, DraftView, Policy};
 use crate::engine::speculative::{Drafts, Speculation, Verify};
 use crate::engine::step::Token;
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 use mlx::{Array, Dtype};
 use std::time::Instant;
 
@@ -314,19 +315,32 @@ impl<'m> Batch<'m> {
         let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(self.rows.len());
         // A lossless row's draft distributions (`None`: chosen deterministically).
         let mut dists: Vec<Option<Array>> = Vec::with_capacity(self.rows.len());
-        for row in &mut self.rows {
+        // The rows a draft model drafts for together (`DraftBatch`): (row, draft length,
+        // lossless, its drafter's cache when it takes its seat).
+        let mut together: Vec<(usize, usize, bool, Option<Held>)> = Vec::new();
+        let mirrored = !self.model.takes_cache_forks();
+        for (i, row) in self.rows.iter_mut().enumerate() {
             let remaining = row.options.max_tokens.saturating_sub(row.generated);
             let wants = row.wants_to_draft();
             let lossless = row.lossless();
             let (tokens, dist) = match row.speculation.as_mut().filter(|_| wants) {
                 Some(spec) => {
                     let k = spec.adaptive.k.min(remaining.saturating_sub(1));
-                    match (k > 0).then(|| spec.drafter.draft(&spec.seq, k, &row.sampler, lossless)).transpose() {
-                        Ok(Some(d)) => (d.tokens, d.distributions),
-                        Ok(None) => Default::default(),
-                        Err(e) => {
-                            row.failed.get_or_insert(e.context("drafting"));
-                            Default::default()
+                    let batch = (spec.draft_model.filter(|_| k > 0 && !mirrored))
+                        .map(|m| &*self.drafts.get_or_insert_with(|| DraftBatch::new(m, row.options.prefill_step_size)))
+                        .filter(|d| d.batched() && d.is_model(spec.draft_model.expect("checked")));
+                    if let Some(batch) = batch {
+                        let own = if batch.seated(row.key) { None } else { spec.drafter.take_cache() };
+                        together.push((i, k, lossless, own));
+                        (Vec::new(), None)
+                    } else {
+                        match (k > 0).then(|| spec.drafter.draft(&spec.seq, k, &row.sampler, lossless)).transpose() {
+                            Ok(Some(d)) => (d.tokens, d.distributions),
+                            Ok(None) => Default::default(),
+                            Err(e) => {
+                                row.failed.get_or_insert(e.context("drafting"));
+                                Default::default()
+                            }
                         }
                     }
                 }
@@ -334,6 +348,32 @@ impl<'m> Batch<'m> {
             };
             drafts.push(tokens);
             dists.push(dist);
+        }
+        let batched: Vec<bool> = (0..self.rows.len()).map(|i| together.iter().any(|t| t.0 == i)).collect();
+        if let (Some(batch), false) = (self.drafts.as_mut(), together.is_empty()) {
+            let asks: Vec<Ask> = (together.into_iter())
+                .map(|(i, k, lossless, own)| {
+                    let row = &self.rows[i];
+                    let seq = &row.speculation.as_ref().expect("a drafting row").seq;
+                    Ask { key: row.key, seq, k, sampler: &row.sampler, lossless, own }
+                })
+                .collect();
+            let proposals = batch.draft(asks);
+            match proposals {
+                Ok(proposals) => {
+                    let rows = batched.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| i);
+                    for (i, d) in rows.zip(proposals) {
+                        (drafts[i], dists[i]) = (d.tokens, d.distributions);
+                    }
+                }
+                Err(e) => {
+                    for (row, _) in self.rows.iter_mut().zip(&batched).filter(|(_, &b)| b) {
+                        row.failed.get_or_insert(anyhow!("drafting with the draft model's batch: {e:#}"));
+                    }
+                    // Its caches may be part-way through the draft: its rows start afresh.
+                    self.drafts = None;
+                }
+            }
         }
         // The step is timed from here: what a drafter costs is its own, not the forward's size.
         let drafted_at = Instant::now();
@@ -350,13 +390,18 @@ impl<'m> Batch<'m> {
         if t == 1 {
             // Plain is quicker for what these drafts promise: none is verified, and each row
             // that drafted backs off as from a miss (a draft model's drafting is not free).
-            for (row, &k) in self.rows.iter_mut().zip(&lens) {
+            for ((row, &k), &b) in self.rows.iter_mut().zip(&lens).zip(&batched) {
                 if let Some(spec) = row.speculation.as_mut() {
-                    spec.drafter.commit(0)?;
+                    if !b {
+                        spec.drafter.commit(0)?;
+                    }
                     if k > 0 {
                         spec.adaptive.update(k, 0);
                     }
                 }
+            }
+            if let Some(batch) = self.drafts.as_mut() {
+                batch.commit(&[])?;
             }
             return Ok(None);
         }
@@ -457,6 +502,8 @@ impl<'m> Batch<'m> {
         let secs = started.elapsed().as_secs_f64();
         let mut out = Vec::new();
         let mut kept = Vec::with_capacity(b);
+        // What each row drafting with the draft model's batch accepted.
+        let mut accepted_together = Vec::new();
         for (i, (row, drafted)) in self.rows.iter_mut().zip(&drafts).enumerate() {
             let mut mine = picks[i * t..(i + 1) * t].to_vec();
             let accepted = if row.external.is_some() {
@@ -538,7 +585,11 @@ impl<'m> Batch<'m> {
             if let Some(spec) = row.speculation.as_mut().filter(|_| !drafted.is_empty()) {
                 let accepted = accepted.min(told - 1);
                 row.acceptance.verified(drafted.len(), accepted);
-                spec.drafter.commit(accepted)?;
+                if batched[i] {
+                    accepted_together.push((row.key, accepted));
+                } else {
+                    spec.drafter.commit(accepted)?;
+                }
                 spec.adaptive.verify_step(secs, told);
                 spec.adaptive.update(drafted.len(), accepted);
                 row.counts.drafted += drafted.len();
@@ -557,6 +608,9 @@ impl<'m> Batch<'m> {
         for c in &mut self.cache {
             c.trim_rows(t, &kept)?;
             c.keep_snapshots(1);
+        }
+        if let Some(batch) = self.drafts.as_mut() {
+            batch.commit(&accepted_together)?;
         }
         self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
         let drafted = drafts.iter().map(Vec::len).sum::<usize>();
