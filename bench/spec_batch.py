@@ -11,7 +11,8 @@ different rename, so most of what the model writes is in its prompt), greedy, st
 chat completions of `--max-tokens` each. Two servers on free loopback ports, started from
 the same binary: "rows" (this build) and "beside" (`HOST_SPEC_ROWS=0`). For each client
 count: plain requests to "rows", `"speculative": "prompt-lookup"` requests to "rows" and to
-"beside" (and with --draft-model, `"draft"` to both); the median aggregate tok/s of
+"beside" (and with --draft-model, `"draft"` to both and to a third server, "alone", whose
+rows each run the draft model alone, `HOST_DRAFT_BATCH=0`); the median aggregate tok/s of
 --rounds (tokens streamed by all clients over the wall time from the first request to the
 last token). Prints a markdown table with each mode's ratio to plain in the same run, the
 rows/beside ratio, tokens per target step (`usage.speculative`), and whether every reply's
@@ -96,7 +97,12 @@ def main():
     modes = [("plain", rows, None), ("lookup rows", rows, "prompt-lookup"), ("lookup beside", beside, "prompt-lookup")]
     servers = [rows, beside]
     if a.draft_model:
-        modes += [("draft rows", rows, "draft"), ("draft beside", beside, "draft")]
+        # A third server whose rows each run the draft model alone (`HOST_DRAFT_BATCH=0`).
+        port_alone = free_port()
+        alone = Server("alone", cmd(port_alone), port_alone, env={"HOST_DRAFT_BATCH": "0"})
+        servers.append(alone)
+        modes += [("draft rows", rows, "draft"), ("draft rows drafting alone", alone, "draft"),
+                  ("draft beside", beside, "draft")]
     try:
         for server in servers:  # warm-up: every shape once
             load(server, texts, 2, 16, "prompt-lookup")
@@ -122,9 +128,9 @@ def main():
         plain = results[(clients, "plain")]
         for name, _, _ in modes:
             r = results[(clients, name)]
-            other = name.replace("rows", "beside")
+            other = name.split(" rows")[0] + " beside"
             vs_beside = (f"{r['aggregate'] / results[(clients, other)]['aggregate']:.2f}x"
-                         if name.endswith("rows") else "")
+                         if " rows" in name else "")
             per_step = f"{r['per_step']:.2f}" if r["per_step"] else ""
             print(f"| {clients} | {name} | {r['aggregate']:.1f} ({r['spread'][0]:.1f}-{r['spread'][1]:.1f}) | "
                   f"{r['aggregate'] / plain['aggregate']:.2f}x | {vs_beside} | {per_step} | "
