@@ -130,6 +130,12 @@ pub fn mirror() {
     MIRRORING.store(true, Ordering::SeqCst);
 }
 
+/// Whether this process records its cache operations for tensor-parallel peers ([`mirror`]):
+/// caches made here must then exist on every rank.
+pub fn mirrored() -> bool {
+    MIRRORING.load(Ordering::Relaxed)
+}
+
 /// The operations recorded since the last call.
 pub fn take_ops() -> Vec<CacheOp> {
     std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))

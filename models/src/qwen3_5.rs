@@ -267,11 +267,13 @@ impl DeltaNet {
     }
 
     /// `ends`: row r's real positions are its first `ends[r]` (the rest padding, which leaves
-    /// its state as it was: no write, no decay); `None` when all `s` are.
+    /// its state as it was: no write, no decay; 0 for a row that is all padding); `None` when
+    /// all `s` are.
     fn forward(&self, x: &Array, cache: &mut KvCache, ends: Option<&[usize]>) -> Result<Array> {
         let (b, s) = (x.dim(0) as i32, x.dim(1) as i32);
         let ends = ends.filter(|e| e.iter().any(|&n| n != s as usize));
-        if ends.is_some_and(|e| e.len() != b as usize || e.iter().any(|&n| n == 0 || n > s as usize)) {
+        // An end of 0 (a row only padded in this forward) keeps the row's state as it was.
+        if ends.is_some_and(|e| e.len() != b as usize || e.iter().any(|&n| n > s as usize)) {
             return Err(Error::Invalid(format!("row ends {ends:?} for a forward of {b} rows of {s} positions")));
         }
         let (hk, hv, dk, dv) = (self.k_heads, self.v_heads, self.k_dim, self.v_dim);

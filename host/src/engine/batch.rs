@@ -1219,7 +1219,14 @@ mod tests {
         use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
         // (model, drafted by itself, drafts refused: the tiny Gemma's greedy tokens are the
         // same whatever its weights)
-        for (arch, same, refused) in [("llama", false, true), ("gemma3_text", false, false), ("llama", true, false)] {
+        let cases = [
+            ("llama", false, true),
+            ("gemma3_text", false, false),
+            ("qwen3_5", false, true),
+            ("llama", true, false),
+            ("qwen3_5", true, false),
+        ];
+        for (arch, same, refused) in cases {
             let model = models::testing::model(arch, 4).unwrap();
             let other = models::testing::model(arch, 9).unwrap();
             let (model, draft) = (model.as_ref(), if same { model.as_ref() } else { other.as_ref() });

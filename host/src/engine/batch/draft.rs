@@ -6,17 +6,19 @@
 //! A row takes a seat at its first draft: its drafter's own cache (what it held drafting
 //! alone, or nothing) caught up alone to its sequence but the last token, then pushed as a
 //! row. Each draft then feeds every seat its tokens since the last (`[S, T]`, T the longest
-//! catch-up; rows that do not draft this step feed only padding), trims the padding off
+//! catch-up; rows that do not draft this step feed only padding, and a recurrent layer is
+//! told where each row's real positions end, `end_rows_at`), trims the padding off
 //! (`trim_rows`), and runs `K - 1` one-position forwards, each row sampling its next draft
 //! with its own sampler from its own logits. A row that fell far behind (plain steps while
 //! drafts did not pay) is caught up alone first, as a prompt is, not padded into everyone's
 //! forward. `commit` keeps each row's accepted drafts and rolls the rest back, holes as a
-//! verification leaves them. A leaving row's cache goes back to its drafter.
+//! verification leaves them (a recurrent layer goes back to the state it kept before the
+//! row's first rejected draft: it keeps one before each drafted position until then). A
+//! leaving row's cache goes back to its drafter.
 //!
-//! Not used where the draft model has recurrent layers (a rollback over several one-position
-//! forwards needs the states before each; those rows draft alone, as before), where the
-//! target's caches are mirrored on other ranks (tensor parallelism: those ranks know no draft
-//! caches), or under `HOST_DRAFT_BATCH=0` (for measuring).
+//! Not used where the target's caches are mirrored on other ranks (tensor parallelism: those
+//! ranks know no draft caches; those rows draft alone, as before), or under
+//! `HOST_DRAFT_BATCH=0` (for measuring).
 
 use super::super::sampling::{log_softmax, Sampler};
 use super::super::speculative::Drafts;
@@ -73,11 +75,10 @@ pub(super) struct DraftBatch<'m> {
 
 impl<'m> DraftBatch<'m> {
     pub fn new(model: &'m dyn CausalLm, prefill_step_size: usize) -> DraftBatch<'m> {
-        let fresh = model.make_cache();
-        let layers = fresh.len();
+        let layers = model.make_cache().len();
         DraftBatch {
             model,
-            batched: model.batches() && fresh.iter().all(|c| !c.is_recurrent()) && batched_by_env(),
+            batched: model.batches() && batched_by_env(),
             cache: (0..layers).map(|_| BatchKvCache::default()).collect(),
             seats: Vec::new(),
             prefill_step_size: prefill_step_size.max(1),
@@ -86,7 +87,7 @@ impl<'m> DraftBatch<'m> {
         }
     }
 
-    /// Whether the draft model drafts as a batch: it batches, and has no recurrent layer.
+    /// Whether the draft model drafts as a batch: it batches (and `HOST_DRAFT_BATCH` allows).
     pub fn batched(&self) -> bool {
         self.batched
     }
@@ -149,16 +150,25 @@ impl<'m> DraftBatch<'m> {
             ids.extend(std::iter::repeat_n(pad, t - f.len()));
         }
         let s = self.seats.len() as i32;
-        let logits = self.model.forward_batch(&Array::from_i32(&ids, &[s as usize, t])?, &mut self.cache)?;
-        self.forwards += 1;
+        // Each row's real positions end where its feed does (a recurrent layer leaves its
+        // state there: the padding neither writes nor decays it).
         let kept: Vec<usize> = feed.iter().map(|f| f.len()).collect();
         for b in &mut self.cache {
+            b.end_rows_at(&kept);
+        }
+        let logits = self.model.forward_batch(&Array::from_i32(&ids, &[s as usize, t])?, &mut self.cache)?;
+        self.forwards += 1;
+        for b in &mut self.cache {
             b.trim_rows(t, &kept)?;
+        }
+        // A recurrent layer keeps the states before each drafted position, for `commit`.
+        let k_most = asks.iter().map(|a| a.k).max().unwrap_or(0);
+        for b in &mut self.cache {
+            b.keep_snapshots(k_most);
         }
         // Each drafting row's logits at its last token, then its drafts one position a forward.
         let vocab = logits.dim(2) as i32;
         let logits = logits.reshape(&[s * t as i32, vocab])?;
-        let k_most = asks.iter().map(|a| a.k).max().unwrap_or(0);
         let mut tokens: Vec<Vec<Array>> = vec![Vec::new(); asks.len()];
         let mut dists: Vec<Vec<Array>> = vec![Vec::new(); asks.len()];
         let mut at: Vec<Option<Array>> = (0..self.seats.len())
@@ -246,10 +256,11 @@ impl<'m> DraftBatch<'m> {
             };
             kept.push(n);
         }
-        if added > 0 {
-            for b in &mut self.cache {
+        for b in &mut self.cache {
+            if added > 0 {
                 b.trim_rows(added, &kept)?;
             }
+            b.keep_snapshots(1);
         }
         Ok(())
     }

@@ -318,7 +318,8 @@ impl<'m> Batch<'m> {
         // The rows a draft model drafts for together (`DraftBatch`): (row, draft length,
         // lossless, its drafter's cache when it takes its seat).
         let mut together: Vec<(usize, usize, bool, Option<Held>)> = Vec::new();
-        let mirrored = !self.model.takes_cache_forks();
+        // Under tensor parallelism the ranks know no draft caches: those rows draft alone.
+        let mirrored = models::cache::mirrored();
         for (i, row) in self.rows.iter_mut().enumerate() {
             let remaining = row.options.max_tokens.saturating_sub(row.generated);
             let wants = row.wants_to_draft();
