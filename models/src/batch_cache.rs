@@ -457,7 +457,7 @@ impl BatchKvCache {
     /// Adds rows holding `caches`' positions (each one sequence's cache of this layer) after
     /// the batch's rows, in one copy of the buffer that leaves room for the next `room`
     /// positions (`STEP` for decoding, as a step's growth would; for a prefill's forward, its
-    /// length: the spare columns are zeros written). The forward after the join then writes
+    /// length; the spare columns unwritten, `cache::room`). The forward after the join then writes
     /// in place rather than growing the buffer by a second copy (eight chat requests joining
     /// at once on the 2-core CPU: their first step 122 ms with a copy per row and the growth,
     /// 34-41 ms after one copy with room). The shorter of the batch and each row is padded on
@@ -504,12 +504,16 @@ impl BatchKvCache {
             self.holes.extend(caches.iter().map(|_| Vec::new()));
             return Ok(());
         };
-        // Zeros with each side's last `held` columns written at the right end of its rows:
-        // one buffer, written in place (MLX donates each update's input to its output).
+        // Each side's last `held` columns written at the right end of its rows, zeros before
+        // them (padding: masked, but read), the `room` columns after unwritten: one buffer,
+        // written in place (MLX donates each update's input to its output).
         let capacity = held + room;
         let fill = |like: &Array, pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
             let (h, d) = (like.dim(1) as i32, like.dim(3) as i32);
-            let mut out = Array::zeros(&[rows + caches.len(), like.dim(1), capacity, like.dim(3)], like.dtype())?;
+            let all = rows + caches.len();
+            let mut out = crate::cache::room(&[all, like.dim(1), capacity, like.dim(3)], like.dtype())?;
+            let zeros = Array::zeros(&[all, like.dim(1), held, like.dim(3)], like.dtype())?;
+            out = out.slice_update(&zeros, &[0, 0, 0, 0], &[all as i32, h, held as i32, d], &[1, 1, 1, 1])?;
             for (row, n, side) in &parts {
                 let a = pick(side);
                 let have = a.dim(2);

@@ -136,6 +136,18 @@ pub fn mirrored() -> bool {
     MIRRORING.load(Ordering::Relaxed)
 }
 
+/// A buffer for positions to come, `shape` (`[B, H, columns, D]`), whose columns are written
+/// before any forward reads them: unwritten (`Array::uninit`: the pages no row reaches are
+/// never touched, where zeros cost a write and a fault per page at every join and growth), and
+/// in debug builds NaN, so that a read of room anywhere shows in every test.
+pub(crate) fn room(shape: &[usize], dtype: mlx::Dtype) -> Result<Array> {
+    if cfg!(debug_assertions) {
+        let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        return Ok(Array::scalar(f32::NAN, dtype)?.broadcast_to(&dims)?);
+    }
+    Ok(Array::uninit(shape, dtype)?)
+}
+
 /// The operations recorded since the last call.
 pub fn take_ops() -> Vec<CacheOp> {
     std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
@@ -493,23 +505,21 @@ impl KvCache {
                 None => self.start,
             };
             let n_steps = (STEP + l - 1) / STEP;
-            let new_k = Array::zeros(&[b, h, n_steps * STEP, dk], keys.dtype())?;
-            let new_v = Array::zeros(&[b, h, n_steps * STEP, dv], values.dtype())?;
             let (lo, hi) = ((start - self.start) as i32, held as i32);
-            match (self.keys.take(), self.values.take()) {
-                (Some(mut k), Some(mut v)) if lo < hi => {
-                    if lo > 0 || hi as usize != capacity {
-                        k = k.slice_axis(2, lo, hi)?;
-                        v = v.slice_axis(2, lo, hi)?;
+            // The positions kept, then room for `n_steps * STEP` more, unwritten (`room`).
+            let grown = |a: Option<Array>, d: usize, dtype: mlx::Dtype| -> Result<Array> {
+                let kept = a.filter(|_| lo < hi).map(|a| a.slice_axis(2, lo, hi)).transpose()?;
+                let n = kept.as_ref().map_or(0, |k| k.dim(2));
+                let out = room(&[b, h, n + n_steps * STEP, d], dtype)?;
+                Ok(match kept {
+                    Some(k) => {
+                        out.slice_update(&k, &[0, 0, 0, 0], &[b as i32, h as i32, n as i32, d as i32], &[1; 4])?
                     }
-                    self.keys = Some(mlx::ops::concatenate(&[&k, &new_k], 2)?);
-                    self.values = Some(mlx::ops::concatenate(&[&v, &new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
-            }
+                    None => out,
+                })
+            };
+            self.keys = Some(grown(self.keys.take(), dk, keys.dtype())?);
+            self.values = Some(grown(self.values.take(), dv, values.dtype())?);
             self.start = start;
         }
         self.offset += l;

@@ -484,6 +484,23 @@ class RopeKernel : public mx::UnaryPrimitive {
 };
 
 // Whether the host's kernels take float32 `x` here (else nullopt goes back to MLX's).
+// An array whose values are whatever its fresh buffer holds: the allocation, nothing written
+// (pages the caller never writes are never touched).
+class UninitBuffer : public mx::UnaryPrimitive {
+ public:
+  explicit UninitBuffer(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's unwritten buffer is a CPU primitive");
+  }
+
+  const char* name() const override { return "HostUninit"; }
+};
+
 bool serves(const mx::array& x) {
 #if defined(__x86_64__)
   return cpu_exp_enabled() && cpu_exp_mode.load() != 0 && mx::default_device() == mx::Device::cpu &&
@@ -502,6 +519,12 @@ bool cpu_exp_enabled() {
     return !(v && std::strcmp(v, "0") == 0);
   }();
   return on;
+}
+
+std::optional<mx::array> cpu_uninit(const mx::Shape& shape, mx::Dtype dtype) {
+  if (mx::default_device() != mx::Device::cpu) return std::nullopt;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, dtype, std::make_shared<UninitBuffer>(stream), {});
 }
 
 std::optional<mx::array> cpu_swiglu(const mx::array& gate, const mx::array& x) {

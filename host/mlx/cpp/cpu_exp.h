@@ -16,6 +16,10 @@ namespace mlx_shim {
 // HOST_CPU_EXP=0): the caller then takes MLX's compiled kernel.
 std::optional<mlx::core::array> cpu_swiglu(const mlx::core::array& gate, const mlx::core::array& x);
 
+// An array of `shape` whose values are unspecified (its buffer allocated, nothing written) on
+// the CPU; nullopt on another device (then zeros).
+std::optional<mlx::core::array> cpu_uninit(const mlx::core::Shape& shape, mlx::core::Dtype dtype);
+
 // logsumexp over the last axis of a float32 array on the CPU (MLX's LogSumExp's bits), or
 // nullopt where that does not apply (then MLX's).
 std::optional<mlx::core::array> cpu_logsumexp(const mlx::core::array& x, bool keepdims);

@@ -623,6 +623,11 @@ Ptr zeros(rust::Slice<const int32_t> s, uint8_t dt) {
   checked_elements(s);
   return wrap(mx::zeros(to_shape(s), to_dtype(dt)));
 }
+Ptr uninit(rust::Slice<const int32_t> s, uint8_t dt) {
+  checked_elements(s);
+  if (auto a = cpu_uninit(to_shape(s), to_dtype(dt))) return wrap(std::move(*a));
+  return wrap(mx::zeros(to_shape(s), to_dtype(dt)));
+}
 Ptr arange(double start, double stop, double step, uint8_t dt) {
   return wrap(mx::arange(start, stop, step, to_dtype(dt)));
 }

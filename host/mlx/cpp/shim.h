@@ -42,6 +42,7 @@ Ptr from_i32(rust::Slice<const int32_t> data, rust::Slice<const int32_t> shape);
 Ptr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape);
 Ptr scalar_f32(float v, uint8_t dtype);
 Ptr zeros(rust::Slice<const int32_t> shape, uint8_t dtype);
+Ptr uninit(rust::Slice<const int32_t> shape, uint8_t dtype);
 Ptr arange(double start, double stop, double step, uint8_t dtype);
 Ptr clone(const array& a);
 rust::Vec<int32_t> shape(const array& a);

@@ -54,6 +54,12 @@ impl Array {
     pub fn zeros(shape: &[usize], dtype: Dtype) -> Result<Array> {
         wrap(ffi::zeros(&to_i32_dims(shape)?, dtype as u8))
     }
+    /// An array whose values are unspecified: on the CPU its buffer is allocated and nothing is
+    /// written (the pages no one writes are never touched), elsewhere zeros. For room that is
+    /// written before it is read.
+    pub fn uninit(shape: &[usize], dtype: Dtype) -> Result<Array> {
+        wrap(ffi::uninit(&to_i32_dims(shape)?, dtype as u8))
+    }
     pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<Array> {
         wrap(ffi::arange(start, stop, step, dtype as u8))
     }

@@ -24,6 +24,7 @@ pub(crate) mod ffi {
         fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<array>>;
         fn scalar_f32(v: f32, dtype: u8) -> Result<UniquePtr<array>>;
         fn zeros(shape: &[i32], dtype: u8) -> Result<UniquePtr<array>>;
+        fn uninit(shape: &[i32], dtype: u8) -> Result<UniquePtr<array>>;
         fn arange(start: f64, stop: f64, step: f64, dtype: u8) -> Result<UniquePtr<array>>;
         fn clone(a: &array) -> UniquePtr<array>;
         fn shape(a: &array) -> Vec<i32>;

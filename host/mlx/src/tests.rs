@@ -17,6 +17,28 @@ fn creation_and_readback_round_trip() {
     assert_eq!(i.to_vec_i32().unwrap(), vec![3, -1]);
 }
 
+/// An unwritten buffer (`Array::uninit`) takes writes in place and reads back what was written
+/// (a KV cache's room), its untouched part whatever it held; an absurd shape is an error.
+#[test]
+fn an_unwritten_buffer_reads_back_what_is_written_into_it() {
+    let room = Array::uninit(&[2, 3, 4], Dtype::Float32).unwrap();
+    assert_eq!((room.shape(), room.dtype()), (vec![2, 3, 4], Dtype::Float32));
+    let ones = arr(&[1.0; 12], &[2, 3, 2]);
+    let half = room.slice_update(&ones, &[0, 0, 0], &[2, 3, 2], &[1, 1, 1]).unwrap();
+    let full = half
+        .slice_update(
+            &ones.multiply(&Array::scalar(2.0, Dtype::Float32).unwrap()).unwrap(),
+            &[0, 0, 2],
+            &[2, 3, 4],
+            &[1, 1, 1],
+        )
+        .unwrap();
+    let want: Vec<f32> = (0..24).map(|i| if i % 4 < 2 { 1.0 } else { 2.0 }).collect();
+    assert_eq!(full.to_vec_f32().unwrap(), want);
+    assert_eq!(half.slice_axis(2, 0, 2).unwrap().to_vec_f32().unwrap(), vec![1.0; 12]);
+    assert!(Array::uninit(&[1 << 31, 4], Dtype::Float32).is_err());
+}
+
 #[test]
 fn buffer_that_does_not_match_its_shape_is_an_error() {
     let err = Array::from_f32(&[1.0, 2.0, 3.0], &[2, 2]).unwrap_err();
