@@ -102,9 +102,8 @@ impl<'m> DraftBatch<'m> {
 
     /// Drafts for every row of `asks` (each with `k` at least 1), in their order.
     pub fn draft(&mut self, asks: Vec<Ask<'_>>) -> Result<Vec<Drafts>> {
-        if self.seats.iter().any(|s| s.last.is_some()) {
-            bail!("a draft batch drafted again before its last drafts were committed");
-        }
+        // Drafts never committed (their verification failed) are dropped.
+        self.settle()?;
         // Seats for the new rows and the ones far behind, each caught up alone to its
         // sequence but the last token.
         let mut arriving: Vec<Vec<KvCache>> = Vec::new();
@@ -269,11 +268,17 @@ impl<'m> DraftBatch<'m> {
     /// none). A proposal not committed is dropped from it.
     pub fn leave(&mut self, key: u64) -> Result<Option<Held>> {
         let Some(i) = self.seats.iter().position(|s| s.key == key) else { return Ok(None) };
-        if self.pending > 0 {
-            self.commit(&[])?;
-        }
+        self.settle()?;
         let held = self.seats[i].held;
         Ok(Some((self.unseat(i)?, held)))
+    }
+
+    /// A proposal not committed rolled back (none of its drafts kept).
+    fn settle(&mut self) -> Result<()> {
+        if self.pending > 0 || self.seats.iter().any(|s| s.last.is_some()) {
+            self.commit(&[])?;
+        }
+        Ok(())
     }
 
     /// Seat `i`'s cache, out of the batch.
