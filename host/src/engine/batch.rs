@@ -841,6 +841,54 @@ mod tests {
         cache
     }
 
+    /// What a scripted batch run does before a step: row i joins (`make(i)`, its prompt
+    /// prefilled), row `key` leaves and is parked, the parked row joins again.
+    enum At {
+        Join(usize),
+        Park(u64),
+        Rejoin,
+    }
+
+    /// Steps `batch` through `script` (`(step, event)`: before that step) until every row has
+    /// left and the script is done: each row's tokens, and its speculative counts at its
+    /// finish.
+    fn scripted<'m>(
+        batch: &mut Batch<'m>,
+        model: &'m dyn CausalLm,
+        prompts: &[Vec<u32>],
+        make: &dyn Fn(usize) -> Row<'m>,
+        script: &[(usize, At)],
+    ) -> (HashMap<u64, Vec<u32>>, HashMap<u64, SpecCounts>) {
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut counts: HashMap<u64, SpecCounts> = HashMap::new();
+        let mut parked = None;
+        let last = script.iter().map(|(s, _)| *s).max().unwrap_or(0);
+        for step in 0..400 {
+            for (_, at) in script.iter().filter(|(s, _)| *s == step) {
+                match at {
+                    At::Join(i) => batch.join(make(*i), &prefilled(model, &prompts[*i])).unwrap(),
+                    At::Park(key) => parked = batch.leave(*key).unwrap(),
+                    At::Rejoin => {
+                        let left: Left = parked.take().unwrap();
+                        batch.join(left.row, &left.cache).unwrap();
+                    }
+                }
+            }
+            for (key, token) in batch.step().unwrap() {
+                let token = token.unwrap();
+                got.entry(key).or_default().push(token.id);
+                if token.finish.is_some() {
+                    counts.insert(key, batch.row(key).unwrap().spec_counts());
+                    batch.leave(key).unwrap();
+                }
+            }
+            if batch.is_empty() && step >= last {
+                break;
+            }
+        }
+        (got, counts)
+    }
+
     /// Rows with their own sampling settings (greedy, seeded with top-p, penalties with a
     /// bias), joining at different steps (the first two together, `join_all`) and one leaving
     /// and rejoining mid-way, each get the tokens they get alone. A join of a row already in
@@ -1164,36 +1212,16 @@ mod tests {
                     .then(|| Speculation::new(config, &prompts[i], Some(draft.as_ref()), 16).unwrap());
                 Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap().with_speculation(spec)
             };
-            let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-            let mut counts: HashMap<u64, SpecCounts> = HashMap::new();
-            let mut parked = None;
-            for i in [0, 3] {
-                batch.join(make(i), &prefilled(model, &prompts[i])).unwrap();
-            }
-            for step in 0..200 {
-                match step {
-                    2 => batch.join(make(1), &prefilled(model, &prompts[1])).unwrap(),
-                    3 => batch.join(make(2), &prefilled(model, &prompts[2])).unwrap(),
-                    6 => parked = batch.leave(0).unwrap(),
-                    7 => batch.join(make(4), &prefilled(model, &prompts[4])).unwrap(),
-                    9 => {
-                        let left = parked.take().unwrap();
-                        batch.join(left.row, &left.cache).unwrap();
-                    }
-                    _ => {}
-                }
-                for (key, token) in batch.step().unwrap() {
-                    let token = token.unwrap();
-                    got.entry(key).or_default().push(token.id);
-                    if token.finish.is_some() {
-                        counts.insert(key, batch.row(key).unwrap().spec_counts());
-                        batch.leave(key).unwrap();
-                    }
-                }
-                if batch.is_empty() && step > 9 {
-                    break;
-                }
-            }
+            let script = [
+                (0, At::Join(0)),
+                (0, At::Join(3)),
+                (2, At::Join(1)),
+                (3, At::Join(2)),
+                (6, At::Park(0)),
+                (7, At::Join(4)),
+                (9, At::Rejoin),
+            ];
+            let (got, counts) = scripted(&mut batch, model, &prompts, &make, &script);
             for (i, want) in expected.iter().enumerate() {
                 assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i} ({:?})", methods[i]);
             }
@@ -1244,35 +1272,15 @@ mod tests {
                 let spec = Speculation::new(config, &prompts[i], Some(draft), 16).unwrap();
                 Row::new(i as u64, &prompts[i], sampler, options(n)).unwrap().with_speculation(Some(spec))
             };
-            let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-            let mut counts: HashMap<u64, SpecCounts> = HashMap::new();
-            let mut parked = None;
-            for i in [0, 1] {
-                batch.join(make(i), &prefilled(model, &prompts[i])).unwrap();
-            }
-            for step in 0..200 {
-                match step {
-                    2 => batch.join(make(2), &prefilled(model, &prompts[2])).unwrap(),
-                    4 => parked = batch.leave(1).unwrap(),
-                    5 => batch.join(make(3), &prefilled(model, &prompts[3])).unwrap(),
-                    8 => {
-                        let left = parked.take().unwrap();
-                        batch.join(left.row, &left.cache).unwrap();
-                    }
-                    _ => {}
-                }
-                for (key, token) in batch.step().unwrap() {
-                    let token = token.unwrap();
-                    got.entry(key).or_default().push(token.id);
-                    if token.finish.is_some() {
-                        counts.insert(key, batch.row(key).unwrap().spec_counts());
-                        batch.leave(key).unwrap();
-                    }
-                }
-                if batch.is_empty() && step > 8 {
-                    break;
-                }
-            }
+            let script = [
+                (0, At::Join(0)),
+                (0, At::Join(1)),
+                (2, At::Join(2)),
+                (4, At::Park(1)),
+                (5, At::Join(3)),
+                (8, At::Rejoin),
+            ];
+            let (got, counts) = scripted(&mut batch, model, &prompts, &make, &script);
             for (i, want) in expected.iter().enumerate() {
                 assert_eq!(got.get(&(i as u64)), Some(want), "{arch}: row {i}");
             }
