@@ -118,6 +118,22 @@ pub struct Drafts {
     pub distributions: Option<Array>,
 }
 
+/// A draft model's cache (one entry per layer) and the tokens of its sequence it holds.
+pub type Held = (Vec<KvCache>, usize);
+
+/// A draft token from `logprobs` (`[1, V]`) for sequence position `position`, picked by the
+/// request's `sampler` (greedy, or its seeded draw there), with the distribution it was drawn
+/// from when `lossless` verification needs it (lazy).
+pub fn pick_draft(
+    sampler: &Sampler,
+    logprobs: &Array,
+    position: usize,
+    lossless: bool,
+) -> Result<(Array, Option<Array>)> {
+    let token = sampler.sample(logprobs, position)?;
+    Ok((token, lossless.then(|| sampler.distribution(logprobs)).transpose()?))
+}
+
 /// Proposes continuations of the committed sequence.
 pub trait Drafter {
     /// Up to `k` tokens continuing `seq` (the prompt and every committed token). An empty
@@ -143,7 +159,7 @@ pub trait Drafter {
     /// A draft model's cache and the tokens of the sequence it holds, handed to a batch that
     /// drafts for several rows at once (the drafter then holds nothing); `None` for drafters
     /// without one.
-    fn take_cache(&mut self) -> Option<(Vec<KvCache>, usize)> {
+    fn take_cache(&mut self) -> Option<Held> {
         None
     }
     /// The cache a batch drafted with, back (holding the sequence's first `held` tokens).
@@ -309,10 +325,8 @@ impl Drafter for DraftModel<'_> {
             let len = logits.dim(1) as i32;
             let logits = logits.slice_axis(1, len - 1, len)?.squeeze(&[1])?;
             let logprobs = super::sampling::log_softmax(&logits)?;
-            let token = sampler.sample(&logprobs, seq.len() + i)?;
-            if lossless {
-                dists.push(sampler.distribution(&logprobs)?);
-            }
+            let (token, dist) = pick_draft(sampler, &logprobs, seq.len() + i, lossless)?;
+            dists.extend(dist);
             input = token.expand_dims(&[0])?;
             tokens.push(token);
         }
@@ -342,7 +356,7 @@ impl Drafter for DraftModel<'_> {
         Ok(())
     }
 
-    fn take_cache(&mut self) -> Option<(Vec<KvCache>, usize)> {
+    fn take_cache(&mut self) -> Option<Held> {
         self.last = None;
         let fresh = self.fresh_cache();
         Some((std::mem::replace(&mut self.cache, fresh), std::mem::take(&mut self.held)))

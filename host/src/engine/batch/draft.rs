@@ -21,7 +21,7 @@
 //! `HOST_DRAFT_BATCH=0` (for measuring).
 
 use super::super::sampling::{log_softmax, Sampler};
-use super::super::speculative::Drafts;
+use super::super::speculative::{pick_draft, Drafts, Held};
 use super::super::step::prefill;
 use anyhow::{bail, Result};
 use mlx::Array;
@@ -44,9 +44,6 @@ struct Seat {
     held: usize,
     last: Option<(usize, usize)>,
 }
-
-/// A draft cache (one entry per draft layer) and the tokens of its sequence it holds.
-pub(super) type Held = (Vec<KvCache>, usize);
 
 /// What a drafting row asks for: its key, its sequence (prompt and committed tokens), how
 /// many drafts, its sampler, and whether its drafts' distributions are wanted (lossless).
@@ -78,7 +75,7 @@ impl<'m> DraftBatch<'m> {
         let layers = model.make_cache().len();
         DraftBatch {
             model,
-            batched: model.batches() && batched_by_env(),
+            batched: model.batches() && !models::cache::mirrored() && batched_by_env(),
             cache: (0..layers).map(|_| BatchKvCache::default()).collect(),
             seats: Vec::new(),
             prefill_step_size: prefill_step_size.max(1),
@@ -87,13 +84,11 @@ impl<'m> DraftBatch<'m> {
         }
     }
 
-    /// Whether the draft model drafts as a batch: it batches (and `HOST_DRAFT_BATCH` allows).
-    pub fn batched(&self) -> bool {
-        self.batched
-    }
-
-    pub fn is_model(&self, model: &dyn CausalLm) -> bool {
-        std::ptr::addr_eq(self.model as *const dyn CausalLm, model as *const dyn CausalLm)
+    /// Whether this batch drafts for rows drafting with `model`: it is its model, which
+    /// batches, on one rank (under tensor parallelism the other ranks know no draft caches),
+    /// and `HOST_DRAFT_BATCH` allows it. Rows it does not serve draft alone.
+    pub fn serves(&self, model: &dyn CausalLm) -> bool {
+        self.batched && std::ptr::addr_eq(self.model as *const dyn CausalLm, model as *const dyn CausalLm)
     }
 
     pub fn seated(&self, key: u64) -> bool {
@@ -165,71 +160,63 @@ impl<'m> DraftBatch<'m> {
         for b in &mut self.cache {
             b.keep_snapshots(k_most);
         }
-        // Each drafting row's logits at its last token, then its drafts one position a forward.
+        // Every seat's logits at its last fed position (a seat not drafting: any), then the
+        // drafts one position a forward. Each position's picks are one `[S]` array: one argmax
+        // for all seats where every asking row is greedy, else each row's sampler on its row.
         let vocab = logits.dim(2) as i32;
-        let logits = logits.reshape(&[s * t as i32, vocab])?;
-        let mut tokens: Vec<Vec<Array>> = vec![Vec::new(); asks.len()];
+        let last: Vec<i32> = kept.iter().enumerate().map(|(i, &n)| (i * t + n.max(1) - 1) as i32).collect();
+        let mut logits = logits.reshape(&[s * t as i32, vocab])?.take(&Array::from_i32(&last, &[last.len()])?, 0)?;
+        let greedy = asks.iter().all(|a| !a.lossless && a.sampler.params().temperature == 0.0);
+        let mut picks: Vec<Array> = Vec::with_capacity(k_most);
         let mut dists: Vec<Vec<Array>> = vec![Vec::new(); asks.len()];
-        let mut at: Vec<Option<Array>> = (0..self.seats.len())
-            .map(|i| {
-                let n = kept[i] as i32;
-                rows[i].map(|_| logits.slice_axis(0, i as i32 * t as i32 + n - 1, i as i32 * t as i32 + n)).transpose()
-            })
-            .collect::<mlx::Result<_>>()?;
         for j in 0..k_most {
-            let mut next = Vec::with_capacity(self.seats.len());
-            for (i, row) in rows.iter().enumerate() {
-                let picked = match (row, &at[i]) {
-                    (Some(r), Some(l)) if j < asks[*r].k => {
-                        let ask = &asks[*r];
-                        let logprobs = log_softmax(l)?;
-                        let token = ask.sampler.sample(&logprobs, ask.seq.len() + j)?;
-                        if ask.lossless {
-                            dists[*r].push(ask.sampler.distribution(&logprobs)?);
+            let logprobs = log_softmax(&logits)?;
+            let pick = if greedy {
+                logprobs.argmax(-1, false)?.astype(mlx::Dtype::Int32)?
+            } else {
+                let mut each = Vec::with_capacity(self.seats.len());
+                for (i, row) in rows.iter().enumerate() {
+                    each.push(match row.map(|r| &asks[r]).filter(|a| j < a.k) {
+                        Some(ask) => {
+                            let (token, dist) = pick_draft(
+                                ask.sampler,
+                                &logprobs.slice_axis(0, i as i32, i as i32 + 1)?,
+                                ask.seq.len() + j,
+                                ask.lossless,
+                            )?;
+                            dists[rows[i].expect("asked")].extend(dist);
+                            token.astype(mlx::Dtype::Int32)?
                         }
-                        tokens[*r].push(token.clone());
-                        Some(token)
-                    }
-                    _ => None,
-                };
-                next.push(match picked {
-                    Some(token) => token.astype(mlx::Dtype::Int32)?.reshape(&[1, 1])?,
-                    None => Array::from_i32(&[pad], &[1, 1])?,
-                });
-            }
-            if j + 1 == k_most {
-                break;
-            }
-            let input = mlx::ops::concatenate(&next.iter().collect::<Vec<_>>(), 0)?;
-            let logits = self.model.forward_batch(&input, &mut self.cache)?;
-            self.forwards += 1;
-            let logits = logits.reshape(&[s, vocab])?;
-            for (i, l) in at.iter_mut().enumerate() {
-                if l.is_some() {
-                    *l = Some(logits.slice_axis(0, i as i32, i as i32 + 1)?);
+                        None => Array::from_i32(&[pad], &[1])?,
+                    });
                 }
+                mlx::ops::concatenate(&each.iter().collect::<Vec<_>>(), 0)?
+            };
+            if j + 1 < k_most {
+                logits = self.model.forward_batch(&pick.reshape(&[s, 1])?, &mut self.cache)?.reshape(&[s, vocab])?;
+                self.forwards += 1;
             }
+            picks.push(pick.expand_dims(&[0])?);
         }
-        let tokens: Vec<Array> = (tokens.iter())
-            .map(|t| mlx::ops::concatenate(&t.iter().collect::<Vec<_>>(), 0))
-            .collect::<mlx::Result<_>>()?;
+        let picks = mlx::ops::concatenate(&picks.iter().collect::<Vec<_>>(), 0)?;
         let dists: Vec<Option<Array>> = (dists.iter())
             .map(|d| (!d.is_empty()).then(|| mlx::ops::concatenate(&d.iter().collect::<Vec<_>>(), 0)).transpose())
             .collect::<mlx::Result<_>>()?;
-        let mut outputs: Vec<&Array> = tokens.iter().chain(dists.iter().flatten()).collect();
-        let state: Vec<&Array> = self.cache.iter().flat_map(BatchKvCache::state).collect();
-        outputs.extend(state);
+        let mut outputs: Vec<&Array> = std::iter::once(&picks).chain(dists.iter().flatten()).collect();
+        outputs.extend(self.cache.iter().flat_map(BatchKvCache::state));
         mlx::eval(&outputs)?;
+        // `[K, S]`: row r's drafts are its seat's column, its first `k` of them.
+        let picks = picks.to_vec_i32()?;
         // Every seat held its sequence; the drafting ones also their drafts but the last.
         for (seat, f) in self.seats.iter_mut().zip(&feed) {
             seat.held += f.len();
         }
         let mut out = Vec::with_capacity(asks.len());
         for (r, ask) in asks.iter().enumerate() {
-            let seat = self.seats.iter_mut().find(|s| s.key == ask.key).expect("every ask has a seat");
-            seat.last = Some((ask.seq.len(), ask.k));
-            let ids = tokens[r].to_vec_i32()?.into_iter().map(|t| t as u32).collect();
-            out.push(Drafts { tokens: ids, distributions: dists[r].clone() });
+            let i = self.seats.iter().position(|s| s.key == ask.key).expect("every ask has a seat");
+            self.seats[i].last = Some((ask.seq.len(), ask.k));
+            let tokens = (0..ask.k).map(|j| picks[j * self.seats.len() + i] as u32).collect();
+            out.push(Drafts { tokens, distributions: dists[r].clone() });
         }
         // The one-position forwards wrote `k_most - 1` columns for every seat: kept as drafts
         // until `commit`.
@@ -289,5 +276,39 @@ impl<'m> DraftBatch<'m> {
         }
         self.seats.remove(i);
         Ok(cache)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampling::SamplingParams;
+    use crate::engine::speculative::{DraftModel, Drafter};
+
+    /// A seat drafts what its row's own `DraftModel` drafts alone; drafts never committed (their
+    /// verification failed) are rolled back at the next draft, which then drafts as alone; a
+    /// sequence shorter than what the seat holds is refused, saying so.
+    #[test]
+    fn a_seat_drafts_as_alone_and_uncommitted_drafts_roll_back() {
+        let model = models::testing::model("llama", 4).unwrap();
+        let model = model.as_ref();
+        let vocab = model.vocab_size() as u32;
+        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+        let seq: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % vocab).collect();
+        fn ask<'a>(seq: &'a [u32], sampler: &'a Sampler) -> Vec<Ask<'a>> {
+            vec![Ask { key: 7, seq, k: 3, sampler, lossless: false, own: None }]
+        }
+        let alone = DraftModel::new(model, 8, 3).draft(&seq, 3, &sampler, false).unwrap().tokens;
+        let mut batch = DraftBatch::new(model, 8);
+        let first = batch.draft(ask(&seq, &sampler)).unwrap().remove(0).tokens;
+        assert_eq!(first, alone);
+        // Not committed; the row went on with another token than the first draft.
+        let longer: Vec<u32> = seq.iter().copied().chain([(first[0] + 1) % vocab]).collect();
+        let alone = DraftModel::new(model, 8, 3).draft(&longer, 3, &sampler, false).unwrap().tokens;
+        assert_eq!(batch.draft(ask(&longer, &sampler)).unwrap().remove(0).tokens, alone, "drafted after no commit");
+        batch.commit(&[(7, 3)]).unwrap();
+        let Err(err) = batch.draft(ask(&seq[..5], &sampler)) else { panic!("a shrunk sequence was drafted for") };
+        let err = err.to_string();
+        assert!(err.contains("holds 15 tokens of a 5-token sequence"), "{err}");
     }
 }

@@ -24,13 +24,13 @@
 //! speculative row then decodes a token a step, the same tokens). The worker decodes a
 //! speculative request with a sampler plugin alone, as before.
 
-use super::draft::{Ask, DraftBatch, Held};
+use super::draft::{Ask, DraftBatch};
 use super::{Batch, Row, StepTokens};
 use crate::engine::decode::{agreement, verify_lossless};
 use crate::engine::external::pick_external;
 use crate::engine::sampling::log_softmax;
 use crate::engine::scheduler::{DraftRow, DraftView, Policy};
-use crate::engine::speculative::{Drafts, Speculation, Verify};
+use crate::engine::speculative::{Drafts, Held, Speculation, Verify};
 use crate::engine::step::Token;
 use anyhow::{anyhow, Result};
 use mlx::{Array, Dtype};
@@ -318,8 +318,6 @@ impl<'m> Batch<'m> {
         // The rows a draft model drafts for together (`DraftBatch`): (row, draft length,
         // lossless, its drafter's cache when it takes its seat).
         let mut together: Vec<(usize, usize, bool, Option<Held>)> = Vec::new();
-        // Under tensor parallelism the ranks know no draft caches: those rows draft alone.
-        let mirrored = models::cache::mirrored();
         for (i, row) in self.rows.iter_mut().enumerate() {
             let remaining = row.options.max_tokens.saturating_sub(row.generated);
             let wants = row.wants_to_draft();
@@ -327,9 +325,10 @@ impl<'m> Batch<'m> {
             let (tokens, dist) = match row.speculation.as_mut().filter(|_| wants) {
                 Some(spec) => {
                     let k = spec.adaptive.k.min(remaining.saturating_sub(1));
-                    let batch = (spec.draft_model.filter(|_| k > 0 && !mirrored))
-                        .map(|m| &*self.drafts.get_or_insert_with(|| DraftBatch::new(m, row.options.prefill_step_size)))
-                        .filter(|d| d.batched() && d.is_model(spec.draft_model.expect("checked")));
+                    let batch = spec.draft_model.filter(|_| k > 0).and_then(|m| {
+                        let d = self.drafts.get_or_insert_with(|| DraftBatch::new(m, row.options.prefill_step_size));
+                        d.serves(m).then_some(&*d)
+                    });
                     if let Some(batch) = batch {
                         let own = if batch.seated(row.key) { None } else { spec.drafter.take_cache() };
                         together.push((i, k, lossless, own));
