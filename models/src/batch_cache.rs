@@ -505,22 +505,34 @@ impl BatchKvCache {
             return Ok(());
         };
         // Each side's last `held` columns written at the right end of its rows, zeros before
-        // them (padding: masked, but read), the `room` columns after unwritten: one buffer,
-        // written in place (MLX donates each update's input to its output).
+        // them (padding: masked, but read; a row holding nothing is all padding), the `room`
+        // columns after unwritten: one buffer, written in place (MLX donates each update's
+        // input to its output), each column once.
         let capacity = held + room;
+        let all = rows + caches.len();
         let fill = |like: &Array, pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
-            let (h, d) = (like.dim(1) as i32, like.dim(3) as i32);
-            let all = rows + caches.len();
-            let mut out = crate::cache::room(&[all, like.dim(1), capacity, like.dim(3)], like.dtype())?;
-            let zeros = Array::zeros(&[all, like.dim(1), held, like.dim(3)], like.dtype())?;
-            out = out.slice_update(&zeros, &[0, 0, 0, 0], &[all as i32, h, held as i32, d], &[1, 1, 1, 1])?;
+            let (h, d) = (like.dim(1), like.dim(3));
+            let mut out = crate::cache::room(&[all, h, capacity, d], like.dtype())?;
+            let mut write = |a: &Array, row: usize, at: usize| -> Result<()> {
+                let (n, w) = (a.dim(0), a.dim(2));
+                let stop = [(row + n) as i32, h as i32, (at + w) as i32, d as i32];
+                out = out.slice_update(a, &[row as i32, 0, at as i32, 0], &stop, &[1, 1, 1, 1])?;
+                Ok(())
+            };
+            let mut bare = vec![true; all];
             for (row, n, side) in &parts {
                 let a = pick(side);
                 let have = a.dim(2);
                 let a = if have > held { a.slice_axis(2, (have - held) as i32, have as i32)? } else { a.clone() };
-                let (row, at) = (*row as i32, (held - a.dim(2)) as i32);
-                let stop = [row + *n as i32, h, held as i32, d];
-                out = out.slice_update(&a, &[row, 0, at, 0], &stop, &[1, 1, 1, 1])?;
+                let at = held - a.dim(2);
+                if at > 0 {
+                    write(&Array::zeros(&[*n, h, at, d], like.dtype())?, *row, 0)?;
+                }
+                write(&a, *row, at)?;
+                bare[*row..*row + *n].iter_mut().for_each(|b| *b = false);
+            }
+            for row in (0..all).filter(|&r| bare[r] && held > 0) {
+                write(&Array::zeros(&[1, h, held, d], like.dtype())?, row, 0)?;
             }
             Ok(out)
         };
