@@ -483,7 +483,6 @@ class RopeKernel : public mx::UnaryPrimitive {
   float scale_;
 };
 
-// Whether the host's kernels take float32 `x` here (else nullopt goes back to MLX's).
 // An array whose values are whatever its fresh buffer holds: the allocation, nothing written
 // (pages the caller never writes are never touched).
 class UninitBuffer : public mx::UnaryPrimitive {
@@ -501,6 +500,7 @@ class UninitBuffer : public mx::UnaryPrimitive {
   const char* name() const override { return "HostUninit"; }
 };
 
+// Whether the host's kernels take float32 `x` here (else nullopt goes back to MLX's).
 bool serves(const mx::array& x) {
 #if defined(__x86_64__)
   return cpu_exp_enabled() && cpu_exp_mode.load() != 0 && mx::default_device() == mx::Device::cpu &&
