@@ -96,13 +96,15 @@ impl<'m> DraftBatch<'m> {
     }
 
     /// Drafts for every row of `asks` (each with `k` at least 1), in their order.
-    pub fn draft(&mut self, asks: Vec<Ask<'_>>) -> Result<Vec<Drafts>> {
+    pub fn draft(&mut self, mut asks: Vec<Ask<'_>>) -> Result<Vec<Drafts>> {
         // Drafts never committed (their verification failed) are dropped.
         self.settle()?;
+        if asks.is_empty() {
+            return Ok(Vec::new());
+        }
         // Seats for the new rows and the ones far behind, each caught up alone to its
         // sequence but the last token.
         let mut arriving: Vec<Vec<KvCache>> = Vec::new();
-        let mut asks = asks;
         for ask in &mut asks {
             if ask.seq.is_empty() || ask.k == 0 {
                 bail!("a draft of {} tokens was asked for a sequence of {}", ask.k, ask.seq.len());
