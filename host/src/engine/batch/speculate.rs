@@ -293,6 +293,12 @@ impl<'m> Batch<'m> {
         if policy_chooses {
             return self.rows.iter().any(Row::wants_to_draft);
         }
+        // A row whose drafts were never verified is verified once, whatever the cost: the
+        // rule then weighs that row's own acceptance, not only the prior (and a short request
+        // is not kept plain throughout by what earlier requests' steps cost).
+        if self.rows.iter().any(|r| r.wants_to_draft() && r.counts.verifications == 0) {
+            return true;
+        }
         let lens: Vec<usize> = (self.rows.iter())
             .map(|r| r.speculation.as_ref().filter(|_| r.wants_to_draft()).map_or(0, |s| s.adaptive.k))
             .collect();
@@ -380,6 +386,9 @@ impl<'m> Batch<'m> {
         let lens: Vec<usize> = drafts.iter().map(Vec::len).collect();
         let survival: Vec<Vec<f64>> = self.rows.iter().zip(&lens).map(|(r, &k)| r.acceptance.survival(k)).collect();
         let mut t = self.draft_cost.choose(&lens, &survival);
+        if t == 1 && self.rows.iter().zip(&lens).any(|(r, &k)| k > 0 && r.counts.verifications == 0) {
+            t = 1 + lens.iter().copied().max().unwrap_or(0);
+        }
         if let Some(policy) = policy {
             let budgets = self.policy_budgets(policy, &lens, survival, t);
             for (d, &n) in drafts.iter_mut().zip(&budgets) {
