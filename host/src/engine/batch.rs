@@ -1299,6 +1299,38 @@ mod tests {
         }
     }
 
+    /// A speculative row's first drafts are verified even where the measured cost says plain
+    /// steps are quicker (verifications timed as a thousand times a plain step), so the rule
+    /// learns the row's own acceptance; after that the cost keeps it plain.
+    #[test]
+    fn a_rows_first_drafts_are_verified_whatever_the_cost() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        let model = models::testing::model("llama", 4).unwrap();
+        let model = model.as_ref();
+        let prompt: Vec<u32> = [3u32, 4, 5, 6].repeat(4);
+        let n = 12;
+        let mut batch = Batch::new(model);
+        batch.draft_cost = DraftCost::default();
+        for positions in 1..=16 {
+            batch.draft_cost.timed(positions, if positions == 1 { 0.001 } else { 1.0 });
+        }
+        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+        let config = SpecConfig { method: SpecMethod::PromptLookup, num_draft_tokens: 4, ..Default::default() };
+        let spec = Speculation::new(config, &prompt, None, 16).unwrap();
+        let row = Row::new(0, &prompt, sampler, options(n)).unwrap().with_speculation(Some(spec));
+        batch.join(row, &prefilled(model, &prompt)).unwrap();
+        let mut counts = SpecCounts::default();
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                counts = batch.row(key).unwrap().spec_counts();
+                if token.unwrap().finish.is_some() {
+                    batch.leave(key).unwrap();
+                }
+            }
+        }
+        assert_eq!(counts.verifications, 1, "{counts:?}");
+    }
+
     /// Lossless verification in batch rows keeps each row's output distribution: over many
     /// seeds, the second token of a lossless row (drafted by another model) beside a plain
     /// row is distributed as plain sampling's (the statistical test of `decode.rs`, on rows),
