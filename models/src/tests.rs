@@ -1045,6 +1045,18 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
                 assert_eq!(routed, fused, "{label}");
             }
         }
+        // An 8-row step over 300 keys of caches with room past them (keys and values a slice
+        // of a longer buffer): float32 products this size take the host's batched matmul on
+        // the CPU (its matrices spread over threads), whose bits must be MLX's.
+        let (b, s, d) = (8usize, 300usize, 64usize);
+        let make = |h: usize, n: usize, seed| Array::from_f32(&values(b * h * n * d, seed), &[b, h, n, d]).unwrap();
+        let room = |a: Array| a.slice_axis(2, 0, s as i32).unwrap();
+        let (q, k, v) = (make(heads, 1, 7), room(make(kv_heads, s + 20, 8)), room(make(kv_heads, s + 20, 9)));
+        let keep: Vec<i32> = (0..b * s).map(|i| i32::from(i % s >= (i / s) * 7)).collect();
+        let mask = Array::from_i32(&keep, &[b, 1, 1, s]).unwrap().astype(Dtype::Bool).unwrap();
+        let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask), None).unwrap().to_vec_f32().unwrap();
+        let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Array(&mask)).unwrap().to_vec_f32().unwrap();
+        assert_eq!(routed, fused, "{heads}/{kv_heads} float32, 8 rows over {s} keys");
     }
 }
 

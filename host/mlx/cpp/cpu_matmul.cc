@@ -9,15 +9,18 @@
 // to kFewRows rows).
 #include "mlx/cpp/cpu_matmul.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/cpp/cpu_blas.h"
+#include "mlx/cpp/cpu_qmatmul.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
@@ -97,7 +100,115 @@ bool enabled() {
   return on;
 }
 
+// ---- Batched products over the host's threads ---------------------------------------------
+// One operand of a batched product as MLX's CPU matmul takes it: transposed or not with its
+// leading dimension read from the last two strides, else copied row-major first.
+struct Operand {
+  const float* data;
+  mx::Shape shape;
+  mx::Strides strides;
+  bool transposed;
+  int ld;
+  std::vector<float> copy;
+
+  explicit Operand(const mx::array& a) : data(a.data<float>()), shape(a.shape()), strides(a.strides()) {
+    const auto rows = strides[a.ndim() - 2], cols = strides[a.ndim() - 1];
+    if (rows == a.shape(-1) && cols == 1) {
+      transposed = false;
+      ld = static_cast<int>(rows);
+    } else if (rows == 1 && cols == a.shape(-2)) {
+      transposed = true;
+      ld = static_cast<int>(cols);
+    } else {
+      data = row_major(a, copy);
+      strides = mx::Strides(shape.size(), 1);
+      for (int i = static_cast<int>(shape.size()) - 2; i >= 0; i--) strides[i] = strides[i + 1] * shape[i + 1];
+      transposed = false;
+      ld = a.shape(-1);
+    }
+  }
+
+  const float* matrix(size_t first) const { return data + mx::elem_to_loc(static_cast<int>(first), shape, strides); }
+};
+
+class BatchedMatmul : public mx::UnaryPrimitive {
+ public:
+  explicit BatchedMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    encoder.dispatch([a = inputs[0], b = inputs[1], y = out.data<float>(), n_out = out.shape(-1), size = out.size()]() {
+      const int m = a.shape(-2), n = b.shape(-1), k = a.shape(-1);
+      if (k == 0) {
+        std::fill(y, y + size, 0.f);
+        return;
+      }
+      const Operand x(a), w(b);
+      const size_t batch = a.size() / (static_cast<size_t>(m) * k);
+      const int tasks = static_cast<int>(std::min<size_t>(batch, static_cast<size_t>(cpu_threads()) * 4));
+      const size_t per = (batch + tasks - 1) / tasks;
+      const blas::Sgemm gemm = blas::sgemm();
+      cpu_parallel_for(tasks, [&](int t) {
+        const size_t end = std::min(batch, (t + 1) * per);
+        for (size_t i = t * per; i < end; i++) {
+          gemm(blas::kRowMajor, x.transposed ? blas::kTrans : blas::kNoTrans,
+               w.transposed ? blas::kTrans : blas::kNoTrans, m, n, k, 1.f, x.matrix(static_cast<size_t>(m) * k * i),
+               x.ld, w.matrix(static_cast<size_t>(k) * n * i), w.ld, 0.f, y + static_cast<size_t>(m) * n * i, n_out);
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's batched matmul has no GPU version");
+  }
+
+  const char* name() const override { return "HostBatchedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const BatchedMatmul*>(&other) != nullptr;
+  }
+};
+
+bool batched_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HOST_CPU_BATCH_MATMUL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+// A product is shared out where the batch's work is over ~10 microseconds (64k multiply-adds)
+// and each matrix's stays where OpenBLAS runs it on the calling thread (its threads start at
+// 4 x 65,536 multiply-adds a call): two callers at once would otherwise queue for them.
+constexpr size_t kShareFrom = size_t{1} << 16, kEachUpTo = size_t{1} << 18;
+
 }  // namespace
+
+std::optional<mx::array> cpu_batched_matmul(const mx::array& a, const mx::array& b) {
+  // Also on one thread (the same products in the same order as MLX's): so the tests, which
+  // run with one, check this primitive's products against MLX's bit for bit.
+  if (!batched_enabled() || mx::default_device() != mx::Device::cpu || blas::sgemm() == nullptr) return std::nullopt;
+  if (a.dtype() != mx::float32 || b.dtype() != mx::float32 || (a.ndim() < 3 && b.ndim() < 3)) return std::nullopt;
+  // MLX's own op, lazily: its node's inputs are the operands as its primitive gets them
+  // (batch axes broadcast, vectors made matrices), so the products below are its products.
+  auto ref = mx::matmul(a, b);
+  if (!ref.has_primitive() || std::string(ref.primitive().name()) != "Matmul" || ref.inputs().size() != 2) {
+    return std::nullopt;
+  }
+  const auto& x = ref.inputs()[0];
+  const auto& w = ref.inputs()[1];
+  if (x.ndim() < 3 || x.ndim() != w.ndim() || ref.dtype() != mx::float32) return std::nullopt;
+  const size_t m = x.shape(-2), n = w.shape(-1), k = x.shape(-1);
+  if (m * n == 0) return std::nullopt;
+  const size_t batch = ref.size() / (m * n), each = m * n * k;
+  if (batch < 2 || each > kEachUpTo || each * batch < kShareFrom) return std::nullopt;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(ref.shape(), mx::float32, std::make_shared<BatchedMatmul>(stream), {x, w});
+}
 
 std::optional<mx::array> cpu_few_rows_matmul(const mx::array& x, const mx::array& b, const mx::array* c, float alpha,
                                              float beta) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <optional>
 
 #include "mlx/mlx.h"
@@ -27,5 +28,13 @@ extern std::atomic<int> cpu_qmatmul_isa_cap;
 // Activation rows up to which cpu_quantized_matmul reads the packed weights now (the kernel
 // the CPU and the cap give); a row's result has the same bits alone or with others up to it.
 int cpu_qmatmul_packed_rows();
+
+// Calls fn(i) for every i in [0, tasks) over the pool of threads the products above use (the
+// calling thread takes part; one thread a core, or OPENBLAS_NUM_THREADS). A call made while
+// another runs, or with one thread, runs on the calling thread alone.
+void cpu_parallel_for(int tasks, const std::function<void(int)>& fn);
+
+// The threads cpu_parallel_for spreads over.
+int cpu_threads();
 
 }  // namespace mlx_shim

@@ -976,6 +976,7 @@ Ptr copy(const array& a) { return wrap(mx::copy(a)); }
 
 Ptr matmul(const array& a, const array& b) {
   if (auto y = cpu_few_rows_matmul(a, b, nullptr, 1.f, 0.f)) return wrap(std::move(*y));
+  if (auto y = cpu_batched_matmul(a, b)) return wrap(std::move(*y));
   return wrap(mx::matmul(a, b));
 }
 Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta) {
