@@ -1055,7 +1055,8 @@ fn short_causal_queries_attend_exactly_as_the_fused_op() {
         let keep: Vec<i32> = (0..b * s).map(|i| i32::from(i % s >= (i / s) * 7)).collect();
         let mask = Array::from_i32(&keep, &[b, 1, 1, s]).unwrap().astype(Dtype::Bool).unwrap();
         let routed = attention(&q, &k, &v, 0.25, Mask::Array(&mask), None).unwrap().to_vec_f32().unwrap();
-        let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Array(&mask)).unwrap().to_vec_f32().unwrap();
+        let fused =
+            fast::scaled_dot_product_attention(&q, &k, &v, 0.25, Mask::Array(&mask)).unwrap().to_vec_f32().unwrap();
         assert_eq!(routed, fused, "{heads}/{kv_heads} float32, 8 rows over {s} keys");
     }
 }

@@ -246,6 +246,11 @@ impl<'m> Batch<'m> {
         self.drafts.as_ref().map_or(0, |d| d.forwards)
     }
 
+    /// Rows whose draft caches were caught up in a joint prefill on taking their seats.
+    pub fn drafts_caught_up_together(&self) -> usize {
+        self.drafts.as_ref().map_or(0, |d| d.caught_up_together)
+    }
+
     /// Where the steps so far spent the engine thread's time.
     pub fn split(&self) -> StepSplit {
         self.split
@@ -1259,8 +1264,10 @@ mod tests {
             let other = models::testing::model(arch, 9).unwrap();
             let (model, draft) = (model.as_ref(), if same { model.as_ref() } else { other.as_ref() });
             let vocab = model.vocab_size() as u32;
+            // Rows 0 and 1 take their seats at the same draft, near enough in length to catch
+            // up in one joint prefill of the draft model.
             let prompts: Vec<Vec<u32>> =
-                [5u32, 11, 3, 17].iter().map(|&n| (0..n).map(|i| (i * 7 + n) % vocab).collect()).collect();
+                [7u32, 11, 3, 17].iter().map(|&n| (0..n).map(|i| (i * 7 + n) % vocab).collect()).collect();
             let greedy = SamplingParams::default();
             let n = 40;
             let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(model, p, &greedy, n)).collect();
@@ -1296,6 +1303,7 @@ mod tests {
             let drafted: usize = spec.iter().map(|c| c.drafted).sum();
             let forwards = batch.draft_forwards();
             assert!(forwards > 0 && forwards < drafted, "{arch}: {forwards} draft forwards for {drafted} drafts");
+            assert!(batch.drafts_caught_up_together() >= 2, "{arch}: no seats caught up together");
         }
     }
 

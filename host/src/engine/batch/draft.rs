@@ -4,8 +4,9 @@
 //! tokens), not K forwards per row and a read per row.
 //!
 //! A row takes a seat at its first draft: its drafter's own cache (what it held drafting
-//! alone, or nothing) caught up alone to its sequence but the last token, then pushed as a
-//! row. Each draft then feeds every seat its tokens since the last (`[S, T]`, T the longest
+//! alone, or nothing) caught up to its sequence but the last token (rows taking seats
+//! together in one joint prefill where their lengths are near, as prompts arriving together
+//! are), then pushed as a row. Each draft then feeds every seat its tokens since the last (`[S, T]`, T the longest
 //! catch-up; rows that do not draft this step feed only padding, and a recurrent layer is
 //! told where each row's real positions end, `end_rows_at`), trims the padding off
 //! (`trim_rows`), and runs `K - 1` one-position forwards, each row sampling its next draft
@@ -22,7 +23,7 @@
 
 use super::super::sampling::{log_softmax, Sampler};
 use super::super::speculative::{pick_draft, Drafts, Held};
-use super::super::step::prefill;
+use super::super::step::{prefill, prefill_together, prefills_together};
 use anyhow::{bail, Result};
 use mlx::Array;
 use models::{BatchKvCache, CausalLm, KvCache};
@@ -68,6 +69,8 @@ pub(super) struct DraftBatch<'m> {
     pending: usize,
     /// Forwards of the draft model run (for tests and measurement).
     pub forwards: usize,
+    /// Seats caught up in a joint prefill (for tests).
+    pub caught_up_together: usize,
 }
 
 impl<'m> DraftBatch<'m> {
@@ -81,6 +84,7 @@ impl<'m> DraftBatch<'m> {
             prefill_step_size: prefill_step_size.max(1),
             pending: 0,
             forwards: 0,
+            caught_up_together: 0,
         }
     }
 
@@ -102,10 +106,11 @@ impl<'m> DraftBatch<'m> {
         if asks.is_empty() {
             return Ok(Vec::new());
         }
-        // Seats for the new rows and the ones far behind, each caught up alone to its
-        // sequence but the last token.
-        let mut arriving: Vec<Vec<KvCache>> = Vec::new();
-        for ask in &mut asks {
+        // Seats for the new rows and the ones far behind, caught up to their sequences but
+        // the last token: as prompts arriving together are prefilled, those within 2x of the
+        // longest catch-up in one forward of the draft model, the others alone.
+        let mut arriving: Vec<(usize, Vec<KvCache>, usize)> = Vec::new();
+        for (a, ask) in asks.iter_mut().enumerate() {
             if ask.seq.is_empty() || ask.k == 0 {
                 bail!("a draft of {} tokens was asked for a sequence of {}", ask.k, ask.seq.len());
             }
@@ -117,20 +122,40 @@ impl<'m> DraftBatch<'m> {
             if index.is_some() && ask.seq.len() - held <= CATCH_UP_TOGETHER {
                 continue;
             }
-            let (mut cache, held) = match index {
+            let (cache, held) = match index {
                 Some(i) => (self.unseat(i)?, held),
                 None => match ask.own.take() {
                     Some((cache, held)) if held < ask.seq.len() => (cache, held),
                     _ => (self.model.make_cache(), 0),
                 },
             };
-            prefill(self.model, &mut cache, &ask.seq[held..ask.seq.len() - 1], self.prefill_step_size)?;
-            self.seats.push(Seat { key: ask.key, held: ask.seq.len() - 1, last: None });
-            arriving.push(cache);
+            arriving.push((a, cache, held));
         }
         if !arriving.is_empty() {
+            let todo = |&(a, _, held): &(usize, Vec<KvCache>, usize)| &asks[a].seq[held..asks[a].seq.len() - 1];
+            let longest = arriving.iter().map(|r| todo(r).len()).max().unwrap_or(0);
+            let joint: Vec<bool> =
+                arriving.iter().map(|r| !todo(r).is_empty() && todo(r).len() * 2 >= longest).collect();
+            let together = joint.iter().filter(|&&j| j).count() >= 2 && prefills_together(self.model);
+            if together {
+                let chunks: Vec<&[u32]> =
+                    (arriving.iter().zip(&joint)).filter(|(_, &j)| j).map(|(r, _)| todo(r)).collect();
+                let mut caches: Vec<&mut Vec<KvCache>> =
+                    (arriving.iter_mut().zip(&joint)).filter(|(_, &j)| j).map(|(r, _)| &mut r.1).collect();
+                prefill_together(self.model, &mut caches, &chunks, self.prefill_step_size)?;
+                self.caught_up_together += chunks.len();
+            }
+            for (r, &j) in arriving.iter_mut().zip(&joint) {
+                if !(together && j) {
+                    let (a, held) = (r.0, r.2);
+                    prefill(self.model, &mut r.1, &asks[a].seq[held..asks[a].seq.len() - 1], self.prefill_step_size)?;
+                }
+            }
+            for &(a, ..) in &arriving {
+                self.seats.push(Seat { key: asks[a].key, held: asks[a].seq.len() - 1, last: None });
+            }
             for (layer, b) in self.cache.iter_mut().enumerate() {
-                let caches: Vec<&KvCache> = arriving.iter().map(|c| &c[layer]).collect();
+                let caches: Vec<&KvCache> = arriving.iter().map(|r| &r.1[layer]).collect();
                 b.push_all(&caches, models::cache::STEP)?;
             }
         }
