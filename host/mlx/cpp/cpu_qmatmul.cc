@@ -94,12 +94,12 @@ Isa isa() {
   return static_cast<Isa>(found < cap ? found : (cap < kPortable ? kPortable : cap));
 }
 
-int packed_rows() {
-  return isa() == kAvx512 ? kPackedRowsAvx512 : kPackedRows;
-}
+int packed_rows(Isa level) { return level == kAvx512 ? kPackedRowsAvx512 : kPackedRows; }
 
 // One product's operands, with R activation rows already reordered (`xp`, [R, K]) and summed
-// per group (`xsum`, [R, groups]).
+// per group (`xsum`, [R, groups], where the kernel reads them), and the kernels it takes: read
+// once a product, so a test capping the ISA meanwhile cannot give it a kernel that reads sums
+// it did not make.
 struct Job {
   const uint8_t* w;
   size_t w_stride;  // bytes per weight row
@@ -110,6 +110,7 @@ struct Job {
   int k, group, groups, bits, rows;
   float* y;
   int n;  // y is [rows, n]
+  Isa isa;
 };
 
 // ---- Portable ------------------------------------------------------------------------------
@@ -382,14 +383,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void dequantize_avx512(
 
 void dequantize_rows(const Job& j, int n0, int n1, float* out) {
 #if defined(__x86_64__)
-  if (isa() == kAvx512) return dequantize_avx512(j, n0, n1, out);
+  if (j.isa == kAvx512) return dequantize_avx512(j, n0, n1, out);
 #endif
   dequantize_portable(j, n0, n1, out);
 }
 
 void run_rows(const Job& j, int n0, int n1) {
 #if defined(__x86_64__)
-  const Isa level = isa();
+  const Isa level = j.isa;
   if (level >= kAvx2) {
     if (level == kAvx512) return j.bits == 4 ? rows_avx512<4>(j, n0, n1) : rows_avx512<8>(j, n0, n1);
     switch (j.rows) {
@@ -556,8 +557,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const int n = w.shape(0), k = x.shape(-1);
       const int rows = static_cast<int>(x.size() / k);
       Job j{w.data<uint8_t>(), static_cast<size_t>(k) * bits / 8, s.data<float>(), b.data<float>(), nullptr,
-            nullptr, k, group, k / group, bits, 0, nullptr, n};
-      if (rows <= packed_rows()) {
+            nullptr, k, group, k / group, bits, 0, nullptr, n, isa()};
+      if (rows <= packed_rows(j.isa)) {
         packed(j, x.data<float>(), rows, y);
       } else {
         dequantized(j, x.data<float>(), rows, y);
@@ -579,13 +580,13 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   // `rows` rows of x reordered as the kernels read them: per 32-value chunk, for 4 bits the
   // even positions then the odd (a byte's low nibble, then its high), for 8 bits as they are.
-  static void reorder(const float* x, int rows, int k, int bits, float* out) {
+  static void reorder(const float* x, int rows, int k, int bits, Isa level, float* out) {
     if (bits != 4) {
       std::memcpy(out, x, sizeof(float) * static_cast<size_t>(rows) * k);
       return;
     }
 #if defined(__x86_64__)
-    if (isa() == kAvx512) return reorder_avx512(x, static_cast<size_t>(rows) * k, out);
+    if (level == kAvx512) return reorder_avx512(x, static_cast<size_t>(rows) * k, out);
 #endif
     for (size_t at = 0; at < static_cast<size_t>(rows) * k; at += 32) {
       for (int i = 0; i < 16; i++) {
@@ -614,11 +615,11 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<float> xp, xsum;
     xp.resize(static_cast<size_t>(rows) * j.k);
     xsum.resize(static_cast<size_t>(rows) * j.groups);
-    reorder(x, rows, j.k, j.bits, xp.data());
+    reorder(x, rows, j.k, j.bits, j.isa, xp.data());
     // The group sums carry the bias term, except where AVX-512 looks 4-bit weights up in their
     // group's table (bias included): there they were computed for nothing, on the calling
     // thread alone while the others wait (an in-order sum is a chain of dependent adds).
-    if (!(j.bits == 4 && isa() == kAvx512)) {
+    if (!(j.bits == 4 && j.isa == kAvx512)) {
       for (int g = 0; g < rows * j.groups; g++) {
         const float* v = x + static_cast<size_t>(g) * j.group;
         float sum = 0.f;
@@ -627,7 +628,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       }
     }
     // AVX-512's kernels tile the rows themselves; AVX2's and the portable take passes of a few.
-    const int per_pass = isa() == kAvx512 ? rows : kRowsPerPass;
+    const int per_pass = j.isa == kAvx512 ? rows : kRowsPerPass;
     for (int r0 = 0; r0 < rows; r0 += per_pass) {
       j.xp = xp.data() + static_cast<size_t>(r0) * j.k;
       j.xsum = xsum.data() + static_cast<size_t>(r0) * j.groups;
@@ -645,7 +646,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<float> scratch, xp;
     scratch.resize(static_cast<size_t>(block) * j.k);
     xp.resize(static_cast<size_t>(rows) * j.k);
-    reorder(x, rows, j.k, j.bits, xp.data());
+    reorder(x, rows, j.k, j.bits, j.isa, xp.data());
     for (int n0 = 0; n0 < j.n; n0 += block) {
       const int nb = j.n - n0 < block ? j.n - n0 : block;
       dequantize_rows(j, n0, n0 + nb, scratch.data());
@@ -659,15 +660,9 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
-int cpu_qmatmul_packed_rows() { return packed_rows(); }
+int cpu_qmatmul_packed_rows() { return packed_rows(isa()); }
 
-void cpu_parallel_for(int tasks, const std::function<void(int)>& fn) {
-  if (thread_count() <= 1) {
-    for (int i = 0; i < tasks; i++) fn(i);
-    return;
-  }
-  Pool::get().run(tasks, fn);
-}
+void cpu_parallel_for(int tasks, const std::function<void(int)>& fn) { Pool::get().run(tasks, fn); }
 
 int cpu_threads() { return thread_count(); }
 
@@ -693,7 +688,7 @@ std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::arra
     return std::nullopt;
   }
   const size_t rows = x.size() / k;
-  if (rows == 0 || (rows > static_cast<size_t>(packed_rows()) && blas::sgemm() == nullptr)) return std::nullopt;
+  if (rows == 0 || (rows > static_cast<size_t>(packed_rows(isa())) && blas::sgemm() == nullptr)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = n;
   const auto stream = mx::default_stream(mx::Device::cpu);

@@ -119,6 +119,19 @@ pub fn prefills_together(model: &dyn CausalLm) -> bool {
     *ON.get_or_init(|| std::env::var("HOST_JOINT_PREFILL").map_or(true, |v| v != "0")) && model.prefills_in_batches()
 }
 
+/// Which of several chunks waiting to be prefilled go through one `prefill_together`: those
+/// not empty and at least half the longest's length (a shorter one would mostly feed
+/// padding), where two or more are and `model` allows it (asked only then: it makes a cache
+/// to look at the layers). The others are prefilled alone.
+pub fn joint_rows(model: &dyn CausalLm, lens: &[usize]) -> Vec<bool> {
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let mut joint: Vec<bool> = lens.iter().map(|&n| n > 0 && n * 2 >= longest).collect();
+    if joint.iter().filter(|&&j| j).count() < 2 || !prefills_together(model) {
+        joint.fill(false);
+    }
+    joint
+}
+
 /// Several sequences' next prompt tokens together: `chunks[i]` (not empty) runs into
 /// `caches[i]` (a sequence's cache, one entry per layer) as `prefill` would run it alone, at
 /// most `step` positions a row per forward. In each forward the caches become the rows of a

@@ -413,16 +413,15 @@ impl Worker {
             turn.push((i, todo.drain(..n).collect()));
             budget -= n;
         }
-        // Chunks of at least half the longest's length go through one forward, if two or more
-        // do and the model allows it (asked only then: it makes a cache to look at the layers).
-        let longest = turn.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
-        let mut together: Vec<usize> =
-            turn.iter().filter(|(_, c)| !c.is_empty() && c.len() * 2 >= longest).map(|&(i, _)| i).collect();
-        if together.len() < 2 || !super::step::prefills_together(m.model) {
-            together.clear();
-        } else if self.abort.load(Ordering::SeqCst) {
-            return; // shutting down: the loop's next turn ends every request
-        } else {
+        // Chunks near the longest in length go through one forward (`step::joint_rows`).
+        let lens: Vec<usize> = turn.iter().map(|(_, c)| c.len()).collect();
+        let together: Vec<usize> = (turn.iter().zip(super::step::joint_rows(m.model, &lens)))
+            .filter_map(|(&(i, _), joint)| joint.then_some(i))
+            .collect();
+        if !together.is_empty() {
+            if self.abort.load(Ordering::SeqCst) {
+                return; // shutting down: the loop's next turn ends every request
+            }
             let chunks: Vec<&[u32]> = turn.iter().filter(|(i, _)| together.contains(i)).map(|(_, c)| &c[..]).collect();
             let mut caches: Vec<&mut Vec<KvCache>> = (running.iter_mut().enumerate())
                 .filter(|(i, _)| together.contains(i))

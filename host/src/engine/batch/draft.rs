@@ -23,7 +23,7 @@
 
 use super::super::sampling::{log_softmax, Sampler};
 use super::super::speculative::{pick_draft, Drafts, Held};
-use super::super::step::{prefill, prefill_together, prefills_together};
+use super::super::step::{joint_rows, prefill, prefill_together};
 use anyhow::{bail, Result};
 use mlx::Array;
 use models::{BatchKvCache, CausalLm, KvCache};
@@ -107,8 +107,8 @@ impl<'m> DraftBatch<'m> {
             return Ok(Vec::new());
         }
         // Seats for the new rows and the ones far behind, caught up to their sequences but
-        // the last token: as prompts arriving together are prefilled, those within 2x of the
-        // longest catch-up in one forward of the draft model, the others alone.
+        // the last token: together where prompts arriving together would be
+        // (`step::joint_rows`), the others alone.
         let mut arriving: Vec<(usize, Vec<KvCache>, usize)> = Vec::new();
         for (a, ask) in asks.iter_mut().enumerate() {
             if ask.seq.is_empty() || ask.k == 0 {
@@ -132,24 +132,18 @@ impl<'m> DraftBatch<'m> {
             arriving.push((a, cache, held));
         }
         if !arriving.is_empty() {
-            let todo = |&(a, _, held): &(usize, Vec<KvCache>, usize)| &asks[a].seq[held..asks[a].seq.len() - 1];
-            let longest = arriving.iter().map(|r| todo(r).len()).max().unwrap_or(0);
-            let joint: Vec<bool> =
-                arriving.iter().map(|r| !todo(r).is_empty() && todo(r).len() * 2 >= longest).collect();
-            let together = joint.iter().filter(|&&j| j).count() >= 2 && prefills_together(self.model);
-            if together {
-                let chunks: Vec<&[u32]> =
-                    (arriving.iter().zip(&joint)).filter(|(_, &j)| j).map(|(r, _)| todo(r)).collect();
+            let chunks: Vec<&[u32]> =
+                arriving.iter().map(|&(a, _, held)| &asks[a].seq[held..asks[a].seq.len() - 1]).collect();
+            let joint = joint_rows(self.model, &chunks.iter().map(|c| c.len()).collect::<Vec<_>>());
+            if joint.contains(&true) {
+                let parts: Vec<&[u32]> = (chunks.iter().zip(&joint)).filter(|(_, &j)| j).map(|(c, _)| *c).collect();
                 let mut caches: Vec<&mut Vec<KvCache>> =
                     (arriving.iter_mut().zip(&joint)).filter(|(_, &j)| j).map(|(r, _)| &mut r.1).collect();
-                prefill_together(self.model, &mut caches, &chunks, self.prefill_step_size)?;
-                self.caught_up_together += chunks.len();
+                prefill_together(self.model, &mut caches, &parts, self.prefill_step_size)?;
+                self.caught_up_together += parts.len();
             }
-            for (r, &j) in arriving.iter_mut().zip(&joint) {
-                if !(together && j) {
-                    let (a, held) = (r.0, r.2);
-                    prefill(self.model, &mut r.1, &asks[a].seq[held..asks[a].seq.len() - 1], self.prefill_step_size)?;
-                }
+            for ((r, chunk), _) in arriving.iter_mut().zip(&chunks).zip(&joint).filter(|(_, &j)| !j) {
+                prefill(self.model, &mut r.1, chunk, self.prefill_step_size)?;
             }
             for &(a, ..) in &arriving {
                 self.seats.push(Seat { key: asks[a].key, held: asks[a].seq.len() - 1, last: None });
