@@ -10,7 +10,8 @@
 #                                      tiny-qwen3-q4, tiny-llama-q8, tiny-gemma3-q4, tiny-qwen3-moe-q4, tiny-qwen2-moe-q4,
 #                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4, tiny-ministral3-q4,
 #                                      tiny-gpt-oss-q4, tiny-phi3-q4, tiny-minicpm-q4, tiny-qwen3_5-q4, tiny-qwen3_5-moe-q4,
-#                                      tiny-gemma4-q4, tiny-gemma4-moe-q4, tiny-minicpm5-q4
+#                                      tiny-gemma4-q4, tiny-gemma4-moe-q4, tiny-minicpm5-q4,
+#                                      tiny-qwen3-bf16-q4, tiny-qwen3-moe-bf16-q4 (bfloat16, as mlx-community's)
 #                                      (MLX-quantized);
 #                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
 #   $HOST_CACHE_DIR/gemma3-270m/       Gemma 3 270M Q4_K_M GGUF, from PyPI
@@ -222,13 +223,14 @@ for spec in "tiny-qwen3 tiny-qwen3-q4 4 64 affine" "tiny-llama tiny-llama-q8 8 6
   "tiny-ministral3 tiny-ministral3-q4 4 64 affine" "tiny-minicpm tiny-minicpm-q4 4 64 affine" \
   "tiny-qwen3_5 tiny-qwen3_5-q4 4 64 affine" "tiny-qwen3_5-moe tiny-qwen3_5-moe-q4 4 64 affine" \
   "tiny-gemma4 tiny-gemma4-q4 4 64 affine" "tiny-gemma4-moe tiny-gemma4-moe-q4 4 64 affine" \
-  "tiny-minicpm5 tiny-minicpm5-q4 4 64 affine"; do
+  "tiny-minicpm5 tiny-minicpm5-q4 4 64 affine" \
+  "tiny-qwen3 tiny-qwen3-bf16-q4 4 64 affine bfloat16" "tiny-qwen3-moe tiny-qwen3-moe-bf16-q4 4 64 affine bfloat16"; do
   set -- $spec
   if [ ! -f "$MODELS/$2/config.json" ]; then
-    log "quantizing $1 to $3 bits ($5) with mlx_lm.convert"
+    log "quantizing $1 to $3 bits ($5${6:+, $6}) with mlx_lm.convert"
     rm -rf "$MODELS/$2"
     "$ORACLE/bin/python" -m mlx_lm convert --hf-path "$MODELS/$1" --mlx-path "$MODELS/$2" \
-      -q --q-group-size "$4" --q-bits "$3" --q-mode "$5" >&2
+      -q --q-group-size "$4" --q-bits "$3" --q-mode "$5" ${6:+--dtype "$6"} >&2
   fi
 done
 

@@ -267,6 +267,10 @@ fn tiny_random_models_equal_mlx_lm() {
         // MiniCPM 5: model_type llama, head_dim wider than hidden / heads.
         "tiny-minicpm5",
         "tiny-minicpm5-q4",
+        // bfloat16 with 4-bit weights, as mlx-community ships models: MLX's bfloat16
+        // arithmetic (a rounding after every operation) in the host's CPU products.
+        "tiny-qwen3-bf16-q4",
+        "tiny-qwen3-moe-bf16-q4",
     ] {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);

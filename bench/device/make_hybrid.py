@@ -14,6 +14,7 @@ checkpoints give them; see bench/RESULTS.md for where they were read):
     qwen3.5-9b        32 layers, hidden 4096, DeltaNet 16 key / 32 value heads
     qwen3.5-27b       64 layers, hidden 5120, DeltaNet 16 key / 48 value heads
     qwen3.5-35b-a3b   40 layers, hidden 2048, 256 experts (8 per token) + a shared expert
+    qwen3.5-35b-a3b-narrow  the same layers, experts and heads, hidden 256 (a step's dispatch)
     gemma4-e4b        42 layers, hidden 2560, per-layer inputs (256), the last 18 sharing KV
     gemma4-12b        48 layers, hidden 3840 (Gemma 3 12B's dimensions with Gemma 4's attention:
                       no published config was found in the reference material here)
@@ -66,6 +67,15 @@ SHAPES = {
                                             num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
                                             moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                             norm_topk_prob=True)),
+    # The 35B-A3B's layers, experts and heads at a tenth of its widths: a step dispatches the
+    # same kernels (what bounds the 35B-A3B's batch-1 step, bench/RESULTS.md session 34) and
+    # the model builds in seconds, on the CPU too.
+    "qwen3.5-35b-a3b-narrow": ("qwen3_5_moe", dict(QWEN_LINEAR, model_type="qwen3_5_moe", hidden_size=256,
+                                                   intermediate_size=512, num_hidden_layers=40, num_attention_heads=16,
+                                                   num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                                   moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                                   norm_topk_prob=True, linear_key_head_dim=32,
+                                                   linear_value_head_dim=32, head_dim=64)),
     "gemma4-e4b": ("gemma4_text", dict(GEMMA, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
                                        num_attention_heads=8, num_key_value_heads=2, num_kv_shared_layers=18,
                                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,

@@ -658,7 +658,202 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   int group_, bits_;
 };
 
+// ---- bfloat16, with MLX's bits -------------------------------------------------------------
+// An MLX folder in bfloat16 (mlx-community's quantized models are) keeps bfloat16 on the CPU
+// (mlx-lm computes there in it, and the parity suites hold the host to mlx-lm's ids). MLX's CPU
+// product for it, `_qmm_t<bfloat16_t>` (this wheel's x86 build has no SIMD type for it), rounds
+// to bfloat16 after every operation, one weight at a time in K order:
+//
+//   sum = bf16(sum + bf16(x[k] * bf16(bf16(scale * q[k]) + bias)))
+//
+// a scalar emulation per weight: a narrow Qwen3.5-MoE of 40 layers decoded 1.1 tok/s, 89% of
+// it there. This kernel does the same operations in the same order for sixteen weight rows at
+// once (AVX-512 lanes): each a float32 operation (exact where MLX's is: the operands are
+// bfloat16) rounded as MLX's `_MLX_BFloat16(float)` rounds (to nearest even by adding
+// 0x7FFF plus the kept part's lowest bit; NaN to 0x7FC0): MLX's bits. Weight rows are
+// spread over the pool. AVX-512 only, whatever a test caps the float32 kernels at (elsewhere,
+// and under HOST_CPU_QMATMUL=0, MLX's).
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(kept, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// y[m, n0..n1) for activation row m (x [K] bfloat16), weight rows n0..n1 (whole blocks of 16
+// but the last).
+__attribute__((target("avx512f"))) void bf16_rows(const uint32_t* w, const uint16_t* scales, const uint16_t* biases,
+                                                   const uint16_t* x, uint16_t* y, int k, int group, int bits, int n0,
+                                                   int n1) {
+  const int per_pack = 32 / bits, packs = k / per_pack, groups = k / group;
+  const __m512i code_mask = _mm512_set1_epi32((1 << bits) - 1);
+  alignas(64) float sc[16], bi[16];
+  alignas(64) uint16_t out[16];
+  for (int r0 = n0; r0 < n1; r0 += 16) {
+    const int lanes = n1 - r0 < 16 ? n1 - r0 : 16;
+    const __mmask16 live = static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(packs));
+    const uint32_t* wr = w + static_cast<size_t>(r0) * packs;
+    __m512 sum = _mm512_setzero_ps();
+    int at = 0;  // the weight's position along K
+    for (int g = 0; g < groups; g++) {
+      for (int l = 0; l < 16; l++) {
+        const size_t i = static_cast<size_t>(r0 + (l < lanes ? l : 0)) * groups + g;
+        sc[l] = bf16_float(scales[i]);
+        bi[l] = bf16_float(biases[i]);
+      }
+      const __m512 s = _mm512_load_ps(sc), b = _mm512_load_ps(bi);
+      for (int p = g * group / per_pack; p < (g + 1) * group / per_pack; p++) {
+        const __m512i pack = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, wr + p, 4);
+        for (int c = 0; c < per_pack; c++, at++) {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(pack, bits * c), code_mask));
+          const __m512 v = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(s, q)), b));
+          sum = round_bf16(_mm512_add_ps(sum, round_bf16(_mm512_mul_ps(_mm512_set1_ps(bf16_float(x[at])), v))));
+        }
+      }
+    }
+    const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(sum), 16));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), half);
+    std::memcpy(y + r0, out, sizeof(uint16_t) * lanes);
+  }
+}
+#endif
+
+// The bfloat16 products' primitive: a dense one (x [..., K], w [N, K * bits / 32], scales and
+// biases [N, K / group]: one matrix, x's rows its rows) or, `gathered`, MLX's gather_qmm (a
+// mixture of experts' products): output matrix i is x's matrix lhs[i] ([..., M, K]) times
+// expert rhs[i]'s weights ([E, N, ...]), each as a dense product (MLX's `_bs_qmm_dispatch_typed`
+// calls `_qmm_t` per matrix). Inputs contiguous; lhs and rhs uint32 in the output's batch shape.
+class QmmBf16 : public mx::UnaryPrimitive {
+ public:
+  QmmBf16(mx::Stream stream, int group_size, int bits, bool gathered)
+      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits), gathered_(gathered) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in = inputs, y = out.data<uint16_t>(), group = group_, bits = bits_, gathered = gathered_]() {
+#if defined(__x86_64__)
+      const auto &x = in[0], &w = in[1], &s = in[2], &b = in[3];
+      const int k = x.shape(-1), n = w.shape(-2);
+      const uint32_t zero = 0;
+      const uint32_t* li = gathered ? in[4].data<uint32_t>() : &zero;
+      const uint32_t* ri = gathered ? in[5].data<uint32_t>() : &zero;
+      const int mats = gathered ? static_cast<int>(in[4].size()) : 1;
+      const int m = gathered ? x.shape(-2) : static_cast<int>(x.size() / k);
+      const size_t w_els = static_cast<size_t>(w.shape(-1)) * n, g_els = static_cast<size_t>(s.shape(-1)) * n;
+      const auto* xs = reinterpret_cast<const uint16_t*>(x.data<mx::bfloat16_t>());
+      const auto* ss = reinterpret_cast<const uint16_t*>(s.data<mx::bfloat16_t>());
+      const auto* bs = reinterpret_cast<const uint16_t*>(b.data<mx::bfloat16_t>());
+      // Tasks of (matrix, block of 16 weight rows) ranges; products under 256k multiply-adds
+      // stay on this thread.
+      const int blocks = (n + 15) / 16, all = mats * blocks;
+      const bool share = static_cast<size_t>(n) * k * m * mats >= (size_t{1} << 18);
+      const int tasks = share ? std::min(all, thread_count() * 4) : 1;
+      const int per = (all + tasks - 1) / tasks;
+      Pool::get().run(tasks, [&](int t) {
+        for (int u = t * per; u < std::min(all, (t + 1) * per); u++) {
+          const int i = u / blocks, r0 = (u % blocks) * 16, r1 = std::min(n, r0 + 16);
+          const size_t xi = li[i], wi = ri[i];
+          for (int r = 0; r < m; r++) {
+            bf16_rows(w.data<uint32_t>() + wi * w_els, ss + wi * g_els, bs + wi * g_els, xs + (xi * m + r) * k,
+                      y + (static_cast<size_t>(i) * m + r) * n, k, group, bits, r0, r1);
+          }
+        }
+      });
+#endif
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's CPU bfloat16 quantized products have no GPU version");
+  }
+
+  const char* name() const override { return gathered_ ? "HostCpuGatherQmmBf16" : "HostCpuQmatmulBf16"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const QmmBf16*>(&other);
+    return o != nullptr && o->group_ == group_ && o->bits_ == bits_ && o->gathered_ == gathered_;
+  }
+
+ private:
+  int group_, bits_;
+  bool gathered_;
+};
+
+// A weight already in memory and row-contiguous as it is: a `contiguous` of each would be
+// three more graph nodes per product, evaluated every step for nothing.
+mx::array as_is(const mx::array& a) { return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a); }
+
+// The bfloat16 product where it applies (see above), else nullopt.
+std::optional<mx::array> bf16_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                               const mx::array& biases, int group_size, int bits) {
+  if (detected_isa() != kAvx512 || (bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) {
+    return std::nullopt;
+  }
+  if (x.dtype() != mx::bfloat16 || w.dtype() != mx::uint32 || scales.dtype() != mx::bfloat16 ||
+      biases.dtype() != mx::bfloat16) {
+    return std::nullopt;
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape()) return std::nullopt;
+  const int n = w.shape(0), k = w.shape(1) * 32 / bits;
+  if (n == 0 || k == 0 || x.shape(-1) != k || k % group_size != 0 || scales.shape(0) != n ||
+      scales.shape(1) != k / group_size || x.size() == 0) {
+    return std::nullopt;
+  }
+  auto shape = x.shape();
+  shape.back() = n;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::bfloat16, std::make_shared<QmmBf16>(stream, group_size, bits, false),
+                   {mx::contiguous(x), as_is(w), as_is(scales), as_is(biases)});
+}
+
 }  // namespace
+
+std::optional<mx::array> cpu_gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                        const mx::array& biases, const mx::array& rhs_indices, int group_size,
+                                        int bits, bool sorted_indices) {
+  if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu || detected_isa() != kAvx512) {
+    return std::nullopt;
+  }
+  if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
+  if (x.dtype() != mx::bfloat16 || w.dtype() != mx::uint32 || scales.dtype() != mx::bfloat16 ||
+      biases.dtype() != mx::bfloat16 || w.ndim() != 3 || scales.ndim() != 3 || biases.shape() != scales.shape()) {
+    return std::nullopt;
+  }
+  // MLX's own op, lazily: its node's inputs are the operands as its primitive gets them (the
+  // indices broadcast to the output's batch shape, lhs made where none was given).
+  auto ref = mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, true, group_size, bits, "affine",
+                            std::nullopt, sorted_indices);
+  if (!ref.has_primitive() || std::string(ref.primitive().name()) != "GatherQMM" || ref.inputs().size() != 6 ||
+      ref.dtype() != mx::bfloat16) {
+    return std::nullopt;
+  }
+  const auto& in = ref.inputs();
+  const int k = in[0].shape(-1), n = in[1].shape(-2);
+  if (in[0].ndim() < 2 || in[1].shape(-1) * 32 / bits != k || k % group_size != 0 || in[2].shape(-2) != n ||
+      in[2].shape(-1) != k / group_size || in[4].dtype() != mx::uint32 || in[5].dtype() != mx::uint32 ||
+      in[4].size() != in[5].size() || ref.shape(-1) != n || ref.shape(-2) != in[0].shape(-2)) {
+    return std::nullopt;
+  }
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(ref.shape(), mx::bfloat16, std::make_shared<QmmBf16>(stream, group_size, bits, true),
+                   {mx::contiguous(in[0]), as_is(in[1]), as_is(in[2]), as_is(in[3]), mx::contiguous(in[4]),
+                    mx::contiguous(in[5])});
+}
 
 int cpu_qmatmul_packed_rows() { return packed_rows(isa()); }
 
@@ -677,6 +872,7 @@ bool cpu_qmatmul_enabled() {
 std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                               const mx::array& biases, int group_size, int bits) {
   if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
+  if (x.dtype() == mx::bfloat16) return bf16_quantized_matmul(x, w, scales, biases, group_size, bits);
   if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
       biases.dtype() != mx::float32) {
@@ -692,11 +888,6 @@ std::optional<mx::array> cpu_quantized_matmul(const mx::array& x, const mx::arra
   auto shape = x.shape();
   shape.back() = n;
   const auto stream = mx::default_stream(mx::Device::cpu);
-  // Weights already in memory and row-contiguous go in as they are: a `contiguous` of each
-  // would be three more graph nodes per product, evaluated every step for nothing.
-  const auto as_is = [](const mx::array& a) {
-    return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a);
-  };
   return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
                    {mx::contiguous(x), as_is(w), as_is(scales), as_is(biases)});
 }

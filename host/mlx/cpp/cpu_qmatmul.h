@@ -13,11 +13,22 @@ namespace mlx_shim {
 // multiple of 32; w uint32 [N, K * bits / 32], scales and biases float32 [N, K / group]) on
 // the CPU, by the host's own primitive: a few rows read the packed weights once (no float
 // copy of them), more rows multiply dequantized blocks of them with the process's sgemm.
+// bfloat16 x with bfloat16 scales and biases (an MLX folder in bfloat16): MLX's own CPU
+// arithmetic for it (bfloat16 rounding after every operation), its bits, sixteen weight rows
+// at once (AVX-512 only).
 // nullopt where that does not apply (another device, dtype, mode or shape, or
 // HOST_CPU_QMATMUL=0): the caller then takes MLX's quantized_matmul.
 std::optional<mlx::core::array> cpu_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                                      const mlx::core::array& scales, const mlx::core::array& biases,
                                                      int group_size, int bits);
+
+// MLX's gather_qmm (transposed weights, affine, no lhs indices: a mixture of experts'
+// products) for bfloat16 x, scales and biases, with cpu_quantized_matmul's bfloat16 kernel
+// per matrix: MLX's bits. nullopt where that does not apply.
+std::optional<mlx::core::array> cpu_gather_qmm(const mlx::core::array& x, const mlx::core::array& w,
+                                               const mlx::core::array& scales, const mlx::core::array& biases,
+                                               const mlx::core::array& rhs_indices, int group_size, int bits,
+                                               bool sorted_indices);
 
 // Whether cpu_quantized_matmul serves anything: false under HOST_CPU_QMATMUL=0 (read once).
 bool cpu_qmatmul_enabled();

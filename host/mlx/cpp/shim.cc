@@ -1019,6 +1019,11 @@ Ptr gather_qmm(const array& x, const array& w, const array& scales, const array&
                const array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
                rust::Str mode_str, bool sorted_indices) {
   const std::string mode(mode_str);
+  if (mode == "affine" && transpose) {
+    if (auto y = cpu_gather_qmm(x, w, scales, biases, rhs_indices, group_size, bits, sorted_indices)) {
+      return wrap(std::move(*y));
+    }
+  }
   return wrap(mx::gather_qmm(x, w, scales, mode_biases(biases, mode), std::nullopt, rhs_indices, transpose,
                              group_size, bits, mode, std::nullopt, sorted_indices));
 }

@@ -326,8 +326,9 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 /// float32, so the difference is summation order plus the final rounding to 16 bits (bf16
 /// keeps 8 significant bits: 1e-2; f16 11: 2e-3). Cases the kernels do not serve (more rows,
 /// float32, 8 bits) must fall back to MLX's kernel and give its result exactly; on the CPU
-/// every float32 case takes the host's CPU product (cpu_qmatmul.cc, float32 sums: 1e-5), the
-/// rest MLX's. Which one ran shows in the product's graph: MLX's is a `QuantizedMatmul`, the
+/// every float32 case takes the host's CPU product (cpu_qmatmul.cc, float32 sums: 1e-5), every
+/// bfloat16 one its bfloat16 kernel where the CPU has AVX-512 (MLX's bits: exact), the rest
+/// MLX's. Which one ran shows in the product's graph: MLX's is a `QuantizedMatmul`, the
 /// host's a custom kernel.
 #[test]
 fn quantized_matvec_kernel_matches_mlx() {
@@ -351,8 +352,11 @@ fn quantized_matvec_kernel_matches_mlx() {
             let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
             let x = arr(&noise(xrows * input, 100 + i as u64), &[1, xrows, input]).astype(dtype).unwrap();
             let serves = xrows <= 32 && bits == 4 && dtype != Dtype::Float32;
-            // On the CPU, float32 products of 4- and 8-bit weights are the host's (cpu_qmatmul.cc).
-            let cpu_serves = !cuda && Device::default_device() == Device::Cpu && dtype == Dtype::Float32;
+            // On the CPU, float32 products of 4- and 8-bit weights are the host's (cpu_qmatmul.cc),
+            // and bfloat16 ones where AVX-512 runs its bfloat16 kernel (MLX's bits exactly).
+            let cpu = !cuda && Device::default_device() == Device::Cpu;
+            let cpu_bf16 = cpu && dtype == Dtype::Bfloat16 && avx512();
+            let cpu_serves = cpu && (dtype == Dtype::Float32 || cpu_bf16);
             let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
             let got = ops::quantized_matmul(&x, &q, &scales, quant, true).unwrap();
             let applies = !graph_dot(&[&got]).contains("QuantizedMatmul");
@@ -369,6 +373,7 @@ fn quantized_matvec_kernel_matches_mlx() {
             let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             let bound = match (applies, dtype) {
                 (false, _) => 0.0,
+                (true, Dtype::Bfloat16) if cpu_bf16 => 0.0,
                 (true, Dtype::Float32) => 1e-5,
                 (true, Dtype::Bfloat16) => 1e-2,
                 (true, _) => 2e-3,
@@ -571,6 +576,119 @@ fn the_cpu_quantized_product_equals_mlx_s_with_every_kernel() {
         assert_eq!(strided, dense.to_vec_f32().unwrap(), "isa {isa}: strided activation");
     }
     crate::device::cap_cpu_qmatmul_isa(3);
+}
+
+/// Whether this CPU runs the host's AVX-512 kernels (the bfloat16 products take them whatever
+/// `cap_cpu_qmatmul_isa` says; asking it would set it under another test).
+fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// A bfloat16 product (an MLX folder in bfloat16 on the CPU) has MLX's bits exactly: the host's
+/// kernel rounds after every operation as MLX's scalar one does (tails of fewer than 16 weight
+/// rows, groups of 32 to 128, 4 and 8 bits, several activation rows, a NaN), where AVX-512
+/// runs it; elsewhere MLX's own runs.
+#[test]
+fn a_bfloat16_quantized_product_has_mlx_s_bits() {
+    if Device::default_device() == Device::Gpu {
+        return;
+    }
+    let avx512 = avx512();
+    // (weight rows, input width, group, bits, activation rows)
+    let cases = [
+        (37, 128, 32, 4, 1),
+        (64, 256, 64, 4, 3),
+        (40, 384, 128, 4, 2),
+        (33, 160, 32, 8, 1),
+        (50, 256, 64, 8, 5),
+        (700, 512, 64, 4, 2),
+    ];
+    for (i, &(rows, input, group, bits, xrows)) in cases.iter().enumerate() {
+        let w = arr(&noise(rows * input, 40 + i as u64), &[rows, input]).astype(Dtype::Bfloat16).unwrap();
+        let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+        assert_eq!(scales.dtype(), Dtype::Bfloat16);
+        let mut xv: Vec<f32> = noise(xrows * input, 140 + i as u64).iter().map(|v| v * 3.0).collect();
+        if i == 1 {
+            xv[input + 7] = f32::NAN; // the second activation row's outputs are NaN
+        }
+        let x = arr(&xv, &[xrows, 1, input]).astype(Dtype::Bfloat16).unwrap();
+        let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
+        let got = ops::quantized_matmul(&x, &q, &scales, quant, true).unwrap();
+        assert_eq!(
+            graph_dot(&[&got]).contains("HostCpuQmatmulBf16"),
+            avx512,
+            "case {i}: the host's kernel iff AVX-512"
+        );
+        let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
+            &x.0, &q.0, &scales.0, &biases.0, true, group, bits, "affine", false,
+        ))
+        .unwrap();
+        assert_eq!(got.dtype(), Dtype::Bfloat16);
+        assert_eq!(got.shape(), vec![xrows, 1, rows]);
+        let bits_of = |a: &Array| a.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (g, w) = (bits_of(&got), bits_of(&want));
+        let differ = g.iter().zip(&w).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 0, "case {i} {:?}: {differ} of {} outputs differ from MLX's", cases[i], g.len());
+        if i == 1 {
+            assert!(g[rows..2 * rows].iter().all(|&b| f32::from_bits(b).is_nan()), "NaN in, NaN out");
+        }
+    }
+}
+
+/// A mixture of experts' bfloat16 product (`gather_qmm`, as mlx-lm's SwitchGLU calls it: x
+/// `[T, 1, 1, K]`, experts `[T, k]`) gives each (token, expert) matrix MLX's bits: MLX's
+/// gather runs its dense kernel per matrix, so each is checked against MLX's dense product
+/// of that token and that expert's weights.
+#[test]
+fn a_bfloat16_gathered_quantized_product_has_mlx_s_bits() {
+    if Device::default_device() == Device::Gpu {
+        return;
+    }
+    let avx512 = avx512();
+    let (experts, n, k, group, tokens, top) = (5usize, 40usize, 192usize, 64, 3usize, 2usize);
+    for bits in [4, 8] {
+        let w = arr(&noise(experts * n * k, 70 + bits as u64), &[experts, n, k]).astype(Dtype::Bfloat16).unwrap();
+        let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+        let x = arr(&noise(tokens * k, 80), &[tokens, 1, 1, k]).astype(Dtype::Bfloat16).unwrap();
+        let picks: Vec<u32> = vec![4, 1, 0, 4, 2, 2];
+        let indices = Array::from_u32(&picks, &[tokens, top]).unwrap();
+        let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
+        let got = ops::gather_qmm(&x, &q, &scales, quant, &indices, true, false).unwrap();
+        assert_eq!(
+            graph_dot(&[&got]).contains("HostCpuGatherQmmBf16"),
+            avx512,
+            "bits {bits}: the host's kernel iff AVX-512"
+        );
+        assert_eq!(got.shape(), vec![tokens, top, 1, n]);
+        let got = got.to_vec_f32().unwrap();
+        for (i, &e) in picks.iter().enumerate() {
+            let (t, e) = ((i / top) as i32, e as i32);
+            let one = |a: &Array| a.slice_axis(0, e, e + 1).unwrap().squeeze(&[0]).unwrap();
+            let xt = x.slice_axis(0, t, t + 1).unwrap().reshape(&[1, k as i32]).unwrap();
+            let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
+                &xt.0,
+                &one(&q).0,
+                &one(&scales).0,
+                &one(&biases).0,
+                true,
+                group,
+                bits,
+                "affine",
+                false,
+            ))
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+            let mine = &got[i * n..(i + 1) * n];
+            assert!(
+                mine.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "bits {bits}, token {t}, expert {e}: differs from MLX's product"
+            );
+        }
+    }
 }
 
 /// The chunked gated delta rule is the step-by-step one: over 150 positions (chunks of 64
