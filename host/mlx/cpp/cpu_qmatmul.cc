@@ -558,12 +558,19 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const int rows = static_cast<int>(x.size() / k);
       Job j{w.data<uint8_t>(), static_cast<size_t>(k) * bits / 8, s.data<float>(), b.data<float>(), nullptr,
             nullptr, k, group, k / group, bits, 0, nullptr, n, isa()};
-      if (rows <= packed_rows(j.isa)) {
-        packed(j, x.data<float>(), rows, y);
-      } else {
-        dequantized(j, x.data<float>(), rows, y);
-      }
+      product(j, x.data<float>(), rows, y);
     });
+  }
+
+  // y [rows, n] = x [rows, k] @ the job's weights: packed up to the kernels' limit, else
+  // dequantized blocks through sgemm (or, with no sgemm, packed passes of the limit).
+  static void product(Job j, const float* x, int rows, float* y) {
+    const int limit = packed_rows(j.isa);
+    if (rows <= limit) return packed(j, x, rows, y);
+    if (blas::sgemm() != nullptr) return dequantized(j, x, rows, y);
+    for (int r0 = 0; r0 < rows; r0 += limit) {
+      packed(j, x + static_cast<size_t>(r0) * j.k, std::min(limit, rows - r0), y + static_cast<size_t>(r0) * j.n);
+    }
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -655,6 +662,79 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     }
   }
 
+  int group_, bits_;
+};
+
+// MLX's gather_qmm (a mixture of experts' products) in float32: output matrix i is x's matrix
+// lhs[i] ([..., M, K]) times expert rhs[i]'s weights ([E, N, ...]), as QuantizedMatmul's
+// product per matrix (MLX's is its scalar quantized kernel per matrix, ~10x slower). Runs of
+// one-row matrices with the same expert (mlx-lm sorts a prompt's (token, expert) pairs by
+// expert) go through the product together as rows of one; runs are spread over the pool when
+// there are several. Inputs contiguous; lhs and rhs uint32 in the output's batch shape.
+class GatherQmm : public mx::UnaryPrimitive {
+ public:
+  GatherQmm(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in = inputs, y = out.data<float>(), group = group_, bits = bits_]() {
+      const auto &x = in[0], &w = in[1], &s = in[2], &b = in[3];
+      const uint32_t *li = in[4].data<uint32_t>(), *ri = in[5].data<uint32_t>();
+      const int k = x.shape(-1), m = x.shape(-2), n = w.shape(-2), mats = static_cast<int>(in[4].size());
+      const size_t w_stride = static_cast<size_t>(k) * bits / 8, groups = static_cast<size_t>(k / group);
+      // Runs [start, end) of matrices sharing an expert (one-row matrices only).
+      std::vector<std::pair<int, int>> runs;
+      for (int i = 0; i < mats; i++) {
+        if (m == 1 && !runs.empty() && ri[runs.back().first] == ri[i]) {
+          runs.back().second = i + 1;
+        } else {
+          runs.emplace_back(i, i + 1);
+        }
+      }
+      const Isa level = isa();
+      auto run = [&](int r) {
+        const auto [a, e] = runs[r];
+        const size_t wi = ri[a];
+        Job j{w.data<uint8_t>() + wi * n * w_stride, w_stride, s.data<float>() + wi * n * groups,
+              b.data<float>() + wi * n * groups, nullptr, nullptr, k, group, static_cast<int>(groups), bits, 0,
+              nullptr, n, level};
+        float* out = y + static_cast<size_t>(a) * m * n;
+        if (m != 1) return QuantizedMatmul::product(j, x.data<float>() + static_cast<size_t>(li[a]) * m * k, m, out);
+        thread_local std::vector<float> rows;
+        rows.resize(static_cast<size_t>(e - a) * k);
+        for (int i = a; i < e; i++) {
+          std::memcpy(rows.data() + static_cast<size_t>(i - a) * k, x.data<float>() + static_cast<size_t>(li[i]) * k,
+                      sizeof(float) * k);
+        }
+        QuantizedMatmul::product(j, rows.data(), e - a, out);
+      };
+      // Several runs: one a task (each product then on its task's thread); else each product
+      // spreads itself.
+      const bool share = runs.size() > 1 && static_cast<size_t>(n) * k * m * mats >= (size_t{1} << 18);
+      if (share) {
+        Pool::get().run(static_cast<int>(runs.size()), run);
+      } else {
+        for (int r = 0; r < static_cast<int>(runs.size()); r++) run(r);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("the host's CPU gathered quantized matmul has no GPU version");
+  }
+
+  const char* name() const override { return "HostCpuGatherQmm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const GatherQmm*>(&other);
+    return o != nullptr && o->group_ == group_ && o->bits_ == bits_;
+  }
+
+ private:
   int group_, bits_;
 };
 
@@ -826,12 +906,12 @@ std::optional<mx::array> bf16_quantized_matmul(const mx::array& x, const mx::arr
 std::optional<mx::array> cpu_gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                                         const mx::array& biases, const mx::array& rhs_indices, int group_size,
                                         int bits, bool sorted_indices) {
-  if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu || detected_isa() != kAvx512) {
-    return std::nullopt;
-  }
+  if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
   if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
-  if (x.dtype() != mx::bfloat16 || w.dtype() != mx::uint32 || scales.dtype() != mx::bfloat16 ||
-      biases.dtype() != mx::bfloat16 || w.ndim() != 3 || scales.ndim() != 3 || biases.shape() != scales.shape()) {
+  const auto dt = x.dtype();
+  const bool bf16 = dt == mx::bfloat16 && detected_isa() == kAvx512;
+  if (!(bf16 || dt == mx::float32) || w.dtype() != mx::uint32 || scales.dtype() != dt || biases.dtype() != dt ||
+      w.ndim() != 3 || scales.ndim() != 3 || biases.shape() != scales.shape()) {
     return std::nullopt;
   }
   // MLX's own op, lazily: its node's inputs are the operands as its primitive gets them (the
@@ -839,7 +919,7 @@ std::optional<mx::array> cpu_gather_qmm(const mx::array& x, const mx::array& w, 
   auto ref = mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, true, group_size, bits, "affine",
                             std::nullopt, sorted_indices);
   if (!ref.has_primitive() || std::string(ref.primitive().name()) != "GatherQMM" || ref.inputs().size() != 6 ||
-      ref.dtype() != mx::bfloat16) {
+      ref.dtype() != dt) {
     return std::nullopt;
   }
   const auto& in = ref.inputs();
@@ -850,7 +930,13 @@ std::optional<mx::array> cpu_gather_qmm(const mx::array& x, const mx::array& w, 
     return std::nullopt;
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
-  return mx::array(ref.shape(), mx::bfloat16, std::make_shared<QmmBf16>(stream, group_size, bits, true),
+  std::shared_ptr<mx::Primitive> primitive;
+  if (bf16) {
+    primitive = std::make_shared<QmmBf16>(stream, group_size, bits, true);
+  } else {
+    primitive = std::make_shared<GatherQmm>(stream, group_size, bits);
+  }
+  return mx::array(ref.shape(), dt, primitive,
                    {mx::contiguous(in[0]), as_is(in[1]), as_is(in[2]), as_is(in[3]), mx::contiguous(in[4]),
                     mx::contiguous(in[5])});
 }

@@ -23,8 +23,9 @@ std::optional<mlx::core::array> cpu_quantized_matmul(const mlx::core::array& x, 
                                                      int group_size, int bits);
 
 // MLX's gather_qmm (transposed weights, affine, no lhs indices: a mixture of experts'
-// products) for bfloat16 x, scales and biases, with cpu_quantized_matmul's bfloat16 kernel
-// per matrix: MLX's bits. nullopt where that does not apply.
+// products) with cpu_quantized_matmul's kernels per matrix: float32 (a run of one-row
+// matrices sharing an expert as one product's rows), or bfloat16 (MLX's bits; AVX-512).
+// nullopt where that does not apply.
 std::optional<mlx::core::array> cpu_gather_qmm(const mlx::core::array& x, const mlx::core::array& w,
                                                const mlx::core::array& scales, const mlx::core::array& biases,
                                                const mlx::core::array& rhs_indices, int group_size, int bits,

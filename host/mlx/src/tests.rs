@@ -638,55 +638,63 @@ fn a_bfloat16_quantized_product_has_mlx_s_bits() {
     }
 }
 
-/// A mixture of experts' bfloat16 product (`gather_qmm`, as mlx-lm's SwitchGLU calls it: x
-/// `[T, 1, 1, K]`, experts `[T, k]`) gives each (token, expert) matrix MLX's bits: MLX's
-/// gather runs its dense kernel per matrix, so each is checked against MLX's dense product
-/// of that token and that expert's weights.
+/// A mixture of experts' products (`gather_qmm`) on the CPU are the host's: as mlx-lm's
+/// SwitchGLU calls it (x `[T, 1, 1, K]`, experts `[T, k]`) and with a prompt's pairs sorted by
+/// expert (x `[P, 1, K]`, sorted experts: runs of one expert go through one product). MLX's
+/// gather runs its dense kernel per matrix, so each matrix is checked against MLX's dense
+/// product of its row and its expert's weights: bfloat16 (where AVX-512 runs it) exactly,
+/// float32 within the host's float32 product's bound.
 #[test]
-fn a_bfloat16_gathered_quantized_product_has_mlx_s_bits() {
+fn gathered_quantized_products_are_mlx_s_per_matrix() {
     if Device::default_device() == Device::Gpu {
         return;
     }
-    let avx512 = avx512();
-    let (experts, n, k, group, tokens, top) = (5usize, 40usize, 192usize, 64, 3usize, 2usize);
-    for bits in [4, 8] {
-        let w = arr(&noise(experts * n * k, 70 + bits as u64), &[experts, n, k]).astype(Dtype::Bfloat16).unwrap();
-        let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
-        let x = arr(&noise(tokens * k, 80), &[tokens, 1, 1, k]).astype(Dtype::Bfloat16).unwrap();
-        let picks: Vec<u32> = vec![4, 1, 0, 4, 2, 2];
-        let indices = Array::from_u32(&picks, &[tokens, top]).unwrap();
-        let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
-        let got = ops::gather_qmm(&x, &q, &scales, quant, &indices, true, false).unwrap();
-        assert_eq!(
-            graph_dot(&[&got]).contains("HostCpuGatherQmmBf16"),
-            avx512,
-            "bits {bits}: the host's kernel iff AVX-512"
-        );
-        assert_eq!(got.shape(), vec![tokens, top, 1, n]);
-        let got = got.to_vec_f32().unwrap();
-        for (i, &e) in picks.iter().enumerate() {
-            let (t, e) = ((i / top) as i32, e as i32);
-            let one = |a: &Array| a.slice_axis(0, e, e + 1).unwrap().squeeze(&[0]).unwrap();
-            let xt = x.slice_axis(0, t, t + 1).unwrap().reshape(&[1, k as i32]).unwrap();
-            let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
-                &xt.0,
-                &one(&q).0,
-                &one(&scales).0,
-                &one(&biases).0,
-                true,
-                group,
-                bits,
-                "affine",
-                false,
-            ))
-            .unwrap()
-            .to_vec_f32()
-            .unwrap();
-            let mine = &got[i * n..(i + 1) * n];
-            assert!(
-                mine.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "bits {bits}, token {t}, expert {e}: differs from MLX's product"
-            );
+    let (experts, n, k, group) = (5usize, 300usize, 192usize, 64); // over 256k multiply-adds: shared out
+    // (x shape, expert picks, their shape, sorted)
+    let layouts: [(&[usize], &[u32], &[usize], bool); 2] = [
+        (&[3, 1, 1, k], &[4, 1, 0, 4, 2, 2], &[3, 2], false),
+        (&[7, 1, k], &[0, 0, 1, 3, 3, 3, 4], &[7], true),
+    ];
+    for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+        for bits in [4, 8] {
+            for (l, &(xshape, picks, ishape, sorted)) in layouts.iter().enumerate() {
+                let w = arr(&noise(experts * n * k, 70 + bits as u64), &[experts, n, k]).astype(dtype).unwrap();
+                let (q, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+                let rows = xshape[0];
+                let x = arr(&noise(rows * k, 80 + l as u64), xshape).astype(dtype).unwrap();
+                let indices = Array::from_u32(picks, ishape).unwrap();
+                let quant = ops::Quant { mode: "affine", group_size: group, bits, biases: Some(&biases) };
+                let got = ops::gather_qmm(&x, &q, &scales, quant, &indices, true, sorted).unwrap();
+                let (name, host) = match dtype {
+                    Dtype::Bfloat16 => ("HostCpuGatherQmmBf16", avx512()),
+                    _ => ("HostCpuGatherQmm", true),
+                };
+                let what = format!("{dtype:?}, {bits} bits, layout {l}");
+                assert_eq!(graph_dot(&[&got]).contains(name), host, "{what}: the host's kernel");
+                let got = got.to_vec_f32().unwrap();
+                assert_eq!(got.len(), picks.len() * n, "{what}");
+                let per_token = picks.len() / rows;
+                for (i, &e) in picks.iter().enumerate() {
+                    let (t, e) = ((i / per_token) as i32, e as i32);
+                    let one = |a: &Array| a.slice_axis(0, e, e + 1).unwrap().squeeze(&[0]).unwrap();
+                    let xt = x.slice_axis(0, t, t + 1).unwrap().reshape(&[1, k as i32]).unwrap();
+                    let want = crate::array::wrap(crate::ffi::ffi::quantized_matmul(
+                        &xt.0, &one(&q).0, &one(&scales).0, &one(&biases).0, true, group, bits, "affine", false,
+                    ))
+                    .unwrap()
+                    .to_vec_f32()
+                    .unwrap();
+                    let mine = &got[i * n..(i + 1) * n];
+                    if dtype == Dtype::Bfloat16 {
+                        let same = mine.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{what}, token {t}, expert {e}: differs from MLX's product");
+                    } else {
+                        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let err = mine.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                        assert!(err <= 1e-5, "{what}, token {t}, expert {e}: relative error {err:e}");
+                    }
+                }
+            }
         }
     }
 }
