@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -751,9 +752,102 @@ class GatherQmm : public mx::UnaryPrimitive {
 // once (AVX-512 lanes): each a float32 operation (exact where MLX's is: the operands are
 // bfloat16) rounded as MLX's `_MLX_BFloat16(float)` rounds (to nearest even by adding
 // 0x7FFF plus the kept part's lowest bit; NaN to 0x7FC0): MLX's bits. Weight rows are
-// spread over the pool. AVX-512 only, whatever a test caps the float32 kernels at (elsewhere,
-// and under HOST_CPU_QMATMUL=0, MLX's).
+// spread over the pool. AVX-512, AVX2 (eight lanes) or portable C++ (one weight at a time, as
+// MLX, but spread over the cores), as the float32 kernels are chosen (`cap_cpu_qmatmul_isa`);
+// under HOST_CPU_QMATMUL=0, MLX's.
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// MLX's `_MLX_BFloat16(float)`: to nearest even, NaN to 0x7FC0 (as a float: the bfloat16's bits
+// on top).
+inline float round_bf16_scalar(float v) {
+  if (std::isnan(v)) return bf16_float(0x7FC0);
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u += ((u >> 16) & 1) + 0x7FFFu;
+  return bf16_float(static_cast<uint16_t>(u >> 16));
+}
+
+void bf16_rows_portable(const uint32_t* w, const uint16_t* scales, const uint16_t* biases, const uint16_t* x,
+                        uint16_t* y, int k, int group, int bits, int n0, int n1) {
+  const int per_pack = 32 / bits, packs = k / per_pack, groups = k / group;
+  const uint32_t code_mask = (1u << bits) - 1;
+  for (int r = n0; r < n1; r++) {
+    const uint32_t* wr = w + static_cast<size_t>(r) * packs;
+    float sum = 0.f;
+    int at = 0;
+    for (int g = 0; g < groups; g++) {
+      const float s = bf16_float(scales[static_cast<size_t>(r) * groups + g]);
+      const float b = bf16_float(biases[static_cast<size_t>(r) * groups + g]);
+      for (int p = g * group / per_pack; p < (g + 1) * group / per_pack; p++) {
+        for (int c = 0; c < per_pack; c++, at++) {
+          const float q = static_cast<float>((wr[p] >> (bits * c)) & code_mask);
+          const float v = round_bf16_scalar(round_bf16_scalar(s * q) + b);
+          sum = round_bf16_scalar(sum + round_bf16_scalar(bf16_float(x[at]) * v));
+        }
+      }
+    }
+    uint32_t u;
+    std::memcpy(&u, &sum, sizeof u);
+    y[r] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
 #if defined(__x86_64__)
+__attribute__((target("avx2"))) inline __m256 round_bf16_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i kept = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(kept, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan));
+}
+
+// bf16_rows_avx512's arithmetic in eight lanes.
+__attribute__((target("avx2"))) void bf16_rows_avx2(const uint32_t* w, const uint16_t* scales, const uint16_t* biases,
+                                                     const uint16_t* x, uint16_t* y, int k, int group, int bits, int n0,
+                                                     int n1) {
+  const int per_pack = 32 / bits, packs = k / per_pack, groups = k / group;
+  const __m256i code_mask = _mm256_set1_epi32((1 << bits) - 1);
+  const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(packs));
+  alignas(32) float sc[8], bi[8], out[8];
+  for (int r0 = n0; r0 < n1; r0 += 8) {
+    const int lanes = n1 - r0 < 8 ? n1 - r0 : 8;
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const uint32_t* wr = w + static_cast<size_t>(r0) * packs;
+    __m256 sum = _mm256_setzero_ps();
+    int at = 0;
+    for (int g = 0; g < groups; g++) {
+      for (int l = 0; l < 8; l++) {
+        const size_t i = static_cast<size_t>(r0 + (l < lanes ? l : 0)) * groups + g;
+        sc[l] = bf16_float(scales[i]);
+        bi[l] = bf16_float(biases[i]);
+      }
+      const __m256 s = _mm256_load_ps(sc), b = _mm256_load_ps(bi);
+      for (int p = g * group / per_pack; p < (g + 1) * group / per_pack; p++) {
+        const __m256i pack = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(wr + p),
+                                                         rows, live, 4);
+        for (int c = 0; c < per_pack; c++, at++) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(pack, bits * c), code_mask));
+          const __m256 v = round_bf16_avx2(_mm256_add_ps(round_bf16_avx2(_mm256_mul_ps(s, q)), b));
+          sum = round_bf16_avx2(
+              _mm256_add_ps(sum, round_bf16_avx2(_mm256_mul_ps(_mm256_set1_ps(bf16_float(x[at])), v))));
+        }
+      }
+    }
+    _mm256_store_ps(out, sum);
+    for (int l = 0; l < lanes; l++) {
+      uint32_t u;
+      std::memcpy(&u, &out[l], sizeof u);
+      y[r0 + l] = static_cast<uint16_t>(u >> 16);
+    }
+  }
+}
+
 __attribute__((target("avx512f"))) inline __m512 round_bf16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -763,18 +857,12 @@ __attribute__((target("avx512f"))) inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(r);
 }
 
-inline float bf16_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // y[m, n0..n1) for activation row m (x [K] bfloat16), weight rows n0..n1 (whole blocks of 16
 // but the last).
-__attribute__((target("avx512f"))) void bf16_rows(const uint32_t* w, const uint16_t* scales, const uint16_t* biases,
-                                                   const uint16_t* x, uint16_t* y, int k, int group, int bits, int n0,
-                                                   int n1) {
+__attribute__((target("avx512f"))) void bf16_rows_avx512(const uint32_t* w, const uint16_t* scales, const uint16_t* biases,
+                                                          const uint16_t* x, uint16_t* y, int k, int group, int bits,
+                                                          int n0, int n1) {
   const int per_pack = 32 / bits, packs = k / per_pack, groups = k / group;
   const __m512i code_mask = _mm512_set1_epi32((1 << bits) - 1);
   alignas(64) float sc[16], bi[16];
@@ -810,6 +898,16 @@ __attribute__((target("avx512f"))) void bf16_rows(const uint32_t* w, const uint1
 }
 #endif
 
+// The bfloat16 kernel `level` picks (all three give MLX's bits).
+void bf16_rows(Isa level, const uint32_t* w, const uint16_t* scales, const uint16_t* biases, const uint16_t* x,
+               uint16_t* y, int k, int group, int bits, int n0, int n1) {
+#if defined(__x86_64__)
+  if (level == kAvx512) return bf16_rows_avx512(w, scales, biases, x, y, k, group, bits, n0, n1);
+  if (level == kAvx2) return bf16_rows_avx2(w, scales, biases, x, y, k, group, bits, n0, n1);
+#endif
+  bf16_rows_portable(w, scales, biases, x, y, k, group, bits, n0, n1);
+}
+
 // The bfloat16 products' primitive: a dense one (x [..., K], w [N, K * bits / 32], scales and
 // biases [N, K / group]: one matrix, x's rows its rows) or, `gathered`, MLX's gather_qmm (a
 // mixture of experts' products): output matrix i is x's matrix lhs[i] ([..., M, K]) times
@@ -826,7 +924,7 @@ class QmmBf16 : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([in = inputs, y = out.data<uint16_t>(), group = group_, bits = bits_, gathered = gathered_]() {
-#if defined(__x86_64__)
+      const Isa level = isa();
       const auto &x = in[0], &w = in[1], &s = in[2], &b = in[3];
       const int k = x.shape(-1), n = w.shape(-2);
       const uint32_t zero = 0;
@@ -849,12 +947,11 @@ class QmmBf16 : public mx::UnaryPrimitive {
           const int i = u / blocks, r0 = (u % blocks) * 16, r1 = std::min(n, r0 + 16);
           const size_t xi = li[i], wi = ri[i];
           for (int r = 0; r < m; r++) {
-            bf16_rows(w.data<uint32_t>() + wi * w_els, ss + wi * g_els, bs + wi * g_els, xs + (xi * m + r) * k,
-                      y + (static_cast<size_t>(i) * m + r) * n, k, group, bits, r0, r1);
+            bf16_rows(level, w.data<uint32_t>() + wi * w_els, ss + wi * g_els, bs + wi * g_els,
+                      xs + (xi * m + r) * k, y + (static_cast<size_t>(i) * m + r) * n, k, group, bits, r0, r1);
           }
         }
       });
-#endif
     });
   }
 
@@ -881,9 +978,7 @@ mx::array as_is(const mx::array& a) { return a.is_available() && a.flags().row_c
 // The bfloat16 product where it applies (see above), else nullopt.
 std::optional<mx::array> bf16_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                                const mx::array& biases, int group_size, int bits) {
-  if (detected_isa() != kAvx512 || (bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) {
-    return std::nullopt;
-  }
+  if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
   if (x.dtype() != mx::bfloat16 || w.dtype() != mx::uint32 || scales.dtype() != mx::bfloat16 ||
       biases.dtype() != mx::bfloat16) {
     return std::nullopt;
@@ -909,7 +1004,7 @@ std::optional<mx::array> cpu_gather_qmm(const mx::array& x, const mx::array& w, 
   if (!cpu_qmatmul_enabled() || mx::default_device() != mx::Device::cpu) return std::nullopt;
   if ((bits != 4 && bits != 8) || group_size < 32 || group_size % 32 != 0) return std::nullopt;
   const auto dt = x.dtype();
-  const bool bf16 = dt == mx::bfloat16 && detected_isa() == kAvx512;
+  const bool bf16 = dt == mx::bfloat16;
   if (!(bf16 || dt == mx::float32) || w.dtype() != mx::uint32 || scales.dtype() != dt || biases.dtype() != dt ||
       w.ndim() != 3 || scales.ndim() != 3 || biases.shape() != scales.shape()) {
     return std::nullopt;
