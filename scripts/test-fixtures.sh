@@ -11,7 +11,8 @@
 #                                      tiny-gpt-oss-mxfp4, tiny-qwen3-mxfp8, tiny-gemma3-vlm-q4, tiny-ministral3-q4,
 #                                      tiny-gpt-oss-q4, tiny-phi3-q4, tiny-minicpm-q4, tiny-qwen3_5-q4, tiny-qwen3_5-moe-q4,
 #                                      tiny-gemma4-q4, tiny-gemma4-moe-q4, tiny-minicpm5-q4,
-#                                      tiny-qwen3-bf16-q4, tiny-qwen3-moe-bf16-q4 (bfloat16, as mlx-community's)
+#                                      tiny-qwen3-bf16-q4, tiny-qwen3-moe-bf16-q4, tiny-qwen3_5-moe-bf16-q4 (bfloat16,
+#                                      as mlx-community's)
 #                                      (MLX-quantized);
 #                                      the SmolLM2 GGUF; gemma3-270m (HF folder of the next)
 #   $HOST_CACHE_DIR/gemma3-270m/       Gemma 3 270M Q4_K_M GGUF, from PyPI
@@ -224,7 +225,8 @@ for spec in "tiny-qwen3 tiny-qwen3-q4 4 64 affine" "tiny-llama tiny-llama-q8 8 6
   "tiny-qwen3_5 tiny-qwen3_5-q4 4 64 affine" "tiny-qwen3_5-moe tiny-qwen3_5-moe-q4 4 64 affine" \
   "tiny-gemma4 tiny-gemma4-q4 4 64 affine" "tiny-gemma4-moe tiny-gemma4-moe-q4 4 64 affine" \
   "tiny-minicpm5 tiny-minicpm5-q4 4 64 affine" \
-  "tiny-qwen3 tiny-qwen3-bf16-q4 4 64 affine bfloat16" "tiny-qwen3-moe tiny-qwen3-moe-bf16-q4 4 64 affine bfloat16"; do
+  "tiny-qwen3 tiny-qwen3-bf16-q4 4 64 affine bfloat16" "tiny-qwen3-moe tiny-qwen3-moe-bf16-q4 4 64 affine bfloat16" \
+  "tiny-qwen3_5-moe tiny-qwen3_5-moe-bf16-q4 4 64 affine bfloat16"; do
   set -- $spec
   if [ ! -f "$MODELS/$2/config.json" ]; then
     log "quantizing $1 to $3 bits ($5${6:+, $6}) with mlx_lm.convert"

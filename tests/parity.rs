@@ -281,12 +281,14 @@ fn tiny_random_models_equal_mlx_lm() {
 /// mixture of experts in every MLP (fused experts split as mlx-lm's sanitize does), as Qwen
 /// publishes it (a vision tower beside the text model, conv1d and norms in the reference
 /// layout) and as `mlx_lm.convert -q` writes it (4-bit, mlx-community's layout, the routers
-/// at 8 bits): mlx-lm's logits and greedy ids, the recurrence run token by token as mlx-lm
-/// runs it off Metal.
+/// at 8 bits; and in bfloat16 as mlx-community ships it): mlx-lm's logits and greedy ids,
+/// the recurrence run token by token as mlx-lm runs it off Metal.
 #[test]
 fn qwen3_5_hybrid_models_equal_mlx_lm() {
     let Some(f) = fixtures() else { return };
-    for model in ["tiny-qwen3_5", "tiny-qwen3_5-q4", "tiny-qwen3_5-moe", "tiny-qwen3_5-moe-q4"] {
+    for model in
+        ["tiny-qwen3_5", "tiny-qwen3_5-q4", "tiny-qwen3_5-moe", "tiny-qwen3_5-moe-q4", "tiny-qwen3_5-moe-bf16-q4"]
+    {
         check_logits(&f, model, 16);
         check_ids(&f, f.models.join(model), model, 16);
     }
