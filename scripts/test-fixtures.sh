@@ -120,7 +120,7 @@ if [ ! -f "$MODELS/tiny-qwen2/model.safetensors" ]; then
     --tokenizer-dir "$MODELS/smollm2-f32" --dtype float32 >&2
 fi
 for arch in qwen3 llama3 gemma3 qwen3-moe qwen2-moe gpt-oss phi3 mistral-swa gemma3-vlm mistral3 ministral3 minicpm qwen3_5 \
-  qwen3_5-moe gemma4 gemma4-moe minicpm5; do
+  qwen3_5-moe gemma4 gemma4-moe minicpm5 llama-thirds; do
   if [ ! -f "$MODELS/tiny-$arch/model.safetensors" ]; then
     "$CACHE/smollm2-gguf/venv/bin/python" "$ROOT/tests/fixtures/make-tiny-extra.py" "$MODELS" \
       --tokenizer-dir "$MODELS/smollm2-f32" --shared-dir "$SHARED" --dtype float32 --arch "$arch" >&2

@@ -100,8 +100,8 @@ pub struct ServeConfig {
     /// Split the model over this many processes (tensor parallel over MLX distributed: the
     /// ring backend on CPUs, NCCL on GPUs). Default: 1 (off).
     pub tensor_parallel: usize,
-    /// Split the model's layers into this many pipeline stages, one process each (not
-    /// together with tensor_parallel). Default: 1 (off).
+    /// Split the model's layers into this many pipeline stages (each of `tensor_parallel`
+    /// processes, one per shard). Default: 1 (off).
     pub pipeline_parallel: usize,
     /// MLX's hostfile: the model split over the hosts it lists, one rank each (this one is
     /// rank 0; the others run `host tp-worker --hostfile`). Default: none (this machine).
@@ -297,11 +297,13 @@ pub struct ServeArgs {
 /// `serve` host.toml may set each too, and a flag given overrides it).
 #[derive(Debug, Default, Clone, clap::Args)]
 pub struct SplitArgs {
-    /// Split the model over this many processes (tensor parallel; default 1: off).
+    /// Split the model over this many processes (tensor parallel; with --pipeline-parallel,
+    /// the processes of each stage; default 1: off).
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
-    /// Split the model's layers into this many stages, one process each (pipeline parallel;
-    /// one activation a step between neighbours: for slow links; default 1: off).
+    /// Split the model's layers into this many stages (pipeline parallel; one activation a
+    /// step between neighbours: for slow links; default 1: off). With --tensor-parallel T,
+    /// stages x T processes: rank r is shard r % T of stage r / T.
     #[arg(long)]
     pub pipeline_parallel: Option<usize>,
     /// Split the model over the hosts of this hostfile (MLX's format), one rank each: this

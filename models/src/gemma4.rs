@@ -515,7 +515,7 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
     sanitize(w, c)?;
     let window = llama::sliding_window(c.sliding_window)?;
     let w = &*w;
-    let tp = Tp { rank: 0, size: 1 };
+    let tp = Tp::ONE;
     let eps = c.rms_norm_eps;
     let layers = (0..n)
         .map(|i| {

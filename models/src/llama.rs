@@ -241,7 +241,7 @@ pub(crate) struct Attention {
     /// GPT-OSS's attention sinks: a learned logit per head in every softmax.
     sinks: Option<Array>,
     /// Tensor parallel: this rank holds some heads; sum `o_proj`'s partial outputs.
-    reduce: bool,
+    reduce: Tp,
     /// Qwen3-Next's output gate: `q_proj` gives each head its queries and as many gate
     /// values, and the attention's output is multiplied by their sigmoid before `o_proj`.
     gated: bool,
@@ -263,15 +263,6 @@ fn query_scale(beta: f32, original: f32, l: i32, at: &Positions, dtype: mlx::Dty
     let one = Array::scalar(1.0, f32)?;
     let s = pos.floor_divide(&Array::scalar(original, f32)?)?.add(&one)?.log()?;
     Ok(s.multiply(&Array::scalar(beta, f32)?)?.add(&one)?.astype(dtype)?)
-}
-
-/// Sums a row-parallel layer's partial outputs over the tensor-parallel group.
-fn reduced(y: Array, reduce: bool) -> Result<Array> {
-    if reduce {
-        Ok(mlx::distributed::all_sum(&y)?)
-    } else {
-        Ok(y)
-    }
 }
 
 impl Attention {
@@ -296,7 +287,7 @@ impl Attention {
             scale: (d.head_dim as f64).powf(-0.5) as f32,
             window: None,
             sinks: None,
-            reduce: tp.size > 1,
+            reduce: tp,
             gated: false,
         })
     }
@@ -305,7 +296,7 @@ impl Attention {
     /// queries, then its gate); single rank, projections unfused.
     pub(crate) fn load_gated(w: &Weights, p: &str, d: &Dims) -> Result<Self> {
         let [q, k, v] = d.qkv_widths();
-        Ok(Attention { gated: true, ..Self::load_projections(w, p, d, Tp { rank: 0, size: 1 }, [2 * q, k, v])? })
+        Ok(Attention { gated: true, ..Self::load_projections(w, p, d, Tp::ONE, [2 * q, k, v])? })
     }
 
     /// Scores scaled by `scale` instead of `head_dim^-0.5`.
@@ -385,7 +376,7 @@ impl Attention {
         if let Some(gate) = gate {
             o = o.multiply(&gate.sigmoid()?)?;
         }
-        reduced(self.o_proj.forward(&o)?, self.reduce)
+        self.reduce.sum(self.o_proj.forward(&o)?)
     }
 }
 
@@ -567,7 +558,7 @@ pub(crate) struct Mlp {
     down_proj: Linear,
     activation: Activation,
     /// Tensor parallel: this rank holds some columns; sum `down_proj`'s partial outputs.
-    reduce: bool,
+    reduce: Tp,
 }
 
 impl Mlp {
@@ -577,7 +568,7 @@ impl Mlp {
             gate_up: Projections::load(w, p, &GATE_UP, &[ffn, ffn], FUSED_GATE_UP, hidden, bias)?,
             down_proj: Linear::load(w, &format!("{p}.down_proj"), ffn, hidden, bias && tp.rank == 0)?,
             activation,
-            reduce: tp.size > 1,
+            reduce: tp,
         })
     }
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
@@ -593,7 +584,7 @@ impl Forward for Mlp {
             Activation::GeluApprox => ops::gelu_approx(&gate_up[0])?.multiply(&gate_up[1])?,
         };
         let y = self.down_proj.forward(&gated)?;
-        reduced(y, self.reduce)
+        self.reduce.sum(y)
     }
 }
 
@@ -672,14 +663,22 @@ pub struct Model {
 /// A pipeline rank's stage: the decoder layers `first..end`. Stages run from the highest rank
 /// (the first layers, after the embeddings) down to rank 0 (the last layers, the norm and the
 /// head: the server's rank), each receiving the hidden state from the rank above and sending
-/// its own to the rank below — one activation a step between neighbours. Ranks below
-/// `layers % size` take one layer more, so rank 0 holds the most.
+/// its own to the rank below — one activation a step between neighbours. Stages below
+/// `layers % size` take one layer more, so rank 0's holds the most.
+///
+/// With tensor parallelism too, a stage is `shards` neighbouring ranks (stage `s` is ranks
+/// `s * shards..(s + 1) * shards`, each a shard of the stage's layers): the stage's first
+/// rank sends the hidden state on to the last rank of the stage below, which passes it down
+/// its stage's ranks, each to the next.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Stage {
     rank: usize,
     size: usize,
     first: usize,
     end: usize,
+    /// This rank's tensor-parallel shard of the stage, and the stage's shard count.
+    shard: usize,
+    shards: usize,
 }
 
 impl Stage {
@@ -687,12 +686,18 @@ impl Stage {
         let g = options.pipeline.filter(|g| g.size > 1)?;
         let count = |r: usize| layers / g.size + usize::from(r < layers % g.size);
         let first: usize = (g.rank + 1..g.size).map(count).sum();
-        Some(Stage { rank: g.rank, size: g.size, first, end: first + count(g.rank) })
+        let (shard, shards) = options.tensor_parallel.filter(|t| t.size > 1).map_or((0, 1), |t| (t.rank, t.size));
+        Some(Stage { rank: g.rank, size: g.size, first, end: first + count(g.rank), shard, shards })
     }
 
     /// Whether this stage starts the pipeline (it embeds the tokens).
     fn starts(&self) -> bool {
         self.rank + 1 == self.size
+    }
+
+    /// This process's rank in the group.
+    fn me(&self) -> usize {
+        self.rank * self.shards + self.shard
     }
 }
 
@@ -739,11 +744,6 @@ impl Model {
     pub(crate) fn load_dims(d: &Dims, rope: Rope, w: &mut Weights, options: &LoadOptions) -> Result<Self> {
         let tp = Tp::of(options);
         let stage = Stage::of(options, d.layers);
-        if tp.size > 1 && stage.is_some() {
-            return Err(crate::Error::Invalid(
-                "tensor and pipeline parallelism together are not supported yet; use one of them".into(),
-            ));
-        }
         let own = stage.map_or(0..d.layers, |s| s.first..s.end);
         if stage.is_some() {
             // Other stages' layers are never read here (nor materialized by the loader).
@@ -835,13 +835,14 @@ impl Model {
     }
 
     /// The embeddings of `tokens`, or in a pipeline stage after the first, the hidden states
-    /// the stage above sends.
+    /// the stage above sends (passed on to the stage's next shard, if it has one below).
     fn stage_input(&self, tokens: &Array) -> Result<Array> {
         match self.stage {
             Some(st) if !st.starts() => {
                 let mut shape = tokens.shape();
                 shape.push(self.hidden);
-                Ok(mlx::distributed::recv(&shape, self.embed_tokens.output_dtype(), st.rank + 1)?)
+                let h = mlx::distributed::recv(&shape, self.embed_tokens.output_dtype(), st.me() + 1)?;
+                Ok(if st.shard > 0 { mlx::distributed::send(&h, st.me() - 1)? } else { h })
             }
             _ => self.embed(tokens),
         }
@@ -857,7 +858,8 @@ impl Model {
             h = layer.forward(&h, mask, c, &self.rope, at, scale.as_ref())?;
         }
         match self.stage {
-            Some(st) if st.rank > 0 => Ok(mlx::distributed::send(&h, st.rank - 1)?),
+            Some(st) if st.rank > 0 && st.shard == 0 => Ok(mlx::distributed::send(&h, st.me() - 1)?),
+            Some(st) if st.rank > 0 => Ok(h),
             _ => self.norm.forward(&h),
         }
     }
@@ -881,16 +883,48 @@ impl Model {
     }
 }
 
-/// This process's rank and the group size (1 when not tensor-parallel).
+/// This process's tensor-parallel shard: its index and the shard count (1 when not
+/// tensor-parallel).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tp {
     pub rank: usize,
     pub size: usize,
+    /// With pipeline stages too, the group rank of this stage's first shard: the stage's
+    /// shards are the ranks `first..first + size`, neighbours in the ring, and they sum
+    /// over a chain of sends ([`Tp::sum`]). `None`: the shards are the whole group.
+    pub first: Option<usize>,
 }
 
 impl Tp {
+    /// No split.
+    pub(crate) const ONE: Tp = Tp { rank: 0, size: 1, first: None };
+
     pub(crate) fn of(options: &LoadOptions) -> Tp {
-        options.tensor_parallel.map_or(Tp { rank: 0, size: 1 }, |g| Tp { rank: g.rank, size: g.size })
+        let Some(g) = options.tensor_parallel.filter(|g| g.size > 1) else { return Tp::ONE };
+        let first = options.pipeline.filter(|p| p.size > 1).map(|p| p.rank * g.size);
+        Tp { rank: g.rank, size: g.size, first }
+    }
+
+    /// Sums a row-parallel layer's partial outputs `y` over the shards: MLX's all-reduce over
+    /// the whole group, or within a pipeline stage a chain over its ranks, each a neighbour
+    /// of the next in the ring (the ring backend sends to neighbours only, and cannot split
+    /// its group): the partial sums run down to the stage's first rank, and the total back
+    /// up, so every shard holds the same bits.
+    fn sum(&self, y: Array) -> Result<Array> {
+        use mlx::distributed::{recv_after, send};
+        let Some(first) = self.first else {
+            return Ok(if self.size > 1 { mlx::distributed::all_sum(&y)? } else { y });
+        };
+        let (me, shape, dtype) = (first + self.rank, y.shape(), y.dtype());
+        let last = self.rank + 1 == self.size;
+        // Each receive waits for this rank's own part: every message from a neighbour is then
+        // read in the order it was sent (MLX may run an operation without inputs at any time).
+        let partial = if last { y } else { y.add(&recv_after(&shape, dtype, me + 1, &y)?)? };
+        let total = match self.rank {
+            0 => partial,
+            _ => recv_after(&shape, dtype, me - 1, &send(&partial, me - 1)?)?,
+        };
+        Ok(if last { total } else { send(&total, me + 1)? })
     }
 }
 

@@ -57,11 +57,14 @@ pub struct Loaded {
 pub struct LoadOptions {
     /// Dequantize GGUF weights; `None` decides by the default device as above.
     pub dequantize_gguf: Option<bool>,
-    /// Load this rank's tensor-parallel shard (the group must be initialized).
+    /// Load this rank's tensor-parallel shard (the group must be initialized): the shard's
+    /// index and the shard count (with `pipeline` too, within its stage).
     pub tensor_parallel: Option<mlx::distributed::Group>,
     /// Load this rank's pipeline stage: a contiguous range of the layers (the last ones on
     /// rank 0, which holds the head), receiving the hidden state from the rank above and
-    /// sending it to the rank below (`llama::Stage`).
+    /// sending it to the rank below (`llama::Stage`): the stage's index and the stage count.
+    /// With `tensor_parallel` too, a stage is that many neighbouring ranks, each a shard of
+    /// its layers: the group's rank is `stage * shards + shard`.
     pub pipeline: Option<mlx::distributed::Group>,
     /// Concatenate each layer's q/k/v and gate/up weights so one matmul replaces three and
     /// two (fewer kernels per step: 1.4x decode on the H200's 0.5B shape, the same logits on

@@ -476,7 +476,7 @@ pub fn load(c: &Config, w: &mut Weights, options: &LoadOptions) -> Result<Model>
     let d = c.dims();
     let moe = c.moe();
     let w = &*w;
-    let tp = Tp { rank: 0, size: 1 };
+    let tp = Tp::ONE;
     let layers = (0..c.num_hidden_layers)
         .map(|i| {
             let p = format!("model.layers.{i}");

@@ -1,7 +1,8 @@
 """A model split over two hosts: each rank in a network namespace of its own (made here with
 `ip netns` and a veth pair, addresses only inside them), rank 0 `host serve --hostfile`, rank
 1 `host tp-worker --hostfile --rank 1` started by hand before it, talking TCP over MLX's ring
-backend. Tensor-parallel shards and pipeline stages alike: concurrent requests (one batch)
+backend. Tensor-parallel shards, pipeline stages, and stages of shards (two hosts of two ranks
+each) alike: concurrent requests (one batch)
 answer what one rank answers; a worker with other
 model files is refused with the difference named; a killed worker and a dropped link each
 stop the server within seconds, naming the rank and its host."""
@@ -82,9 +83,18 @@ def answers(url, ns=None):
     return alone, together
 
 
-def start_worker(ns, hostfile, *extra, binary=BINARY):
-    return subprocess.Popen(["ip", "netns", "exec", ns, binary, "tp-worker", "--hostfile", hostfile, "--rank", "1",
-                             "--device", "cpu", *extra], stderr=subprocess.PIPE, text=True)
+def one_rank(model):
+    """What `answers` gets from `model` on one rank."""
+    one = Server("--prompt-cache-bytes", "0", model=model)
+    try:
+        return answers(one.url)[0]
+    finally:
+        one.stop()
+
+
+def start_worker(ns, hostfile, *extra, binary=BINARY, rank=1):
+    return subprocess.Popen(["ip", "netns", "exec", ns, binary, "tp-worker", "--hostfile", hostfile, "--rank",
+                             str(rank), "--device", "cpu", *extra], stderr=subprocess.PIPE, text=True)
 
 
 def wait_exit(server, seconds):
@@ -98,11 +108,7 @@ def wait_exit(server, seconds):
 def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts, split):
     a, b, hostfile = hosts
     tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
-    one = Server("--prompt-cache-bytes", "0", model=tiny)
-    try:
-        want, _ = answers(one.url)
-    finally:
-        one.stop()
+    want = one_rank(tiny)
     # The worker starts first and waits for rank 0.
     worker = start_worker(b, hostfile)
     server = Server("--hostfile", hostfile, "--prompt-cache-bytes", "0", *split, model=tiny,
@@ -119,6 +125,35 @@ def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts, split):
     finally:
         server.stop()
         worker.kill()
+
+
+def test_two_hosts_of_two_shards_each_serve_a_pipeline_like_one_rank(hosts, tmp_path):
+    """Two pipeline stages, one per host, each stage two tensor-parallel shards on its host
+    (the hostfile lists each host twice: ranks 0-1 on `a`, 2-3 on `b`): the shards' sums stay
+    inside a host, and only the stages' activations and the ids cross the link (rank 2 to
+    rank 1, rank 0 to rank 3)."""
+    a, b, _ = hosts
+    tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
+    want = one_rank(tiny)
+    hostfile = tmp_path / "four.json"
+    hostfile.write_text(json.dumps([{"ssh": h, "ips": [addr]} for h, addr in
+                                    (("a", ADDRESSES[0]), ("a", ADDRESSES[0]), ("b", ADDRESSES[1]), ("b", ADDRESSES[1]))]))
+    workers = [start_worker(ns, str(hostfile), rank=rank) for rank, ns in ((1, a), (2, b), (3, b))]
+    server = Server("--hostfile", str(hostfile), "--prompt-cache-bytes", "0", "--pipeline-parallel", "2",
+                    "--tensor-parallel", "2", model=tiny, prefix=["ip", "netns", "exec", a])
+    try:
+        alone, together = answers(server.url, ns=a)
+        assert alone == want
+        assert together == want
+        assert any("pipeline parallel (2 stages) x tensor parallel (2 shards) over hosts" in line
+                   for line in server.log), server.log[-5:]
+        server.proc.terminate()
+        assert server.proc.wait(timeout=30) == 0
+        assert [w.wait(timeout=10) for w in workers] == [0, 0, 0]
+    finally:
+        server.stop()
+        for w in workers:
+            w.kill()
 
 
 def test_a_worker_with_another_binary_or_other_model_files_is_refused(hosts, tmp_path):

@@ -3,7 +3,8 @@ one process per rank, MLX's ring backend over loopback) answers like one rank �
 prompt cache (a follow-up turn reuses the cached prefix on every rank) and speculative
 decoding (rollbacks trim every rank's cache) and with concurrent requests decoded as one batch
 (the batch's joins and leaves mirrored on every rank) — and a rank that dies stops the server
-with a message naming it instead of hanging. On 2 ranks (a tiny model whose heads divide by
+with a message naming it instead of hanging; pipeline stages of tensor-parallel shards (2 x 3)
+answer the same way. On 2 ranks (a tiny model whose heads divide by
 2), speculative rows — prompt lookup, a draft model, constrained and plugin-sampled — verify
 inside the batch beside plain rows, rolling back by their own amounts on every rank, and
 each answers what it answers alone."""
@@ -86,6 +87,33 @@ def test_split_ranks_serve_like_one_and_a_dead_rank_stops_the_server(one_rank, s
         assert any("tensor-parallel rank" in line and "exited" in line for line in tp.log), tp.log[-5:]
     finally:
         tp.stop()
+
+
+def test_pipeline_stages_of_tensor_parallel_shards_serve_like_one_rank():
+    """`--pipeline-parallel 2 --tensor-parallel 3`: six ranks, two stages of three shards
+    (a tiny Llama whose heads split three ways). Inside a stage the shards sum over a chain of
+    neighbours (ranks 0-1-2 and 3-4-5, the middle shard passing partial sums down and the
+    total up); rank 3 hands the hidden state to rank 2, which passes it down its stage; rank 0
+    sends the ids to rank 5, which passes them down its. Answers equal one rank's, through the
+    prompt cache, prompt lookup and a batch; a killed middle shard stops the server."""
+    thirds = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-llama-thirds")
+    plain = Server("--prompt-cache-bytes", "256M", model=thirds)
+    try:
+        want = conversation(plain)
+    finally:
+        plain.stop()
+    split = Server("--pipeline-parallel", "2", "--tensor-parallel", "3", "--prompt-cache-bytes", "256M", model=thirds)
+    try:
+        assert conversation(split) == want
+        assert any("pipeline parallel (2 stages) x tensor parallel (3 shards)" in line for line in split.log)
+        workers = workers_of(split.proc.pid)
+        assert len(workers) == 5, workers
+        os.kill(sorted(workers)[0], signal.SIGKILL)
+        assert split.proc.wait(timeout=30) == 1
+        time.sleep(0.2)
+        assert any("tensor-parallel rank" in line and "exited" in line for line in split.log), split.log[-5:]
+    finally:
+        split.stop()
 
 
 def test_two_ranks_verify_speculative_rows_in_the_batch_and_each_answers_as_alone():

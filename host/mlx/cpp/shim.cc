@@ -1154,6 +1154,17 @@ Ptr recv_from(rust::Slice<const int32_t> shape, uint8_t dt, int32_t src) {
   checked_elements(shape);
   return std::make_unique<array>(mx::distributed::recv(to_shape(shape), to_dtype(dt), src, *group));
 }
+// MLX's `recv` has no inputs, so nothing orders it after a `send` of the same graph: a rank
+// that sends to a peer and then waits for the peer's answer could run the receive first and
+// wait forever. This is `recv`'s node with `after` as an input, which MLX evaluates first;
+// the receive itself ignores its inputs (MLX's `Recv::eval_cpu` only asserts there are none,
+// in debug builds).
+Ptr recv_after(rust::Slice<const int32_t> shape, uint8_t dt, int32_t src, const array& after) {
+  if (!group) throw std::runtime_error("distributed_init was not called");
+  checked_elements(shape);
+  auto r = mx::distributed::recv(to_shape(shape), to_dtype(dt), src, *group);
+  return std::make_unique<array>(r.shape(), r.dtype(), r.primitive_ptr(), std::vector<array>{after});
+}
 int32_t new_stream(bool gpu) {
   return mx::new_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)).index;
 }

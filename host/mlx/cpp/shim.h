@@ -179,6 +179,7 @@ int32_t distributed_rank();
 Ptr all_sum(const array& a);
 Ptr send_to(const array& a, int32_t dst);
 Ptr recv_from(rust::Slice<const int32_t> shape, uint8_t dtype, int32_t src);
+Ptr recv_after(rust::Slice<const int32_t> shape, uint8_t dtype, int32_t src, const array& after);
 int32_t new_stream(bool gpu);
 void set_default_stream(int32_t index, bool gpu);
 size_t get_active_memory();

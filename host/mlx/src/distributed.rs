@@ -39,3 +39,10 @@ pub fn recv(shape: &[usize], dtype: Dtype, src: usize) -> Result<Array> {
     let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
     wrap(ffi::recv_from(&dims, dtype as u8, src as i32))
 }
+
+/// As `recv`, received only after `after` is evaluated (a `send` this rank must finish before
+/// its peer answers: MLX would otherwise be free to run the receive first and wait forever).
+pub fn recv_after(shape: &[usize], dtype: Dtype, src: usize, after: &Array) -> Result<Array> {
+    let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    wrap(ffi::recv_after(&dims, dtype as u8, src as i32, &after.0))
+}

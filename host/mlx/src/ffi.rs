@@ -229,6 +229,7 @@ pub(crate) mod ffi {
         fn all_sum(a: &array) -> Result<UniquePtr<array>>;
         fn send_to(a: &array, dst: i32) -> Result<UniquePtr<array>>;
         fn recv_from(shape: &[i32], dtype: u8, src: i32) -> Result<UniquePtr<array>>;
+        fn recv_after(shape: &[i32], dtype: u8, src: i32, after: &array) -> Result<UniquePtr<array>>;
         fn new_stream(gpu: bool) -> Result<i32>;
         fn set_default_stream(index: i32, gpu: bool) -> Result<()>;
         fn get_active_memory() -> usize;

@@ -40,9 +40,8 @@ pub struct Welcome {
     /// Rank 0's `--device`, for a worker not told one.
     pub device: String,
     pub fingerprint: Option<Fingerprint>,
-    /// Load a pipeline stage rather than a tensor-parallel shard.
-    #[serde(default)]
-    pub pipeline: bool,
+    /// How the ranks split the model (pipeline stages of tensor-parallel shards).
+    pub layout: super::Layout,
 }
 
 /// The worker's answer: its model files match rank 0's, or how they differ.

@@ -43,9 +43,10 @@ use std::time::{Duration, Instant};
 /// How a model is split over processes, and where they run.
 #[derive(Debug, Clone, Default)]
 pub struct Split {
-    /// Tensor-parallel ranks (0 or 1: none). With a hostfile, its host count (or equal to it).
+    /// Tensor-parallel shards (0 or 1: none); with pipeline stages, the shards of each stage.
+    /// With a hostfile alone (neither count), its host count.
     pub tensor_parallel: usize,
-    /// Pipeline stages, one rank each (0 or 1: none); not together with tensor parallelism.
+    /// Pipeline stages (0 or 1: none), each of `tensor_parallel` ranks.
     pub pipeline_parallel: usize,
     /// MLX's hostfile naming each rank's host: rank 0 is this process, the others are
     /// `host tp-worker --hostfile FILE --rank R`, started on their hosts. Without one, the
@@ -63,30 +64,72 @@ impl Split {
         self.tensor_parallel > 1 || self.pipeline_parallel > 1 || self.hostfile.is_some() || self.ssh_launch
     }
 
-    /// The split this asks for over `hosts` (a hostfile's, if any): whether it is a pipeline,
-    /// and how many ranks (a hostfile's host count, which a rank flag must then equal).
-    fn shape(&self, hosts: Option<&Hostfile>) -> Result<(bool, usize)> {
-        let (pipeline, asked) = match (self.tensor_parallel > 1, self.pipeline_parallel > 1) {
-            (true, true) => bail!(
-                "--tensor-parallel and --pipeline-parallel together are not supported yet; choose one (pipeline suits a slow link)"
-            ),
-            (false, true) => (true, self.pipeline_parallel),
-            (true, false) => (false, self.tensor_parallel),
-            (false, false) => (false, 0),
+    /// The split this asks for over `hosts` (a hostfile's, if any): with a hostfile, as many
+    /// ranks as it lists hosts (the flags' product must then equal it; neither flag: tensor
+    /// parallel over them all).
+    fn shape(&self, hosts: Option<&Hostfile>) -> Result<Layout> {
+        let (shards, stages) = (self.tensor_parallel.max(1), self.pipeline_parallel.max(1));
+        let asked = Layout { stages, shards };
+        let flags = match (shards > 1, stages > 1) {
+            (true, true) => format!("--tensor-parallel {shards} x --pipeline-parallel {stages}"),
+            (false, true) => format!("--pipeline-parallel {stages}"),
+            _ => format!("--tensor-parallel {shards}"),
         };
-        let flag = if pipeline { "--pipeline-parallel" } else { "--tensor-parallel" };
-        let n = match hosts {
-            Some(h) if asked > 1 && asked != h.hosts.len() => bail!(
-                "{flag} {asked} but the hostfile {} lists {} hosts (one rank each); make them agree",
+        match hosts {
+            Some(h) if asked.ranks() > 1 && asked.ranks() != h.hosts.len() => bail!(
+                "{flags} makes {} ranks but the hostfile {} lists {} hosts (one rank each); make them agree",
+                asked.ranks(),
                 h.path.display(),
                 h.hosts.len()
             ),
-            Some(h) => h.hosts.len(),
+            Some(_) if asked.ranks() > 1 => Ok(asked),
+            Some(h) => Ok(Layout { stages: 1, shards: h.hosts.len() }),
             None if self.ssh_launch => bail!("--ssh-launch needs --hostfile FILE (the hosts to start the ranks on)"),
-            None if asked < 2 => bail!("{flag} needs at least 2 ranks (1 is plain serving)"),
-            None => asked,
-        };
-        Ok((pipeline, n))
+            None if asked.ranks() < 2 => bail!("{flags} needs at least 2 ranks (1 is plain serving)"),
+            None => Ok(asked),
+        }
+    }
+}
+
+/// How the ranks split a model: `stages` pipeline stages (contiguous layer ranges, the last on
+/// rank 0), each of `shards` tensor-parallel shards. Rank `r` is shard `r % shards` of stage
+/// `r / shards`: a stage's shards are neighbours in the ring, where their all-reduces run,
+/// and neighbouring stages meet at neighbouring ranks, where their activations pass (MLX's
+/// ring backend sends only to neighbours and cannot split its group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    pub stages: usize,
+    pub shards: usize,
+}
+
+impl Layout {
+    fn ranks(&self) -> usize {
+        self.stages * self.shards
+    }
+
+    fn pipeline(&self) -> bool {
+        self.stages > 1
+    }
+
+    /// What `rank` loads: its shard of its stage.
+    fn options(&self, rank: usize) -> models::LoadOptions {
+        let group = |rank, size| (size > 1).then_some(mlx::distributed::Group { rank, size });
+        models::LoadOptions {
+            tensor_parallel: group(rank % self.shards, self.shards),
+            pipeline: group(rank / self.shards, self.stages),
+            ..Default::default()
+        }
+    }
+
+    /// The split's name in logs.
+    fn describe(&self) -> String {
+        match (self.stages > 1, self.shards > 1) {
+            (true, true) => {
+                format!("pipeline parallel ({} stages) x tensor parallel ({} shards)", self.stages, self.shards)
+            }
+            (true, false) => "pipeline parallel".into(),
+            _ => "tensor parallel".into(),
+        }
     }
 }
 
@@ -205,8 +248,7 @@ struct Identity {
     /// The model as given (`None`: the default model).
     model: Option<String>,
     device: DeviceChoice,
-    /// Pipeline stages rather than tensor-parallel shards.
-    pipeline: bool,
+    layout: Layout,
 }
 
 /// Loads `path` (named `model` on the command line, `None` for the default model) split as
@@ -214,16 +256,25 @@ struct Identity {
 /// drives them.
 pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoice) -> Result<Loaded> {
     let hosts = split.hostfile.as_deref().map(Hostfile::read).transpose()?;
-    let (pipeline, n) = split.shape(hosts.as_ref())?;
-    if pipeline { models::check_pipeline(path, n) } else { models::check_tensor_parallel(path, n) }
-        .with_context(|| format!("splitting {}", path.display()))?;
+    let layout = split.shape(hosts.as_ref())?;
+    let n = layout.ranks();
+    let check = || -> models::Result<()> {
+        if layout.stages > 1 {
+            models::check_pipeline(path, layout.stages)?;
+        }
+        if layout.shards > 1 {
+            models::check_tensor_parallel(path, layout.shards)?;
+        }
+        Ok(())
+    };
+    check().with_context(|| format!("splitting {}", path.display()))?;
     let me = Identity {
         // Local ranks run the binary this process launches them from.
         binary: if hosts.is_some() { hosts::binary_hash()? } else { String::new() },
         fingerprint: Fingerprint::of(path)?,
         model: model.map(|m| m.to_string_lossy().into_owned()),
         device,
-        pipeline,
+        layout,
     };
     let (control, nccl, ring_file) = match &hosts {
         Some(h) => listen_for_hosts(h, split)?,
@@ -242,18 +293,17 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
     if group.size != n || group.rank != 0 {
         bail!("the tensor-parallel group has rank {} of {}, expected 0 of {n}", group.rank, group.size);
     }
-    let loaded = models::load_with(path, &load_options(group, pipeline))
+    let loaded = models::load_with(path, &layout.options(0))
         .with_context(|| format!("loading model from {}", path.display()))?;
     models::cache::mirror();
-    if !pipeline && loaded.info.vocab_size > 1 << 24 {
+    if !layout.pipeline() && loaded.info.vocab_size > 1 << 24 {
         bail!(
             "tensor parallelism shares token ids as float32, exact below 2^24; this model's vocabulary has {} tokens",
             loaded.info.vocab_size
         );
     }
-    let pipeline = pipeline.then_some(n);
-    let model = TpModel { inner: loaded.model, workers: links, made: RefCell::default(), pipeline };
-    let split = if pipeline.is_some() { "pipeline parallel" } else { "tensor parallel" };
+    let model = TpModel { inner: loaded.model, workers: links, made: RefCell::default(), layout };
+    let split = layout.describe();
     match &hosts {
         Some(h) => tracing::info!(ranks = n, backend, hostfile = %h.path.display(), "{split} over hosts"),
         None => tracing::info!(ranks = n, backend, "{split}"),
@@ -413,7 +463,7 @@ fn admit(listener: &TcpListener, n: usize, me: &Identity, hosts: Option<&Hostfil
             model: me.model.clone(),
             device: me.device.as_str().to_string(),
             fingerprint: Some(me.fingerprint.clone()),
-            pipeline: me.pipeline,
+            layout: me.layout,
         };
         link::send(&mut s, &welcome).with_context(|| format!("answering rank {rank} on {host}"))?;
         if let Some(why) = refused {
@@ -443,22 +493,13 @@ fn share_tokens(local: &Array) -> models::Result<Array> {
     Ok(mlx::distributed::all_sum(&local.astype(Dtype::Float32)?)?.astype(Dtype::Int32)?)
 }
 
-/// Options loading a rank's part: its tensor-parallel shard, or its pipeline stage.
-fn load_options(group: mlx::distributed::Group, pipeline: bool) -> models::LoadOptions {
-    match pipeline {
-        true => models::LoadOptions { pipeline: Some(group), ..Default::default() },
-        false => models::LoadOptions { tensor_parallel: Some(group), ..Default::default() },
-    }
-}
-
 /// Rank 0's model: its shard or stage, plus the workers it sends each step to.
 struct TpModel {
     inner: Box<dyn CausalLm>,
     workers: Vec<Link>,
     /// Caches made since the last step.
     made: RefCell<Vec<(u64, usize)>>,
-    /// A pipeline's ranks; `None` under tensor parallelism.
-    pipeline: Option<usize>,
+    layout: Layout,
 }
 
 impl Drop for TpModel {
@@ -471,13 +512,15 @@ impl Drop for TpModel {
 
 impl TpModel {
     /// The step's ids to the ranks that embed them: all of them under tensor parallelism
-    /// (`share_tokens`), the first stage of a pipeline (the highest rank, rank 0's neighbour
-    /// in the ring) otherwise, sent before the forward that waits on the stage above.
+    /// (`share_tokens`), the first stage of a pipeline (from its highest rank, rank 0's
+    /// neighbour in the ring, on down its shards) otherwise, sent before the forward that
+    /// waits on the stage above.
     fn tokens_out(&self, tokens: &Array) -> models::Result<Array> {
-        match self.pipeline {
-            None => share_tokens(tokens),
-            Some(n) => {
-                let sent = mlx::distributed::send(&tokens.astype(Dtype::Int32)?, n - 1)?;
+        match self.layout.pipeline() {
+            false => share_tokens(tokens),
+            true => {
+                let last = self.layout.ranks() - 1;
+                let sent = mlx::distributed::send(&tokens.astype(Dtype::Int32)?, last)?;
                 mlx::async_eval(&[&sent])?;
                 Ok(tokens.clone())
             }
@@ -559,17 +602,33 @@ mod tests {
             ssh_launch: ssh,
             ..Default::default()
         };
-        assert_eq!(split(3, 1, false).shape(None).unwrap(), (false, 3));
-        assert_eq!(split(1, 4, false).shape(None).unwrap(), (true, 4));
-        assert_eq!(split(1, 1, false).shape(Some(&two)).unwrap(), (false, 2));
-        assert_eq!(split(1, 2, false).shape(Some(&two)).unwrap(), (true, 2));
+        let layout = |stages, shards| Layout { stages, shards };
+        assert_eq!(split(3, 1, false).shape(None).unwrap(), layout(1, 3));
+        assert_eq!(split(1, 4, false).shape(None).unwrap(), layout(4, 1));
+        assert_eq!(split(2, 3, false).shape(None).unwrap(), layout(3, 2));
+        assert_eq!(split(1, 1, false).shape(Some(&two)).unwrap(), layout(1, 2));
+        assert_eq!(split(1, 2, false).shape(Some(&two)).unwrap(), layout(2, 1));
         let err = |s: Split, hosts: Option<&Hostfile>| s.shape(hosts).unwrap_err().to_string();
-        assert!(
-            err(split(3, 1, false), Some(&two)).contains("--tensor-parallel 3 but the hostfile h.json lists 2 hosts")
-        );
-        assert!(err(split(2, 2, false), None).contains("together are not supported yet"));
+        assert!(err(split(3, 1, false), Some(&two))
+            .contains("--tensor-parallel 3 makes 3 ranks but the hostfile h.json lists 2 hosts"));
+        assert!(err(split(2, 2, false), Some(&two))
+            .contains("--tensor-parallel 2 x --pipeline-parallel 2 makes 4 ranks but the hostfile h.json lists 2"));
         assert!(err(split(1, 1, true), None).contains("--ssh-launch needs --hostfile"));
         assert!(err(split(1, 1, false), None).contains("needs at least 2 ranks"));
+    }
+
+    #[test]
+    fn a_rank_loads_its_shard_of_its_stage() {
+        let options = |l: Layout, rank| {
+            let o = l.options(rank);
+            (o.pipeline.map(|g| (g.rank, g.size)), o.tensor_parallel.map(|g| (g.rank, g.size)))
+        };
+        let both = Layout { stages: 2, shards: 2 };
+        assert_eq!(options(both, 0), (Some((0, 2)), Some((0, 2))));
+        assert_eq!(options(both, 1), (Some((0, 2)), Some((1, 2))));
+        assert_eq!(options(both, 3), (Some((1, 2)), Some((1, 2))));
+        assert_eq!(options(Layout { stages: 3, shards: 1 }, 2), (Some((2, 3)), None));
+        assert_eq!(options(Layout { stages: 1, shards: 3 }, 2), (None, Some((2, 3))));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use super::hosts::{self, Fingerprint, Hostfile, STARTING_PORT};
 use super::link::{self, Hello, Ready, Welcome, HEARTBEAT_TIMEOUT};
-use super::{backend, load_options, rank_env, share_tokens, write_ring, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
+use super::{backend, rank_env, share_tokens, write_ring, ToWorker, HANDSHAKE_TIMEOUT, JOIN_TIMEOUT};
 use crate::load::{default_model, pull, select_device, DeviceChoice};
 use anyhow::{bail, Context, Result};
 use mlx::distributed::Group;
@@ -147,11 +147,20 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     if group.rank != rank || group.size != size {
         bail!("joined as rank {} of {}, expected {rank} of {size}", group.rank, group.size);
     }
-    let loaded = models::load_with(&model, &load_options(group, welcome.pipeline))
+    let layout = welcome.layout;
+    if layout.ranks() != size {
+        bail!("rank 0 splits the model over {} ranks, but this worker was started for {size}", layout.ranks());
+    }
+    let loaded = models::load_with(&model, &layout.options(rank))
         .with_context(|| format!("rank {rank} loading {}", model.display()))?;
-    let inputs = match welcome.pipeline {
+    // The first stage's shards are the highest ranks: the ids come to the highest from rank
+    // 0 (its neighbour in the ring), and each passes them on to the next below.
+    let inputs = match layout.pipeline() {
         false => Inputs::Shared,
-        true if rank + 1 == size => Inputs::FromRank0,
+        true if rank >= size - layout.shards => Inputs::Passed {
+            from: if rank + 1 == size { 0 } else { rank + 1 },
+            to: (rank > size - layout.shards).then(|| rank - 1),
+        },
         true => Inputs::ShapeOnly,
     };
     run(rank, loaded.model.as_ref(), inputs, orders)?;
@@ -229,8 +238,9 @@ fn read_orders(rank: usize, stream: TcpStream, control: String) -> Result<Receiv
 enum Inputs {
     /// Tensor parallel: every rank embeds them; rank 0 all-reduces them (`share_tokens`).
     Shared,
-    /// The first stage of a pipeline: rank 0 sends them.
-    FromRank0,
+    /// The first stage of a pipeline: rank 0 sends them to the stage's highest rank, and a
+    /// rank passes them on to the next below in its stage (`to`).
+    Passed { from: usize, to: Option<usize> },
     /// A later stage of a pipeline: only their shape matters (it receives hidden states).
     ShapeOnly,
 }
@@ -296,7 +306,13 @@ fn run(rank: usize, model: &dyn models::CausalLm, inputs: Inputs, orders: Receiv
         let shape: Vec<usize> = step.shape.iter().map(|&d| d as usize).collect();
         let tokens = match inputs {
             Inputs::Shared => share_tokens(&Array::zeros(&shape, Dtype::Float32)?)?,
-            Inputs::FromRank0 => mlx::distributed::recv(&shape, Dtype::Int32, 0)?,
+            Inputs::Passed { from, to } => {
+                let ids = mlx::distributed::recv(&shape, Dtype::Int32, from)?;
+                match to {
+                    Some(to) => mlx::distributed::send(&ids, to)?,
+                    None => ids,
+                }
+            }
             Inputs::ShapeOnly => Array::zeros(&shape, Dtype::Int32)?,
         };
         let own = fresh.len();
