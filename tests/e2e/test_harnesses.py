@@ -9,7 +9,9 @@ the newest published one too. Each harness runs non-interactively twice:
   session outgrows the served window (`SESSION`); the harness must run each tool, send its
   result back, compact the conversation by itself before the server would refuse it (its
   own summariser's request reaches the server, and the script answers it with a summary),
-  and print the answer the script gives once the summary is in the prompt;
+  and print the answer the script gives once the summary is in the prompt (served by a tiny
+  random Llama with SmolLM2's tokenizer and chat template: the script writes every reply, so
+  SmolLM2's weights would only add minutes of prefill);
 - unscripted: SmolLM2's own reply (the script stands aside when the prompt says
   "unscripted"; the reply is printed, it is whatever the model says).
 
@@ -145,17 +147,22 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
     home = tmp_path / "home"
     work = home / "work"
     work.mkdir(parents=True)
-    window, logs, lines = SESSION[name]
-    write_logs(work, logs, lines)
-    calls = [running(call, f"cat log-{n}.txt") for n in range(logs)]
+    window, logs_count, lines = SESSION[name]
+    write_logs(work, logs_count, lines)
+    calls = [running(call, f"cat log-{n}.txt") for n in range(logs_count)]
     # pi looks at its window when a run ends, not between the steps of one: its session is a
     # run per log (`pi -p` takes several messages), the others' one run of every call.
     per_turn = 1 if name == "pi" else 0
     config = script_config(server, calls, tmp_path / "host.toml", compact=COMPACTION[name], per_turn=per_turn)
-    s = Server("--plugins", str(script_dir), "--config", str(config), "--context-length", str(window))
+    served = ("--plugins", str(script_dir), "--config", str(config), "--context-length", str(window))
+    # The scripted session on a tiny random Llama with SmolLM2's tokenizer and chat template:
+    # the script writes every reply, so the model's weights only cost prefill time (minutes of
+    # CI's on SmolLM2 at these lengths); SmolLM2 itself answers the unscripted prompts below.
+    s = Server(*served, model=os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-llama"))
+    logs = []
     try:
-        task = ([f"Read log-{n}.txt with your shell tool." for n in range(logs)] if per_turn else
-                f"Read the logs log-0.txt to log-{logs - 1}.txt with your shell tool, one by one.")
+        task = ([f"Read log-{n}.txt with your shell tool." for n in range(logs_count)] if per_turn else
+                f"Read the logs log-0.txt to log-{logs_count - 1}.txt with your shell tool, one by one.")
         # Claude Code's session with its shell tool alone: with all of them its fixed prompt
         # (~12,000 tokens) is past the point it compacts at in any window SmolLM2 serves in
         # CI's time (see `SESSION`).
@@ -171,7 +178,7 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
         assert all(f'api="{api}"' in t for t in turns), "".join(s.log[-40:])
         # The session outgrew the window: its first prompt (with the tools; opencode's
         # title request comes first) and the logs do not fit in it.
-        logs_tokens = sum(len(tokens(s, (work / f"log-{n}.txt").read_text())) for n in range(logs))
+        logs_tokens = sum(len(tokens(s, (work / f"log-{n}.txt").read_text())) for n in range(logs_count))
         first = next(p for t, p in zip(turns, prompts) if "tools=0" not in t)
         assert first + logs_tokens > window, (first, logs_tokens)
         # The harness compacted: its summariser's request came, then a turn on the summary.
@@ -190,7 +197,12 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
         # pair, the history's and the cut turn's, Claude Code two, sometimes more than once).
         turn_prompts = [m for m in script if not m.startswith("summary")]
         assert len(set(turn_prompts)) == len(turn_prompts), f"{name} retried a turn: {script}"
+    finally:
+        s.stop()
+        logs += s.log
 
+    s = Server(*served)
+    try:
         plain = launch(name, s.url, home, HELLO, release)
         assert plain.returncode == 0, f"{name} exit {plain.returncode}\n{plain.stdout}\n{plain.stderr[-4000:]}"
         reply = plain.stdout.strip()
@@ -206,11 +218,12 @@ def test_a_harness_session_outgrows_the_window_compacts_and_replies_unscripted(n
             prompt, cached = (int(re.search(rf"{k}=(\d+)", last).group(1)) for k in ("prompt", "cached"))
             print(f"claude: a new session's prompt {prompt} tokens, {cached} from the prompt cache")
             assert cached > prompt // 2, last
-        # Every request answered: each harness compacted before the server would refuse one.
-        requests = [line for line in s.log if "request method=POST" in line]
-        assert all("status=200" in r for r in requests), "".join(requests)
     finally:
         s.stop()
+        logs += s.log
+    # Every request answered: each harness compacted before the server would refuse one.
+    requests = [line for line in logs if "request method=POST" in line]
+    assert all("status=200" in r for r in requests), "".join(requests)
 
 
 def test_launch_starts_a_server_when_none_answers(server, script_dir, tmp_path):
