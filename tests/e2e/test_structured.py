@@ -99,10 +99,14 @@ def test_twenty_json_schemas_validate_every_time_and_the_model_alone_does_not(op
     with ThreadPoolExecutor(4) as pool:
         alone = list(pool.map(lambda case: chat(openai_client, case[0]).choices[0].message.content, CASES))
     baseline = sum(valid(text, schema) for text, (_, schema) in zip(alone, CASES))
-    constrained = 0
-    for prompt, schema in CASES:
+    for _, schema in CASES:
         jsonschema.Draft202012Validator.check_schema(schema)
-        r = chat(openai_client, prompt, response_format=schema_format(schema))
+    # Constrained, concurrently too: rows of one batch, each under its own grammar.
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda case: chat(openai_client, case[0], response_format=schema_format(case[1])),
+                                CASES))
+    constrained = 0
+    for (prompt, schema), r in zip(CASES, replies):
         text = r.choices[0].message.content
         assert valid(text, schema), f"{prompt!r}: {text!r} does not validate"
         assert r.choices[0].finish_reason == "stop", text
@@ -113,12 +117,17 @@ def test_twenty_json_schemas_validate_every_time_and_the_model_alone_does_not(op
 
 
 def test_streamed_json_schemas_validate_and_equal_the_plain_reply(openai_client):
-    for prompt, schema in CASES:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def both(case):
+        prompt, schema = case
         plain = chat(openai_client, prompt, response_format=schema_format(schema)).choices[0].message.content
         stream = chat(openai_client, prompt, response_format=schema_format(schema), stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert valid(text, schema), f"{prompt!r}: {text!r}"
-        assert text == plain
+        return plain, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with ThreadPoolExecutor(4) as pool:
+        for (prompt, schema), (plain, text) in zip(CASES, pool.map(both, CASES)):
+            assert valid(text, schema), f"{prompt!r}: {text!r}"
+            assert text == plain
 
 
 def test_json_object_always_gives_an_object(openai_client):
