@@ -84,8 +84,12 @@ fn a_pipeline_the_model_cannot_take_is_refused_before_launching() {
     assert!(err.contains("a pipeline of 3 ranks needs at least 3 layers; this model has 2"), "{err}");
     let err = refusal("tiny-gemma3", &["--pipeline-parallel", "2"]);
     assert!(err.contains("pipeline parallelism over gemma3_text is not supported yet"), "{err}");
-    let err = refusal("tiny-llama", &["--pipeline-parallel", "2", "--tensor-parallel", "2"]);
-    assert!(err.contains("together are not supported yet"), "{err}");
+    // Stages of shards: each stage's shards must divide the heads as a tensor-parallel split does.
+    let err = refusal("tiny-llama", &["--pipeline-parallel", "2", "--tensor-parallel", "3"]);
+    assert!(
+        err.contains("tensor parallelism over 3 ranks needs the model's key/value heads (2) to divide by 3"),
+        "{err}"
+    );
 }
 
 #[test]

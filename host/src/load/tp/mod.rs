@@ -121,6 +121,18 @@ impl Layout {
         }
     }
 
+    /// Refuses a pipeline over `backend` if it cannot pass activations: MLX's NCCL backend
+    /// has no send and receive.
+    fn check_backend(&self, backend: &str) -> Result<()> {
+        if self.pipeline() && backend == "nccl" {
+            bail!(
+                "--pipeline-parallel passes each stage's activations with MLX's send and receive, which its NCCL \
+                 backend (NVIDIA GPUs) does not have; split the model with --tensor-parallel alone there"
+            );
+        }
+        Ok(())
+    }
+
     /// The split's name in logs.
     fn describe(&self) -> String {
         match (self.stages > 1, self.shards > 1) {
@@ -268,6 +280,8 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
         Ok(())
     };
     check().with_context(|| format!("splitting {}", path.display()))?;
+    let backend = backend(select_device(device)?, hosts.as_ref());
+    layout.check_backend(backend)?;
     let me = Identity {
         // Local ranks run the binary this process launches them from.
         binary: if hosts.is_some() { hosts::binary_hash()? } else { String::new() },
@@ -286,8 +300,6 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
             .with_context(|| format!("tensor-parallel rank {} on {} went away", link.rank, link.host))?;
     }
     rank_env(None, 0, n, &ring_file, &nccl);
-    let device = select_device(device)?;
-    let backend = backend(device, hosts.as_ref());
     let group = mlx::distributed::init(backend)
         .with_context(|| format!("joining the {n}-rank tensor-parallel group ({backend})"))?;
     if group.size != n || group.rank != 0 {
@@ -615,6 +627,15 @@ mod tests {
             .contains("--tensor-parallel 2 x --pipeline-parallel 2 makes 4 ranks but the hostfile h.json lists 2"));
         assert!(err(split(1, 1, true), None).contains("--ssh-launch needs --hostfile"));
         assert!(err(split(1, 1, false), None).contains("needs at least 2 ranks"));
+    }
+
+    #[test]
+    fn a_pipeline_over_nccl_is_refused_for_want_of_send_and_receive() {
+        let pipeline = Layout { stages: 2, shards: 1 };
+        assert!(pipeline.check_backend("ring").is_ok());
+        let err = pipeline.check_backend("nccl").unwrap_err().to_string();
+        assert!(err.contains("NCCL") && err.contains("--tensor-parallel alone"), "{err}");
+        assert!(Layout { stages: 1, shards: 2 }.check_backend("nccl").is_ok());
     }
 
     #[test]
