@@ -2,11 +2,12 @@
 `ip netns` and a veth pair, addresses only inside them), rank 0 `host serve --hostfile`, rank
 1 `host tp-worker --hostfile --rank 1` started by hand before it, talking TCP over MLX's ring
 backend. Tensor-parallel shards, pipeline stages, and stages of shards (two hosts of two ranks
-each) alike: concurrent requests (one batch)
+each, or four hosts on a switch) alike: concurrent requests (one batch)
 answer what one rank answers; a worker with other
 model files is refused with the difference named; a killed worker and a dropped link each
 stop the server within seconds, naming the rank and its host."""
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -127,33 +128,63 @@ def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts, split):
         worker.kill()
 
 
-def test_two_hosts_of_two_shards_each_serve_a_pipeline_like_one_rank(hosts, tmp_path):
-    """Two pipeline stages, one per host, each stage two tensor-parallel shards on its host
-    (the hostfile lists each host twice: ranks 0-1 on `a`, 2-3 on `b`): the shards' sums stay
-    inside a host, and only the stages' activations and the ids cross the link (rank 2 to
-    rank 1, rank 0 to rank 3)."""
-    a, b, _ = hosts
+@contextlib.contextmanager
+def lan(count):
+    """`count` hosts on one switch: a namespace each, joined by veth pairs to a bridge in a
+    namespace of its own; yields [(namespace, address)]."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = uuid.uuid4().hex[:6]
+    switch = f"s{tag}"
+    hosts = [(f"s{tag}h{i}", f"10.249.3.{i + 1}") for i in range(count)]
+    made = []
+    try:
+        for ns in [switch] + [ns for ns, _ in hosts]:
+            ip("netns", "add", ns)
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", switch, "link", "add", "sw", "type", "bridge")
+        ip("-n", switch, "link", "set", "sw", "up")
+        for i, (ns, addr) in enumerate(hosts):
+            ip("link", "add", f"{ns}0", "type", "veth", "peer", "name", f"{switch}p{i}")
+            ip("link", "set", f"{ns}0", "netns", ns)
+            ip("link", "set", f"{switch}p{i}", "netns", switch)
+            ip("-n", switch, "link", "set", f"{switch}p{i}", "master", "sw", "up")
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{ns}0")
+            ip("-n", ns, "link", "set", f"{ns}0", "up")
+        yield hosts
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.parametrize("places", [[0, 0, 1, 1], [0, 1, 2, 3]], ids=["two-hosts-of-two", "four-hosts"])
+def test_pipeline_stages_of_shards_over_hosts_serve_like_one_rank(places, tmp_path):
+    """Two pipeline stages of two tensor-parallel shards (ranks 0-1 the last stage, 2-3 the
+    first) over hosts on one switch: two hosts of two ranks each (the hostfile lists each host
+    twice; the shards' sums stay inside a host, and only the stages' activations and the ids
+    cross the link, rank 2 to rank 1 and rank 0 to rank 3), or a host per rank."""
     tiny = os.path.join(os.environ["HOST_TEST_MODELS"], "tiny-qwen2")
     want = one_rank(tiny)
-    hostfile = tmp_path / "four.json"
-    hostfile.write_text(json.dumps([{"ssh": h, "ips": [addr]} for h, addr in
-                                    (("a", ADDRESSES[0]), ("a", ADDRESSES[0]), ("b", ADDRESSES[1]), ("b", ADDRESSES[1]))]))
-    workers = [start_worker(ns, str(hostfile), rank=rank) for rank, ns in ((1, a), (2, b), (3, b))]
-    server = Server("--hostfile", str(hostfile), "--prompt-cache-bytes", "0", "--pipeline-parallel", "2",
-                    "--tensor-parallel", "2", model=tiny, prefix=["ip", "netns", "exec", a])
-    try:
-        alone, together = answers(server.url, ns=a)
-        assert alone == want
-        assert together == want
-        assert any("pipeline parallel (2 stages) x tensor parallel (2 shards) over hosts" in line
-                   for line in server.log), server.log[-5:]
-        server.proc.terminate()
-        assert server.proc.wait(timeout=30) == 0
-        assert [w.wait(timeout=10) for w in workers] == [0, 0, 0]
-    finally:
-        server.stop()
-        for w in workers:
-            w.kill()
+    with lan(max(places) + 1) as hosts:
+        hostfile = tmp_path / "four.json"
+        hostfile.write_text(json.dumps([{"ssh": f"h{p}", "ips": [hosts[p][1]]} for p in places]))
+        workers = [start_worker(hosts[p][0], str(hostfile), rank=rank) for rank, p in enumerate(places) if rank]
+        server = Server("--hostfile", str(hostfile), "--prompt-cache-bytes", "0", "--pipeline-parallel", "2",
+                        "--tensor-parallel", "2", model=tiny, prefix=["ip", "netns", "exec", hosts[0][0]])
+        try:
+            alone, together = answers(server.url, ns=hosts[0][0])
+            assert alone == want
+            assert together == want
+            assert any("pipeline parallel (2 stages) x tensor parallel (2 shards) over hosts" in line
+                       for line in server.log), server.log[-5:]
+            server.proc.terminate()
+            assert server.proc.wait(timeout=30) == 0
+            assert [w.wait(timeout=10) for w in workers] == [0, 0, 0]
+        finally:
+            server.stop()
+            for w in workers:
+                w.kill()
 
 
 def test_a_worker_with_another_binary_or_other_model_files_is_refused(hosts, tmp_path):
