@@ -96,13 +96,13 @@ def test_twenty_json_schemas_validate_every_time_and_the_model_alone_does_not(op
     assert len(CASES) == 20
     # The baseline, the model alone, runs as concurrent requests (the server batches them;
     # left to itself the model writes up to max_tokens, most of this test's time).
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(8) as pool:
         alone = list(pool.map(lambda case: chat(openai_client, case[0]).choices[0].message.content, CASES))
     baseline = sum(valid(text, schema) for text, (_, schema) in zip(alone, CASES))
     for _, schema in CASES:
         jsonschema.Draft202012Validator.check_schema(schema)
     # Constrained, concurrently too: rows of one batch, each under its own grammar.
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda case: chat(openai_client, case[0], response_format=schema_format(case[1])),
                                 CASES))
     constrained = 0
@@ -124,7 +124,7 @@ def test_streamed_json_schemas_validate_and_equal_the_plain_reply(openai_client)
         plain = chat(openai_client, prompt, response_format=schema_format(schema)).choices[0].message.content
         stream = chat(openai_client, prompt, response_format=schema_format(schema), stream=True)
         return plain, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(8) as pool:
         for (prompt, schema), (plain, text) in zip(CASES, pool.map(both, CASES)):
             assert valid(text, schema), f"{prompt!r}: {text!r}"
             assert text == plain
