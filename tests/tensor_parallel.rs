@@ -9,7 +9,7 @@
 
 use super::common;
 
-use common::{generate, models, run};
+use common::{generate, models, run, run_with};
 use serde_json::Value;
 
 fn ids(model: &std::path::Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
@@ -70,6 +70,23 @@ fn pipeline_stages_give_one_ranks_greedy_tokens_and_roll_back_together() {
     let split: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(split["token_ids"], one);
     assert!(split["drafted_tokens"].as_u64().unwrap() > split["accepted_tokens"].as_u64().unwrap(), "{split}");
+}
+
+#[test]
+fn stages_of_shards_give_one_ranks_greedy_tokens_in_whatever_order_mlx_runs_a_graph() {
+    let Some(dir) = models() else { return };
+    // Two stages of three shards (heads that split three ways): the middle shard of each
+    // stage both sends and receives in every sum. MLX's `recv` has no inputs, so MLX may
+    // schedule it anywhere in a step's graph; with MLX_BFS_MAX_WIDTH=1 it schedules a shard's
+    // wait for the total before its own send of the partial sum (and the ranks hang) unless
+    // each receive is ordered after this rank's part (`recv_after`).
+    let model = dir.join("tiny-llama-thirds");
+    let one = ids(&model, "The quick brown fox", 12, &[]);
+    let split = ["--pipeline-parallel", "2", "--tensor-parallel", "3"];
+    let out = run_with(&model, "The quick brown fox", 12, &split, &[("MLX_BFS_MAX_WIDTH", "1")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["token_ids"], one);
 }
 
 #[test]

@@ -84,11 +84,17 @@ pub fn models() -> Option<PathBuf> {
 
 /// `host generate --json --device cpu` (greedy unless `extra` says otherwise).
 pub fn run(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> Output {
+    run_with(model, prompt, max_tokens, extra, &[])
+}
+
+/// As `run`, with `env` added to its environment (and its workers').
+pub fn run_with(model: &Path, prompt: &str, max_tokens: usize, extra: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["generate", "--json", "--device", "cpu", "--max-tokens", &max_tokens.to_string(), "--prompt", prompt])
         .arg("--model")
         .arg(model)
         .args(extra)
+        .envs(env.iter().copied())
         .output_within(HANG)
 }
 

@@ -31,31 +31,47 @@ def ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    """Two hosts, `a` and `b`, on one link; yields (namespace of a, namespace of b, hostfile)."""
+@contextlib.contextmanager
+def lan(count, subnet="10.249.3"):
+    """`count` hosts on one switch: a namespace each, joined by veth pairs to a bridge in a
+    namespace of its own, host i at `subnet`.(i + 1); yields [(namespace, address)]."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     tag = uuid.uuid4().hex[:6]
-    a, b = f"h{tag}a", f"h{tag}b"
+    switch = f"s{tag}"
+    hosts = [(f"s{tag}h{i}", f"{subnet}.{i + 1}") for i in range(count)]
+    made = []
     try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        pytest.skip(f"no network namespaces here: {e}")
-    try:
-        ip("link", "add", f"{a}0", "type", "veth", "peer", "name", f"{b}0")
-        for ns, addr in zip((a, b), ADDRESSES):
+        for ns in [switch] + [ns for ns, _ in hosts]:
+            try:
+                ip("netns", "add", ns)
+            except (subprocess.CalledProcessError, FileNotFoundError) as e:
+                pytest.skip(f"no network namespaces here: {e}")
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", switch, "link", "add", "sw", "type", "bridge")
+        ip("-n", switch, "link", "set", "sw", "up")
+        for i, (ns, addr) in enumerate(hosts):
+            ip("link", "add", f"{ns}0", "type", "veth", "peer", "name", f"{switch}p{i}")
             ip("link", "set", f"{ns}0", "netns", ns)
+            ip("link", "set", f"{switch}p{i}", "netns", switch)
+            ip("-n", switch, "link", "set", f"{switch}p{i}", "master", "sw", "up")
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{ns}0")
             ip("-n", ns, "link", "set", f"{ns}0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Two hosts, `a` and `b` (ADDRESSES), on one switch; yields (namespace of a, namespace of
+    b, hostfile)."""
+    with lan(2, subnet=ADDRESSES[0].rsplit(".", 1)[0]) as [(a, _), (b, _)]:
         hostfile = tmp_path / "hosts.json"
         hostfile.write_text(json.dumps([{"ssh": "a", "ips": [ADDRESSES[0]]}, {"ssh": "b", "ips": [ADDRESSES[1]]}]))
         yield a, b, str(hostfile)
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def enter(ns):
@@ -126,36 +142,6 @@ def test_two_hosts_serve_like_one_and_stop_with_rank_0(hosts, split):
     finally:
         server.stop()
         worker.kill()
-
-
-@contextlib.contextmanager
-def lan(count):
-    """`count` hosts on one switch: a namespace each, joined by veth pairs to a bridge in a
-    namespace of its own; yields [(namespace, address)]."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = uuid.uuid4().hex[:6]
-    switch = f"s{tag}"
-    hosts = [(f"s{tag}h{i}", f"10.249.3.{i + 1}") for i in range(count)]
-    made = []
-    try:
-        for ns in [switch] + [ns for ns, _ in hosts]:
-            ip("netns", "add", ns)
-            made.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-        ip("-n", switch, "link", "add", "sw", "type", "bridge")
-        ip("-n", switch, "link", "set", "sw", "up")
-        for i, (ns, addr) in enumerate(hosts):
-            ip("link", "add", f"{ns}0", "type", "veth", "peer", "name", f"{switch}p{i}")
-            ip("link", "set", f"{ns}0", "netns", ns)
-            ip("link", "set", f"{switch}p{i}", "netns", switch)
-            ip("-n", switch, "link", "set", f"{switch}p{i}", "master", "sw", "up")
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{ns}0")
-            ip("-n", ns, "link", "set", f"{ns}0", "up")
-        yield hosts
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.mark.parametrize("places", [[0, 0, 1, 1], [0, 1, 2, 3]], ids=["two-hosts-of-two", "four-hosts"])

@@ -271,7 +271,7 @@ pub fn load(model: Option<&Path>, path: &Path, split: &Split, device: DeviceChoi
     let layout = split.shape(hosts.as_ref())?;
     let n = layout.ranks();
     let check = || -> models::Result<()> {
-        if layout.stages > 1 {
+        if layout.pipeline() {
             models::check_pipeline(path, layout.stages)?;
         }
         if layout.shards > 1 {

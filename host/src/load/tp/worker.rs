@@ -147,10 +147,8 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
     if group.rank != rank || group.size != size {
         bail!("joined as rank {} of {}, expected {rank} of {size}", group.rank, group.size);
     }
+    // Rank 0 admitted this worker for a group of `size` ranks: its layout's.
     let layout = welcome.layout;
-    if layout.ranks() != size {
-        bail!("rank 0 splits the model over {} ranks, but this worker was started for {size}", layout.ranks());
-    }
     let loaded = models::load_with(&model, &layout.options(rank))
         .with_context(|| format!("rank {rank} loading {}", model.display()))?;
     // The first stage's shards are the highest ranks: the ids come to the highest from rank
