@@ -389,15 +389,27 @@ impl<'m> Batch<'m> {
             }
         }
         let (started, rows) = (Instant::now(), self.rows.len());
+        // A step that reads one in flight and starts the next is what plain decoding costs; the
+        // first after a verification also waits for its own forward (the pipeline's restart,
+        // a cost of the verification), so it is not timed — unless the batch never pipelines.
+        let steady = self.pending.is_some() || self.serial();
         let out = self.plain_step();
         let secs = started.elapsed().as_secs_f64();
-        for spec in self.rows.iter_mut().filter_map(|r| r.speculation.as_mut()) {
-            spec.adaptive.plain_step(secs);
-        }
-        if rows > 0 {
+        self.draft_cost.plain_taken();
+        if steady && rows > 0 {
+            for spec in self.rows.iter_mut().filter_map(|r| r.speculation.as_mut()) {
+                spec.adaptive.plain_step(secs);
+            }
             self.draft_cost.timed(rows, secs);
         }
         out
+    }
+
+    /// Whether every step is read before the next is built: a sampler plugin's row (its
+    /// picks come from the host) or a constrained row that speculates (each token is looked
+    /// at for a draft).
+    fn serial(&self) -> bool {
+        self.rows.iter().any(|r| r.external.is_some() || r.constrained_speculation())
     }
 
     /// One plain step: every row one token, pipelined where no row needs otherwise.
@@ -407,7 +419,7 @@ impl<'m> Batch<'m> {
             None if self.rows.is_empty() => return Ok(Vec::new()),
             None => self.build(None)?,
         };
-        let serial = self.rows.iter().any(|r| r.external.is_some() || r.constrained_speculation());
+        let serial = self.serial();
         let constrained = self.rows.iter().any(|r| r.constraint.is_some());
         if self.rows.is_empty() || serial {
             return self.read(current);
@@ -1337,6 +1349,40 @@ mod tests {
             }
         }
         assert_eq!(counts.verifications, 1, "{counts:?}");
+    }
+
+    /// A draft model drafting for itself: every draft passes, so no verification ever misses,
+    /// and with nothing plain timed the rule cannot weigh a verification's cost (drafting
+    /// included) against a plain step's — the batch takes plain steps to time one
+    /// (`DraftCost::probing`) instead of verifying every step; its tokens stay plain's.
+    #[test]
+    fn a_batch_whose_drafts_always_pass_still_times_a_plain_step() {
+        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
+        let model = models::testing::model("llama", 4).unwrap();
+        let model = model.as_ref();
+        let prompt: Vec<u32> = (3u32..11).collect();
+        let n = 40;
+        let mut batch = Batch::new(model);
+        batch.draft_cost = DraftCost::default();
+        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
+        let config = SpecConfig { method: SpecMethod::Draft, num_draft_tokens: 4, ..Default::default() };
+        let spec = Speculation::new(config, &prompt, Some(model), 16).unwrap();
+        let row = Row::new(0, &prompt, sampler, options(n)).unwrap().with_speculation(Some(spec));
+        batch.join(row, &prefilled(model, &prompt)).unwrap();
+        let (mut ids, mut counts) = (Vec::new(), SpecCounts::default());
+        while !batch.is_empty() {
+            for (key, token) in batch.step().unwrap() {
+                counts = batch.row(key).unwrap().spec_counts();
+                let token = token.unwrap();
+                ids.push(token.id);
+                if token.finish.is_some() {
+                    batch.leave(key).unwrap();
+                }
+            }
+        }
+        assert_eq!(ids, alone(model, &prompt, &SamplingParams::default(), n));
+        assert_eq!(counts.accepted, counts.drafted, "{counts:?}");
+        assert!(counts.steps >= counts.verifications + 2, "no plain step was timed: {counts:?}");
     }
 
     /// Lossless verification in batch rows keeps each row's output distribution: over many

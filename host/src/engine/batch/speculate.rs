@@ -166,6 +166,10 @@ pub struct DraftCost {
     times: std::collections::BTreeMap<usize, f64>,
     /// Steps the rule kept plain while rows had drafts, since the last verification.
     passed: usize,
+    /// Verifications in a row taken while no plain step of as many rows (or fewer) was timed.
+    blind: usize,
+    /// Plain steps still to take so that one is timed (`PROBE_AFTER`).
+    probe: usize,
     /// Verify every draft whatever the cost (`HOST_DRAFT_COST=off`, for measuring; tests).
     off: bool,
 }
@@ -180,6 +184,13 @@ const LONGEST_WITHIN: f64 = 0.85;
 /// A plain step is chosen at most this many times in a row while rows have drafts; then one
 /// verification of every draft is tried, so the sizes not taken keep being measured.
 const EXPLORE_EVERY: usize = 32;
+
+/// The other way round: after this many verifications in a row with no plain step of the
+/// batch's size timed, the next two steps are plain (the first restarts the pipeline, the
+/// second is timed). Without it a drafter whose drafts always pass but cost more than they
+/// save (a draft model as slow as the target) is verified every step and never found out:
+/// nothing plain is ever timed to weigh it against (bench/RESULTS.md, session 49).
+const PROBE_AFTER: usize = 4;
 
 impl DraftCost {
     /// The rule as `HOST_DRAFT_COST` sets it: measured, or `off` (every draft verified).
@@ -224,16 +235,45 @@ impl DraftCost {
         }
     }
 
+    /// Whether a plain step of `rows` rows, or of fewer, was timed (a verification's size is
+    /// no measure of a plain step: the line below its smallest size is flat).
+    fn knows_plain(&self, rows: usize) -> bool {
+        self.times.range(..=rows).next().is_some()
+    }
+
+    /// A verification over `rows` rows was taken: a plain step is due (`probing`) after
+    /// `PROBE_AFTER` of them in a row with no plain step of that size timed.
+    pub fn verified_step(&mut self, rows: usize) {
+        if self.off || self.knows_plain(rows) {
+            self.blind = 0;
+            return;
+        }
+        self.blind += 1;
+        if self.blind >= PROBE_AFTER {
+            (self.blind, self.probe) = (0, 2);
+        }
+    }
+
+    /// Whether the next step must be plain, to time one.
+    pub fn probing(&self) -> bool {
+        self.probe > 0
+    }
+
+    /// A plain step was taken (timed by `timed` where it was a steady one).
+    pub fn plain_taken(&mut self) {
+        self.probe = self.probe.saturating_sub(1);
+    }
+
     /// Positions per row for a step over rows whose drafts are `drafts` long, each row's
     /// chances that its first 1, 2, ... drafts all pass being `survival`: 1 (plain) or more.
-    /// Before the line is known, every draft is verified.
+    /// Before a plain step of the batch's size is timed, every draft is verified.
     pub fn best(&self, drafts: &[usize], survival: &[Vec<f64>]) -> usize {
         let b = drafts.len();
         let most = drafts.iter().copied().max().unwrap_or(0);
         if most == 0 {
             return 1;
         }
-        let Some(plain) = self.secs(b).filter(|_| !self.off) else { return most + 1 };
+        let Some(plain) = self.secs(b).filter(|_| !self.off && self.knows_plain(b)) else { return most + 1 };
         // A size never measured is tried once at the plain step's cost.
         let expected = |t: usize| -> f64 {
             let per_row = |(&k, s): (&usize, &Vec<f64>)| -> f64 { 1.0 + s.iter().take(k.min(t - 1)).sum::<f64>() };
@@ -292,6 +332,9 @@ impl<'m> Batch<'m> {
         }
         if policy_chooses {
             return self.rows.iter().any(Row::wants_to_draft);
+        }
+        if self.draft_cost.probing() {
+            return false;
         }
         // A row whose drafts were never verified is verified once, whatever the cost: the
         // rule then weighs that row's own acceptance, not only the prior (and a short request
@@ -622,6 +665,7 @@ impl<'m> Batch<'m> {
             batch.commit(&accepted_together)?;
         }
         self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
+        self.draft_cost.verified_step(b);
         let drafted = drafts.iter().map(Vec::len).sum::<usize>();
         let v = &mut self.verified;
         (v.steps, v.drafts, v.positions) = (v.steps + 1, v.drafts + drafted, v.positions + b * t);
@@ -716,6 +760,36 @@ mod tests {
             })
             .collect();
         assert_eq!(picks.iter().filter(|&&t| t > 1).count(), 1, "{picks:?}");
+    }
+
+    /// Verifications timed and no plain step: the rule verifies every draft (it has nothing
+    /// to weigh them against) until `PROBE_AFTER` of them, then asks for two plain steps; a
+    /// timed plain step of as many rows or fewer ends the probing, and with the rule off
+    /// nothing is probed.
+    #[test]
+    fn a_batch_that_only_verifies_is_made_to_time_a_plain_step() {
+        let mut rule = DraftCost::default();
+        for _ in 0..PROBE_AFTER - 1 {
+            rule.timed(40, 0.2);
+            rule.verified_step(8);
+            assert!(!rule.probing());
+        }
+        assert_eq!(rule.best(&[4; 8], &geometric(8, 0.99)), 5, "nothing plain timed: every draft");
+        rule.verified_step(8);
+        assert!(rule.probing());
+        rule.plain_taken();
+        assert!(rule.probing(), "the first plain step restarts the pipeline: a second is due");
+        rule.plain_taken();
+        rule.timed(8, 0.05);
+        assert!(!rule.probing());
+        for _ in 0..2 * PROBE_AFTER {
+            rule.verified_step(8);
+            assert!(!rule.probing());
+        }
+        assert_eq!(rule.best(&[4; 8], &geometric(8, 0.3)), 1, "now weighed: plain");
+        let mut off = DraftCost::off();
+        (0..2 * PROBE_AFTER).for_each(|_| off.verified_step(8));
+        assert!(!off.probing());
     }
 
     /// Drafts that either all pass or miss at once (a copy followed or not): the chance of
