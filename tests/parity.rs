@@ -156,13 +156,15 @@ fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_token
     }
 }
 
-/// How far float32 logits may differ from the oracle's: 1e-4, or 1e-5 of the largest logit
+/// How far float32 logits may differ from the oracle's: 1e-4, or 2e-5 of the largest logit
 /// where that is more. Two engines that sum in different orders differ by rounding relative
 /// to the values summed (the host's CPU product of quantized weights sums per group, then
-/// over groups; MLX's kernel otherwise), and some models' logits are tens.
+/// over groups, in 16 lanes with AVX-512 and in two accumulators of 8 with AVX2; MLX's kernel
+/// otherwise), and some models' logits are tens: on an AVX2-only CPU tiny-gemma4-q4 differed
+/// by 1.13e-5 of its largest logit (1.65e-4 at 14.7), inside 1e-5 with AVX-512.
 fn logits_bound(want: &[f32]) -> f32 {
     let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    (1e-5 * largest).max(1e-4)
+    (2e-5 * largest).max(1e-4)
 }
 
 /// As `check_logits`, with the prompt fed in chunks of `chunk` tokens (each a forward over the
