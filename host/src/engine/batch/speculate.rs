@@ -166,7 +166,8 @@ pub struct DraftCost {
     times: std::collections::BTreeMap<usize, f64>,
     /// Steps the rule kept plain while rows had drafts, since the last verification.
     passed: usize,
-    /// Verifications in a row taken while no plain step of as many rows (or fewer) was timed.
+    /// Verifications in a row taken while no step of as many positions as the batch's rows (or
+    /// fewer) was timed (`knows_plain`).
     blind: usize,
     /// Plain steps still to take so that one is timed (`PROBE_AFTER`).
     probe: usize,
@@ -235,8 +236,10 @@ impl DraftCost {
         }
     }
 
-    /// Whether a plain step of `rows` rows, or of fewer, was timed (a verification's size is
-    /// no measure of a plain step: the line below its smallest size is flat).
+    /// Whether a step feeding `rows` positions or fewer was timed (a plain step of this many
+    /// rows or fewer, or a smaller batch's verification): the line at `rows` is then read
+    /// between measured sizes. Below the smallest it is flat, so a bigger verification's time
+    /// would pass for a plain step's.
     fn knows_plain(&self, rows: usize) -> bool {
         self.times.range(..=rows).next().is_some()
     }
