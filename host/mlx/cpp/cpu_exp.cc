@@ -1,8 +1,7 @@
 // MLX's CPU kernels redone with the same bits (issue 47). Three that spend their time in exp,
-// sixteen lanes at a time with the
-// same bits (issue 47): SwiGLU, silu(gate) * x (mlx-lm's compiled `swiglu`), the log-sum-exp
-// over the vocabulary that every sampled token's log-probabilities take, and softmax (a
-// decode step's attention). Only on x86-64, where MLX's kernels are the scalar ones mirrored
+// sixteen lanes at a time (AVX-512) or eight (AVX2) with the same bits: SwiGLU, silu(gate) * x
+// (mlx-lm's compiled `swiglu`), the log-sum-exp over the vocabulary that every sampled token's
+// log-probabilities take, and softmax (a decode step's attention). Only on x86-64, where MLX's kernels are the scalar ones mirrored
 // here (on ARM its NEON kernels sum in lanes, another order). MLX's CPU elementwise
 // kernels are scalar on x86 (its SIMD types have no x86 implementation), and its exp calls
 // libm's fmaf through the PLT for each term of its polynomial: in a batch-8 decode step of
@@ -219,25 +218,157 @@ bool has_avx512() {
   }();
   return yes;
 }
+
+#define HOST_AVX2 __attribute__((target("avx2,fma")))
+
+// exp16's arithmetic on eight lanes (the masks as blends).
+HOST_AVX2 inline __m256 exp8(__m256 x_init) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 xs = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  const __m256 fl = _mm256_round_ps(xs, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(xs, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m256 ipart = _mm256_blendv_ps(fl, _mm256_add_ps(fl, one), up);
+  const __m256 fpart = _mm256_sub_ps(xs, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, one);
+  const __m256i epart =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  e = _mm256_blendv_ps(e, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));  // NaN stays
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+}
+
+HOST_AVX2 void swiglu_avx2(const float* g, const float* x, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_and_ps(gv, abs_mask))));
+    const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 s = _mm256_blendv_ps(_mm256_sub_ps(one, y), y, neg);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, s), _mm256_loadu_ps(x + i)));
+  }
+  swiglu_scalar(g + i, x + i, out + i, n - i);
+}
+
+// row_max_avx512 on eight lanes.
+HOST_AVX2 float row_max_avx2(const float* x, int64_t m, bool& nan) {
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float most = lanes[0];
+  for (int l = 1; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
+  nan = _mm256_movemask_ps(unordered) != 0;
+  for (; i < m; i++) {
+    if (std::isnan(x[i])) nan = true;
+    most = x[i] > most ? x[i] : most;
+  }
+  return most;
+}
+
+HOST_AVX2 float logsumexp_avx2(const float* x, int64_t m) {
+  bool nan = false;
+  const float most = row_max_avx2(x, m, nan);
+  int64_t i = 0;
+  if (nan) return logsumexp_scalar(x, m);
+  const __m256 vmost = _mm256_set1_ps(most);
+  alignas(32) float e[8];
+  float sum = 0.0f;
+  for (i = 0; i + 8 <= m; i += 8) {
+    _mm256_store_ps(e, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmost)));
+    for (int l = 0; l < 8; l++) sum += e[l];
+  }
+  for (; i < m; i++) sum += mlx_exp(x[i] - most);
+  return std::isinf(most) ? most : std::log(sum) + most;
+}
+
+HOST_AVX2 void softmax_row_avx2(const float* x, float* out, int64_t m) {
+  bool nan = false;
+  const float most = row_max_avx2(x, m, nan);
+  int64_t i = 0;
+  if (nan) return softmax_scalar(x, out, m);
+  const __m256 vmost = _mm256_set1_ps(most);
+  float sum = 0.0f;
+  for (i = 0; i + 8 <= m; i += 8) {
+    _mm256_storeu_ps(out + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmost)));
+    for (int l = 0; l < 8; l++) sum += out[i + l];
+  }
+  for (; i < m; i++) {
+    out[i] = mlx_exp(x[i] - most);
+    sum += out[i];
+  }
+  const float scale = 1 / sum;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (i = 0; i + 8 <= m; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(out + i), vscale));
+  for (; i < m; i++) out[i] = out[i] * scale;
+}
+
+bool has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
 #endif
+
+// The loops cpu_exp_mode picks: 1 the scalar ones, 2 (the default) the widest this CPU has,
+// 3 AVX2's where the CPU has them (tests, on a CPU with AVX-512).
+enum class Lanes { kScalar, kAvx2, kAvx512 };
+
+Lanes lanes() {
+#if defined(__x86_64__)
+  const int mode = cpu_exp_mode.load(std::memory_order_relaxed);
+  if (mode == 2 && has_avx512()) return Lanes::kAvx512;
+  if (mode >= 2 && has_avx2()) return Lanes::kAvx2;
+#endif
+  return Lanes::kScalar;
+}
 
 float logsumexp_run(const float* x, int64_t m) {
 #if defined(__x86_64__)
-  if (cpu_exp_mode.load(std::memory_order_relaxed) == 2 && has_avx512()) return logsumexp_avx512(x, m);
+  switch (lanes()) {
+    case Lanes::kAvx512: return logsumexp_avx512(x, m);
+    case Lanes::kAvx2: return logsumexp_avx2(x, m);
+    case Lanes::kScalar: break;
+  }
 #endif
   return logsumexp_scalar(x, m);
 }
 
 void softmax_run(const float* x, float* out, int64_t m) {
 #if defined(__x86_64__)
-  if (cpu_exp_mode.load(std::memory_order_relaxed) == 2 && has_avx512()) return softmax_avx512(x, out, m);
+  switch (lanes()) {
+    case Lanes::kAvx512: return softmax_avx512(x, out, m);
+    case Lanes::kAvx2: return softmax_row_avx2(x, out, m);
+    case Lanes::kScalar: break;
+  }
 #endif
   softmax_scalar(x, out, m);
 }
 
 void swiglu_run(const float* g, const float* x, float* out, int64_t n) {
 #if defined(__x86_64__)
-  if (cpu_exp_mode.load(std::memory_order_relaxed) == 2 && has_avx512()) return swiglu_avx512(g, x, out, n);
+  switch (lanes()) {
+    case Lanes::kAvx512: return swiglu_avx512(g, x, out, n);
+    case Lanes::kAvx2: return swiglu_avx2(g, x, out, n);
+    case Lanes::kScalar: break;
+  }
 #endif
   swiglu_scalar(g, x, out, n);
 }

@@ -8,12 +8,13 @@
 //
 // For a few activation rows (decode), each 32-weight chunk's codes become float weights once
 // (AVX-512, 4 bits: looked up in the group's table of its 16 values, scale * code + bias;
-// otherwise converted and scaled, the bias term added from x's group sums) and are multiplied
+// AVX-512, 8 bits: converted and scaled; AVX2: converted, summed unscaled per group and the sum
+// scaled; the bias term, where not in the table, added from x's group sums) and are multiplied
 // with the activations of several rows (AVX-512: tiles of 4 weight rows by up to 2 activation
-// rows; AVX2: one weight row by 4 activation rows), which were reordered beforehand so a
-// chunk's low nibbles meet the even positions and its high nibbles the odd ones (no
-// interleaving in the loop). AVX-512 or AVX2 (chosen at run
-// time), else portable C++. Large products are split by weight rows over a small pool of
+// rows; AVX2: one weight row by up to 4 activation rows, two weight rows for one), which were
+// reordered beforehand so a chunk's low nibbles meet the even positions and its high nibbles
+// the odd ones (no interleaving in the loop). AVX-512 or AVX2 (chosen at run time), else
+// portable C++. Large products are split by weight rows over a small pool of
 // threads. For more rows (prefill chunks, wide batches), blocks of weight rows are dequantized
 // into a scratch buffer that stays in L3 and multiplied with the process's sgemm, the BLAS
 // MLX's float32 matmul uses.
@@ -157,21 +158,36 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1) {
+// NR weight rows (c, c + step, ...) against R activation rows. Each (weight row, activation
+// row) pair sums a group's products of unscaled codes in two chains (a chunk's even and odd
+// eighths), then adds them, scaled, to its accumulator: one multiply-add a group on the
+// loop-carried chain, where scaling the codes first put two a chunk on each of two chains and
+// the multiply-add's latency, not the loads, set the pace (the product of one row on this
+// AVX2-only EPYC: 2.6-5.1 GB/s of weights that way, 7-9 with the chains and two streams;
+// bench/RESULTS.md, session 50). A pair sums in the same order whatever NR and R, so a row's
+// result has the same bits alone or in a batch.
+template <int R, int NR>
+__attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(const Job& j, int c, int step) {
   const int chunks = j.group / 32;
   const __m128i low = _mm_set1_epi8(0x0F);
-  for (int c = n0; c < n1; c++) {
-    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
-    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
-    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
-    __m256 acc[R][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int g = 0; g < j.groups; g++) {
-      const __m256 s = _mm256_set1_ps(sr[g]);
-      for (int ch = 0; ch < chunks; ch++) {
-        const int at = (g * chunks + ch) * 32;
+  __m256 acc[NR][R];
+#pragma GCC unroll 2
+  for (int a = 0; a < NR; a++) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[a][r] = _mm256_setzero_ps();
+  }
+  for (int g = 0; g < j.groups; g++) {
+    __m256 t[NR][R][2];
+#pragma GCC unroll 2
+    for (int a = 0; a < NR; a++) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) t[a][r][0] = t[a][r][1] = _mm256_setzero_ps();
+    }
+    for (int ch = 0; ch < chunks; ch++) {
+      const int at = (g * chunks + ch) * 32;
+#pragma GCC unroll 2
+      for (int a = 0; a < NR; a++) {
+        const uint8_t* wr = j.w + static_cast<size_t>(c + a * step) * j.w_stride;
         __m256 q[4];
         if (j.bits == 4) {
           const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
@@ -188,16 +204,27 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1)
           }
         }
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) q[i] = _mm256_mul_ps(q[i], s);
-#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; i++) acc[r][i & 1] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xp + 8 * i), acc[r][i & 1]);
+          for (int i = 0; i < 4; i++) {
+            t[a][r][i & 1] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xp + 8 * i), t[a][r][i & 1]);
+          }
         }
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 2
+    for (int a = 0; a < NR; a++) {
+      const __m256 s = _mm256_set1_ps(j.scales[static_cast<size_t>(c + a * step) * j.groups + g]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) acc[a][r] = _mm256_fmadd_ps(s, _mm256_add_ps(t[a][r][0], t[a][r][1]), acc[a][r]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int a = 0; a < NR; a++) {
+    const size_t row = static_cast<size_t>(c + a * step);
+    const float* br = j.biases + row * j.groups;
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
       const float* xs = j.xsum + static_cast<size_t>(r) * j.groups;
       __m256 bv = _mm256_setzero_ps();
@@ -205,9 +232,23 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1)
       for (; g + 8 <= j.groups; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(br + g), _mm256_loadu_ps(xs + g), bv);
       float bias = hsum256(bv);
       for (; g < j.groups; g++) bias += br[g] * xs[g];
-      j.y[static_cast<size_t>(r) * j.n + c] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + bias;
+      j.y[static_cast<size_t>(r) * j.n + row] = hsum256(acc[a][r]) + bias;
     }
   }
+}
+
+// Weight rows [n0, n1) against R activation rows. A lone activation row takes its weight rows
+// two at a time, one from each half of the range (two streams a page or more apart, as
+// rows_avx512 does).
+template <int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Job& j, int n0, int n1) {
+  if (R == 1) {
+    const int half = (n1 - n0) / 2;
+    for (int c = n0; c < n0 + half; c++) tile_avx2<1, 2>(j, c, half);
+    if ((n1 - n0) % 2 != 0) tile_avx2<1, 1>(j, n1 - 1, 1);
+    return;
+  }
+  for (int c = n0; c < n1; c++) tile_avx2<R, 1>(j, c, 1);
 }
 
 // ---- AVX-512 -------------------------------------------------------------------------------

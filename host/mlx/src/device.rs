@@ -118,8 +118,8 @@ pub fn cap_cpu_qmatmul_isa(level: i32) -> i32 {
 }
 
 /// Which kernels `ops::swiglu` and `logsumexp` over the last axis run on the CPU for float32:
-/// 0 MLX's, 1 the host's scalar loops, 2 (the default) its AVX-512 loops where the CPU has
-/// them: for tests.
+/// 0 MLX's, 1 the host's scalar loops, 2 (the default) the widest of its AVX-512 and AVX2 loops
+/// the CPU has, 3 its AVX2 loops where the CPU has them: for tests.
 #[doc(hidden)]
 pub fn set_cpu_exp_mode(mode: i32) {
     ffi::set_cpu_exp_mode(mode);

@@ -1319,56 +1319,22 @@ mod tests {
         }
     }
 
-    /// A speculative row's first drafts are verified even where the measured cost says plain
-    /// steps are quicker (verifications timed as a thousand times a plain step), so the rule
-    /// learns the row's own acceptance; after that the cost keeps it plain.
-    #[test]
-    fn a_rows_first_drafts_are_verified_whatever_the_cost() {
-        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
-        let model = models::testing::model("llama", 4).unwrap();
-        let model = model.as_ref();
-        let prompt: Vec<u32> = [3u32, 4, 5, 6].repeat(4);
-        let n = 12;
-        let mut batch = Batch::new(model);
-        batch.draft_cost = DraftCost::default();
-        for positions in 1..=16 {
-            batch.draft_cost.timed(positions, if positions == 1 { 0.001 } else { 1.0 });
-        }
+    /// One greedy row of `n` tokens speculating with `method` (`draft` for a draft model, four
+    /// tokens a draft), run alone in `batch` to its end: its ids and its last counts.
+    fn speculating_alone<'m>(
+        batch: &mut Batch<'m>,
+        prompt: &[u32],
+        method: crate::engine::speculative::SpecMethod,
+        draft: Option<&'m dyn CausalLm>,
+        n: usize,
+    ) -> (Vec<u32>, SpecCounts) {
+        use crate::engine::speculative::{SpecConfig, Speculation};
+        let model = batch.model;
         let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
-        let config = SpecConfig { method: SpecMethod::PromptLookup, num_draft_tokens: 4, ..Default::default() };
-        let spec = Speculation::new(config, &prompt, None, 16).unwrap();
-        let row = Row::new(0, &prompt, sampler, options(n)).unwrap().with_speculation(Some(spec));
-        batch.join(row, &prefilled(model, &prompt)).unwrap();
-        let mut counts = SpecCounts::default();
-        while !batch.is_empty() {
-            for (key, token) in batch.step().unwrap() {
-                counts = batch.row(key).unwrap().spec_counts();
-                if token.unwrap().finish.is_some() {
-                    batch.leave(key).unwrap();
-                }
-            }
-        }
-        assert_eq!(counts.verifications, 1, "{counts:?}");
-    }
-
-    /// A draft model drafting for itself: every draft passes, so no verification ever misses,
-    /// and with nothing plain timed the rule cannot weigh a verification's cost (drafting
-    /// included) against a plain step's — the batch takes plain steps to time one
-    /// (`DraftCost::probing`) instead of verifying every step; its tokens stay plain's.
-    #[test]
-    fn a_batch_whose_drafts_always_pass_still_times_a_plain_step() {
-        use crate::engine::speculative::{SpecConfig, SpecMethod, Speculation};
-        let model = models::testing::model("llama", 4).unwrap();
-        let model = model.as_ref();
-        let prompt: Vec<u32> = (3u32..11).collect();
-        let n = 40;
-        let mut batch = Batch::new(model);
-        batch.draft_cost = DraftCost::default();
-        let sampler = Sampler::new(SamplingParams::default(), model.vocab_size()).unwrap();
-        let config = SpecConfig { method: SpecMethod::Draft, num_draft_tokens: 4, ..Default::default() };
-        let spec = Speculation::new(config, &prompt, Some(model), 16).unwrap();
-        let row = Row::new(0, &prompt, sampler, options(n)).unwrap().with_speculation(Some(spec));
-        batch.join(row, &prefilled(model, &prompt)).unwrap();
+        let config = SpecConfig { method, num_draft_tokens: 4, ..Default::default() };
+        let spec = Speculation::new(config, prompt, draft, 16).unwrap();
+        let row = Row::new(0, prompt, sampler, options(n)).unwrap().with_speculation(Some(spec));
+        batch.join(row, &prefilled(model, prompt)).unwrap();
         let (mut ids, mut counts) = (Vec::new(), SpecCounts::default());
         while !batch.is_empty() {
             for (key, token) in batch.step().unwrap() {
@@ -1380,6 +1346,40 @@ mod tests {
                 }
             }
         }
+        (ids, counts)
+    }
+
+    /// A speculative row's first drafts are verified even where the measured cost says plain
+    /// steps are quicker (verifications timed as a thousand times a plain step), so the rule
+    /// learns the row's own acceptance; after that the cost keeps it plain.
+    #[test]
+    fn a_rows_first_drafts_are_verified_whatever_the_cost() {
+        let model = models::testing::model("llama", 4).unwrap();
+        let mut batch = Batch::new(model.as_ref());
+        batch.draft_cost = DraftCost::default();
+        for positions in 1..=16 {
+            batch.draft_cost.timed(positions, if positions == 1 { 0.001 } else { 1.0 });
+        }
+        let prompt: Vec<u32> = [3u32, 4, 5, 6].repeat(4);
+        let lookup = crate::engine::speculative::SpecMethod::PromptLookup;
+        let (_, counts) = speculating_alone(&mut batch, &prompt, lookup, None, 12);
+        assert_eq!(counts.verifications, 1, "{counts:?}");
+    }
+
+    /// A draft model drafting for itself: every draft passes, so no verification ever misses,
+    /// and with nothing plain timed the rule cannot weigh a verification's cost (drafting
+    /// included) against a plain step's — the batch takes plain steps to time one
+    /// (`DraftCost::probing`) instead of verifying every step; its tokens stay plain's.
+    #[test]
+    fn a_batch_whose_drafts_always_pass_still_times_a_plain_step() {
+        let model = models::testing::model("llama", 4).unwrap();
+        let model = model.as_ref();
+        let mut batch = Batch::new(model);
+        batch.draft_cost = DraftCost::default();
+        let prompt: Vec<u32> = (3u32..11).collect();
+        let n = 40;
+        let draft = crate::engine::speculative::SpecMethod::Draft;
+        let (ids, counts) = speculating_alone(&mut batch, &prompt, draft, Some(model), n);
         assert_eq!(ids, alone(model, &prompt, &SamplingParams::default(), n));
         assert_eq!(counts.accepted, counts.drafted, "{counts:?}");
         assert!(counts.steps >= counts.verifications + 2, "no plain step was timed: {counts:?}");
