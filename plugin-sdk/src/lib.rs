@@ -201,8 +201,8 @@ pub trait Scheduler: Default {
 /// budgets"); exported with `export_scheduler!(Type, MANIFEST, drafts)`.
 pub trait DraftScheduler: Scheduler {
     /// Given the step's view as JSON (`{"rows": [{"id", "drafted", "survival", "rule"}],
-    /// "batch_rows", "step_ms"}`), returns `{"drafts": {id: budget}, "default": budget}` as JSON
-    /// (`{}` leaves every row to the host's rule).
+    /// "batch_rows", "step_ms", "plain_step_ms"}`), returns `{"drafts": {id: budget},
+    /// "default": budget}` as JSON (`{}` leaves every row to the host's rule).
     fn schedule_drafts(&mut self, view: &str) -> String;
 }
 

@@ -400,7 +400,7 @@ impl<'m> Batch<'m> {
             for spec in self.rows.iter_mut().filter_map(|r| r.speculation.as_mut()) {
                 spec.adaptive.plain_step(secs);
             }
-            self.draft_cost.timed(rows, secs);
+            self.draft_cost.timed_plain(rows, secs);
         }
         out
     }
@@ -1357,8 +1357,9 @@ mod tests {
         let model = models::testing::model("llama", 4).unwrap();
         let mut batch = Batch::new(model.as_ref());
         batch.draft_cost = DraftCost::default();
-        for positions in 1..=16 {
-            batch.draft_cost.timed(positions, if positions == 1 { 0.001 } else { 1.0 });
+        batch.draft_cost.timed_plain(1, 0.001);
+        for positions in 2..=16 {
+            batch.draft_cost.timed_verification(positions, 1.0);
         }
         let prompt: Vec<u32> = [3u32, 4, 5, 6].repeat(4);
         let lookup = crate::engine::speculative::SpecMethod::PromptLookup;

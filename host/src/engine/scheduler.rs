@@ -76,13 +76,15 @@ pub trait Policy {
 /// What a policy is shown to choose a verification's draft budgets: the batch's speculative
 /// rows, each with the tokens its drafter proposed this step, the chances that its first
 /// 1, 2, ... drafts all pass (its recent verifications, position by position) and the
-/// built-in rule's budget; the batch's rows in all; and the measured milliseconds of a
-/// step by the positions it feeds (rows × positions per row).
+/// built-in rule's budget; the batch's rows in all; the measured milliseconds of a step by
+/// the positions it feeds (rows × positions per row: verifications, and plain steps where no
+/// verification of that size was timed); and of a plain step by its rows.
 #[derive(Debug, Clone, Serialize)]
 pub struct DraftView {
     pub rows: Vec<DraftRow>,
     pub batch_rows: usize,
     pub step_ms: std::collections::BTreeMap<usize, f64>,
+    pub plain_step_ms: std::collections::BTreeMap<usize, f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]

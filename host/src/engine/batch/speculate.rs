@@ -149,12 +149,16 @@ impl<'m> Row<'m> {
 }
 
 /// How many positions a verification feeds per row, chosen each step by the batch's measured
-/// cost against what the rows' drafts are expected to commit. A step's time is measured by
-/// the positions it feeds (rows × positions per row), plain and verifying steps alike: a
-/// moving average per size, read between sizes by interpolation and past the largest along
-/// the last two — not one line, because on a CPU it is not one (SmolLM2 on 2 cores: 2-4
-/// positions take a matrix-vector product each, from 5 one matrix product does them all).
-/// A size never timed is taken to cost what the plain step does, so it gets tried once.
+/// cost against what the rows' drafts are expected to commit. A plain step's time is kept by
+/// its rows, a verification's by the positions it feeds (rows × positions per row), apart:
+/// a verification costs its drafting and, on a GPU, the pipeline it stops (it is read before
+/// the next step is built), so a verification of 8 positions is not a plain step of 8 rows.
+/// Each is a moving average per size, read between sizes by interpolation and past the
+/// largest along the last two — not one line, because on a CPU it is not one (SmolLM2 on 2
+/// cores: 2-4 positions take a matrix-vector product each, from 5 one matrix product does them
+/// all). A verification's line takes the plain steps as points (a row a position) where no
+/// verification of that size was timed; a size it cannot read is taken to cost what the plain
+/// step does, so it gets tried once.
 /// Each row's drafts are expected to commit one token plus the chance that each prefix of
 /// them passes (its `Acceptance`). The rule takes the positions per row with the most tokens
 /// per second, plain decoding included — so a CPU, where a step's cost grows with its
@@ -162,11 +166,13 @@ impl<'m> Row<'m> {
 /// as rows accept.
 #[derive(Debug, Clone, Default)]
 pub struct DraftCost {
-    /// Seconds per step by positions fed (a moving average, `COST_EWMA`).
-    times: std::collections::BTreeMap<usize, f64>,
+    /// Seconds per plain step by rows (a moving average, `COST_EWMA`).
+    plain: std::collections::BTreeMap<usize, f64>,
+    /// Seconds per verification by positions fed (likewise).
+    verifying: std::collections::BTreeMap<usize, f64>,
     /// Steps the rule kept plain while rows had drafts, since the last verification.
     passed: usize,
-    /// Verifications in a row taken while no step of as many positions as the batch's rows (or
+    /// Verifications in a row taken while no plain step of as many rows as the batch's (or
     /// fewer) was timed (`knows_plain`).
     blind: usize,
     /// Plain steps still to take so that one is timed (`PROBE_AFTER`).
@@ -204,44 +210,44 @@ impl DraftCost {
         DraftCost { off: true, ..Default::default() }
     }
 
-    /// The sizes measured so far: milliseconds of a step by positions fed.
+    /// Seconds of a step by positions fed: the verifications timed, and the plain steps (a
+    /// row a position) where no verification of that size was.
+    fn by_positions(&self) -> std::collections::BTreeMap<usize, f64> {
+        let mut secs = self.plain.clone();
+        secs.extend(&self.verifying);
+        secs
+    }
+
+    /// The sizes measured so far, milliseconds of a step by positions fed (`by_positions`).
     pub fn measured_ms(&self) -> std::collections::BTreeMap<usize, f64> {
-        self.times.iter().map(|(&p, &t)| (p, t * 1e3)).collect()
+        self.by_positions().into_iter().map(|(p, t)| (p, t * 1e3)).collect()
     }
 
-    /// A step that fed `positions` took `secs`.
-    pub fn timed(&mut self, positions: usize, secs: f64) {
-        let avg = self.times.entry(positions).or_insert(secs);
-        *avg += COST_EWMA * (secs - *avg);
+    /// The plain steps measured so far: milliseconds by rows.
+    pub fn plain_ms(&self) -> std::collections::BTreeMap<usize, f64> {
+        self.plain.iter().map(|(&r, &t)| (r, t * 1e3)).collect()
     }
 
-    /// Seconds of a step feeding `positions`: measured, or read between the sizes measured
-    /// (past the largest, along the last two; below the smallest, as the smallest); `None`
-    /// when that size cannot be read (nothing measured, or only smaller sizes than one).
-    pub fn secs(&self, positions: usize) -> Option<f64> {
-        if let Some(&t) = self.times.get(&positions) {
-            return Some(t);
-        }
-        let below: Vec<(usize, f64)> = self.times.range(..positions).rev().take(2).map(|(&p, &t)| (p, t)).collect();
-        let above = self.times.range(positions..).next().map(|(&p, &t)| (p, t));
-        let line = |(p0, t0): (usize, f64), (p1, t1): (usize, f64)| {
-            let slope = ((t1 - t0) / (p1 as f64 - p0 as f64)).max(0.0);
-            t0 + slope * (positions as f64 - p0 as f64)
-        };
-        match (below.first(), above) {
-            (Some(&lo), Some(hi)) => Some(line(lo, hi)),
-            (None, Some((_, t))) => Some(t),
-            (Some(&hi), None) => below.get(1).map(|&lo| line(lo, hi).max(hi.1)),
-            (None, None) => None,
-        }
+    /// A plain step of `rows` rows took `secs`.
+    pub fn timed_plain(&mut self, rows: usize, secs: f64) {
+        average(&mut self.plain, rows, secs);
     }
 
-    /// Whether a step feeding `rows` positions or fewer was timed (a plain step of this many
-    /// rows or fewer, or a smaller batch's verification): the line at `rows` is then read
-    /// between measured sizes. Below the smallest it is flat, so a bigger verification's time
-    /// would pass for a plain step's.
+    /// A verification that fed `positions` took `secs` (drafting to commit).
+    pub fn timed_verification(&mut self, positions: usize, secs: f64) {
+        average(&mut self.verifying, positions, secs);
+    }
+
+    /// Seconds of a plain step of `rows` rows, read off the plain steps timed (`read`).
+    pub fn plain_secs(&self, rows: usize) -> Option<f64> {
+        read(&self.plain, rows)
+    }
+
+    /// Whether a plain step of `rows` rows or fewer was timed: the plain line at `rows` is
+    /// then read between measured sizes or along them. Below the smallest it is flat, so a
+    /// bigger batch's time would pass for this one's.
     fn knows_plain(&self, rows: usize) -> bool {
-        self.times.range(..=rows).next().is_some()
+        self.plain.range(..=rows).next().is_some()
     }
 
     /// A verification over `rows` rows was taken: a plain step is due (`probing`) after
@@ -276,13 +282,14 @@ impl DraftCost {
         if most == 0 {
             return 1;
         }
-        let Some(plain) = self.secs(b).filter(|_| !self.off && self.knows_plain(b)) else { return most + 1 };
+        let Some(plain) = self.plain_secs(b).filter(|_| !self.off && self.knows_plain(b)) else { return most + 1 };
         // A size never measured is tried once at the plain step's cost.
         let expected = |t: usize| -> f64 {
             let per_row = |(&k, s): (&usize, &Vec<f64>)| -> f64 { 1.0 + s.iter().take(k.min(t - 1)).sum::<f64>() };
             drafts.iter().zip(survival).map(per_row).sum()
         };
-        let rate = |t: usize| expected(t) / self.secs(b * t).unwrap_or(plain).max(1e-9);
+        let line = self.by_positions();
+        let rate = |t: usize| expected(t) / read(&line, b * t).unwrap_or(plain).max(1e-9);
         let (mut best, mut at) = (b as f64 / plain.max(1e-9), 1);
         for t in 2..=most + 1 {
             if rate(t) > best {
@@ -321,6 +328,33 @@ impl DraftCost {
             self.passed = 0;
         }
         best
+    }
+}
+
+/// `secs` into `times`' moving average at `size`.
+fn average(times: &mut std::collections::BTreeMap<usize, f64>, size: usize, secs: f64) {
+    let avg = times.entry(size).or_insert(secs);
+    *avg += COST_EWMA * (secs - *avg);
+}
+
+/// Seconds at `size` from `times`: measured, or read between the sizes measured (past the
+/// largest, along the last two; below the smallest, as the smallest); `None` when that size
+/// cannot be read (nothing measured, or only one size, smaller).
+fn read(times: &std::collections::BTreeMap<usize, f64>, size: usize) -> Option<f64> {
+    if let Some(&t) = times.get(&size) {
+        return Some(t);
+    }
+    let below: Vec<(usize, f64)> = times.range(..size).rev().take(2).map(|(&p, &t)| (p, t)).collect();
+    let above = times.range(size..).next().map(|(&p, &t)| (p, t));
+    let line = |(p0, t0): (usize, f64), (p1, t1): (usize, f64)| {
+        let slope = ((t1 - t0) / (p1 as f64 - p0 as f64)).max(0.0);
+        t0 + slope * (size as f64 - p0 as f64)
+    };
+    match (below.first(), above) {
+        (Some(&lo), Some(hi)) => Some(line(lo, hi)),
+        (None, Some((_, t))) => Some(t),
+        (Some(&hi), None) => below.get(1).map(|&lo| line(lo, hi).max(hi.1)),
+        (None, None) => None,
     }
 }
 
@@ -667,7 +701,7 @@ impl<'m> Batch<'m> {
         if let Some(batch) = self.drafts.as_mut() {
             batch.commit(&accepted_together)?;
         }
-        self.draft_cost.timed(b * t, drafted_at.elapsed().as_secs_f64());
+        self.draft_cost.timed_verification(b * t, drafted_at.elapsed().as_secs_f64());
         self.draft_cost.verified_step(b);
         let drafted = drafts.iter().map(Vec::len).sum::<usize>();
         let v = &mut self.verified;
@@ -699,6 +733,7 @@ impl<'m> Batch<'m> {
                 .collect(),
             batch_rows: self.rows.len(),
             step_ms: self.draft_cost.measured_ms(),
+            plain_step_ms: self.draft_cost.plain_ms(),
         };
         match policy.drafts(&view) {
             Ok(Some(decision)) => (self.rows.iter().zip(lens).zip(&rule))
@@ -738,9 +773,13 @@ mod tests {
     #[test]
     fn the_draft_length_follows_the_measured_cost_and_the_acceptance() {
         let mut cpu = DraftCost::default();
-        // SmolLM2-135M in float32 on this 2-core CPU: a plain step of 1 row 44 ms, of 8 rows 133.
-        for (p, secs) in [(1, 0.044), (8, 0.133), (16, 0.235), (40, 0.54), (4, 0.085)] {
-            cpu.timed(p, secs);
+        // SmolLM2-135M in float32 on this 2-core CPU: a plain step of 1 row 44 ms, of 8 rows
+        // 133; verifications of 4, 16 and 40 positions.
+        for (rows, secs) in [(1, 0.044), (8, 0.133)] {
+            cpu.timed_plain(rows, secs);
+        }
+        for (p, secs) in [(16, 0.235), (40, 0.54), (4, 0.085)] {
+            cpu.timed_verification(p, secs);
         }
         assert!(cpu.best(&[6], &geometric(1, 0.9)) >= 5, "one row, good drafts: most of them");
         assert_eq!(cpu.best(&[6; 8], &geometric(8, 0.3)), 1, "eight rows, poor drafts: plain");
@@ -750,8 +789,11 @@ mod tests {
         assert_eq!(cpu.best(&[6; 8], &geometric(8, 0.9)), 7);
         assert_eq!(DraftCost { off: true, ..cpu.clone() }.best(&[6; 8], &geometric(8, 0.3)), 7);
         let mut gpu = DraftCost::default();
-        for (p, secs) in [(1, 0.010), (8, 0.0102), (32, 0.0108), (64, 0.0115)] {
-            gpu.timed(p, secs);
+        for (rows, secs) in [(1, 0.010), (8, 0.0102)] {
+            gpu.timed_plain(rows, secs);
+        }
+        for (p, secs) in [(32, 0.0108), (64, 0.0115)] {
+            gpu.timed_verification(p, secs);
         }
         assert_eq!(gpu.best(&[6; 8], &geometric(8, 0.8)), 7);
         assert_eq!(DraftCost::default().best(&[3, 0, 5], &geometric(3, 0.1)), 6);
@@ -773,7 +815,7 @@ mod tests {
     fn a_batch_that_only_verifies_is_made_to_time_a_plain_step() {
         let mut rule = DraftCost::default();
         for _ in 0..PROBE_AFTER - 1 {
-            rule.timed(40, 0.2);
+            rule.timed_verification(40, 0.2);
             rule.verified_step(8);
             assert!(!rule.probing());
         }
@@ -783,7 +825,7 @@ mod tests {
         rule.plain_taken();
         assert!(rule.probing(), "the first plain step restarts the pipeline: a second is due");
         rule.plain_taken();
-        rule.timed(8, 0.05);
+        rule.timed_plain(8, 0.05);
         assert!(!rule.probing());
         for _ in 0..2 * PROBE_AFTER {
             rule.verified_step(8);
@@ -793,6 +835,27 @@ mod tests {
         let mut off = DraftCost::off();
         (0..2 * PROBE_AFTER).for_each(|_| off.verified_step(8));
         assert!(!off.probing());
+    }
+
+    /// A verification's time is kept apart from a plain step's of as many rows as it fed
+    /// positions: on a GPU it includes the drafting and the pipeline it stops. Timed only
+    /// verifications (of 8 and 16 positions), a batch of 8 rows knows no plain step (it verifies every
+    /// draft and is made to time one); both timed, the plain step's cost is its own, and the
+    /// policy's view shows each (a verification's where both were timed at one size).
+    #[test]
+    fn a_verifications_time_is_not_read_as_a_plain_steps() {
+        let mut rule = DraftCost::default();
+        rule.timed_verification(8, 0.5);
+        rule.timed_verification(16, 0.5);
+        assert!(!rule.knows_plain(8) && rule.plain_secs(8).is_none());
+        assert_eq!(rule.best(&[1; 8], &geometric(8, 0.01)), 2, "no plain step timed: every draft");
+        (0..PROBE_AFTER).for_each(|_| rule.verified_step(8));
+        assert!(rule.probing());
+        rule.timed_plain(8, 0.05);
+        assert_eq!(rule.plain_secs(8), Some(0.05));
+        assert_eq!(rule.best(&[1; 8], &geometric(8, 0.01)), 1, "drafts that never pass: plain");
+        assert_eq!(rule.measured_ms()[&8], 500.0);
+        assert_eq!(rule.plain_ms()[&8], 50.0);
     }
 
     /// Drafts that either all pass or miss at once (a copy followed or not): the chance of
