@@ -421,11 +421,41 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void dequantize_avx512(
     }
   }
 }
+
+// dequantize_avx512 in eight lanes (it runs on the calling thread, before each block's sgemm:
+// scalar, it was 5% of a 512-token prefill on an AVX2-only EPYC).
+__attribute__((target("avx2,fma"))) void dequantize_avx2(const Job& j, int n0, int n1, float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int c = n0; c < n1; c++, out += j.k) {
+    const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
+    const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
+    const float* br = j.biases + static_cast<size_t>(c) * j.groups;
+    for (int at = 0; at < j.k; at += 32) {
+      const __m256 s = _mm256_set1_ps(sr[at / j.group]), b = _mm256_set1_ps(br[at / j.group]);
+      __m128i lo, hi;
+      if (j.bits == 4) {
+        const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
+        lo = _mm_and_si128(by, low);
+        hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
+      } else {
+        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at));
+        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16));
+      }
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; i++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+        _mm256_storeu_ps(out + at + 8 * i, _mm256_fmadd_ps(q, s, b));
+      }
+    }
+  }
+}
 #endif
 
 void dequantize_rows(const Job& j, int n0, int n1, float* out) {
 #if defined(__x86_64__)
   if (j.isa == kAvx512) return dequantize_avx512(j, n0, n1, out);
+  if (j.isa == kAvx2) return dequantize_avx2(j, n0, n1, out);
 #endif
   dequantize_portable(j, n0, n1, out);
 }
