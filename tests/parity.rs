@@ -152,7 +152,7 @@ fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_token
         let last = logits.slice_axis(1, n - 1, n).unwrap().to_vec_f32().unwrap();
         assert_eq!(last.len(), want.last_logits.len());
         let diff = last.iter().zip(&want.last_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        let bound = logits_bound(model, &want.last_logits);
+        let bound = logits_bound(f, model, &want.last_logits);
         assert!(diff <= bound, "{model}: last-position logits differ by {diff} (bound {bound})");
     }
 }
@@ -163,11 +163,13 @@ fn check_logits_of(loaded: &models::Loaded, f: &Fixtures, model: &str, max_token
 /// logits are tens. The host's CPU product of quantized weights sums per group, then over
 /// groups, in 16 lanes with AVX-512 and in two accumulators of 8 with AVX2 (MLX's kernel
 /// otherwise): on an AVX2-only CPU tiny-gemma4-q4 differed by 1.13e-5 of its largest logit
-/// (1.65e-4 at 14.7), inside 1e-5 with AVX-512. Float weights go through the same BLAS in both. (`model` is the oracle's
-/// folder name: `-q4`, `-q8` and `-mxfp` name the quantized ones.)
-fn logits_bound(model: &str, want: &[f32]) -> f32 {
+/// (1.65e-4 at 14.7), inside 1e-5 with AVX-512. Float weights go through the same BLAS in both.
+/// (Quantized: the oracle's folder records a `quantization` in its config.json, as
+/// `mlx_lm.convert -q` writes it.)
+fn logits_bound(f: &Fixtures, model: &str, want: &[f32]) -> f32 {
     let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let quantized = ["-q4", "-q8", "-mxfp"].iter().any(|q| model.contains(q));
+    let config = std::fs::read(f.models.join(model).join("config.json")).unwrap_or_default();
+    let quantized = serde_json::from_slice::<Value>(&config).is_ok_and(|c| c.get("quantization").is_some());
     (if quantized { 2e-5 } else { 1e-5 } * largest).max(1e-4)
 }
 

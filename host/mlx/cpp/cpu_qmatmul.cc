@@ -148,6 +148,21 @@ void rows_portable(const Job& j, int n0, int n1) {
 }
 
 #if defined(__x86_64__)
+// A 32-weight chunk's codes (the chunk at weight `at` of row `wr`) as bytes: the first sixteen
+// in halves[0], the last sixteen in halves[1] (4 bits: the low and the high nibbles, which the
+// reordered activations meet at their even and odd positions).
+__attribute__((always_inline)) inline void chunk_codes(const uint8_t* wr, int at, int bits, __m128i halves[2]) {
+  if (bits == 4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
+    halves[0] = _mm_and_si128(by, low);
+    halves[1] = _mm_and_si128(_mm_srli_epi16(by, 4), low);
+  } else {
+    halves[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at));
+    halves[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16));
+  }
+}
+
 // ---- AVX2 ----------------------------------------------------------------------------------
 // The loops over a pass's rows are unrolled by pragma: at -O2 GCC leaves them rolled, and the
 // accumulators then live on the stack (a pass of 8 rows ran no faster per row than 1).
@@ -156,6 +171,16 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// A chunk's codes as four vectors of eight floats, in the weights' order.
+__attribute__((target("avx2,fma"), always_inline)) inline void codes_avx2(const uint8_t* wr, int at, int bits,
+                                                                         __m256 q[4]) {
+  __m128i h[2];
+  chunk_codes(wr, at, bits, h);
+  const __m128i eighths[4] = {h[0], _mm_srli_si128(h[0], 8), h[1], _mm_srli_si128(h[1], 8)};
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eighths[i]));
 }
 
 // NR weight rows (c, c + step, ...) against R activation rows. Each (weight row, activation
@@ -169,7 +194,6 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 template <int R, int NR>
 __attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(const Job& j, int c, int step) {
   const int chunks = j.group / 32;
-  const __m128i low = _mm_set1_epi8(0x0F);
   __m256 acc[NR][R];
 #pragma GCC unroll 2
   for (int a = 0; a < NR; a++) {
@@ -187,22 +211,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(const J
       const int at = (g * chunks + ch) * 32;
 #pragma GCC unroll 2
       for (int a = 0; a < NR; a++) {
-        const uint8_t* wr = j.w + static_cast<size_t>(c + a * step) * j.w_stride;
         __m256 q[4];
-        if (j.bits == 4) {
-          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
-          const __m128i lo = _mm_and_si128(by, low), hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
-          q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-          q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-          q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-          q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        } else {
-#pragma GCC unroll 4
-          for (int i = 0; i < 4; i++) {
-            const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + at + 8 * i));
-            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(by));
-          }
-        }
+        codes_avx2(j.w + static_cast<size_t>(c + a * step) * j.w_stride, at, j.bits, q);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
           const float* xp = j.xp + static_cast<size_t>(r) * j.k + at;
@@ -400,24 +410,16 @@ void dequantize_portable(const Job& j, int n0, int n1, float* out) {
 #if defined(__x86_64__)
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void dequantize_avx512(const Job& j, int n0, int n1,
                                                                                  float* out) {
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int c = n0; c < n1; c++, out += j.k) {
     const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
     const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
     const float* br = j.biases + static_cast<size_t>(c) * j.groups;
     for (int at = 0; at < j.k; at += 32) {
       const __m512 s = _mm512_set1_ps(sr[at / j.group]), b = _mm512_set1_ps(br[at / j.group]);
-      __m128i lo, hi;
-      if (j.bits == 4) {
-        const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
-        lo = _mm_and_si128(by, low);
-        hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
-      } else {
-        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at));
-        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16));
-      }
-      _mm512_storeu_ps(out + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, b));
-      _mm512_storeu_ps(out + at + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, b));
+      __m128i h[2];
+      chunk_codes(wr, at, j.bits, h);
+      _mm512_storeu_ps(out + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h[0])), s, b));
+      _mm512_storeu_ps(out + at + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h[1])), s, b));
     }
   }
 }
@@ -425,28 +427,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void dequantize_avx512(
 // dequantize_avx512 in eight lanes (it runs on the calling thread, before each block's sgemm:
 // scalar, it was 5% of a 512-token prefill on an AVX2-only EPYC).
 __attribute__((target("avx2,fma"))) void dequantize_avx2(const Job& j, int n0, int n1, float* out) {
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int c = n0; c < n1; c++, out += j.k) {
     const uint8_t* wr = j.w + static_cast<size_t>(c) * j.w_stride;
     const float* sr = j.scales + static_cast<size_t>(c) * j.groups;
     const float* br = j.biases + static_cast<size_t>(c) * j.groups;
     for (int at = 0; at < j.k; at += 32) {
       const __m256 s = _mm256_set1_ps(sr[at / j.group]), b = _mm256_set1_ps(br[at / j.group]);
-      __m128i lo, hi;
-      if (j.bits == 4) {
-        const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 2));
-        lo = _mm_and_si128(by, low);
-        hi = _mm_and_si128(_mm_srli_epi16(by, 4), low);
-      } else {
-        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at));
-        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at + 16));
-      }
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      __m256 q[4];
+      codes_avx2(wr, at, j.bits, q);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; i++) {
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-        _mm256_storeu_ps(out + at + 8 * i, _mm256_fmadd_ps(q, s, b));
-      }
+      for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + at + 8 * i, _mm256_fmadd_ps(q[i], s, b));
     }
   }
 }
